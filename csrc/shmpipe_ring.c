@@ -1,0 +1,452 @@
+/*
+ * shmpipe ring: the slot protocol. See shmpipe_ring.h for the API and the
+ * byte layout, docs/design.md for the state machine and the ordering proof.
+ *
+ * Memory ordering, in short:
+ *  - A producer writes a payload with plain stores, then stores READY with
+ *    release; the consumer loads READY with acquire before it reads anything.
+ *  - The consumer stops reading a payload before it stores FREE with release
+ *    (shmp_release); a producer claims the slot with an acquire CAS, so the
+ *    consumer's reads happen before the producer's next writes.
+ *  - Sleeping uses a sequence word per direction (ready_seq for the consumer,
+ *    space_seq for producers) and a "someone is waiting" word. The waker
+ *    bumps the sequence then reads the waiting word; the sleeper announces
+ *    itself then lets the kernel compare the sequence. Both pairs are seq_cst,
+ *    so at least one side sees the other: either the sleeper's compare fails
+ *    (EAGAIN) or the waker sees it waiting and calls FUTEX_WAKE. The sequence
+ *    is read before the sleeper's last look at the slots, so an event between
+ *    that look and the sleep changes it.
+ *  - The futexes are process-shared (plain FUTEX_WAIT/FUTEX_WAKE, never the
+ *    _PRIVATE variants): producers and consumer are different processes.
+ */
+#define _GNU_SOURCE
+#include "shmpipe_ring.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    /* cache line 0: written once by shmp_ring_init, read-only afterwards */
+    _Atomic uint64_t magic;    /*   0  stored last, with release */
+    uint32_t layout_version;   /*   8 */
+    uint32_t flags;            /*  12  SHMP_FLAG_* */
+    uint64_t header_size;      /*  16  offset of slot 0's payload */
+    uint64_t slot_size;        /*  24  bytes per slot payload */
+    uint64_t total_size;       /*  32  bytes in the segment */
+    uint32_t nslots;           /*  40 */
+    uint32_t nworkers;         /*  44 */
+    uint32_t quota;            /*  48  max WRITING+READY slots per worker; 0: none */
+    int32_t owner_pid;         /*  52  the consumer's pid */
+    uint64_t owner_start;      /*  56  the consumer's start time (clock ticks since boot) */
+    /* cache line 1: written by the consumer */
+    _Atomic uint32_t pass_no;           /*  64 */
+    _Atomic uint32_t closed;            /*  68 */
+    _Atomic uint32_t space_seq;         /*  72  futex: producers wait for space */
+    _Atomic uint32_t producers_waiting; /*  76  producers inside FUTEX_WAIT on space_seq */
+    char pad1[48];
+    /* cache line 2: written by producers */
+    _Atomic uint32_t ready_seq;         /* 128  futex: the consumer waits for batches */
+    _Atomic uint32_t consumer_waiting;  /* 132  1 while the consumer is in FUTEX_WAIT */
+    _Atomic uint64_t publish_ticket;    /* 136  global publication order */
+    _Atomic uint32_t faults;            /* 144  faults reported by producers */
+    char pad2[44];
+    /* cache line 3: reserved for later layout versions */
+    char pad3[64];
+} shmp_header;
+
+typedef struct {
+    _Atomic uint32_t inflight;   /*  0  slots WRITING or READY (quota accounting) */
+    _Atomic uint32_t done_pass;  /*  4  1 + the last pass this worker finished; 0: none */
+    _Atomic uint64_t produced;   /*  8  batches published in that pass (set before done_pass) */
+    _Atomic uint64_t blocked_ns; /* 16  time spent waiting for a free slot, all passes */
+    _Atomic uint64_t published;  /* 24  batches published, all passes */
+    char pad[32];
+} shmp_worker;
+
+typedef struct {
+    _Atomic uint32_t state; /*  0  SHMP_FREE/WRITING/READY/HELD */
+    /* The fields below are written by the producer that owns the slot while
+     * it is WRITING and read by the consumer after it loaded READY with
+     * acquire; nobody writes them while the slot is READY or HELD, so they
+     * need no atomics of their own. */
+    uint32_t worker;        /*  4 */
+    uint32_t pass;          /*  8 */
+    uint32_t reserved;      /* 12 */
+    uint64_t wseq;          /* 16  the batch's number within its worker's pass */
+    uint64_t ticket;        /* 24  publication order across workers */
+    uint64_t nbytes;        /* 32  payload bytes used */
+    char pad[24];
+} shmp_slot;
+
+_Static_assert(sizeof(shmp_header) == SHMP_HEADER_BYTES, "header layout");
+_Static_assert(sizeof(shmp_worker) == SHMP_WORKER_BYTES, "worker layout");
+_Static_assert(sizeof(shmp_slot) == SHMP_SLOT_BYTES, "slot layout");
+_Static_assert(offsetof(shmp_header, pass_no) == 64, "header layout");
+_Static_assert(offsetof(shmp_header, ready_seq) == 128, "header layout");
+/* The futex syscall reads the words as plain u32: they must have no lock. */
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "lock-free 32-bit atomics");
+_Static_assert(ATOMIC_LLONG_LOCK_FREE == 2, "lock-free 64-bit atomics");
+
+#define HDR(base) ((shmp_header *)(base))
+#define CHDR(base) ((const shmp_header *)(base))
+
+static inline shmp_worker *workers_of(void *base) {
+    return (shmp_worker *)((char *)base + SHMP_HEADER_BYTES);
+}
+static inline shmp_slot *slots_of(void *base) {
+    return (shmp_slot *)((char *)base + SHMP_HEADER_BYTES +
+                         (size_t)HDR(base)->nworkers * SHMP_WORKER_BYTES);
+}
+
+static inline uint64_t round_up(uint64_t n, uint64_t to) {
+    return (n + to - 1) / to * to;
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Sleeps while *word == expected, at most wait_ns. SHMP_OK: woken or the
+ * word had already changed (the caller looks again either way). */
+static int futex_wait(_Atomic uint32_t *word, uint32_t expected, int64_t wait_ns) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)(wait_ns / 1000000000);
+    ts.tv_nsec = (long)(wait_ns % 1000000000);
+    long r = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, expected, &ts, NULL, 0);
+    if (r == 0) return SHMP_OK;
+    switch (errno) {
+    case EAGAIN: return SHMP_OK;
+    case ETIMEDOUT: return SHMP_AGAIN;
+    case EINTR: return SHMP_INTERRUPTED;
+    default: return SHMP_E_SYS;
+    }
+}
+
+static inline void futex_wake_all(_Atomic uint32_t *word) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* The waker's half of the protocol described at the top of the file. */
+static inline void notify(_Atomic uint32_t *seq, _Atomic uint32_t *waiting) {
+    atomic_fetch_add_explicit(seq, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(waiting, memory_order_seq_cst) != 0) futex_wake_all(seq);
+}
+
+static inline void notify_consumer(shmp_header *h) {
+    notify(&h->ready_seq, &h->consumer_waiting);
+}
+static inline void notify_producers(shmp_header *h) {
+    notify(&h->space_seq, &h->producers_waiting);
+}
+
+uint64_t shmp_header_size(uint32_t nslots, uint32_t nworkers) {
+    return round_up((uint64_t)SHMP_HEADER_BYTES + (uint64_t)nworkers * SHMP_WORKER_BYTES +
+                        (uint64_t)nslots * SHMP_SLOT_BYTES,
+                    SHMP_PAGE);
+}
+
+int shmp_ring_init(void *base, uint64_t total_size, uint32_t nslots, uint32_t nworkers,
+                   uint64_t slot_size, uint32_t quota, uint32_t flags, int32_t owner_pid,
+                   uint64_t owner_start, uint32_t first_pass) {
+    if (base == NULL || nslots == 0 || nslots > SHMP_MAX_SLOTS || nworkers == 0 ||
+        nworkers > SHMP_MAX_WORKERS || slot_size == 0 || slot_size % SHMP_PAGE != 0)
+        return SHMP_E_ARG;
+    uint64_t header_size = shmp_header_size(nslots, nworkers);
+    if (slot_size > (UINT64_MAX - header_size) / nslots ||
+        total_size != header_size + (uint64_t)nslots * slot_size)
+        return SHMP_E_ARG;
+    /* The segment is fresh (zero-filled); zero the tables again anyway so a
+     * reused mapping starts clean. Nobody else has the name yet. */
+    memset(base, 0, (size_t)header_size);
+    shmp_header *h = HDR(base);
+    h->layout_version = SHMP_LAYOUT_VERSION;
+    h->flags = flags;
+    h->header_size = header_size;
+    h->slot_size = slot_size;
+    h->total_size = total_size;
+    h->nslots = nslots;
+    h->nworkers = nworkers;
+    h->quota = quota;
+    h->owner_pid = owner_pid;
+    h->owner_start = owner_start;
+    atomic_store_explicit(&h->pass_no, first_pass, memory_order_relaxed);
+    atomic_store_explicit(&h->magic, SHMP_MAGIC, memory_order_release);
+    return SHMP_OK;
+}
+
+int shmp_ring_validate(const void *base, uint64_t total_size) {
+    if (base == NULL || total_size < SHMP_HEADER_BYTES) return SHMP_E_LAYOUT;
+    const shmp_header *h = CHDR(base);
+    if (atomic_load_explicit((_Atomic uint64_t *)&h->magic, memory_order_acquire) != SHMP_MAGIC)
+        return SHMP_E_MAGIC;
+    if (h->layout_version != SHMP_LAYOUT_VERSION) return SHMP_E_VERSION;
+    if (h->nslots == 0 || h->nslots > SHMP_MAX_SLOTS || h->nworkers == 0 ||
+        h->nworkers > SHMP_MAX_WORKERS || h->slot_size == 0 || h->slot_size % SHMP_PAGE != 0 ||
+        h->quota > h->nslots)
+        return SHMP_E_LAYOUT;
+    uint64_t header_size = shmp_header_size(h->nslots, h->nworkers);
+    if (h->header_size != header_size) return SHMP_E_LAYOUT;
+    if (h->slot_size > (UINT64_MAX - header_size) / h->nslots) return SHMP_E_LAYOUT;
+    if (h->total_size != header_size + (uint64_t)h->nslots * h->slot_size ||
+        h->total_size != total_size)
+        return SHMP_E_LAYOUT;
+    return SHMP_OK;
+}
+
+uint32_t shmp_nslots(const void *base) { return CHDR(base)->nslots; }
+uint32_t shmp_nworkers(const void *base) { return CHDR(base)->nworkers; }
+uint64_t shmp_slot_size(const void *base) { return CHDR(base)->slot_size; }
+uint32_t shmp_quota(const void *base) { return CHDR(base)->quota; }
+uint32_t shmp_flags(const void *base) { return CHDR(base)->flags; }
+int32_t shmp_owner_pid(const void *base) { return CHDR(base)->owner_pid; }
+uint64_t shmp_owner_start(const void *base) { return CHDR(base)->owner_start; }
+uint64_t shmp_payload_offset(const void *base, uint32_t slot) {
+    return CHDR(base)->header_size + (uint64_t)slot * CHDR(base)->slot_size;
+}
+
+/* ---- producer side ---------------------------------------------------- */
+
+int shmp_acquire(void *base, uint32_t worker, uint32_t pass, int64_t wait_ns,
+                 uint32_t *slot_out) {
+    shmp_header *h = HDR(base);
+    const uint32_t n = h->nslots;
+    if (worker >= h->nworkers) return SHMP_E_ARG;
+    shmp_worker *w = &workers_of(base)[worker];
+    shmp_slot *s = slots_of(base);
+    /* Workers start their search at different slots so they rarely compete
+     * for the same CAS. */
+    const uint32_t start = (uint32_t)(((uint64_t)worker * n) / h->nworkers);
+
+    for (int waited = 0;; waited = 1) {
+        /* After a fault nothing more is produced: the consumer delivers what
+         * is already READY, then raises the error. */
+        if (atomic_load_explicit(&h->closed, memory_order_acquire) ||
+            atomic_load_explicit(&h->faults, memory_order_acquire))
+            return SHMP_CLOSED;
+        if (atomic_load_explicit(&h->pass_no, memory_order_acquire) != pass)
+            return SHMP_CANCELLED;
+        /* Read before looking, so a release after the look changes it. */
+        const uint32_t seq = atomic_load_explicit(&h->space_seq, memory_order_seq_cst);
+        /* Only this worker's process raises inflight, so checking then
+         * claiming cannot overshoot the quota. */
+        if (h->quota == 0 ||
+            atomic_load_explicit(&w->inflight, memory_order_relaxed) < h->quota) {
+            for (uint32_t i = 0; i < n; i++) {
+                uint32_t k = start + i;
+                if (k >= n) k -= n;
+                uint32_t expected = SHMP_FREE;
+                if (atomic_load_explicit(&s[k].state, memory_order_relaxed) == SHMP_FREE &&
+                    atomic_compare_exchange_strong_explicit(&s[k].state, &expected, SHMP_WRITING,
+                                                            memory_order_acquire,
+                                                            memory_order_relaxed)) {
+                    atomic_fetch_add_explicit(&w->inflight, 1, memory_order_relaxed);
+                    *slot_out = k;
+                    return SHMP_OK;
+                }
+            }
+        }
+        if (waited || wait_ns <= 0) return SHMP_AGAIN;
+        atomic_fetch_add_explicit(&h->producers_waiting, 1, memory_order_seq_cst);
+        const int64_t t0 = now_ns();
+        int rc = futex_wait(&h->space_seq, seq, wait_ns);
+        atomic_fetch_add_explicit(&w->blocked_ns, (uint64_t)(now_ns() - t0), memory_order_relaxed);
+        atomic_fetch_sub_explicit(&h->producers_waiting, 1, memory_order_seq_cst);
+        if (rc == SHMP_INTERRUPTED || rc < 0) return rc;
+        /* Woken or timed out: look once more, then return to the caller. */
+    }
+}
+
+int shmp_publish(void *base, uint32_t slot, uint32_t worker, uint32_t pass, uint64_t wseq,
+                 uint64_t nbytes) {
+    shmp_header *h = HDR(base);
+    if (slot >= h->nslots || worker >= h->nworkers || nbytes > h->slot_size) return SHMP_E_ARG;
+    shmp_slot *s = &slots_of(base)[slot];
+    if (atomic_load_explicit(&s->state, memory_order_relaxed) != SHMP_WRITING) return SHMP_E_ARG;
+    s->worker = worker;
+    s->pass = pass;
+    s->wseq = wseq;
+    s->nbytes = nbytes;
+    s->ticket = atomic_fetch_add_explicit(&h->publish_ticket, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&workers_of(base)[worker].published, 1, memory_order_relaxed);
+    /* Release: the payload and the fields above are visible to whoever
+     * loads READY with acquire. */
+    atomic_store_explicit(&s->state, SHMP_READY, memory_order_release);
+    notify_consumer(h);
+    return SHMP_OK;
+}
+
+int shmp_abandon(void *base, uint32_t slot, uint32_t worker) {
+    shmp_header *h = HDR(base);
+    if (slot >= h->nslots || worker >= h->nworkers) return SHMP_E_ARG;
+    shmp_slot *s = &slots_of(base)[slot];
+    uint32_t expected = SHMP_WRITING;
+    if (!atomic_compare_exchange_strong_explicit(&s->state, &expected, SHMP_FREE,
+                                                 memory_order_release, memory_order_relaxed))
+        return SHMP_E_ARG;
+    atomic_fetch_sub_explicit(&workers_of(base)[worker].inflight, 1, memory_order_relaxed);
+    notify_producers(h);
+    return SHMP_OK;
+}
+
+int shmp_finish_pass(void *base, uint32_t worker, uint32_t pass, uint64_t produced) {
+    shmp_header *h = HDR(base);
+    if (worker >= h->nworkers) return SHMP_E_ARG;
+    shmp_worker *w = &workers_of(base)[worker];
+    atomic_store_explicit(&w->produced, produced, memory_order_relaxed);
+    /* Release: every publish of the pass (and `produced`) is visible to a
+     * consumer that loads done_pass with acquire. */
+    atomic_store_explicit(&w->done_pass, pass + 1, memory_order_release);
+    notify_consumer(h);
+    return SHMP_OK;
+}
+
+/* ---- consumer side ---------------------------------------------------- */
+
+/* READY -> FREE for a batch of a pass the consumer no longer reads. */
+static void discard(shmp_header *h, shmp_slot *s) {
+    uint32_t worker = s->worker;
+    atomic_store_explicit(&s->state, SHMP_FREE, memory_order_release);
+    if (worker < h->nworkers)
+        atomic_fetch_sub_explicit(&workers_of(h)[worker].inflight, 1, memory_order_relaxed);
+    notify_producers(h);
+}
+
+int shmp_take(void *base, int32_t worker, uint32_t pass, uint64_t wseq, int64_t wait_ns,
+              uint32_t *slot_out) {
+    shmp_header *h = HDR(base);
+    const uint32_t n = h->nslots, nw = h->nworkers;
+    if (worker >= (int32_t)nw) return SHMP_E_ARG;
+    shmp_worker *w = workers_of(base);
+    shmp_slot *s = slots_of(base);
+
+    for (int waited = 0;; waited = 1) {
+        const uint32_t seq = atomic_load_explicit(&h->ready_seq, memory_order_seq_cst);
+        /* A fault is reported only once nothing READY is left to deliver. */
+        const int fault = atomic_load_explicit(&h->faults, memory_order_acquire) != 0;
+        /* Load the done marks before scanning: a mark seen here makes every
+         * publish of that worker's pass visible to the scan below. */
+        int done = 1;
+        if (worker >= 0) {
+            done = atomic_load_explicit(&w[worker].done_pass, memory_order_acquire) == pass + 1;
+        } else {
+            for (uint32_t i = 0; i < nw && done; i++)
+                done = atomic_load_explicit(&w[i].done_pass, memory_order_acquire) == pass + 1;
+        }
+        int64_t best = -1;
+        uint64_t best_ticket = UINT64_MAX;
+        for (uint32_t k = 0; k < n; k++) {
+            if (atomic_load_explicit(&s[k].state, memory_order_acquire) != SHMP_READY) continue;
+            if (s[k].pass != pass) {
+                discard(h, &s[k]);
+                continue;
+            }
+            if (worker >= 0) {
+                if (s[k].worker == (uint32_t)worker && s[k].wseq == wseq) {
+                    best = k;
+                    break;
+                }
+            } else if (s[k].ticket < best_ticket) {
+                best = k;
+                best_ticket = s[k].ticket;
+            }
+        }
+        if (best >= 0) {
+            shmp_slot *b = &s[best];
+            /* Only the consumer leaves READY; producers look for FREE only,
+             * so HELD needs no ordering of its own. */
+            atomic_store_explicit(&b->state, SHMP_HELD, memory_order_relaxed);
+            if (b->worker < nw &&
+                atomic_fetch_sub_explicit(&w[b->worker].inflight, 1, memory_order_relaxed) ==
+                    h->quota &&
+                h->quota != 0)
+                notify_producers(h); /* that worker may be waiting on its quota */
+            *slot_out = (uint32_t)best;
+            return SHMP_OK;
+        }
+        if (fault) return SHMP_FAULT;
+        if (done) return SHMP_END;
+        if (waited || wait_ns <= 0) return SHMP_AGAIN;
+        atomic_store_explicit(&h->consumer_waiting, 1, memory_order_seq_cst);
+        int rc = futex_wait(&h->ready_seq, seq, wait_ns);
+        atomic_store_explicit(&h->consumer_waiting, 0, memory_order_relaxed);
+        if (rc == SHMP_INTERRUPTED || rc < 0) return rc;
+    }
+}
+
+int shmp_release(void *base, uint32_t slot) {
+    shmp_header *h = HDR(base);
+    if (slot >= h->nslots) return SHMP_E_ARG;
+    uint32_t expected = SHMP_HELD;
+    /* Release: our reads of the payload happen before the next producer's
+     * writes (it claims the slot with an acquire CAS). */
+    if (!atomic_compare_exchange_strong_explicit(&slots_of(base)[slot].state, &expected,
+                                                 SHMP_FREE, memory_order_release,
+                                                 memory_order_relaxed))
+        return SHMP_E_ARG;
+    notify_producers(h);
+    return SHMP_OK;
+}
+
+uint32_t shmp_begin_pass(void *base) {
+    shmp_header *h = HDR(base);
+    uint32_t pass = atomic_fetch_add_explicit(&h->pass_no, 1, memory_order_acq_rel) + 1;
+    notify_producers(h);
+    return pass;
+}
+
+uint32_t shmp_current_pass(const void *base) {
+    return atomic_load_explicit(&((shmp_header *)base)->pass_no, memory_order_acquire);
+}
+
+void shmp_close(void *base) {
+    shmp_header *h = HDR(base);
+    atomic_store_explicit(&h->closed, 1, memory_order_release);
+    atomic_fetch_add_explicit(&h->space_seq, 1, memory_order_seq_cst);
+    futex_wake_all(&h->space_seq);
+    atomic_fetch_add_explicit(&h->ready_seq, 1, memory_order_seq_cst);
+    futex_wake_all(&h->ready_seq);
+}
+
+int shmp_is_closed(const void *base) {
+    return (int)atomic_load_explicit(&((shmp_header *)base)->closed, memory_order_acquire);
+}
+
+void shmp_report_fault(void *base) {
+    shmp_header *h = HDR(base);
+    atomic_fetch_add_explicit(&h->faults, 1, memory_order_release);
+    notify_consumer(h);
+}
+
+uint32_t shmp_faults(const void *base) {
+    return atomic_load_explicit(&((shmp_header *)base)->faults, memory_order_acquire);
+}
+
+/* ---- observation ------------------------------------------------------ */
+
+static inline const shmp_slot *cslot(const void *base, uint32_t slot) {
+    return &slots_of((void *)base)[slot];
+}
+
+uint32_t shmp_slot_state(const void *base, uint32_t slot) {
+    return atomic_load_explicit(&((shmp_slot *)cslot(base, slot))->state, memory_order_relaxed);
+}
+uint32_t shmp_slot_worker(const void *base, uint32_t slot) { return cslot(base, slot)->worker; }
+uint32_t shmp_slot_pass(const void *base, uint32_t slot) { return cslot(base, slot)->pass; }
+uint64_t shmp_slot_wseq(const void *base, uint32_t slot) { return cslot(base, slot)->wseq; }
+uint64_t shmp_slot_nbytes(const void *base, uint32_t slot) { return cslot(base, slot)->nbytes; }
+uint64_t shmp_worker_blocked_ns(const void *base, uint32_t worker) {
+    return atomic_load_explicit(&workers_of((void *)base)[worker].blocked_ns,
+                                memory_order_relaxed);
+}
+uint64_t shmp_worker_published(const void *base, uint32_t worker) {
+    return atomic_load_explicit(&workers_of((void *)base)[worker].published,
+                                memory_order_relaxed);
+}

@@ -1,0 +1,169 @@
+/*
+ * shmpipe ring: N producer processes, one consumer, fixed-size slots in one
+ * shared-memory segment.
+ *
+ * This file is the C core. It works on memory the caller provides (the
+ * mapping of the segment), never allocates, never raises: every function
+ * returns a status code (SHMP_*) and the Cython layer turns the codes into
+ * exceptions in one place (shmpipe/_ring.pyx: _raise_status). Blocking
+ * functions wait at most `wait_ns` in one call, so the caller, holding no
+ * GIL meanwhile, can come back to check signals, deadlines and the liveness
+ * of the other side between waits.
+ *
+ * Byte layout of a segment (all integers little-endian, native on every
+ * platform we build for; offsets in bytes). docs/design.md explains the slot
+ * state machine and the memory-ordering argument in full.
+ *
+ *   0                      shmp_header (256 bytes: 4 cache lines)
+ *   256                    shmp_worker[nworkers]   (64 bytes each)
+ *   256 + 64*nworkers      shmp_slot[nslots]       (64 bytes each)
+ *   header_size            slot 0 payload  (header_size is a multiple of 4096)
+ *   header_size + k*slot_size  slot k payload  (slot_size is a multiple of 4096)
+ *   total_size = header_size + nslots*slot_size
+ */
+#ifndef SHMPIPE_RING_H
+#define SHMPIPE_RING_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SHMP_MAGIC 0x3145504950504d53ULL /* "SMPPIPE1" read as little-endian bytes */
+#define SHMP_LAYOUT_VERSION 1u
+#define SHMP_PAGE 4096u
+#define SHMP_MAX_SLOTS 4096u
+#define SHMP_MAX_WORKERS 1024u
+
+/* Status codes. >= 0: a normal outcome; < 0: an error. */
+enum {
+    SHMP_OK = 0,
+    SHMP_AGAIN = 1,       /* nothing yet and this call's wait has elapsed */
+    SHMP_INTERRUPTED = 2, /* a signal interrupted the wait (EINTR): run the handlers */
+    SHMP_END = 3,         /* consumer: the pass is exhausted (for one worker, or all) */
+    SHMP_CANCELLED = 4,   /* producer: the consumer started another pass */
+    SHMP_CLOSED = 5,      /* the consumer closed the ring */
+    SHMP_FAULT = 6,       /* consumer: a fault was reported (shmp_report_fault) */
+    SHMP_E_MAGIC = -1,    /* not a shmpipe segment */
+    SHMP_E_VERSION = -2,  /* a shmpipe segment of another layout version */
+    SHMP_E_LAYOUT = -3,   /* header fields inconsistent with each other or the size */
+    SHMP_E_ARG = -4,      /* an argument out of range */
+    SHMP_E_SYS = -5       /* a system call failed; errno says why */
+};
+
+/* Slot states. Who may move a slot out of each state is part of the protocol:
+ *   FREE    -> WRITING  a producer, by compare-and-swap (several compete)
+ *   WRITING -> READY    the producer that owns it (publish)
+ *   WRITING -> FREE     the producer that owns it (abandon)
+ *   READY   -> HELD     the consumer (take)
+ *   READY   -> FREE     the consumer (a batch of a pass that was cancelled)
+ *   HELD    -> FREE     the consumer process, from whichever thread drops the
+ *                       last reference to the batch (release)
+ */
+enum { SHMP_FREE = 0, SHMP_WRITING = 1, SHMP_READY = 2, SHMP_HELD = 3 };
+
+/* Header flags. */
+#define SHMP_FLAG_ORDERED 1u
+
+/* Sizes of the three tables; fixed by the layout version. */
+#define SHMP_HEADER_BYTES 256u
+#define SHMP_WORKER_BYTES 64u
+#define SHMP_SLOT_BYTES 64u
+
+/* Bytes from the start of the segment to slot 0's payload. */
+uint64_t shmp_header_size(uint32_t nslots, uint32_t nworkers);
+
+/* Consumer, once, before the segment's name is given to anyone: writes the
+ * header (magic last, with release ordering). `quota` is the most slots one
+ * worker may have WRITING or READY at once (0: no limit); ordered pipelines
+ * need it so that one worker cannot fill the ring while the consumer waits
+ * for another. */
+int shmp_ring_init(void *base, uint64_t total_size, uint32_t nslots,
+                   uint32_t nworkers, uint64_t slot_size, uint32_t quota,
+                   uint32_t flags, int32_t owner_pid, uint64_t owner_start,
+                   uint32_t first_pass);
+
+/* Anyone, before trusting a segment: checks magic, version and that every
+ * size and offset in the header agrees with `total_size` (the mapping's
+ * length). */
+int shmp_ring_validate(const void *base, uint64_t total_size);
+
+/* Read-only accessors of the immutable header fields (valid after validate). */
+uint32_t shmp_nslots(const void *base);
+uint32_t shmp_nworkers(const void *base);
+uint64_t shmp_slot_size(const void *base);
+uint64_t shmp_payload_offset(const void *base, uint32_t slot);
+uint32_t shmp_quota(const void *base);
+uint32_t shmp_flags(const void *base);
+int32_t shmp_owner_pid(const void *base);
+uint64_t shmp_owner_start(const void *base);
+
+/* ---- producer side ---------------------------------------------------- */
+
+/* Claims a FREE slot for `worker` working on `pass`. Returns SHMP_OK with
+ * *slot set, SHMP_AGAIN after waiting up to wait_ns, SHMP_INTERRUPTED,
+ * SHMP_CANCELLED if `pass` is no longer current, SHMP_CLOSED (also once a
+ * fault was reported: production stops at a fault). Time spent
+ * waiting is added to the worker's blocked_ns. */
+int shmp_acquire(void *base, uint32_t worker, uint32_t pass, int64_t wait_ns,
+                 uint32_t *slot);
+
+/* Makes a WRITING slot READY. The payload must be complete before the call:
+ * the state is stored with release ordering. */
+int shmp_publish(void *base, uint32_t slot, uint32_t worker, uint32_t pass,
+                 uint64_t wseq, uint64_t nbytes);
+
+/* Gives a WRITING slot back without publishing it. */
+int shmp_abandon(void *base, uint32_t slot, uint32_t worker);
+
+/* Marks `worker`'s part of `pass` complete after `produced` batches. Every
+ * publish of the pass must come before this call. */
+int shmp_finish_pass(void *base, uint32_t worker, uint32_t pass,
+                     uint64_t produced);
+
+/* ---- consumer side ---------------------------------------------------- */
+
+/* Takes the next READY slot of `pass`: with worker < 0 the oldest published
+ * by any worker; with worker >= 0 the one `worker` published as number
+ * `wseq` of the pass. READY slots of other passes met on the way are freed.
+ * Returns SHMP_OK with *slot set (the slot is HELD), SHMP_END when the pass
+ * (or that worker's part of it) has no more batches, SHMP_FAULT when a fault
+ * was reported and no batch it looks for is READY (so everything published
+ * before a fault is delivered first), SHMP_AGAIN after waiting up to wait_ns,
+ * or SHMP_INTERRUPTED. */
+int shmp_take(void *base, int32_t worker, uint32_t pass, uint64_t wseq,
+              int64_t wait_ns, uint32_t *slot);
+
+/* Gives a HELD slot back to the producers. Thread-safe; never blocks. */
+int shmp_release(void *base, uint32_t slot);
+
+/* Starts a new pass and returns its number; producers still working on the
+ * old one see SHMP_CANCELLED. */
+uint32_t shmp_begin_pass(void *base);
+uint32_t shmp_current_pass(const void *base);
+
+/* Producers see SHMP_CLOSED from now on; every waiter is woken. */
+void shmp_close(void *base);
+int shmp_is_closed(const void *base);
+
+/* A producer failed (it has sent the details through another channel) or the
+ * consumer saw one die: producers stop claiming slots (SHMP_CLOSED), and
+ * shmp_take returns SHMP_FAULT once what is READY has been taken. */
+void shmp_report_fault(void *base);
+uint32_t shmp_faults(const void *base);
+
+/* ---- observation (relaxed reads, for stats and diagnostics) ----------- */
+uint32_t shmp_slot_state(const void *base, uint32_t slot);
+uint32_t shmp_slot_worker(const void *base, uint32_t slot);
+uint32_t shmp_slot_pass(const void *base, uint32_t slot);
+uint64_t shmp_slot_wseq(const void *base, uint32_t slot);
+uint64_t shmp_slot_nbytes(const void *base, uint32_t slot);
+uint64_t shmp_worker_blocked_ns(const void *base, uint32_t worker);
+uint64_t shmp_worker_published(const void *base, uint32_t worker);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SHMPIPE_RING_H */

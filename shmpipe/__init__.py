@@ -1,0 +1,68 @@
+"""shmpipe: batches from parallel producer processes to a trainer, through a
+shared-memory ring, without copies or pickle.
+
+    import shmpipe
+
+    def make_batches():
+        info = shmpipe.get_worker_info()
+        for i in range(100):
+            yield {"image": ..., "label": ...}
+
+    with shmpipe.from_iterators([make_batches] * 4) as pipe:
+        for batch in pipe:
+            train_step(batch)
+    print(pipe.stats())
+
+Importing shmpipe imports NumPy and nothing heavier (no Ray, Arrow or
+TensorFlow).
+"""
+
+from shmpipe._pipeline import Pipeline, from_iterators
+from shmpipe._segments import sweep as _sweep
+from shmpipe._spec import ArraySpec
+from shmpipe._stats import PipelineStats
+from shmpipe._worker import WorkerInfo, get_worker_info, reserve
+from shmpipe.errors import (
+    BatchTooLargeError,
+    BatchTypeError,
+    CorruptSegmentError,
+    PipelineClosedError,
+    PipelineTimeoutError,
+    SharedMemoryFullError,
+    ShmpipeError,
+    ShmpipeTypeError,
+    ShmpipeValueError,
+    WorkerDiedError,
+    WorkerError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArraySpec",
+    "BatchTooLargeError",
+    "BatchTypeError",
+    "CorruptSegmentError",
+    "Pipeline",
+    "PipelineClosedError",
+    "PipelineStats",
+    "PipelineTimeoutError",
+    "SharedMemoryFullError",
+    "ShmpipeError",
+    "ShmpipeTypeError",
+    "ShmpipeValueError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerInfo",
+    "clean",
+    "from_iterators",
+    "get_worker_info",
+    "reserve",
+]
+
+
+def clean(dry_run: bool = False) -> list[str]:
+    """Removes this user's shmpipe segments whose owning process has died
+    (never one whose owner lives). Returns the names removed (or, with
+    dry_run, that would be)."""
+    return _sweep(dry_run=dry_run)

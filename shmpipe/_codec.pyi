@@ -1,0 +1,9 @@
+"""Type stubs for shmpipe._codec (Cython): batches to payloads and back."""
+
+from typing import Any
+
+import numpy as np
+
+def encoded_size(batch: Any) -> int: ...
+def encode(batch: Any) -> np.ndarray: ...
+def decode(buf: np.ndarray, *, writeable: bool = False) -> Any: ...

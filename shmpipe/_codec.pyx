@@ -1,0 +1,661 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Encodes a batch (nested tuple/list/dict of arrays and scalars) into a slot
+payload without pickle, and decodes a payload into NumPy views of it.
+
+Payload layout (little-endian; the payload starts on a page boundary)::
+
+    0   u32  magic b"SPB1"
+    4   u32  meta_nbytes
+    8   u64  payload_nbytes   (prefix + meta + padding + data)
+    16  meta: the structure, one node after another in prefix order
+    D   data region, D = round_up(16 + meta_nbytes, 64); each array at an
+        offset from D that is a multiple of 64, C order, its dtype's bytes
+
+Meta nodes (one tag byte, then the node's fields)::
+
+    'N' None   'F' False   'T' True
+    'i' i64                        'I' u32 n, n bytes: int, two's complement
+    'f' f64                        's' u32 n, n bytes UTF-8
+    'b' u32 n, n bytes             '(' u32 n, n nodes (tuple)
+    '[' u32 n, n nodes (list)      '{' u32 n, n x (u32 k, k bytes UTF-8 key, node)
+    'a' dtype, u8 ndim, ndim x u64 shape, u64 offset        (array)
+    'g' dtype, itemsize bytes                               (NumPy scalar)
+    dtype: u16 n, n bytes of spec: a dtype.str ("<f4", "|S3"); "#" + the
+           repr of numpy.lib.format.dtype_to_descr for structured dtypes;
+           "@module:qualname" of the scalar type for registered user dtypes
+           (ml_dtypes.bfloat16, for instance)
+
+The decoder checks every length and offset against the payload, so a
+corrupted or hostile slot gives CorruptSegmentError, never a crash.
+"""
+
+import ast
+import importlib
+import sys
+
+import numpy as np
+from numpy.lib import format as _npy_format
+
+cimport numpy as cnp
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.ref cimport Py_INCREF, PyObject, PyTypeObject
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy
+
+from shmpipe._spec import ArraySpec
+from shmpipe.errors import BatchTypeError, CorruptSegmentError
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    PyTypeObject PyArray_Type
+    # Steals a reference to descr: declared with void* so the caller does the
+    # INCREF by hand (new_array below, the one caller).
+    object PyArray_NewFromDescr(PyTypeObject *subtype, void *descr, int nd,
+                                cnp.npy_intp *dims, cnp.npy_intp *strides, void *data,
+                                int flags, PyObject *obj)
+
+cdef extern from *:
+    """
+    static inline int shmp_mul_overflow(uint64_t a, uint64_t b, uint64_t *out) {
+        return __builtin_mul_overflow(a, b, out);
+    }
+    """
+    bint shmp_mul_overflow(uint64_t a, uint64_t b, uint64_t *out) noexcept nogil
+
+cdef enum:
+    MAX_DEPTH = 64            # nesting levels in a batch
+    MAX_NDIM = 64             # NumPy's own limit
+    COPY_NOGIL_BYTES = 65536  # copies at least this large release the GIL
+cdef uint32_t PAYLOAD_MAGIC = 0x31425053  # b"SPB1"
+
+cdef type _ndarray = np.ndarray
+cdef type _generic = np.generic
+
+
+cdef inline Py_ssize_t _round_up(Py_ssize_t n, Py_ssize_t to) noexcept nogil:
+    return (n + to - 1) // to * to
+
+
+cdef inline Py_ssize_t data_start(Py_ssize_t meta_len) noexcept nogil:
+    return _round_up(PAYLOAD_PREFIX + meta_len, ARRAY_ALIGN)
+
+
+def _format_path(list path):
+    out = ["batch"]
+    for key in path:
+        out.append(f"[{key!r}]")
+    return "".join(out)
+
+
+def _dtype_spec(dt):
+    """The bytes that name dtype `dt` in a payload, or None if it cannot travel."""
+    if dt.hasobject or dt.kind in "OT":
+        return None
+    if dt.fields is not None:
+        spec = b"#" + repr(_npy_format.dtype_to_descr(dt)).encode()
+    elif dt.num >= 256:  # a user dtype registered with NumPy (bfloat16 and friends)
+        spec = f"@{dt.type.__module__}:{dt.type.__qualname__}".encode()
+    else:
+        spec = dt.str.encode()
+    try:
+        if _dtype_from_spec(spec) != dt:
+            return None
+    except Exception:
+        return None
+    return spec
+
+
+def _dtype_from_spec(bytes spec):
+    text = spec.decode()
+    if text.startswith("#"):
+        return _npy_format.descr_to_dtype(ast.literal_eval(text[1:]))
+    if text.startswith("@"):
+        module, _, qualname = text[1:].partition(":")
+        obj = sys.modules.get(module) or importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return np.dtype(obj)
+    return np.dtype(text)
+
+
+cdef class Encoder:
+    """Turns a batch into a payload: plan() walks it, write() copies it.
+
+    One per producer; it keeps its scratch buffers and dtype cache between
+    batches. plan() needs no slot, so the slot is held only for the copy.
+    """
+
+    def __cinit__(self):
+        self.meta_cap = 256
+        self.meta = <char *>PyMem_Malloc(self.meta_cap)
+        self.cap_arrays = 16
+        self.offsets = <Py_ssize_t *>PyMem_Malloc(self.cap_arrays * sizeof(Py_ssize_t))
+        self.sizes = <Py_ssize_t *>PyMem_Malloc(self.cap_arrays * sizeof(Py_ssize_t))
+        if self.meta == NULL or self.offsets == NULL or self.sizes == NULL:
+            raise MemoryError()
+        self.arrays = []
+        self.path = []
+        self.dtype_specs = {}
+
+    def __dealloc__(self):
+        PyMem_Free(self.meta)
+        PyMem_Free(self.offsets)
+        PyMem_Free(self.sizes)
+
+    # -- meta buffer ----------------------------------------------------------
+
+    cdef int _reserve(self, Py_ssize_t n) except -1:
+        cdef Py_ssize_t cap
+        cdef char *grown
+        if self.meta_len + n <= self.meta_cap:
+            return 0
+        cap = self.meta_cap
+        while cap < self.meta_len + n:
+            cap *= 2
+        grown = <char *>PyMem_Realloc(self.meta, cap)
+        if grown == NULL:
+            raise MemoryError()
+        self.meta = grown
+        self.meta_cap = cap
+        return 0
+
+    cdef int _put(self, const void *src, Py_ssize_t n) except -1:
+        self._reserve(n)
+        memcpy(self.meta + self.meta_len, src, n)
+        self.meta_len += n
+        return 0
+
+    cdef int _tag(self, char tag) except -1:
+        return self._put(&tag, 1)
+
+    cdef int _u32(self, Py_ssize_t v) except -1:
+        cdef uint32_t x
+        if v > 0xFFFFFFFF:
+            self._fail("too long (more than 2**32 - 1 items or bytes)")
+        x = <uint32_t>v
+        return self._put(&x, 4)
+
+    cdef int _blob(self, const char *data, Py_ssize_t n) except -1:
+        self._u32(n)
+        return self._put(data, n)
+
+    cdef int _fail(self, str message) except -1:
+        raise BatchTypeError(message, _format_path(self.path))
+
+    # -- planning -------------------------------------------------------------
+
+    cdef Py_ssize_t plan(self, object batch, bint template) except -1:
+        """Encodes the structure of `batch` and lays out its arrays; returns
+        the payload's size in bytes. With `template`, ArraySpec leaves are
+        allowed and arrays stand for their shape and dtype only."""
+        self.meta_len = 0
+        self.n_arrays = 0
+        self.data_len = 0
+        self.template = template
+        del self.arrays[:]
+        del self.path[:]
+        self._node(batch, 0)
+        self.nbytes = data_start(self.meta_len) + self.data_len
+        return self.nbytes
+
+    cdef int _node(self, object obj, int depth) except -1:
+        cdef type t = type(obj)
+        cdef Py_ssize_t i, n
+        cdef int overflow = 0
+        cdef long long iv
+        cdef double fv
+        cdef const char *utf8
+        if depth > MAX_DEPTH:
+            self._fail(f"nested more than {MAX_DEPTH} levels deep (does it contain itself?)")
+        if t is _ndarray:
+            return self._array(<cnp.ndarray>obj, None)
+        if t is dict:
+            self._tag(b"{")
+            self._u32(len(<dict>obj))
+            for key, value in (<dict>obj).items():
+                if type(key) is not str:
+                    self.path.append(key)
+                    self._fail(f"dict keys must be str, not {type(key).__name__}")
+                utf8 = PyUnicode_AsUTF8AndSize(key, &n)
+                self._blob(utf8, n)
+                self.path.append(key)
+                self._node(value, depth + 1)
+                self.path.pop()
+            return 0
+        if t is tuple or t is list:
+            self._tag(b"(" if t is tuple else b"[")
+            n = len(obj)
+            self._u32(n)
+            for i in range(n):
+                self.path.append(i)
+                self._node(obj[i], depth + 1)
+                self.path.pop()
+            return 0
+        if obj is None:
+            return self._tag(b"N")
+        if t is bool:
+            return self._tag(b"T" if obj else b"F")
+        if t is int:
+            iv = PyLong_AsLongLongAndOverflow(obj, &overflow)
+            if overflow == 0:
+                self._tag(b"i")
+                return self._put(&iv, 8)
+            raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
+            self._tag(b"I")
+            return self._blob(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw))
+        if t is float:
+            fv = obj
+            self._tag(b"f")
+            return self._put(&fv, 8)
+        if t is str:
+            utf8 = PyUnicode_AsUTF8AndSize(obj, &n)
+            self._tag(b"s")
+            return self._blob(utf8, n)
+        if t is bytes:
+            self._tag(b"b")
+            return self._blob(PyBytes_AS_STRING(obj), PyBytes_GET_SIZE(obj))
+        if isinstance(obj, _ndarray):
+            return self._array_subclass(obj)
+        if isinstance(obj, _generic):
+            return self._scalar(obj)
+        if self.template and t is ArraySpec:
+            return self._array(None, obj)
+        if isinstance(obj, (dict, tuple, list)):
+            self._fail(
+                f"{t.__name__} is a subclass of {_base_name(obj)}; shmpipe carries plain "
+                f"tuple, list and dict only (convert it with {_base_name(obj)}(...))"
+            )
+        self._fail(
+            f"unsupported type {t.__module__}.{t.__qualname__}; a batch holds NumPy arrays, "
+            "int, float, bool, str, bytes and None in tuples, lists and dicts with str keys"
+            + (" (convert it with numpy.asarray)" if hasattr(obj, "__array__") else "")
+        )
+
+    cdef int _array_subclass(self, object obj) except -1:
+        ma = sys.modules.get("numpy.ma")
+        if ma is not None and isinstance(obj, ma.MaskedArray):
+            self._fail("masked arrays cannot be carried (the mask would be lost); "
+                       "send .data and .mask as two arrays")
+        # Other subclasses (numpy.memmap, ...) travel as plain ndarrays.
+        return self._array(<cnp.ndarray>obj, None)
+
+    cdef bytes _spec_of(self, object dt):
+        spec = self.dtype_specs.get(dt)
+        if spec is None:
+            spec = _dtype_spec(dt)
+            if spec is None:
+                self._fail(
+                    f"dtype {dt!r} cannot be carried: shmpipe carries fixed-size dtypes "
+                    "without Python objects"
+                )
+            if len(<bytes>spec) > 0xFFFF:
+                self._fail(f"dtype {dt!r} is too complex to describe")
+            self.dtype_specs[dt] = spec
+        return <bytes>spec
+
+    cdef int _dtype(self, object dt) except -1:
+        cdef bytes spec = self._spec_of(dt)
+        cdef uint16_t n = <uint16_t>PyBytes_GET_SIZE(spec)
+        self._put(&n, 2)
+        return self._put(PyBytes_AS_STRING(spec), n)
+
+    cdef int _array(self, cnp.ndarray arr, object spec) except -1:
+        cdef int ndim, d
+        cdef uint8_t ndim8
+        cdef uint64_t dim, nbytes, off
+        cdef cnp.npy_intp *dims = NULL
+        if arr is not None:
+            dt = <object>cnp.PyArray_DESCR(arr)
+            ndim = cnp.PyArray_NDIM(arr)
+            dims = cnp.PyArray_DIMS(arr)
+            shape = None
+        else:
+            dt = spec.dtype
+            shape = spec.shape
+            ndim = len(shape)
+        if ndim > MAX_NDIM:
+            self._fail(f"arrays of more than {MAX_NDIM} dimensions are not supported")
+        self._tag(b"a")
+        self._dtype(dt)
+        ndim8 = <uint8_t>ndim
+        self._put(&ndim8, 1)
+        nbytes = <uint64_t>(<cnp.dtype>dt).itemsize
+        for d in range(ndim):
+            dim = <uint64_t>(dims[d] if dims != NULL else shape[d])
+            self._put(&dim, 8)
+            if shmp_mul_overflow(nbytes, dim, &nbytes):
+                self._fail("array too large")
+        off = <uint64_t>_round_up(self.data_len, ARRAY_ALIGN)
+        self._put(&off, 8)
+        if self.n_arrays == self.cap_arrays:
+            self._grow_arrays()
+        self.offsets[self.n_arrays] = <Py_ssize_t>off
+        self.sizes[self.n_arrays] = <Py_ssize_t>nbytes
+        self.n_arrays += 1
+        self.arrays.append(None if self.template else arr)
+        self.data_len = <Py_ssize_t>(off + nbytes)
+        return 0
+
+    cdef int _grow_arrays(self) except -1:
+        cdef Py_ssize_t cap = self.cap_arrays * 2
+        cdef Py_ssize_t *offsets = <Py_ssize_t *>PyMem_Realloc(self.offsets, cap * sizeof(Py_ssize_t))
+        if offsets == NULL:
+            raise MemoryError()
+        self.offsets = offsets
+        cdef Py_ssize_t *sizes = <Py_ssize_t *>PyMem_Realloc(self.sizes, cap * sizeof(Py_ssize_t))
+        if sizes == NULL:
+            raise MemoryError()
+        self.sizes = sizes
+        self.cap_arrays = cap
+        return 0
+
+    cdef int _scalar(self, object obj) except -1:
+        dt = obj.dtype
+        self._tag(b"g")
+        self._dtype(dt)
+        raw = obj.tobytes()
+        return self._put(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw))
+
+    # -- writing --------------------------------------------------------------
+
+    cdef int write(self, unsigned char *payload, Py_ssize_t capacity) except -1:
+        """Writes the planned batch into `payload` (capacity bytes)."""
+        cdef uint32_t u32
+        cdef uint64_t u64
+        cdef Py_ssize_t i, nbytes
+        cdef unsigned char *data
+        cdef unsigned char *dst
+        cdef const unsigned char *src
+        cdef cnp.ndarray arr
+        if self.nbytes > capacity:
+            raise AssertionError("write() called with a payload smaller than the plan")
+        u32 = PAYLOAD_MAGIC
+        memcpy(payload, &u32, 4)
+        u32 = <uint32_t>self.meta_len
+        memcpy(payload + 4, &u32, 4)
+        u64 = <uint64_t>self.nbytes
+        memcpy(payload + 8, &u64, 8)
+        memcpy(payload + PAYLOAD_PREFIX, self.meta, self.meta_len)
+        data = payload + data_start(self.meta_len)
+        for i in range(self.n_arrays):
+            obj = self.arrays[i]
+            nbytes = self.sizes[i]
+            if obj is None or nbytes == 0:
+                continue
+            arr = <cnp.ndarray>obj
+            dst = data + self.offsets[i]
+            src = <const unsigned char *>cnp.PyArray_DATA(arr)
+            if src == dst:
+                continue  # filled in place (reserve)
+            if cnp.PyArray_IS_C_CONTIGUOUS(arr):
+                if nbytes >= COPY_NOGIL_BYTES:
+                    with nogil:
+                        memcpy(dst, src, nbytes)
+                else:
+                    memcpy(dst, src, nbytes)
+            else:
+                # Strided or Fortran-ordered: NumPy copies it into C order.
+                view = new_array(<object>cnp.PyArray_DESCR(arr), cnp.PyArray_NDIM(arr),
+                                 cnp.PyArray_DIMS(arr), dst, True, None)
+                cnp.PyArray_CopyInto(<cnp.ndarray>view, arr)
+        return 0
+
+    cdef bint same_meta(self, const unsigned char *payload) noexcept:
+        """Whether `payload` already holds this plan's prefix and meta."""
+        cdef uint32_t meta_len
+        memcpy(&meta_len, payload + 4, 4)
+        return (meta_len == <uint32_t>self.meta_len and
+                memcmp(payload + PAYLOAD_PREFIX, self.meta, self.meta_len) == 0)
+
+    cdef bint in_place(self, unsigned char *payload) noexcept:
+        """Whether every planned array already lives at its place in `payload`."""
+        cdef Py_ssize_t i
+        cdef unsigned char *data = payload + data_start(self.meta_len)
+        for i in range(self.n_arrays):
+            obj = self.arrays[i]
+            if obj is None:
+                return False
+            if self.sizes[i] and <unsigned char *>cnp.PyArray_DATA(<cnp.ndarray>obj) != data + self.offsets[i]:
+                return False
+            if self.sizes[i] and not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>obj):
+                return False
+        return True
+
+
+def _base_name(obj):
+    for base in (dict, tuple, list):
+        if isinstance(obj, base):
+            return base.__name__
+    return type(obj).__name__
+
+
+cdef object new_array(object dt, int ndim, cnp.npy_intp *dims, void *data, bint writeable,
+                      object base):
+    """A C-ordered array of `dt` over `data` (not copied), based on `base`."""
+    Py_INCREF(dt)
+    arr = PyArray_NewFromDescr(&PyArray_Type, <void *>dt, ndim, dims, NULL, data,
+                               cnp.NPY_ARRAY_WRITEABLE if writeable else 0, NULL)
+    if base is not None:
+        cnp.set_array_base(<cnp.ndarray>arr, base)
+    return arr
+
+
+cdef class Decoder:
+    """Turns a payload into the batch it holds, as views into the payload.
+
+    Every array's base is `root`: the batch's memory is released when the
+    last of them (and root) is gone.
+    """
+
+    def __cinit__(self):
+        self.dtypes = {}
+
+    cdef object decode(self, unsigned char *payload, Py_ssize_t nbytes, object root,
+                       bint writeable, list collect=None):
+        cdef _Reader r = _Reader.__new__(_Reader)
+        cdef uint32_t magic, meta_len
+        cdef uint64_t total
+        if nbytes < PAYLOAD_PREFIX:
+            raise CorruptSegmentError(f"a slot payload of {nbytes} bytes is too short")
+        memcpy(&magic, payload, 4)
+        memcpy(&meta_len, payload + 4, 4)
+        memcpy(&total, payload + 8, 8)
+        if magic != PAYLOAD_MAGIC:
+            raise CorruptSegmentError("a slot does not start with the payload magic")
+        if total != <uint64_t>nbytes or <uint64_t>data_start(meta_len) > total:
+            raise CorruptSegmentError("a slot's sizes disagree with its header")
+        r.pos = payload + PAYLOAD_PREFIX
+        r.end = r.pos + meta_len
+        r.data = payload + data_start(meta_len)
+        r.data_end = payload + nbytes
+        r.root = root
+        r.dtypes = self.dtypes
+        r.writeable = writeable
+        r.collect = collect
+        result = r.node(0)
+        if r.pos != r.end:
+            raise CorruptSegmentError("a slot's structure has trailing bytes")
+        return result
+
+
+cdef class _Reader:
+    cdef const unsigned char *pos
+    cdef const unsigned char *end
+    cdef unsigned char *data
+    cdef unsigned char *data_end
+    cdef object root
+    cdef dict dtypes
+    cdef bint writeable
+    cdef list collect   # when not None, every array made is appended to it
+
+    cdef inline int need(self, Py_ssize_t n) except -1:
+        if n < 0 or n > self.end - self.pos:
+            raise CorruptSegmentError("a slot's structure runs past its end")
+        return 0
+
+    cdef inline uint32_t u32(self) except? 0xFFFFFFFF:
+        cdef uint32_t v
+        self.need(4)
+        memcpy(&v, self.pos, 4)
+        self.pos += 4
+        return v
+
+    cdef inline uint64_t u64(self) except? 0xFFFFFFFFFFFFFFFF:
+        cdef uint64_t v
+        self.need(8)
+        memcpy(&v, self.pos, 8)
+        self.pos += 8
+        return v
+
+    cdef str text(self):
+        cdef uint32_t n = self.u32()
+        self.need(n)
+        s = PyUnicode_DecodeUTF8(<const char *>self.pos, n, NULL)
+        self.pos += n
+        return s
+
+    cdef bytes blob(self):
+        cdef uint32_t n = self.u32()
+        self.need(n)
+        b = PyBytes_FromStringAndSize(<const char *>self.pos, n)
+        self.pos += n
+        return b
+
+    cdef object dtype(self):
+        cdef uint16_t n
+        self.need(2)
+        memcpy(&n, self.pos, 2)
+        self.pos += 2
+        self.need(n)
+        spec = PyBytes_FromStringAndSize(<const char *>self.pos, n)
+        self.pos += n
+        dt = self.dtypes.get(spec)
+        if dt is None:
+            try:
+                dt = _dtype_from_spec(spec)
+            except Exception as exc:
+                raise CorruptSegmentError(f"a slot names a dtype that cannot be read: {spec!r}") from exc
+            self.dtypes[spec] = dt
+        return dt
+
+    cdef object node(self, int depth):
+        cdef char tag
+        cdef uint32_t n, i
+        cdef int64_t iv
+        cdef double fv
+        if depth > MAX_DEPTH:
+            raise CorruptSegmentError("a slot's structure is nested too deep")
+        self.need(1)
+        tag = <char>self.pos[0]
+        self.pos += 1
+        if tag == b"a":
+            return self.array()
+        if tag == b"{":
+            n = self.u32()
+            d = {}
+            for i in range(n):
+                key = self.text()
+                d[key] = self.node(depth + 1)
+            return d
+        if tag == b"(" or tag == b"[":
+            n = self.u32()
+            if n > <uint32_t>(self.end - self.pos):  # each item takes at least one byte
+                raise CorruptSegmentError("a slot's structure runs past its end")
+            items = [self.node(depth + 1) for i in range(n)]
+            return tuple(items) if tag == b"(" else items
+        if tag == b"N":
+            return None
+        if tag == b"T":
+            return True
+        if tag == b"F":
+            return False
+        if tag == b"i":
+            self.need(8)
+            memcpy(&iv, self.pos, 8)
+            self.pos += 8
+            return iv
+        if tag == b"I":
+            return int.from_bytes(self.blob(), "little", signed=True)
+        if tag == b"f":
+            self.need(8)
+            memcpy(&fv, self.pos, 8)
+            self.pos += 8
+            return fv
+        if tag == b"s":
+            return self.text()
+        if tag == b"b":
+            return self.blob()
+        if tag == b"g":
+            dt = self.dtype()
+            n = (<cnp.dtype>dt).itemsize
+            self.need(n)
+            raw = PyBytes_FromStringAndSize(<const char *>self.pos, n)
+            self.pos += n
+            return np.frombuffer(raw, dtype=dt, count=1)[0]
+        raise CorruptSegmentError(f"a slot's structure has an unknown tag {tag!r}")
+
+    cdef object array(self):
+        cdef cnp.npy_intp dims[MAX_NDIM]
+        cdef uint8_t ndim
+        cdef int d
+        cdef uint64_t nbytes, dim, off
+        dt = self.dtype()
+        self.need(1)
+        ndim = self.pos[0]
+        self.pos += 1
+        if ndim > MAX_NDIM:
+            raise CorruptSegmentError("a slot holds an array with too many dimensions")
+        nbytes = <uint64_t>(<cnp.dtype>dt).itemsize
+        for d in range(ndim):
+            dim = self.u64()
+            if dim > <uint64_t>0x7FFFFFFFFFFFFFFF or shmp_mul_overflow(nbytes, dim, &nbytes):
+                raise CorruptSegmentError("a slot holds an array of impossible size")
+            dims[d] = <cnp.npy_intp>dim
+        off = self.u64()
+        if (off % ARRAY_ALIGN != 0 or off > <uint64_t>(self.data_end - self.data)
+                or nbytes > <uint64_t>(self.data_end - self.data) - off):
+            raise CorruptSegmentError("a slot holds an array outside its payload")
+        arr = new_array(dt, ndim, dims, self.data + off, self.writeable, self.root)
+        if self.collect is not None:
+            self.collect.append(arr)
+        return arr
+
+
+# -- Python-level entry points (tests, the "serialize" benchmark) ---------------
+
+def encoded_size(batch) -> int:
+    """Bytes the payload of `batch` takes."""
+    cdef Encoder enc = Encoder()
+    return enc.plan(batch, False)
+
+
+def encode(batch):
+    """The payload of `batch` as a new 64-byte aligned buffer (a copy).
+
+    Returns a NumPy uint8 array; for tests and benchmarks: the ring writes
+    straight into shared memory instead.
+    """
+    cdef Encoder enc = Encoder()
+    cdef Py_ssize_t n = enc.plan(batch, False)
+    buf = _aligned_empty(n)
+    enc.write(<unsigned char *>cnp.PyArray_DATA(<cnp.ndarray>buf), n)
+    return buf
+
+
+def decode(buf, *, writeable=False):
+    """The batch held in `buf` (a uint8 array from encode()), as views of it."""
+    cdef Decoder dec = Decoder()
+    cdef cnp.ndarray arr = np.ascontiguousarray(buf, dtype=np.uint8)
+    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
+        raise ValueError("decode() needs a 64-byte aligned buffer")
+    return dec.decode(<unsigned char *>cnp.PyArray_DATA(arr), arr.nbytes, arr, writeable)
+
+
+def _aligned_empty(Py_ssize_t n):
+    raw = np.empty(n + ARRAY_ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ARRAY_ALIGN
+    return raw[start:start + n]

@@ -1,0 +1,608 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Low-level layer over csrc/shmpipe_ring.c: the segment, the ring and its
+two ends. Every C status goes through _raise_status; waits run without the
+GIL. The Pythonic layer is shmpipe/_shm.py.
+
+Lifetime rules (the reason for most of this file):
+
+* A Segment unmaps its memory only in __dealloc__, when nothing refers to it.
+  A Ring refers to its Segment, every SlotLease to its Ring, every batch's
+  root array to its SlotLease, and every array of a batch to its root. So as
+  long as any array of any batch lives, the memory stays mapped: closing a
+  pipeline while arrays are alive can never leave a dangling pointer.
+* A slot goes back to the ring when its SlotLease is freed, that is when the
+  root array is freed, that is when the last array of the batch (or the
+  last object that holds one: a TF tensor, a torch tensor, a DLPack capsule)
+  is gone. Never earlier.
+* A forked child inherits SlotLeases but must not release its parent's
+  slots: a lease releases only in the process that created it.
+"""
+
+import os
+
+import numpy as np
+
+cimport numpy as cnp
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport ENOENT, errno
+from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport strerror
+
+from shmpipe._codec cimport Decoder, Encoder, new_array
+
+from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, ShmpipeValueError
+
+cnp.import_array()
+
+cdef extern from "shmpipe_ring.h" nogil:
+    enum:
+        SHMP_OK
+        SHMP_AGAIN
+        SHMP_INTERRUPTED
+        SHMP_END
+        SHMP_CANCELLED
+        SHMP_CLOSED
+        SHMP_FAULT
+        SHMP_E_MAGIC
+        SHMP_E_VERSION
+        SHMP_E_LAYOUT
+        SHMP_E_ARG
+        SHMP_E_SYS
+        SHMP_FREE
+        SHMP_WRITING
+        SHMP_READY
+        SHMP_HELD
+        SHMP_FLAG_ORDERED
+        SHMP_PAGE
+        SHMP_MAX_SLOTS
+        SHMP_MAX_WORKERS
+        SHMP_LAYOUT_VERSION
+    uint64_t shmp_header_size(uint32_t nslots, uint32_t nworkers)
+    int shmp_ring_init(void *base, uint64_t total_size, uint32_t nslots, uint32_t nworkers,
+                       uint64_t slot_size, uint32_t quota, uint32_t flags, int32_t owner_pid,
+                       uint64_t owner_start, uint32_t first_pass)
+    int shmp_ring_validate(const void *base, uint64_t total_size)
+    uint32_t shmp_nslots(const void *base)
+    uint32_t shmp_nworkers(const void *base)
+    uint64_t shmp_slot_size(const void *base)
+    uint64_t shmp_payload_offset(const void *base, uint32_t slot)
+    uint32_t shmp_quota(const void *base)
+    uint32_t shmp_flags(const void *base)
+    int32_t shmp_owner_pid(const void *base)
+    uint64_t shmp_owner_start(const void *base)
+    int shmp_acquire(void *base, uint32_t worker, uint32_t pass_, int64_t wait_ns, uint32_t *slot)
+    int shmp_publish(void *base, uint32_t slot, uint32_t worker, uint32_t pass_, uint64_t wseq,
+                     uint64_t nbytes)
+    int shmp_abandon(void *base, uint32_t slot, uint32_t worker)
+    int shmp_finish_pass(void *base, uint32_t worker, uint32_t pass_, uint64_t produced)
+    int shmp_take(void *base, int32_t worker, uint32_t pass_, uint64_t wseq, int64_t wait_ns,
+                  uint32_t *slot)
+    int shmp_release(void *base, uint32_t slot)
+    uint32_t shmp_begin_pass(void *base)
+    uint32_t shmp_current_pass(const void *base)
+    void shmp_close(void *base)
+    int shmp_is_closed(const void *base)
+    void shmp_report_fault(void *base)
+    uint32_t shmp_faults(const void *base)
+    uint32_t shmp_slot_state(const void *base, uint32_t slot)
+    uint32_t shmp_slot_worker(const void *base, uint32_t slot)
+    uint32_t shmp_slot_pass(const void *base, uint32_t slot)
+    uint64_t shmp_slot_wseq(const void *base, uint32_t slot)
+    uint64_t shmp_slot_nbytes(const void *base, uint32_t slot)
+    uint64_t shmp_worker_blocked_ns(const void *base, uint32_t worker)
+    uint64_t shmp_worker_published(const void *base, uint32_t worker)
+
+cdef extern from "<sys/mman.h>" nogil:
+    int shm_open(const char *name, int oflag, int mode)
+    int shm_unlink(const char *name)
+    void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
+    int munmap(void *addr, size_t length)
+    int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_POPULATE
+    void *MAP_FAILED
+
+cdef extern from "<fcntl.h>" nogil:
+    int O_RDWR, O_CREAT, O_EXCL
+    int posix_fallocate(int fd, long offset, long len)
+
+cdef extern from "<unistd.h>" nogil:
+    int close(int fd)
+    int ftruncate(int fd, long length)
+    int getpid()
+
+cdef extern from "<sys/stat.h>" nogil:
+    struct stat:
+        long st_size
+    int fstat(int fd, stat *buf)
+
+
+cdef object _UINT8 = np.dtype(np.uint8)
+
+# Slot states, for observers (tests, diagnostics).
+FREE = SHMP_FREE
+WRITING = SHMP_WRITING
+READY = SHMP_READY
+HELD = SHMP_HELD
+PAGE_SIZE = SHMP_PAGE
+MAX_SLOTS = SHMP_MAX_SLOTS
+MAX_WORKERS = SHMP_MAX_WORKERS
+LAYOUT_VERSION = SHMP_LAYOUT_VERSION
+
+# take() results that are not batches.
+END = object()     # the pass (or the worker's part of it) is over
+AGAIN = object()   # nothing within the wait
+FAULT = object()   # a producer reported a fault: look at the control channel
+
+
+class PassCancelled(Exception):
+    """Producer side: the consumer started another pass; drop this one."""
+
+
+class RingClosed(Exception):
+    """Producer side: the consumer closed the ring; stop."""
+
+
+_STATUS_MESSAGES = {
+    SHMP_E_MAGIC: "not a shmpipe segment (bad magic)",
+    SHMP_E_VERSION: "a shmpipe segment of another layout version",
+    SHMP_E_LAYOUT: "a shmpipe segment whose header is inconsistent",
+}
+
+
+cdef int _raise_status(int status, str context) except -1:
+    """The one place where a C status becomes an exception."""
+    if status == SHMP_OK or status == SHMP_AGAIN or status == SHMP_END or status == SHMP_FAULT:
+        return 0
+    if status == SHMP_INTERRUPTED:
+        PyErr_CheckSignals()
+        return 0
+    if status == SHMP_CANCELLED:
+        raise PassCancelled(context)
+    if status == SHMP_CLOSED:
+        raise RingClosed(context)
+    if status in _STATUS_MESSAGES:
+        raise CorruptSegmentError(f"{context}: {_STATUS_MESSAGES[status]}")
+    if status == SHMP_E_ARG:
+        raise ShmpipeValueError(f"{context}: argument out of range (a bug, or a corrupted ring)")
+    if status == SHMP_E_SYS:
+        raise OSError(errno, f"{context}: {strerror(errno).decode()}")
+    raise SystemError(f"{context}: unknown status {status}")
+
+
+def header_size(uint32_t nslots, uint32_t nworkers) -> int:
+    """Bytes before slot 0's payload in a ring of this shape."""
+    return shmp_header_size(nslots, nworkers)
+
+
+cdef class Segment:
+    """A POSIX shared-memory segment mapped into this process.
+
+    unlink() destroys the name (no one can attach any more); the mapping
+    itself goes away when this object is freed, that is when nothing refers
+    to it (see the module docstring).
+    """
+    cdef readonly str name
+    cdef unsigned char *addr
+    cdef readonly Py_ssize_t size
+    cdef readonly bint created
+
+    def __cinit__(self):
+        self.addr = NULL
+
+    def __dealloc__(self):
+        if self.addr != NULL:
+            munmap(self.addr, self.size)
+            self.addr = NULL
+
+    @staticmethod
+    def create(str name, Py_ssize_t size):
+        """Creates `name` exclusively (mode 0600), reserves `size` bytes of
+        memory for it and maps it with its pages touched."""
+        cdef bytes bname = name.encode()
+        cdef const char *cname = bname
+        cdef int fd, rc
+        cdef Segment seg = Segment.__new__(Segment)
+        if size <= 0:
+            raise ValueError("segment size must be positive")
+        with nogil:
+            fd = shm_open(cname, O_CREAT | O_EXCL | O_RDWR, 0o600)
+        if fd < 0:
+            raise OSError(errno, f"shm_open({name!r}): {strerror(errno).decode()}")
+        try:
+            with nogil:
+                rc = ftruncate(fd, size)
+            if rc != 0:
+                raise OSError(errno, f"ftruncate({name!r}, {size}): {strerror(errno).decode()}")
+            # Reserve the memory now: a full /dev/shm is then an error here,
+            # not a SIGBUS at the first write to an unbacked page.
+            with nogil:
+                rc = posix_fallocate(fd, 0, size)
+            if rc != 0:
+                raise OSError(rc, f"posix_fallocate({name!r}, {size}): {strerror(rc).decode()}")
+            seg._map(fd, size, name)
+        except BaseException:
+            shm_unlink(cname)
+            raise
+        finally:
+            close(fd)
+        seg.created = True
+        return seg
+
+    @staticmethod
+    def attach(str name):
+        """Maps the existing segment `name` (its whole size)."""
+        cdef bytes bname = name.encode()
+        cdef const char *cname = bname
+        cdef int fd
+        cdef stat st
+        cdef Segment seg = Segment.__new__(Segment)
+        with nogil:
+            fd = shm_open(cname, O_RDWR, 0)
+        if fd < 0:
+            raise OSError(errno, f"shm_open({name!r}): {strerror(errno).decode()}")
+        try:
+            if fstat(fd, &st) != 0:
+                raise OSError(errno, f"fstat({name!r}): {strerror(errno).decode()}")
+            if st.st_size <= 0:
+                raise CorruptSegmentError(f"segment {name!r} is empty")
+            seg._map(fd, st.st_size, name)
+        finally:
+            close(fd)
+        seg.created = False
+        return seg
+
+    cdef int _map(self, int fd, Py_ssize_t size, str name) except -1:
+        cdef void *addr
+        with nogil:
+            # MAP_POPULATE touches every page once now, in this process, so
+            # the first write to a slot does not pay the page faults.
+            addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0)
+        if addr == MAP_FAILED:
+            raise OSError(errno, f"mmap({name!r}, {size}): {strerror(errno).decode()}")
+        self.addr = <unsigned char *>addr
+        self.size = size
+        self.name = name
+        return 0
+
+    def unlink(self):
+        """Removes the segment's name. Idempotent; the mapping stays."""
+        unlink_segment(self.name)
+
+    @property
+    def address(self) -> int:
+        return <size_t>self.addr
+
+    def array(self):
+        """The whole segment as a read-only uint8 array (keeps it mapped)."""
+        return _root_array(self.addr, self.size, self, False)
+
+    def __repr__(self):
+        return f"<shmpipe Segment {self.name!r} {self.size} bytes>"
+
+
+def unlink_segment(str name) -> bool:
+    """shm_unlink(name); False if it did not exist."""
+    cdef bytes bname = name.encode()
+    if shm_unlink(bname) == 0:
+        return True
+    if errno == ENOENT:
+        return False
+    raise OSError(errno, f"shm_unlink({name!r}): {strerror(errno).decode()}")
+
+
+cdef class Ring:
+    """The slot protocol over a Segment (see csrc/shmpipe_ring.h)."""
+    cdef readonly Segment segment
+    cdef void *base
+    cdef readonly uint32_t nslots
+    cdef readonly uint32_t nworkers
+    cdef readonly uint64_t slot_size
+    cdef readonly uint32_t quota
+    cdef readonly bint ordered
+    cdef int pid  # leases release slots only in this process
+
+    @staticmethod
+    def create(Segment segment, uint32_t nslots, uint32_t nworkers, uint64_t slot_size,
+               uint32_t quota, bint ordered, int32_t owner_pid, uint64_t owner_start,
+               uint32_t first_pass=0):
+        cdef Ring ring = Ring.__new__(Ring)
+        cdef int rc = shmp_ring_init(segment.addr, segment.size, nslots, nworkers, slot_size,
+                                     quota, SHMP_FLAG_ORDERED if ordered else 0, owner_pid,
+                                     owner_start, first_pass)
+        _raise_status(rc, f"initialising ring in {segment.name!r}")
+        ring._bind(segment)
+        return ring
+
+    @staticmethod
+    def attach(Segment segment):
+        cdef Ring ring = Ring.__new__(Ring)
+        cdef int rc = shmp_ring_validate(segment.addr, segment.size)
+        _raise_status(rc, f"attaching to {segment.name!r}")
+        ring._bind(segment)
+        return ring
+
+    cdef _bind(self, Segment segment):
+        self.segment = segment
+        self.base = segment.addr
+        self.nslots = shmp_nslots(self.base)
+        self.nworkers = shmp_nworkers(self.base)
+        self.slot_size = shmp_slot_size(self.base)
+        self.quota = shmp_quota(self.base)
+        self.ordered = (shmp_flags(self.base) & SHMP_FLAG_ORDERED) != 0
+        self.pid = getpid()
+
+    cdef inline unsigned char *payload(self, uint32_t slot) noexcept nogil:
+        return <unsigned char *>self.base + shmp_payload_offset(self.base, slot)
+
+    @property
+    def owner_pid(self) -> int:
+        return shmp_owner_pid(self.base)
+
+    @property
+    def owner_start(self) -> int:
+        return shmp_owner_start(self.base)
+
+    @property
+    def closed(self) -> bool:
+        return shmp_is_closed(self.base) != 0
+
+    @property
+    def current_pass(self) -> int:
+        return shmp_current_pass(self.base)
+
+    def begin_pass(self) -> int:
+        return shmp_begin_pass(self.base)
+
+    def close(self) -> None:
+        """Tells every producer to stop and wakes every waiter."""
+        shmp_close(self.base)
+
+    def report_fault(self) -> None:
+        """Producer side: make the consumer look at the control channel now."""
+        shmp_report_fault(self.base)
+
+    @property
+    def faults(self) -> int:
+        return shmp_faults(self.base)
+
+    def slot_states(self) -> list:
+        """Each slot's state (FREE/WRITING/READY/HELD), read without ordering."""
+        return [shmp_slot_state(self.base, i) for i in range(self.nslots)]
+
+    def slot_info(self, uint32_t slot) -> tuple:
+        """(state, worker, pass, wseq, nbytes) of a slot, read without ordering."""
+        if slot >= self.nslots:
+            raise IndexError(slot)
+        return (shmp_slot_state(self.base, slot), shmp_slot_worker(self.base, slot),
+                shmp_slot_pass(self.base, slot), shmp_slot_wseq(self.base, slot),
+                shmp_slot_nbytes(self.base, slot))
+
+    def payload_address(self, uint32_t slot) -> int:
+        if slot >= self.nslots:
+            raise IndexError(slot)
+        return <size_t>self.payload(slot)
+
+    def worker_blocked_ns(self, uint32_t worker) -> int:
+        if worker >= self.nworkers:
+            raise IndexError(worker)
+        return shmp_worker_blocked_ns(self.base, worker)
+
+    def worker_published(self, uint32_t worker) -> int:
+        if worker >= self.nworkers:
+            raise IndexError(worker)
+        return shmp_worker_published(self.base, worker)
+
+
+cdef class SlotLease:
+    """Owns one slot on behalf of the arrays of one batch (their root's base).
+
+    Freed when the root array is freed; then, in the process that took the
+    slot, gives the slot back. Not a buffer exporter, so NumPy cannot make
+    the arrays writeable again.
+    """
+    cdef Ring ring
+    cdef uint32_t slot
+    cdef bint release_on_free
+
+    def __dealloc__(self):
+        # Runs in whichever thread drops the last reference (a TF thread,
+        # say), with the GIL: shmp_release is a CAS and maybe a FUTEX_WAKE.
+        if self.release_on_free and self.ring is not None and getpid() == self.ring.pid:
+            shmp_release(self.ring.base, self.slot)
+
+    @property
+    def slot(self) -> int:
+        return self.slot
+
+
+cdef SlotLease _lease(Ring ring, uint32_t slot, bint release_on_free):
+    cdef SlotLease lease = SlotLease.__new__(SlotLease)
+    lease.ring = ring
+    lease.slot = slot
+    lease.release_on_free = release_on_free
+    return lease
+
+
+cdef object _root_array(unsigned char *data, Py_ssize_t nbytes, object base, bint writeable):
+    """The batch's root: a uint8 array over its payload, based on `base`."""
+    cdef cnp.npy_intp n = nbytes
+    return new_array(_UINT8, 1, &n, data, writeable, base)
+
+
+cdef class RingWriter:
+    """A producer's end of the ring: encodes batches into slots.
+
+    One per producer process and worker id. put() copies a batch in (one
+    memcpy per array); reserve() hands out writable arrays inside a slot so
+    a batch can be built in place and put() publishes it without a copy.
+    """
+    cdef readonly Ring ring
+    cdef readonly uint32_t worker
+    cdef readonly uint32_t pass_no
+    cdef readonly uint64_t wseq
+    cdef Encoder enc
+    cdef Decoder dec
+    # The pending reservation: its slot, the structure handed out, its arrays.
+    cdef bint has_reserved
+    cdef uint32_t reserved_slot
+    cdef object reserved_batch
+    cdef list reserved_arrays
+    cdef int64_t wait_ns
+
+    def __cinit__(self, Ring ring, uint32_t worker):
+        if worker >= ring.nworkers:
+            raise ValueError(f"worker {worker} out of range for a ring of {ring.nworkers}")
+        self.ring = ring
+        self.worker = worker
+        self.enc = Encoder()
+        self.dec = Decoder()
+        self.reserved_arrays = []
+        self.wait_ns = 200_000_000
+
+    def start_pass(self, uint32_t pass_no):
+        self._drop_reservation()
+        self.pass_no = pass_no
+        self.wseq = 0
+
+    def finish_pass(self):
+        """Every batch of this pass is published: tell the consumer."""
+        self._drop_reservation()
+        _raise_status(shmp_finish_pass(self.ring.base, self.worker, self.pass_no, self.wseq),
+                      "finishing a pass")
+
+    cdef uint32_t _acquire(self) except? 0xFFFFFFFF:
+        cdef uint32_t slot = 0
+        cdef int rc
+        while True:
+            with nogil:
+                rc = shmp_acquire(self.ring.base, self.worker, self.pass_no, self.wait_ns, &slot)
+            if rc == SHMP_OK:
+                return slot
+            if rc != SHMP_AGAIN:
+                _raise_status(rc, "waiting for a free slot")
+
+    cdef int _check_size(self, Py_ssize_t nbytes) except -1:
+        if <uint64_t>nbytes > self.ring.slot_size:
+            raise BatchTooLargeError(nbytes, self.ring.slot_size)
+        return 0
+
+    def put(self, batch):
+        """Publishes `batch`: in place if it is the pending reservation,
+        else copied into a free slot (waiting for one)."""
+        cdef Py_ssize_t nbytes = self.enc.plan(batch, False)
+        cdef uint32_t slot
+        cdef unsigned char *payload
+        if self.has_reserved:
+            payload = self.ring.payload(self.reserved_slot)
+            if self.enc.same_meta(payload) and self.enc.in_place(payload):
+                self._publish(self.reserved_slot, nbytes)
+                self._seal_reservation()
+                return
+        self._check_size(nbytes)
+        slot = self._acquire()
+        try:
+            self.enc.write(self.ring.payload(slot), <Py_ssize_t>self.ring.slot_size)
+        except BaseException:
+            shmp_abandon(self.ring.base, slot, self.worker)
+            raise
+        self._publish(slot, nbytes)
+        # A reservation that was not yielded as is has now been copied out.
+        self._drop_reservation()
+
+    cdef int _publish(self, uint32_t slot, Py_ssize_t nbytes) except -1:
+        _raise_status(shmp_publish(self.ring.base, slot, self.worker, self.pass_no, self.wseq,
+                                   nbytes), "publishing a batch")
+        self.wseq += 1
+        return 0
+
+    def reserve(self, template):
+        """Claims a slot and returns `template`'s structure with writable
+        arrays that live in it (ArraySpec or array leaves give shape and
+        dtype; scalars are kept as they are)."""
+        cdef Py_ssize_t nbytes
+        cdef uint32_t slot
+        cdef unsigned char *payload
+        if self.has_reserved:
+            raise ShmpipeValueError(
+                "reserve() was called again before the structure it returned last time "
+                "was yielded; yield each reservation before making the next"
+            )
+        nbytes = self.enc.plan(template, True)
+        self._check_size(nbytes)
+        slot = self._acquire()
+        payload = self.ring.payload(slot)
+        try:
+            self.enc.write(payload, <Py_ssize_t>self.ring.slot_size)
+            arrays = []
+            root = _root_array(payload, nbytes, _lease(self.ring, slot, False), True)
+            batch = self.dec.decode(payload, nbytes, root, True, arrays)
+        except BaseException:
+            shmp_abandon(self.ring.base, slot, self.worker)
+            raise
+        self.has_reserved = True
+        self.reserved_slot = slot
+        self.reserved_batch = batch
+        self.reserved_arrays = arrays
+        return batch
+
+    cdef _seal_reservation(self):
+        # The slot now belongs to the consumer: writes through the arrays we
+        # handed out would change a published batch, so make them read-only.
+        for arr in self.reserved_arrays:
+            cnp.PyArray_CLEARFLAGS(<cnp.ndarray>arr, cnp.NPY_ARRAY_WRITEABLE)
+        self.has_reserved = False
+        self.reserved_batch = None
+        self.reserved_arrays = []
+
+    cdef _drop_reservation(self):
+        if self.has_reserved:
+            # Unpublished: the slot goes back; the arrays may still be read
+            # by whoever holds them, so they become read-only too.
+            slot = self.reserved_slot
+            self._seal_reservation()
+            shmp_abandon(self.ring.base, slot, self.worker)
+
+
+cdef class RingReader:
+    """The consumer's end of the ring: takes slots and decodes them into
+    read-only views whose root owns the slot (see the module docstring)."""
+    cdef readonly Ring ring
+    cdef Decoder dec
+    cdef readonly int last_worker
+    cdef readonly uint64_t last_nbytes
+
+    def __cinit__(self, Ring ring):
+        self.ring = ring
+        self.dec = Decoder()
+
+    def take(self, int worker, uint64_t wseq, uint32_t pass_no, double wait):
+        """The next batch of `pass_no` (from `worker`, number `wseq`, if
+        worker >= 0); END when there is none; FAULT when a producer reported
+        a fault; AGAIN after waiting up to `wait` seconds. Runs the signal
+        handlers (so KeyboardInterrupt comes out) if a signal interrupts."""
+        cdef uint32_t slot = 0
+        cdef int rc
+        cdef int64_t wait_ns = <int64_t>(wait * 1e9) if wait > 0 else 0
+        with nogil:
+            rc = shmp_take(self.ring.base, worker, pass_no, wseq, wait_ns, &slot)
+        if rc == SHMP_OK:
+            return self._decode(slot)
+        if rc == SHMP_END:
+            return END
+        if rc == SHMP_FAULT:
+            return FAULT
+        _raise_status(rc, "waiting for a batch")
+        return AGAIN
+
+    cdef object _decode(self, uint32_t slot):
+        cdef Ring ring = self.ring
+        cdef uint64_t nbytes = shmp_slot_nbytes(ring.base, slot)
+        cdef unsigned char *payload = ring.payload(slot)
+        self.last_worker = <int>shmp_slot_worker(ring.base, slot)
+        self.last_nbytes = nbytes
+        # The lease exists from here on, so whatever happens the slot is
+        # released: on error, the root is dropped and the lease with it.
+        lease = _lease(ring, slot, True)
+        if nbytes > ring.slot_size:
+            raise CorruptSegmentError(f"slot {slot} claims {nbytes} bytes, more than a slot holds")
+        root = _root_array(payload, <Py_ssize_t>nbytes, lease, False)
+        return self.dec.decode(payload, <Py_ssize_t>nbytes, root, False)

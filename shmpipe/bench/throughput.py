@@ -1,0 +1,299 @@
+"""Transport-bound throughput: how fast batches can move, side by side.
+
+Two producer processes hand out ready-made batches (one float32 array of the
+given size) as fast as the transport takes them. Each batch is fresh data:
+the producer changes an element before sending it, so nothing can cache a
+previous batch. The consumer touches one element of each batch and lets it
+go. Every path runs in the same process, one after the other, so the ratios
+hold on a noisy machine; absolute numbers do not travel between machines.
+
+Paths:
+  memcpy        one in-process copy of the batch (np.copyto): the floor of one copy
+  mp.Queue      multiprocessing.Queue: pickle through a pipe (the article's recipe)
+  shm ring      shmpipe.from_iterators, producers yield arrays (one copy into a slot)
+  shm reserve   shmpipe producers fill slots in place with shmpipe.reserve (no copy)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import queue as queue_mod
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+import shmpipe
+
+__all__ = ["Result", "run", "main", "DEFAULT_SIZES"]
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (64 * KiB, 1 * MiB, 48_000_000)
+
+
+@dataclass
+class Result:
+    path: str
+    nbytes: int
+    batches: int
+    seconds: float
+    consumer_cpu_s: float
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.batches / self.seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.batches * self.nbytes / self.seconds / 1e9
+
+    @property
+    def cpu_us_per_batch(self) -> float:
+        return self.consumer_cpu_s / self.batches * 1e6
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(batches_per_s=self.batches_per_s, gb_per_s=self.gb_per_s, cpu_us_per_batch=self.cpu_us_per_batch)
+        return d
+
+
+# -- producers (top level: spawned processes unpickle them) -------------------
+
+
+class FreshArrays:
+    """Yields the same float32 array again and again, changed each time."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def __call__(self):
+        a = np.ones(max(1, self.nbytes // 4), dtype=np.float32)
+        i = 0
+        while True:
+            a[0] = i
+            yield a
+            i += 1
+
+
+class ReservedArrays:
+    """Fills a slot in place: reserve, change an element, yield."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def __call__(self):
+        spec = shmpipe.ArraySpec((max(1, self.nbytes // 4),), np.float32)
+        i = 0
+        while True:
+            a = shmpipe.reserve(spec)
+            a[0] = i
+            yield a
+            i += 1
+
+
+def _queue_producer(q, nbytes: int, stop) -> None:
+    a = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    i = 0
+    while not stop.is_set():
+        a[0] = i
+        try:
+            q.put(a, timeout=0.1)
+        except queue_mod.Full:
+            continue
+        i += 1
+
+
+# -- the measurements -----------------------------------------------------------
+
+
+def _timed(next_batch, seconds: float, min_batches: int, warmup: int):
+    """Takes batches until `seconds` passed and at least `min_batches`
+    arrived, after `warmup` untimed ones. Returns (count, wall, cpu)."""
+    for _ in range(warmup):
+        b = next_batch()
+        float(b[0])
+        del b
+    count = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    deadline = t0 + seconds
+    while True:
+        b = next_batch()
+        float(b[0])  # touch it
+        del b
+        count += 1
+        if count >= min_batches and time.perf_counter() >= deadline:
+            break
+    return count, time.perf_counter() - t0, time.process_time() - c0
+
+
+def bench_memcpy(nbytes: int, seconds: float, min_batches: int) -> Result:
+    src = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    dst = np.empty_like(src)
+    i = 0
+
+    def step():
+        nonlocal i
+        src[0] = i
+        i += 1
+        np.copyto(dst, src)
+        return dst
+
+    n, wall, cpu = _timed(step, seconds, min_batches, warmup=3)
+    return Result("memcpy", nbytes, n, wall, cpu)
+
+
+def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int) -> Result:
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    q = ctx.Queue(capacity)
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_queue_producer, args=(q, nbytes, stop), daemon=True) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        n, wall, cpu = _timed(lambda: q.get(timeout=60), seconds, min_batches, warmup=workers)
+    finally:
+        stop.set()
+        deadline = time.monotonic() + 10
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            try:
+                q.get(timeout=0.05)  # producers blocked in put() need room to see `stop`
+            except queue_mod.Empty:
+                pass
+        for p in procs:
+            p.join(1)
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        q.close()
+        q.join_thread()
+    return Result("mp.Queue", nbytes, n, wall, cpu)
+
+
+def bench_shm(nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int, reserve: bool) -> Result:
+    source = ReservedArrays(nbytes) if reserve else FreshArrays(nbytes)
+    with shmpipe.from_iterators([source] * workers, capacity=capacity, timeout=60) as pipe:
+        it = iter(pipe)
+        n, wall, cpu = _timed(lambda: next(it), seconds, min_batches, warmup=capacity)
+    return Result("shm reserve" if reserve else "shm ring", nbytes, n, wall, cpu)
+
+
+PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve")
+
+
+def run(
+    sizes=DEFAULT_SIZES,
+    *,
+    seconds: float = 1.5,
+    min_batches: int = 20,
+    workers: int = 2,
+    capacity: int | None = None,
+    paths=PATHS,
+    progress=None,
+) -> list[Result]:
+    """Measures every path at every size, in this process, one after the other."""
+    capacity = capacity or 2 * workers + 2
+    results = []
+    for nbytes in sizes:
+        for path in paths:
+            if progress:
+                progress(path, nbytes)
+            if path == "memcpy":
+                r = bench_memcpy(nbytes, seconds, min_batches)
+            elif path == "mp.Queue":
+                r = bench_queue(nbytes, seconds, min_batches, workers, capacity)
+            elif path in ("shm ring", "shm reserve"):
+                r = bench_shm(nbytes, seconds, min_batches, workers, capacity, reserve=path == "shm reserve")
+            else:
+                raise ValueError(f"unknown path {path!r}; known: {', '.join(PATHS)}")
+            results.append(r)
+    return results
+
+
+def human_size(nbytes: int) -> str:
+    for unit, size in (("MiB", MiB), ("MB", 1_000_000), ("KiB", KiB)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size} {unit}"
+    return f"{nbytes} B"
+
+
+def table(results: list[Result]) -> str:
+    """A Markdown table: one row per path and size, with the ratio to memcpy."""
+    floor = {r.nbytes: r for r in results if r.path == "memcpy"}
+    lines = [
+        "| batch | path | GB/s | batches/s | vs memcpy | consumer CPU per batch |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        ratio = f"{r.gb_per_s / floor[r.nbytes].gb_per_s:.2f}x" if r.nbytes in floor else "-"
+        lines.append(
+            f"| {human_size(r.nbytes)} | {r.path} | {r.gb_per_s:.2f} | {r.batches_per_s:,.0f} | {ratio} | "
+            f"{r.cpu_us_per_batch:.1f} us |"
+        )
+    return "\n".join(lines)
+
+
+def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
+    """The core issue's performance targets, checked on these results:
+    (target, met, measured)."""
+    by = {(r.path, r.nbytes): r for r in results}
+    out = []
+    big, small = 48_000_000, 64 * KiB
+    if ("shm ring", big) in by and ("memcpy", big) in by:
+        ratio = by["shm ring", big].gb_per_s / by["memcpy", big].gb_per_s
+        out.append(("48 MB: shm ring >= 0.5 x memcpy", ratio >= 0.5, f"{ratio:.2f}x"))
+    if ("shm ring", small) in by:
+        r = by["shm ring", small].batches_per_s
+        out.append(("64 KiB: shm ring >= 150,000 batches/s", r >= 150_000, f"{r:,.0f}/s"))
+        if ("mp.Queue", small) in by:
+            x = r / by["mp.Queue", small].batches_per_s
+            out.append(("64 KiB: shm ring vs mp.Queue (about 9x asked)", x >= 9, f"{x:.1f}x"))
+    reserve = sorted((r for r in results if r.path == "shm reserve"), key=lambda r: r.nbytes)
+    if len(reserve) >= 2:
+        lo, hi = reserve[0], reserve[-1]
+        growth = (1 / hi.batches_per_s) / (1 / lo.batches_per_s)
+        out.append(
+            (
+                f"reserve: per-batch cost flat from {human_size(lo.nbytes)} to {human_size(hi.nbytes)} (< 2x)",
+                growth < 2.0,
+                f"{1e6 / lo.batches_per_s:.1f} us -> {1e6 / hi.batches_per_s:.1f} us",
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="batch sizes in bytes")
+    parser.add_argument("--seconds", type=float, default=1.5, help="timed seconds per path and size")
+    parser.add_argument("--min-batches", type=int, default=20, help="at least this many batches per measurement")
+    parser.add_argument("--workers", type=int, default=2, help="producer processes")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+
+    def progress(path, nbytes):
+        print(f"  measuring {path:<12} {human_size(nbytes):>8} ...", file=sys.stderr, flush=True)
+
+    results = run(
+        args.sizes, seconds=args.seconds, min_batches=args.min_batches, workers=args.workers,
+        paths=args.paths, progress=progress,
+    )
+    print(table(results))
+    checks = targets(results)
+    if checks:
+        print()
+        for name, met, measured in checks:
+            print(f"{'met    ' if met else 'NOT MET'}  {name}: {measured}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"workers": args.workers, "results": [r.as_dict() for r in results],
+                 "targets": [{"target": n, "met": m, "measured": v} for n, m, v in checks]},
+                f, indent=2,
+            )
+    return 0

@@ -1,0 +1,181 @@
+"""Every error shmpipe raises.
+
+All of them derive from :class:`ShmpipeError` and from the builtin exception
+that matches their meaning, so ``except TypeError`` and ``except TimeoutError``
+work as they would anywhere else::
+
+    ShmpipeError
+    ├── ShmpipeTypeError(TypeError)
+    │   └── BatchTypeError            a batch holds something shmpipe cannot carry
+    ├── ShmpipeValueError(ValueError)
+    │   ├── BatchTooLargeError        a batch does not fit in a slot
+    │   └── CorruptSegmentError       a segment's header is not what it must be
+    ├── SharedMemoryFullError(OSError)  /dev/shm has no room for the ring
+    ├── PipelineTimeoutError(TimeoutError)
+    ├── PipelineClosedError(RuntimeError)
+    └── WorkerError(RuntimeError)     a producer raised
+        └── WorkerDiedError           a producer was killed or exited early
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import signal as _signal
+
+__all__ = [
+    "ShmpipeError",
+    "ShmpipeTypeError",
+    "ShmpipeValueError",
+    "BatchTypeError",
+    "BatchTooLargeError",
+    "CorruptSegmentError",
+    "SharedMemoryFullError",
+    "PipelineTimeoutError",
+    "PipelineClosedError",
+    "WorkerError",
+    "WorkerDiedError",
+]
+
+
+class ShmpipeError(Exception):
+    """Base class of every error shmpipe raises."""
+
+
+class ShmpipeTypeError(ShmpipeError, TypeError):
+    """An argument of the wrong type (an unpicklable source, say)."""
+
+
+class ShmpipeValueError(ShmpipeError, ValueError):
+    """An argument with a value shmpipe cannot use."""
+
+
+class BatchTypeError(ShmpipeTypeError):
+    """A batch holds a value shmpipe cannot carry.
+
+    ``path`` says where, as Python source (``batch["x"][2]``).
+    """
+
+    def __init__(self, message: str, path: str = "batch") -> None:
+        super().__init__(f"{path}: {message}")
+        self.message = message
+        self.path = path
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.path))
+
+
+class BatchTooLargeError(ShmpipeValueError):
+    """A batch needs more bytes than a slot has."""
+
+    def __init__(self, nbytes: int, slot_size: int) -> None:
+        super().__init__(
+            f"a batch of {nbytes:,} bytes (arrays plus their layout) does not fit in a slot "
+            f"of {slot_size:,} bytes; pass slot_size={_round_mib(nbytes)} (or more) to "
+            "shmpipe.from_iterators to raise the limit"
+        )
+        self.nbytes = nbytes
+        self.slot_size = slot_size
+
+    def __reduce__(self):
+        return (type(self), (self.nbytes, self.slot_size))
+
+
+def _round_mib(nbytes: int) -> str:
+    mib = -(-nbytes // (1 << 20))
+    return f"{mib} << 20" if mib > 1 else "1 << 20"
+
+
+class CorruptSegmentError(ShmpipeValueError):
+    """A shared-memory segment's header failed validation."""
+
+
+class SharedMemoryFullError(ShmpipeError, OSError):
+    """The shared-memory file system has no room for the ring."""
+
+    def __init__(self, needed: int, available: int, where: str = "/dev/shm") -> None:
+        OSError.__init__(
+            self,
+            _errno.ENOSPC,
+            f"the ring needs {needed:,} bytes of shared memory but {where} has {available:,} "
+            "bytes free; lower capacity or slot_size, free space there, or enlarge it "
+            "(docker run --shm-size=...)",
+        )
+        self.needed = needed
+        self.available = available
+        self.where = where
+
+    def __reduce__(self):
+        return (type(self), (self.needed, self.available, self.where))
+
+
+class PipelineTimeoutError(ShmpipeError, TimeoutError):
+    """No batch (or no free slot) arrived within the timeout."""
+
+
+class PipelineClosedError(ShmpipeError, RuntimeError):
+    """The pipeline was closed, or stopped after an error."""
+
+
+class WorkerError(ShmpipeError, RuntimeError):
+    """A producer raised an exception.
+
+    ``worker_id`` is the producer's index, ``pid`` its process id,
+    ``exc_type`` the qualified name of the exception it raised and
+    ``remote_traceback`` the formatted traceback from the producer process.
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        pid: int | None,
+        exc_type: str,
+        message: str,
+        remote_traceback: str,
+    ) -> None:
+        text = f"worker {worker_id} (pid {pid}) raised {exc_type}: {message}"
+        if remote_traceback:
+            text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
+        super().__init__(text)
+        self.worker_id = worker_id
+        self.pid = pid
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (self.worker_id, self.pid, self.exc_type, self.message, self.remote_traceback),
+        )
+
+
+class WorkerDiedError(WorkerError):
+    """A producer process ended without being asked to.
+
+    ``exitcode`` is its exit status when it exited, ``signal`` the signal
+    number when a signal killed it (one of the two is ``None``).
+    """
+
+    def __init__(self, worker_id: int, pid: int | None, exitcode: int | None) -> None:
+        if exitcode is not None and exitcode < 0:
+            sig: int | None = -exitcode
+            try:
+                how = f"was killed by signal {_signal.Signals(sig).name}"
+            except ValueError:
+                how = f"was killed by signal {sig}"
+            code = None
+        else:
+            sig = None
+            code = exitcode
+            how = f"exited early with exit code {exitcode}"
+        ShmpipeError.__init__(self, f"worker {worker_id} (pid {pid}) {how}")
+        self.worker_id = worker_id
+        self.pid = pid
+        self.exc_type = "WorkerDied"
+        self.message = str(self)
+        self.remote_traceback = ""
+        self.exitcode = code
+        self.signal = sig
+
+    def __reduce__(self):
+        return (type(self), (self.worker_id, self.pid, -self.signal if self.signal else self.exitcode))

@@ -1,0 +1,221 @@
+"""Picklable sources for tests and benchmarks.
+
+A source is a zero-argument callable returning an iterable of batches; these
+are small classes (not closures) so that spawned producer processes can
+unpickle them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+import shmpipe
+
+__all__ = [
+    "Counter",
+    "Fixed",
+    "Raiser",
+    "Killer",
+    "Exiter",
+    "Reserver",
+    "SeedReporter",
+    "Stamped",
+    "Matrix",
+    "HalfWriter",
+    "Sleeper",
+    "payload_for",
+]
+
+
+def payload_for(worker: int, seq: int, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """The deterministic array Counter sends as batch `seq` of `worker`."""
+    n = int(np.prod(shape, dtype=np.int64))
+    base = np.arange(n, dtype=np.float64) * 1e-3 + worker * 1000 + seq
+    return base.astype(dtype).reshape(shape)
+
+
+class Counter:
+    """Yields n batches {"worker", "seq", "data", "checksum"}; data depends
+    only on (worker, seq), so the consumer can check every byte."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (16,), dtype: Any = np.float32, delay: float = 0.0):
+        self.n, self.shape, self.dtype, self.delay = n, tuple(shape), np.dtype(dtype), delay
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        for seq in range(self.n):
+            if self.delay:
+                time.sleep(self.delay)
+            data = payload_for(worker, seq, self.shape, self.dtype)
+            yield {"worker": worker, "seq": seq, "data": data, "checksum": float(data.astype(np.float64).sum())}
+
+
+class Fixed:
+    """Yields the given batches, in order (worker id ignored)."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __call__(self):
+        yield from self.batches
+
+
+class Raiser:
+    """Yields `after` batches, then raises `exc_type(message)`."""
+
+    def __init__(self, after: int, exc_type: type = ValueError, message: str = "boom from the source", only_worker: int | None = None):
+        self.after, self.exc_type, self.message, self.only_worker = after, exc_type, message, only_worker
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        for seq in range(self.after):
+            yield {"worker": worker, "seq": seq}
+        if self.only_worker is None or worker == self.only_worker:
+            raise self.exc_type(self.message)
+        while True:  # the other workers keep producing
+            seq += 1
+            time.sleep(0.01)
+            yield {"worker": worker, "seq": seq}
+
+
+class Killer:
+    """Yields `after` batches, then kills its own process with `sig`
+    (worker `only_worker`, or every worker)."""
+
+    def __init__(self, after: int, sig: int = signal.SIGKILL, only_worker: int | None = 0):
+        self.after, self.sig, self.only_worker = after, sig, only_worker
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        seq = 0
+        for seq in range(self.after):
+            yield {"worker": worker, "seq": seq}
+        if self.only_worker is None or worker == self.only_worker:
+            os.kill(os.getpid(), self.sig)
+            time.sleep(10)
+        while True:
+            seq += 1
+            time.sleep(0.01)
+            yield {"worker": worker, "seq": seq}
+
+
+class Exiter:
+    """Yields `after` batches, then leaves with os._exit(code)."""
+
+    def __init__(self, after: int, code: int = 3, only_worker: int | None = 0):
+        self.after, self.code, self.only_worker = after, code, only_worker
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        seq = 0
+        for seq in range(self.after):
+            yield {"worker": worker, "seq": seq}
+        if self.only_worker is None or worker == self.only_worker:
+            os._exit(self.code)
+        while True:
+            seq += 1
+            time.sleep(0.01)
+            yield {"worker": worker, "seq": seq}
+
+
+class Reserver:
+    """Fills slots in place with shmpipe.reserve: n batches of
+    {"data": float32 array of `shape`, "worker", "seq"}; data[...] = seq."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (1024,), fill: bool = True):
+        self.n, self.shape, self.fill = n, tuple(shape), fill
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        template = {"data": shmpipe.ArraySpec(self.shape, np.float32), "worker": worker, "seq": 0}
+        for seq in range(self.n):
+            batch = shmpipe.reserve(dict(template, seq=seq))
+            if self.fill:
+                batch["data"][...] = seq + 1000 * worker
+            else:
+                batch["data"].flat[0] = seq
+            yield batch
+
+
+class SeedReporter:
+    """One batch: this worker's WorkerInfo and the first draws of NumPy's and
+    random's global generators."""
+
+    def __call__(self):
+        info = shmpipe.get_worker_info()
+        yield {
+            "id": info.id,
+            "num_workers": info.num_workers,
+            "seed": info.seed,
+            "epoch": info.epoch,
+            "np": float(np.random.random()),
+            "py": random.random(),
+        }
+
+
+class Stamped:
+    """n batches whose whole array is filled with a stamp (worker * 1e6 + seq),
+    so a consumer can tell if a batch changed after delivery."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (4096,), delay: float = 0.0):
+        self.n, self.shape, self.delay = n, tuple(shape), delay
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        data = np.empty(self.shape, np.float64)
+        for seq in range(self.n):
+            if self.delay:
+                time.sleep(self.delay)
+            data.fill(worker * 1e6 + seq)
+            yield {"stamp": worker * 1e6 + seq, "data": data}
+
+
+class Matrix:
+    """Every batch of shmpipe.testing.batches.matrix(), built in the producer."""
+
+    def __call__(self):
+        from shmpipe.testing.batches import matrix
+
+        for _, batch in matrix():
+            yield batch
+
+
+class HalfWriter:
+    """Publishes `after` batches, then reserves a slot, writes half of it
+    and kills its own process: the half-written slot must never be
+    delivered."""
+
+    def __init__(self, after: int, shape: tuple[int, ...] = (4096,)):
+        self.after, self.shape = after, tuple(shape)
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        for seq in range(self.after):
+            batch = shmpipe.reserve({"data": shmpipe.ArraySpec(self.shape, np.float64), "seq": seq})
+            batch["data"][...] = seq
+            yield batch
+        batch = shmpipe.reserve({"data": shmpipe.ArraySpec(self.shape, np.float64), "seq": -1})
+        batch["data"][: self.shape[0] // 2] = -1.0
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
+        yield batch
+
+
+class Sleeper:
+    """One batch, then `seconds` of sleep per batch: a producer stuck in
+    user code."""
+
+    def __init__(self, seconds: float, n: int = 1000):
+        self.seconds, self.n = seconds, n
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        for seq in range(self.n):
+            yield {"worker": worker, "seq": seq}
+            time.sleep(self.seconds)

@@ -1,0 +1,51 @@
+"""The benchmarks' code paths at a tiny size (never their timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from shmpipe.bench import throughput
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_throughput_every_path_runs():
+    results = throughput.run([4096, 65536], seconds=0.05, min_batches=3, paths=throughput.PATHS)
+    assert [(r.path, r.nbytes) for r in results] == [
+        (p, n) for n in (4096, 65536) for p in throughput.PATHS
+    ]
+    for r in results:
+        assert r.batches >= 3 and r.seconds > 0 and r.gb_per_s > 0
+    text = throughput.table(results)
+    assert text.count("\n") == 2 + len(results) - 1
+    assert "| 64 KiB | shm reserve |" in text
+
+
+def test_targets_are_checked_from_results():
+    R = throughput.Result
+    results = [
+        R("memcpy", 48_000_000, 10, 1.0, 0.1),
+        R("shm ring", 48_000_000, 4, 1.0, 0.1),  # 0.4x memcpy: not met
+        R("shm ring", 65536, 200_000, 1.0, 0.1),
+        R("mp.Queue", 65536, 10_000, 1.0, 0.1),
+        R("shm reserve", 65536, 100_000, 1.0, 0.1),
+        R("shm reserve", 48_000_000, 90_000, 1.0, 0.1),
+    ]
+    checks = {name.split(":")[0] + name.split(":")[1][:12]: met for name, met, _ in throughput.targets(results)}
+    assert list(checks.values()) == [False, True, True, True]
+
+
+def test_throughput_script_writes_json(tmp_path):
+    out = tmp_path / "t.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--sizes", "8192",
+         "--seconds", "0.05", "--min-batches", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| 8 KiB | shm ring |" in proc.stdout
+    data = json.loads(out.read_text())
+    assert {r["path"] for r in data["results"]} == set(throughput.PATHS)

@@ -1,0 +1,133 @@
+"""The batch codec in one process: bit-exact round trips, alignment, and the
+errors a bad batch or a corrupted payload gives."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import _codec
+from shmpipe.errors import BatchTypeError, CorruptSegmentError
+
+from shmpipe.testing.batches import SCALARS, matrix, non_contiguous
+from conftest import assert_same
+
+MATRIX = list(matrix())
+
+
+@pytest.mark.parametrize("batch", [b for _, b in MATRIX], ids=[i for i, _ in MATRIX])
+def test_round_trip_matrix(batch):
+    payload = _codec.encode(batch)
+    assert len(payload) == _codec.encoded_size(batch)
+    assert_same(_codec.decode(payload), batch)
+
+
+def test_arrays_are_64_byte_aligned_read_only_views():
+    batch = {"a": np.ones(3, np.uint8), "b": np.ones((5, 7), np.float64), "c": [np.zeros(1, np.int16)] * 3}
+    payload = _codec.encode(batch)
+    out = _codec.decode(payload)
+    for arr in (out["a"], out["b"], *out["c"]):
+        assert arr.ctypes.data % 64 == 0
+        assert np.shares_memory(arr, payload)
+        assert not arr.flags.writeable
+
+
+def test_non_contiguous_inputs_are_stored_c_contiguous():
+    batch = non_contiguous()
+    out = _codec.decode(_codec.encode(batch))
+    assert_same(out, batch)
+    for arr in out.values():
+        assert arr.flags.c_contiguous
+
+
+@pytest.mark.parametrize("name", list(SCALARS))
+def test_scalars_round_trip(name):
+    batch = {"v": SCALARS[name], "in_list": [SCALARS[name]]}
+    assert_same(_codec.decode(_codec.encode(batch)), batch)
+
+
+def test_memmap_and_other_subclasses_travel_as_ndarray(tmp_path):
+    mm = np.memmap(tmp_path / "m.bin", dtype=np.int32, mode="w+", shape=(10,))
+    mm[:] = np.arange(10)
+    out = _codec.decode(_codec.encode({"m": mm}))
+    assert type(out["m"]) is np.ndarray
+    np.testing.assert_array_equal(out["m"], np.arange(10))
+    del mm
+
+
+@pytest.mark.parametrize(
+    "batch, path, words",
+    [
+        ({"x": np.array([1, None], dtype=object)}, "batch['x']", "dtype"),
+        ({"x": [1, 2, object()]}, "batch['x'][2]", "unsupported type"),
+        ({"x": {3: np.zeros(2)}}, "batch['x'][3]", "keys must be str"),
+        ((np.zeros(1), {"y": [np.ma.masked_array([1, 2], mask=[0, 1])]}), "batch[1]['y'][0]", "masked"),
+        ({"s": {1, 2}}, "batch['s']", "unsupported type builtins.set"),
+        ({"od": collections.OrderedDict(a=1)}, "batch['od']", "subclass of dict"),
+        ({"nt": collections.namedtuple("P", "x y")(1, 2)}, "batch['nt']", "subclass of tuple"),
+        ({"t": np.array(["a"], dtype=np.dtypes.StringDType())}, "batch['t']", "dtype"),
+        ({"m": memoryview(b"ab")}, "batch['m']", "unsupported type"),
+    ],
+)
+def test_bad_batches_name_the_path(batch, path, words):
+    with pytest.raises(BatchTypeError) as info:
+        _codec.encode(batch)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, shmpipe.ShmpipeError)
+    assert info.value.path == path
+    assert str(info.value).startswith(path + ":")
+    assert words in str(info.value)
+
+
+def test_objects_with___array___get_a_hint():
+    class Tensorish:
+        def __array__(self, dtype=None, copy=None):
+            return np.zeros(2)
+
+    with pytest.raises(BatchTypeError, match="numpy.asarray"):
+        _codec.encode([Tensorish()])
+
+
+def test_a_cycle_is_an_error_not_a_crash():
+    loop = []
+    loop.append(loop)
+    with pytest.raises(BatchTypeError, match="does it contain itself"):
+        _codec.encode({"loop": loop})
+
+
+def test_reserve_template_outside_a_producer_gives_plain_arrays():
+    out = shmpipe.reserve({"a": shmpipe.ArraySpec((2, 3), "f4"), "b": np.zeros(4, np.int8), "k": 1})
+    assert out["a"].shape == (2, 3) and out["a"].dtype == np.float32 and out["a"].flags.writeable
+    assert out["b"].shape == (4,) and out["b"].dtype == np.int8
+    assert out["k"] == 1
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda p: p.__setitem__(slice(0, 4), 0),  # magic
+        lambda p: p.__setitem__(slice(4, 8), 255),  # meta length
+        lambda p: p.__setitem__(slice(8, 16), 7),  # total size
+        lambda p: p.__setitem__(16, ord("?")),  # unknown tag
+        lambda p: p.__setitem__(slice(21, 23), 255),  # key length
+    ],
+)
+def test_corrupted_payload_raises_not_crashes(corrupt):
+    payload = _codec.encode({"x": np.arange(10), "y": "text"})
+    corrupt(payload)
+    with pytest.raises(CorruptSegmentError):
+        _codec.decode(payload)
+
+
+def test_corrupted_array_header_raises():
+    payload = _codec.encode(np.arange(4, dtype=np.int64))
+    # layout: prefix(16) 'a' u16 len, "<i8", u8 ndim, u64 dim, u64 offset
+    dim_at = 16 + 1 + 2 + 3 + 1
+    payload[dim_at : dim_at + 8] = np.frombuffer(np.uint64(1 << 40).tobytes(), np.uint8)
+    with pytest.raises(CorruptSegmentError, match="outside its payload"):
+        _codec.decode(payload)
+    payload[dim_at : dim_at + 8] = 0xFF
+    with pytest.raises(CorruptSegmentError):
+        _codec.decode(payload)

@@ -1,0 +1,257 @@
+"""Faults with real processes: producers that raise, die or exit; a consumer
+killed with SIGKILL or interrupted with Ctrl-C; what is left afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import _ring, _segments
+from shmpipe.testing.sources import Counter, Exiter, HalfWriter, Killer, Raiser, Sleeper
+
+T = 30.0
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts as exited)."""
+    return _segments.process_start_time(pid) is None
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_producer_that_raises(ordered):
+    pipe = shmpipe.from_iterators([Raiser(3, only_worker=1)] * 2, ordered=ordered, timeout=T)
+    pids = pipe.pids
+    seen = []
+    with pytest.raises(shmpipe.WorkerError) as info:
+        with pipe:
+            for b in pipe:
+                seen.append((b["worker"], b["seq"]))
+    err = info.value
+    assert err.worker_id == 1 and err.pid == pids[1]
+    assert err.exc_type == "builtins.ValueError"
+    assert "boom from the source" in str(err)
+    assert "Remote traceback" in str(err) and "sources.py" in err.remote_traceback
+    assert "raise self.exc_type(self.message)" in err.remote_traceback
+    # everything worker 1 yielded before raising was delivered
+    assert [s for w, s in seen if w == 1] == [0, 1, 2]
+    assert pipe.closed
+    assert all(gone(pid) for pid in pids), "the other producers must be stopped"
+
+
+def test_a_producer_killed_by_a_signal_is_reported_within_a_second():
+    # Worker 0 dies after 2 batches; worker 1 keeps the consumer busy, so the
+    # death must be noticed without the consumer ever running dry.
+    pipe = shmpipe.from_iterators([Killer(2, signal.SIGKILL, only_worker=0)] * 2, timeout=T)
+    pids = pipe.pids
+    last_from_0 = None
+    with pytest.raises(shmpipe.WorkerDiedError) as info:
+        with pipe:
+            for b in pipe:
+                if b["worker"] == 0:
+                    last_from_0 = time.monotonic()
+    noticed = time.monotonic()
+    err = info.value
+    assert err.worker_id == 0 and err.pid == pids[0]
+    assert err.signal == signal.SIGKILL and err.exitcode is None
+    assert "SIGKILL" in str(err) and f"pid {pids[0]}" in str(err)
+    assert isinstance(err, shmpipe.WorkerError) and isinstance(err, shmpipe.ShmpipeError)
+    assert last_from_0 is not None and noticed - last_from_0 < 1.5
+    assert all(gone(pid) for pid in pids)
+
+
+def test_a_half_written_slot_is_never_delivered():
+    with pytest.raises(shmpipe.WorkerDiedError):
+        with shmpipe.from_iterators([HalfWriter(3)], timeout=T) as pipe:
+            seqs = []
+            for b in pipe:
+                assert b["seq"] >= 0 and np.all(b["data"] == b["seq"])
+                seqs.append(b["seq"])
+    assert seqs == [0, 1, 2]
+
+
+@pytest.mark.parametrize("code", [3, 0])
+def test_a_producer_that_exits_early(code):
+    with pytest.raises(shmpipe.WorkerDiedError, match=f"exited early with exit code {code}") as info:
+        with shmpipe.from_iterators([Exiter(2, code=code, only_worker=1)] * 2, timeout=T) as pipe:
+            for _ in pipe:
+                pass
+    assert info.value.worker_id == 1 and info.value.exitcode == code and info.value.signal is None
+
+
+def test_close_stops_producers_stuck_in_user_code_promptly():
+    pipe = shmpipe.from_iterators([Sleeper(60.0)] * 2, timeout=T)
+    next(iter(pipe))
+    pids = pipe.pids
+    t = time.monotonic()
+    pipe.close()
+    assert time.monotonic() - t < 4.0
+    assert all(gone(pid) for pid in pids)
+
+
+# -- the consumer's own faults, in a separate consumer process --------------
+
+CONSUMER = textwrap.dedent(
+    """
+    import json, sys, time
+    import shmpipe
+    from shmpipe.testing.sources import Counter, Sleeper
+
+    if __name__ == "__main__":
+        # worker 0 fills the ring and blocks on it; worker 1 sits in user code
+        pipe = shmpipe.from_iterators([Counter(10**6), Sleeper(60.0)], capacity=4, start_method=sys.argv[1], timeout=30)
+        try:
+            with pipe:
+                it = iter(pipe)
+                first = next(it)
+                print(json.dumps({"pids": pipe.pids, "segment": pipe._res.channel.segment.name}), flush=True)
+                for b in it:
+                    time.sleep(0.01)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(130)
+    """
+)
+
+
+def start_consumer(tmp_path, start_method="forkserver"):
+    script = tmp_path / "consumer.py"
+    script.write_text(CONSUMER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), start_method],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal job is
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise AssertionError("consumer did not start: " + proc.communicate(timeout=10)[1])
+    return proc, json.loads(line)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_consumer_killed_with_sigkill(tmp_path, start_method):
+    proc, info = start_consumer(tmp_path, start_method)
+    assert os.path.exists(_segments.SHM_DIR + info["segment"])
+    proc.kill()
+    proc.wait(timeout=10)
+    # producers notice (even the one inside time.sleep) and take the segment
+    # with them
+    assert wait_until(lambda: all(gone(pid) for pid in info["pids"]), 5.0), "producers outlived the consumer"
+    assert wait_until(lambda: not os.path.exists(_segments.SHM_DIR + info["segment"]), 5.0)
+    proc.communicate(timeout=10)
+
+
+def test_ctrl_c_in_the_consumer(tmp_path):
+    proc, info = start_consumer(tmp_path)
+    t = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    out, err = proc.communicate(timeout=15)
+    assert time.monotonic() - t < 5.0, "shutdown took too long"
+    assert proc.returncode == 130 and "interrupted" in out
+    assert err == "", f"something printed to stderr (a producer's traceback?):\n{err}"
+    assert not os.path.exists(_segments.SHM_DIR + info["segment"])
+    assert all(gone(pid) for pid in info["pids"])
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_no_resource_tracker_noise_or_unlinking(tmp_path, start_method):
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            import shmpipe
+            from shmpipe.testing.sources import Counter
+            if __name__ == "__main__":
+                with shmpipe.from_iterators([Counter(50)] * 2, start_method=sys.argv[1], timeout=30) as pipe:
+                    for i, b in enumerate(pipe):
+                        if i == 10:
+                            name = pipe._res.channel.segment.name
+                            # producers attached long ago; the segment must still be there
+                            assert os.path.exists("/dev/shm" + name)
+                print("ok", flush=True)
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "always", str(script), start_method],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    assert "leaked" not in out.stderr and "resource_tracker" not in out.stderr
+    assert out.stderr == ""
+
+
+# -- sweeping ------------------------------------------------------------------
+
+
+def _dead_owner_name() -> str:
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid = int(f.read()) + 1  # no process can have this pid
+    return f"/{_segments.PREFIX}{pid}-12345-{secrets.token_hex(12)}"
+
+
+def _reused_pid_name() -> str:
+    pid, start = _segments.owner_identity()  # a live pid, but another start time
+    return f"/{_segments.PREFIX}{pid}-{start + 1}-{secrets.token_hex(12)}"
+
+
+def test_shmpipe_clean_removes_only_dead_owners_segments(tmp_path):
+    dead = [_dead_owner_name(), _reused_pid_name()]
+    for name in dead:
+        _ring.Segment.create(name, 4096)
+    live = _ring.Segment.create(_segments.new_segment_name(), 4096)
+    try:
+        dry = subprocess.run(
+            [sys.executable, "-m", "shmpipe", "clean", "--dry-run"],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        )
+        assert dry.returncode == 0 and all(n in dry.stdout for n in dead)
+        assert all(os.path.exists(_segments.SHM_DIR + n) for n in dead)
+        out = subprocess.run(
+            [sys.executable, "-m", "shmpipe", "clean"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+        assert out.returncode == 0, out.stderr
+        for name in dead:
+            assert f"removed {name}" in out.stdout
+            assert not os.path.exists(_segments.SHM_DIR + name)
+        assert live.name not in out.stdout
+        assert os.path.exists(_segments.SHM_DIR + live.name), "a live owner's segment was touched"
+    finally:
+        live.unlink()
+        for name in dead:
+            _ring.unlink_segment(name)
+
+
+def test_a_new_pipeline_sweeps_dead_owners_segments():
+    name = _dead_owner_name()
+    _ring.Segment.create(name, 4096)
+    with shmpipe.from_iterators([Counter(1)], timeout=T) as pipe:
+        assert list(b["seq"] for b in pipe) == [0]
+    assert not os.path.exists(_segments.SHM_DIR + name)

@@ -1,0 +1,29 @@
+"""What `import shmpipe` does and does not do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import shmpipe
+
+
+def test_import_pulls_in_no_heavy_optional_dependency(tmp_path):
+    code = (
+        "import sys, shmpipe; "
+        "heavy = [m for m in ('ray', 'pyarrow', 'tensorflow', 'torch') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_api():
+    for name in shmpipe.__all__:
+        assert hasattr(shmpipe, name), name
+    for name in [n for n in shmpipe.__all__ if n.endswith("Error")]:
+        assert issubclass(getattr(shmpipe, name), shmpipe.ShmpipeError)
+    assert issubclass(shmpipe.PipelineTimeoutError, TimeoutError)
+    assert issubclass(shmpipe.BatchTypeError, TypeError)
+    assert issubclass(shmpipe.SharedMemoryFullError, OSError)

@@ -1,0 +1,321 @@
+"""Pipelines with real producer processes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import _ring, _segments
+from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
+
+from shmpipe.testing.batches import matrix
+from conftest import assert_same
+
+T = 30.0  # no single batch may take longer than this in these tests
+
+
+def segment_of(pipe):
+    return pipe._res.channel.segment
+
+
+def check_counter_batch(b, shape=(16,), dtype=np.float32):
+    want = payload_for(b["worker"], b["seq"], shape, dtype)
+    np.testing.assert_array_equal(b["data"], want)
+    assert float(b["data"].astype(np.float64).sum()) == b["checksum"]
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_every_batch_arrives_exactly_once(ordered):
+    n, per = 3, 40
+    with shmpipe.from_iterators([Counter(per)] * n, ordered=ordered, timeout=T) as pipe:
+        seen = []
+        for b in pipe:
+            check_counter_batch(b)
+            seen.append((b["worker"], b["seq"]))
+    assert sorted(seen) == [(w, s) for w in range(n) for s in range(per)]
+    if ordered:
+        assert seen == [(w, s) for s in range(per) for w in range(n)]
+    assert pipe.stats().per_worker_batches == (per,) * n
+
+
+def test_ordered_round_robin_skips_exhausted_workers():
+    sources = [Counter(3), Counter(5), Counter(1)]
+    with shmpipe.from_iterators(sources, ordered=True, timeout=T) as pipe:
+        seen = [(b["worker"], b["seq"]) for b in pipe]
+    assert seen == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+def test_start_methods(start_method):
+    with shmpipe.from_iterators([Counter(5)] * 2, start_method=start_method, timeout=T) as pipe:
+        assert pipe.start_method == start_method
+        got = sorted((b["worker"], b["seq"]) for b in pipe)
+    assert got == [(w, s) for w in range(2) for s in range(5)]
+
+
+def test_round_trip_matrix_through_producers():
+    batches = [b for _, b in matrix()]
+    with shmpipe.from_iterators([Matrix()], timeout=T, ordered=True) as pipe:
+        count = 0
+        for got, want in zip(pipe, batches):
+            assert_same(got, want)
+            count += 1
+    assert count == len(batches)
+
+
+def test_consumer_arrays_are_the_shared_memory():
+    with shmpipe.from_iterators([Counter(4, shape=(64, 64))] * 2, timeout=T) as pipe:
+        for b in pipe:
+            # the ring exists from the first batch on (it is sized from it)
+            assert np.shares_memory(b["data"], segment_of(pipe).array())
+            assert not b["data"].flags.writeable
+            assert b["data"].ctypes.data % 64 == 0
+
+
+def test_reserve_fills_slots_in_place():
+    with shmpipe.from_iterators([Reserver(20, shape=(256,))] * 2, timeout=T) as pipe:
+        got = []
+        for b in pipe:
+            assert np.shares_memory(b["data"], segment_of(pipe).array())
+            np.testing.assert_array_equal(b["data"], np.full(256, b["seq"] + 1000 * b["worker"], np.float32))
+            got.append((b["worker"], b["seq"]))
+    assert sorted(got) == [(w, s) for w in range(2) for s in range(20)]
+
+
+def test_worker_info_and_seeds():
+    assert shmpipe.get_worker_info() is None
+    with shmpipe.from_iterators([SeedReporter()] * 3, seed=1234, ordered=True, timeout=T) as pipe:
+        first = list(pipe)
+        second = list(pipe)
+    with shmpipe.from_iterators([SeedReporter()] * 3, seed=1234, ordered=True, timeout=T) as pipe:
+        again = list(pipe)
+    assert [b["id"] for b in first] == [0, 1, 2]
+    assert {b["num_workers"] for b in first} == {3}
+    assert [b["epoch"] for b in first] == [0, 0, 0] and [b["epoch"] for b in second] == [1, 1, 1]
+    assert len({b["seed"] for b in first + second}) == 6, "seeds differ per worker and per pass"
+    assert len({b["np"] for b in first}) == 3 and len({b["py"] for b in first}) == 3
+    assert again == first, "the same base seed gives the same seeds and draws"
+    assert first[0]["seed"] == shmpipe._worker.seed_for(1234, 0, 0)
+
+
+def test_a_deterministic_source_gives_a_deterministic_stream():
+    def run(seed):
+        with shmpipe.from_iterators([RandomBatches(6)] * 3, ordered=True, seed=seed, timeout=T) as pipe:
+            return [b.copy() for b in pipe]
+
+    a, b, c = run(7), run(7), run(8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)) and len(a) == 18
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+class RandomBatches:
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self):
+        for _ in range(self.n):
+            yield np.random.random(8)
+
+
+def test_each_iteration_is_a_new_pass():
+    with shmpipe.from_iterators([Counter(6)] * 2, timeout=T) as pipe:
+        for _ in range(3):
+            assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(2) for s in range(6)]
+        assert pipe.stats().passes == 3
+
+
+def test_breaking_out_and_iterating_again():
+    with shmpipe.from_iterators([Counter(50, delay=0.001)] * 2, timeout=T) as pipe:
+        it = iter(pipe)
+        for _ in range(5):
+            next(it)
+        complete = sorted((b["worker"], b["seq"]) for b in pipe)
+        assert complete == [(w, s) for w in range(2) for s in range(50)]
+        with pytest.raises(shmpipe.PipelineClosedError, match="earlier pass"):
+            next(it)
+
+
+def test_empty_sources_end_at_once():
+    with shmpipe.from_iterators([Fixed([])] * 2, timeout=T) as pipe:
+        assert list(pipe) == []
+        assert list(pipe) == []
+
+
+def test_backpressure_bounds_batches_in_flight():
+    cap = 4
+    with shmpipe.from_iterators([Counter(1000)] * 2, capacity=cap, timeout=T) as pipe:
+        it = iter(pipe)
+        held = [next(it), next(it)]
+        import time
+
+        time.sleep(0.5)  # producers run ahead as far as they may
+        ring = pipe._res.channel.ring
+        published = sum(ring.worker_published(w) for w in range(2))
+        states = ring.slot_states()
+        assert published - 2 <= cap - len(held), "more batches in flight than capacity allows"
+        assert states.count(_ring.HELD) == 2
+        assert states.count(_ring.READY) == cap - 2  # the ring is full ...
+        assert pipe.stats().producer_blocked_total_s > 0.2  # ... and the producers wait
+        del held
+
+
+def test_timeout_says_when_the_consumer_holds_every_slot():
+    with shmpipe.from_iterators([Counter(100)], capacity=3, timeout=0.5) as pipe:
+        it = iter(pipe)
+        held = [next(it) for _ in range(3)]
+        with pytest.raises(shmpipe.PipelineTimeoutError, match="all 3 slots are held") as info:
+            next(it)
+        assert isinstance(info.value, TimeoutError)
+        del held[0]  # let one go: the pipeline carries on
+        b = next(it)
+        assert b["seq"] == 3
+
+
+def test_slot_size_from_first_batch_with_headroom():
+    first = np.zeros(100_000, np.uint8)
+    with shmpipe.from_iterators([Fixed([first, np.zeros(110_000, np.uint8)])], timeout=T) as pipe:
+        assert [len(b) for b in pipe] == [100_000, 110_000]
+        assert pipe.slot_size >= 1.25 * 100_000 and pipe.slot_size % 4096 == 0
+
+
+def test_batch_too_large_is_a_clear_error():
+    batches = [np.zeros(1000, np.uint8), np.zeros(1_000_000, np.uint8)]
+    with shmpipe.from_iterators([Fixed(batches)], timeout=T) as pipe:
+        it = iter(pipe)
+        next(it)
+        with pytest.raises(shmpipe.BatchTooLargeError, match="slot_size=") as info:
+            next(it)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value.__cause__, shmpipe.WorkerError)
+    assert info.value.__cause__.worker_id == 0
+
+
+def test_explicit_slot_size():
+    with shmpipe.from_iterators([Fixed([np.zeros(200_000, np.uint8)])], slot_size=300_000, timeout=T) as pipe:
+        assert pipe.slot_size == 303_104  # rounded up to pages
+        assert [b.nbytes for b in pipe] == [200_000]
+
+
+def test_a_bad_batch_in_a_producer_is_a_type_error_with_its_path():
+    bad = [{"ok": np.zeros(2)}, {"ok": np.zeros(2), "x": [1, 2, {"deep": np.array([None])}]}]
+    with shmpipe.from_iterators([Fixed(bad)], timeout=T) as pipe:
+        with pytest.raises(TypeError, match=r"batch\['x'\]\[2\]\['deep'\]") as info:
+            for _ in pipe:
+                pass
+    assert isinstance(info.value, shmpipe.BatchTypeError)
+    assert "worker 0" in str(info.value.__cause__)
+
+
+def test_stats():
+    with shmpipe.from_iterators([Counter(30, shape=(1000,))] * 2, timeout=T) as pipe:
+        nbytes = 0
+        for b in pipe:
+            nbytes += b["data"].nbytes
+        s = pipe.stats()
+    assert s.batches == 60 and s.per_worker_batches == (30, 30)
+    assert s.bytes > nbytes  # payload bytes: arrays plus layout
+    assert 0 < s.wait_p50_s <= s.wait_p99_s <= s.wait_max_s
+    assert s.wait_total_s >= s.wait_max_s
+    assert abs(s.wait_mean_s - s.wait_total_s / 60) < 1e-9
+    assert 0 < s.time_to_first_batch_s < T
+    assert 0 < s.stall_fraction <= 1.0 and s.wall_s >= s.wait_total_s
+    assert len(s.producer_blocked_s) == 2 and s.producer_blocked_total_s >= 0
+    assert s.passes == 1 and s.capacity == 6 and s.num_workers == 2
+    d = s.as_dict()
+    assert d["batches"] == 60 and "producer_blocked_total_s" in d
+    text = str(s)
+    assert "60 batches" in text and "stall fraction" in text and "p99" in text
+
+
+def test_close_while_arrays_are_alive():
+    pipe = shmpipe.from_iterators([Counter(5, shape=(1000,))], capacity=8, timeout=T)
+    kept = [b["data"] for b in pipe]
+    name = segment_of(pipe).name
+    pipe.close()
+    pipe.close()  # idempotent
+    assert pipe.closed
+    assert not os.path.exists(_segments.SHM_DIR + name), "close() must destroy the segment's name"
+    for seq, arr in enumerate(kept):  # still mapped, still intact
+        np.testing.assert_array_equal(arr, payload_for(0, seq, (1000,)))
+    del pipe
+    gc.collect()
+    assert sum(float(a.sum()) for a in kept) == sum(float(payload_for(0, s, (1000,)).sum()) for s in range(5))
+
+
+def test_a_closed_pipeline_cannot_be_iterated():
+    pipe = shmpipe.from_iterators([Counter(3)], timeout=T)
+    it = iter(pipe)
+    next(it)
+    pipe.close()
+    with pytest.raises(shmpipe.PipelineClosedError):
+        next(it)
+    with pytest.raises(shmpipe.PipelineClosedError):
+        iter(pipe)
+
+
+def test_a_forgotten_pipeline_cleans_up_when_collected():
+    pipe = shmpipe.from_iterators([Counter(3)], timeout=T)
+    next(iter(pipe))
+    pids = pipe.pids
+    del pipe
+    gc.collect()
+    for pid in pids:
+        assert _segments.process_start_time(pid) is None  # stopped and reaped
+    # the autouse fixture checks that the segment is gone too
+
+
+def test_unpicklable_source_is_a_clear_error():
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="cannot be pickled") as info:
+        shmpipe.from_iterators([lambda: iter([])])
+    assert isinstance(info.value, TypeError)
+    assert "top level" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(capacity=0), ValueError, "capacity"),
+        (dict(capacity=2.5), ValueError, "capacity"),
+        (dict(ordered=True, capacity=2), ValueError, "capacity >= 3"),
+        (dict(transport="carrier-pigeon"), ValueError, "known transports: shm"),
+        (dict(timeout=-1), ValueError, "timeout"),
+        (dict(slot_size=0), ValueError, "slot_size"),
+        (dict(seed=-3), ValueError, "seed"),
+        (dict(start_method="teleport"), ValueError, "start_method"),
+    ],
+)
+def test_bad_arguments(kwargs, error, words):
+    with pytest.raises(error, match=words) as info:
+        shmpipe.from_iterators([Counter(1)] * 2, **kwargs)
+    assert isinstance(info.value, shmpipe.ShmpipeError)
+
+
+@pytest.mark.parametrize(
+    "sources, words",
+    [
+        ([], "empty"),
+        (Counter(1), "sequence of callables"),
+        ([Counter(1)()], "not a callable"),
+        (3, "sequence of callables"),
+    ],
+)
+def test_bad_sources(sources, words):
+    with pytest.raises(shmpipe.ShmpipeError, match=words):
+        shmpipe.from_iterators(sources)
+
+
+def test_errors_pickle():
+    for exc in [
+        shmpipe.BatchTypeError("bad", "batch['x']"),
+        shmpipe.BatchTooLargeError(10, 5),
+        shmpipe.WorkerError(1, 2, "ValueError", "m", "tb"),
+        shmpipe.WorkerDiedError(1, 2, -9),
+        shmpipe.SharedMemoryFullError(10, 5),
+    ]:
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is type(exc) and str(again) == str(exc)

@@ -1,0 +1,374 @@
+"""The ring in one process: real shared memory, both ends attached separately
+(as a producer process would), threads where a call must block."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import threading
+import textwrap
+
+import numpy as np
+import pytest
+
+from shmpipe import _ring, _segments
+from shmpipe._shm import ShmConsumer, attach_producer
+from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
+
+WAIT = 2.0  # seconds any single wait in these tests may take
+
+
+@pytest.fixture
+def make_ring():
+    made = []
+
+    def make(num_workers=1, capacity=4, slot_size=8192, ordered=False):
+        c = ShmConsumer(
+            num_workers=num_workers, capacity=capacity, slot_size=slot_size, ordered=ordered, first_pass=0
+        )
+        made.append(c)
+        writers = [attach_producer(c.handle, w) for w in range(num_workers)]
+        for w in writers:
+            w.start_pass(0)
+        return c, writers
+
+    yield make
+    for c in made:
+        c.close()
+        c.destroy()
+
+
+def take(c, worker=-1, wseq=0, pass_no=0, wait=WAIT):
+    r = c.take(worker, wseq, pass_no, wait)
+    assert r is not _ring.AGAIN, "nothing arrived within the wait"
+    return r
+
+
+def slot_of(batch):
+    arr = batch if isinstance(batch, np.ndarray) else batch["x"]
+    return arr.base.base.slot  # field -> root -> lease
+
+
+def in_thread(fn, *args):
+    """Runs fn in a thread; returns (thread, result list)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_slot_reuse(make_ring):
+    # A slot freed is the first one a producer finds again (warm in cache).
+    c, (w,) = make_ring(capacity=3)
+    for i in range(100):
+        w.put({"x": np.full(10, i, np.int64)})
+        b = take(c)
+        np.testing.assert_array_equal(b["x"], np.full(10, i))
+        assert slot_of(b) == 0
+        del b
+    assert c.ring.slot_states() == [_ring.FREE] * 3
+
+
+def test_wraparound(make_ring):
+    # The consumer keeps its last two batches: with 3 slots the producers
+    # must go round the ring, and worker 1 (which starts its search in the
+    # middle) wraps past the end.
+    c, ws = make_ring(num_workers=2, capacity=3)
+    kept = []
+    slots = []
+    for i in range(60):
+        ws[i % 2].put({"x": np.full(10, i, np.int64)})
+        b = take(c)
+        np.testing.assert_array_equal(b["x"], np.full(10, i))
+        slots.append(slot_of(b))
+        kept.append(b)
+        if len(kept) > 2:
+            del kept[0]
+        for j, k in enumerate(kept):  # what is kept never changes
+            assert k["x"][0] == i - len(kept) + 1 + j
+    assert set(slots) == {0, 1, 2}
+    assert all(slots[i] != slots[i + 1] != slots[i + 2] != slots[i] for i in range(len(slots) - 2))
+
+
+def test_producer_waits_until_the_consumer_lets_go(make_ring):
+    c, (w,) = make_ring(capacity=2)
+    w.put({"x": np.zeros(4)})
+    w.put({"x": np.ones(4)})
+    a, b = take(c), take(c)
+    assert c.ring.slot_states() == [_ring.HELD, _ring.HELD]
+    t, done = in_thread(w.put, {"x": np.full(4, 2.0)})
+    t.join(0.3)
+    assert t.is_alive(), "put() returned although every slot is held"
+    del a  # the only reference to the first batch: its slot goes back
+    t.join(WAIT)
+    assert not t.is_alive() and done == [None]
+    c3 = take(c)
+    np.testing.assert_array_equal(c3["x"], np.full(4, 2.0))
+    np.testing.assert_array_equal(b["x"], np.ones(4))
+
+
+def test_out_of_order_release_and_held_views_never_change(make_ring):
+    c, (w,) = make_ring(capacity=4)
+    held = []
+    for i in range(3):
+        w.put({"x": np.full(1000, i, np.float64)})
+        held.append(take(c))
+    freed = slot_of(held[1])
+    del held[1]  # release the middle one first
+    for i in range(50):  # churn through the remaining slots
+        w.put({"x": np.full(1000, 100 + i, np.float64)})
+        b = take(c)
+        assert slot_of(b) != slot_of(held[0]) and slot_of(b) != slot_of(held[1])
+        del b
+    np.testing.assert_array_equal(held[0]["x"], np.full(1000, 0.0))
+    np.testing.assert_array_equal(held[1]["x"], np.full(1000, 2.0))
+    assert c.ring.slot_states()[freed] == _ring.FREE
+
+
+def test_a_field_kept_alone_keeps_the_slot(make_ring):
+    c, (w,) = make_ring(capacity=2)
+    w.put({"x": np.arange(5), "y": np.arange(3)})
+    b = take(c)
+    y = b["y"]
+    s = slot_of(b)
+    del b
+    assert c.ring.slot_states()[s] == _ring.HELD
+    view = y[1:]  # a view of a field still counts
+    del y
+    assert c.ring.slot_states()[s] == _ring.HELD
+    np.testing.assert_array_equal(view, [1, 2])
+    del view
+    assert c.ring.slot_states()[s] == _ring.FREE
+
+
+def test_consumer_arrays_cannot_be_made_writeable(make_ring):
+    c, (w,) = make_ring()
+    w.put({"x": np.arange(5)})
+    b = take(c)
+    assert not b["x"].flags.writeable
+    with pytest.raises(ValueError):
+        b["x"].flags.writeable = True
+    with pytest.raises(ValueError):
+        b["x"][0] = 1
+    assert b["x"].ctypes.data % 64 == 0
+    assert np.shares_memory(b["x"], c.segment.array())
+
+
+def test_unordered_takes_in_publication_order(make_ring):
+    c, ws = make_ring(num_workers=3, capacity=8)
+    order = [(2, 0), (0, 0), (1, 0), (0, 1), (2, 1)]
+    for worker, seq in order:
+        ws[worker].put({"w": worker, "s": seq})
+    got = [take(c) for _ in order]
+    assert [(b["w"], b["s"]) for b in got] == order
+
+
+def test_end_of_pass_needs_every_worker(make_ring):
+    c, ws = make_ring(num_workers=2, capacity=4)
+    ws[0].put({"x": 1})
+    ws[0].finish_pass()
+    assert take(c) == {"x": 1}
+    assert c.take(-1, 0, 0, 0.05) is _ring.AGAIN  # worker 1 has not finished
+    ws[1].put({"x": 2})
+    ws[1].finish_pass()
+    assert take(c) == {"x": 2}
+    assert take(c) is _ring.END
+
+
+def test_ordered_take_and_quota(make_ring):
+    # 2 workers, capacity 3: each may have (3 - 1) // 2 = 1 batch in flight.
+    c, ws = make_ring(num_workers=2, capacity=3, ordered=True)
+    assert c.ring.quota == 1
+    ws[1].put({"w": 1, "s": 0})
+    t, done = in_thread(ws[1].put, {"w": 1, "s": 1})
+    t.join(0.3)
+    assert t.is_alive(), "worker 1 went past its quota"
+    ws[0].put({"w": 0, "s": 0})  # a slot is left for worker 0
+    first = take(c, worker=0, wseq=0)
+    assert first == {"w": 0, "s": 0}
+    assert take(c, worker=1, wseq=0) == {"w": 1, "s": 0}  # frees worker 1's quota
+    t.join(WAIT)
+    assert done == [None]
+    assert take(c, worker=1, wseq=1) == {"w": 1, "s": 1}
+    ws[0].finish_pass()
+    assert take(c, worker=0, wseq=1) is _ring.END
+
+
+def test_new_pass_cancels_producers_and_discards_stale_batches(make_ring):
+    c, (w,) = make_ring(capacity=3)
+    w.put({"p": 0, "s": 0})
+    w.put({"p": 0, "s": 1})
+    assert c.begin_pass() == 1
+    with pytest.raises(_ring.PassCancelled):
+        w.put({"p": 0, "s": 2})
+    w.start_pass(1)
+    w.put({"p": 1, "s": 0})
+    assert take(c, pass_no=1) == {"p": 1, "s": 0}  # the stale ones were skipped ...
+    assert c.ring.slot_states().count(_ring.READY) == 0  # ... and freed
+    w.finish_pass()
+    assert take(c, pass_no=1) is _ring.END
+
+
+def test_close_stops_a_waiting_producer(make_ring):
+    c, (w,) = make_ring(capacity=1)
+    w.put({"x": 0})
+    errors = []
+
+    def blocked_put():
+        try:
+            w.put({"x": 1})
+        except _ring.RingClosed as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked_put, daemon=True)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive()
+    c.close()
+    t.join(WAIT)
+    assert len(errors) == 1
+
+
+def test_reserve_publishes_in_place(make_ring):
+    c, (w,) = make_ring(capacity=2, slot_size=1 << 16)
+    r = w.reserve({"x": _ring_spec((100,), np.float32), "tag": "t"})
+    assert r["x"].flags.writeable
+    r["x"][:] = np.arange(100)
+    offset = r["x"].ctypes.data - w.ring.segment.address
+    w.put(r)
+    assert not r["x"].flags.writeable, "the producer's arrays must be sealed once published"
+    b = take(c)
+    # The consumer reads the very bytes written (each end has its own
+    # mapping, so compare offsets in the segment).
+    assert b["x"].ctypes.data - c.segment.address == offset
+    np.testing.assert_array_equal(b["x"], np.arange(100))
+    assert b["tag"] == "t"
+
+
+def test_reserve_then_yield_something_else_copies_and_frees(make_ring):
+    c, (w,) = make_ring(capacity=2, slot_size=1 << 16)
+    r = w.reserve({"x": _ring_spec((10,), np.int32)})
+    r["x"][:] = 7
+    w.put((r["x"], "other structure"))  # not what reserve returned: copied
+    assert c.ring.slot_states().count(_ring.WRITING) == 0
+    b = take(c)
+    np.testing.assert_array_equal(b[0], np.full(10, 7))
+
+
+def test_reserve_twice_without_yielding_is_an_error(make_ring):
+    c, (w,) = make_ring(capacity=3, slot_size=1 << 16)
+    w.reserve({"x": _ring_spec((4,), np.int8)})
+    with pytest.raises(ValueError, match="reserve"):
+        w.reserve({"x": _ring_spec((4,), np.int8)})
+
+
+def test_batch_too_large_names_the_option(make_ring):
+    c, (w,) = make_ring(slot_size=8192)
+    with pytest.raises(ValueError, match=r"slot_size=1 << 20") as info:
+        w.put(np.zeros(10_000, np.float64))
+    assert info.value.nbytes > 80_000 and info.value.slot_size == 8192
+    assert c.ring.slot_states() == [_ring.FREE] * 4  # nothing claimed
+
+
+def _ring_spec(shape, dtype):
+    from shmpipe import ArraySpec
+
+    return ArraySpec(shape, dtype)
+
+
+# -- the segment -------------------------------------------------------------
+
+
+def test_segment_name_mode_and_exclusive_creation(make_ring):
+    c, _ = make_ring()
+    name = c.handle.name
+    assert _segments.parse_name(name) == _segments.owner_identity()
+    assert len(name.rsplit("-", 1)[1]) == 24  # 96 random bits
+    st = os.stat(_segments.SHM_DIR + name)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_size == c.segment.size
+    with pytest.raises(FileExistsError):
+        _ring.Segment.create(name, 4096)
+
+
+def test_space_is_reserved_up_front():
+    name = _segments.new_segment_name()
+    free = os.statvfs(_segments.SHM_DIR).f_bavail * os.statvfs(_segments.SHM_DIR).f_frsize
+    with pytest.raises(OSError) as info:
+        _ring.Segment.create(name, free + (1 << 30))
+    assert info.value.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+    assert not os.path.exists(_segments.SHM_DIR + name), "a failed create must not leave the name"
+
+
+def test_too_small_dev_shm_is_a_clear_error():
+    free = os.statvfs(_segments.SHM_DIR).f_bavail * os.statvfs(_segments.SHM_DIR).f_frsize
+    with pytest.raises(SharedMemoryFullError) as info:
+        ShmConsumer(num_workers=1, capacity=2, slot_size=free, ordered=False, first_pass=0)
+    err = info.value
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+    assert err.needed > err.available
+    assert f"{err.needed:,}" in str(err) and "--shm-size" in str(err)
+
+
+def _corrupt(name, offset, data):
+    fd = os.open(_segments.SHM_DIR + name, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "offset, data, words",
+    [
+        (0, b"NOTMAGIC", "bad magic"),
+        (8, (99).to_bytes(4, "little"), "layout version"),
+        (40, (0).to_bytes(4, "little"), "inconsistent"),  # nslots
+        (24, (12345).to_bytes(8, "little"), "inconsistent"),  # slot_size
+        (32, (1 << 50).to_bytes(8, "little"), "inconsistent"),  # total size
+    ],
+)
+def test_corrupted_header_is_an_error(make_ring, offset, data, words):
+    c, _ = make_ring()
+    _corrupt(c.handle.name, offset, data)
+    with pytest.raises(CorruptSegmentError, match=words):
+        attach_producer(c.handle, 0)
+
+
+def test_a_segment_of_someone_else_is_refused(make_ring):
+    c, _ = make_ring()
+    from shmpipe._shm import ShmHandle
+
+    with pytest.raises(CorruptSegmentError, match="belongs to pid"):
+        attach_producer(ShmHandle(c.handle.name, 1, 1), 0)
+
+
+def test_a_forked_child_does_not_release_the_parents_slots(tmp_path):
+    script = textwrap.dedent(
+        """
+        import os, numpy as np
+        from shmpipe import _ring
+        from shmpipe._shm import ShmConsumer, attach_producer
+        c = ShmConsumer(num_workers=1, capacity=2, slot_size=8192, ordered=False, first_pass=0)
+        w = attach_producer(c.handle, 0); w.start_pass(0)
+        w.put({"x": np.arange(3)})
+        b = c.take(-1, 0, 0, 2.0)
+        pid = os.fork()
+        if pid == 0:
+            del b          # the child's copy of the lease is freed here ...
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(c.ring.slot_states()[0] == _ring.HELD)   # ... but the slot stays held
+        del b
+        print(c.ring.slot_states()[0] == _ring.FREE)
+        c.close(); c.destroy()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
