@@ -116,8 +116,13 @@ CONSUMER = textwrap.dedent(
     from shmpipe.testing.sources import Counter, Sleeper
 
     if __name__ == "__main__":
-        # worker 0 fills the ring and blocks on it; worker 1 sits in user code
-        pipe = shmpipe.from_iterators([Counter(10**6), Sleeper(60.0)], capacity=4, start_method=sys.argv[1], timeout=30)
+        if sys.argv[2] == "busy":
+            # worker 0 fills the ring and blocks on it; worker 1 sits in user code
+            sources = [Counter(10**6), Sleeper(60.0)]
+        else:
+            # both sit in user code: the consumer waits inside the ring's futex
+            sources = [Sleeper(60.0), Sleeper(60.0)]
+        pipe = shmpipe.from_iterators(sources, capacity=4, start_method=sys.argv[1], timeout=30)
         try:
             with pipe:
                 it = iter(pipe)
@@ -132,11 +137,11 @@ CONSUMER = textwrap.dedent(
 )
 
 
-def start_consumer(tmp_path, start_method="forkserver"):
+def start_consumer(tmp_path, start_method="forkserver", mode="busy"):
     script = tmp_path / "consumer.py"
     script.write_text(CONSUMER)
     proc = subprocess.Popen(
-        [sys.executable, str(script), start_method],
+        [sys.executable, str(script), start_method, mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -163,8 +168,11 @@ def test_consumer_killed_with_sigkill(tmp_path, start_method):
     proc.communicate(timeout=10)
 
 
-def test_ctrl_c_in_the_consumer(tmp_path):
-    proc, info = start_consumer(tmp_path)
+@pytest.mark.parametrize("mode", ["busy", "waiting"])
+def test_ctrl_c_in_the_consumer(tmp_path, mode):
+    proc, info = start_consumer(tmp_path, mode=mode)
+    if mode == "waiting":
+        time.sleep(0.3)  # well inside the wait for the second batch
     t = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
     out, err = proc.communicate(timeout=15)
@@ -206,6 +214,32 @@ def test_no_resource_tracker_noise_or_unlinking(tmp_path, start_method):
     assert out.stdout.strip() == "ok"
     assert "leaked" not in out.stderr and "resource_tracker" not in out.stderr
     assert out.stderr == ""
+
+
+def test_a_script_that_never_closes_its_pipeline(tmp_path):
+    script = tmp_path / "forgetful.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import shmpipe
+            from shmpipe.testing.sources import Counter, Sleeper
+            if __name__ == "__main__":
+                pipe = shmpipe.from_iterators([Counter(10**6), Sleeper(60.0)], timeout=30)
+                it = iter(pipe)
+                batch = next(it)
+                print(pipe._res.channel.segment.name, *pipe.pids, flush=True)
+                # exits here, holding a batch, without close()
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    name, *pids = out.stdout.split()
+    assert not os.path.exists(_segments.SHM_DIR + name)
+    assert wait_until(lambda: all(gone(int(pid)) for pid in pids), 5.0)
 
 
 # -- sweeping ------------------------------------------------------------------

@@ -294,6 +294,21 @@ def test_segment_name_mode_and_exclusive_creation(make_ring):
         _ring.Segment.create(name, 4096)
 
 
+def test_pages_are_touched_at_creation():
+    import ctypes
+    import resource
+
+    size = 64 << 20
+    seg = _ring.Segment.create(_segments.new_segment_name(), size)
+    try:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        ctypes.memset(seg.address, 1, size)  # the first write to every page
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        assert faults < (size // 4096) // 20, f"{faults} page faults on a populated mapping"
+    finally:
+        seg.unlink()
+
+
 def test_space_is_reserved_up_front():
     name = _segments.new_segment_name()
     free = os.statvfs(_segments.SHM_DIR).f_bavail * os.statvfs(_segments.SHM_DIR).f_frsize
