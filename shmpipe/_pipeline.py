@@ -13,6 +13,7 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -108,17 +109,15 @@ class _Resources:
     """Everything a pipeline must release, apart from the Pipeline object so
     a weakref.finalize can release it without keeping the Pipeline alive."""
 
-    __slots__ = ("processes", "conns", "channel", "closing")
+    __slots__ = ("processes", "conns", "channel")
 
     def __init__(self) -> None:
         self.processes: list = []
         self.conns: list = []
         self.channel: ShmConsumer | None = None
-        self.closing = False
 
 
 def _shutdown(res: _Resources) -> None:
-    res.closing = True
     channel = res.channel
     if channel is not None:
         channel.close()  # producers waiting for a slot return at once
@@ -445,6 +444,8 @@ class Pipeline:
 
     def _waited(self, t0: int) -> None:
         """Nothing came within one POLL_S: look at the producers and the clock."""
+        if self._closed:  # close() from another thread while this one waited
+            raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         now = time.perf_counter_ns()
         self._check_health(now)
         if self.timeout is not None and now - t0 >= self.timeout * 1e9:
@@ -573,7 +574,19 @@ def _check_sources(sources: Any) -> list:
 def _check_picklable(sources: list, method: str) -> None:
     from multiprocessing.reduction import ForkingPickler
 
+    main = sys.modules.get("__main__")
+    interactive = getattr(main, "__file__", None) is None
     for i, s in enumerate(sources):
+        module = getattr(s, "__module__", None) or type(s).__module__
+        if interactive and module == "__main__":
+            # Pickled by reference to __main__, which a fresh producer process
+            # cannot import when __main__ is a notebook or an interactive shell.
+            raise ShmpipeTypeError(
+                f"source {i} ({s!r}) is defined in an interactive session, where a "
+                f"{method!r} producer process cannot import it; move it to a module (a .py "
+                "file) and import it from there, or pass start_method='fork' (not safe "
+                "once TensorFlow or CUDA have started threads)."
+            )
         try:
             ForkingPickler.dumps(s)
         except Exception as exc:

@@ -319,3 +319,44 @@ def test_errors_pickle():
     ]:
         again = pickle.loads(pickle.dumps(exc))
         assert type(again) is type(exc) and str(again) == str(exc)
+
+
+def test_close_from_another_thread_wakes_the_waiting_consumer():
+    import threading
+    import time
+
+    from shmpipe.testing.sources import Sleeper
+
+    pipe = shmpipe.from_iterators([Sleeper(60.0)], timeout=T)
+    it = iter(pipe)
+    next(it)
+    errors = []
+
+    def consume():
+        try:
+            next(it)  # waits: the producer sleeps
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.3)
+    pipe.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], shmpipe.PipelineClosedError), errors
+
+
+def test_a_source_from_an_interactive_session_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import shmpipe\n"
+        "def gen():\n    yield 1\n"
+        "try:\n    shmpipe.from_iterators([gen])\n"
+        "except shmpipe.ShmpipeTypeError as e:\n    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "interactive session" in out.stdout

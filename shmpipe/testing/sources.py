@@ -66,62 +66,63 @@ class Fixed:
         yield from self.batches
 
 
-class Raiser:
-    """Yields `after` batches, then raises `exc_type(message)`."""
+class _FailsAfter:
+    """Yields `after` batches {"worker", "seq"}, then fails (how: fail())
+    in worker `only_worker` (every worker if None); the other workers keep
+    producing slowly, so the consumer is never starved."""
 
-    def __init__(self, after: int, exc_type: type = ValueError, message: str = "boom from the source", only_worker: int | None = None):
-        self.after, self.exc_type, self.message, self.only_worker = after, exc_type, message, only_worker
+    def __init__(self, after: int, only_worker: int | None):
+        self.after, self.only_worker = after, only_worker
+
+    def fail(self) -> None:
+        raise NotImplementedError
 
     def __call__(self):
         worker = shmpipe.get_worker_info().id
         for seq in range(self.after):
             yield {"worker": worker, "seq": seq}
         if self.only_worker is None or worker == self.only_worker:
-            raise self.exc_type(self.message)
-        while True:  # the other workers keep producing
-            seq += 1
+            self.fail()
+        seq = self.after
+        while True:
             time.sleep(0.01)
             yield {"worker": worker, "seq": seq}
+            seq += 1
 
 
-class Killer:
-    """Yields `after` batches, then kills its own process with `sig`
-    (worker `only_worker`, or every worker)."""
+class Raiser(_FailsAfter):
+    """Fails by raising `exc_type(message)`."""
+
+    def __init__(self, after: int, exc_type: type = ValueError, message: str = "boom from the source",
+                 only_worker: int | None = None):
+        super().__init__(after, only_worker)
+        self.exc_type, self.message = exc_type, message
+
+    def fail(self) -> None:
+        raise self.exc_type(self.message)
+
+
+class Killer(_FailsAfter):
+    """Fails by killing its own process with `sig`."""
 
     def __init__(self, after: int, sig: int = signal.SIGKILL, only_worker: int | None = 0):
-        self.after, self.sig, self.only_worker = after, sig, only_worker
+        super().__init__(after, only_worker)
+        self.sig = sig
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
-        seq = 0
-        for seq in range(self.after):
-            yield {"worker": worker, "seq": seq}
-        if self.only_worker is None or worker == self.only_worker:
-            os.kill(os.getpid(), self.sig)
-            time.sleep(10)
-        while True:
-            seq += 1
-            time.sleep(0.01)
-            yield {"worker": worker, "seq": seq}
+    def fail(self) -> None:
+        os.kill(os.getpid(), self.sig)
+        time.sleep(10)
 
 
-class Exiter:
-    """Yields `after` batches, then leaves with os._exit(code)."""
+class Exiter(_FailsAfter):
+    """Fails by leaving with os._exit(code)."""
 
     def __init__(self, after: int, code: int = 3, only_worker: int | None = 0):
-        self.after, self.code, self.only_worker = after, code, only_worker
+        super().__init__(after, only_worker)
+        self.code = code
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
-        seq = 0
-        for seq in range(self.after):
-            yield {"worker": worker, "seq": seq}
-        if self.only_worker is None or worker == self.only_worker:
-            os._exit(self.code)
-        while True:
-            seq += 1
-            time.sleep(0.01)
-            yield {"worker": worker, "seq": seq}
+    def fail(self) -> None:
+        os._exit(self.code)
 
 
 class Reserver:
