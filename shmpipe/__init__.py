@@ -18,6 +18,7 @@ TensorFlow).
 """
 
 from shmpipe._pipeline import Pipeline, from_iterators
+from shmpipe.registry import available_transports, get_transport, register_transport
 from shmpipe._segments import sweep as _sweep
 from shmpipe._spec import ArraySpec
 from shmpipe._stats import PipelineStats
@@ -30,6 +31,7 @@ from shmpipe.errors import (
     PipelineTimeoutError,
     SharedMemoryFullError,
     ShmpipeError,
+    TransportUnavailableError,
     ShmpipeTypeError,
     ShmpipeValueError,
     WorkerDiedError,
@@ -51,12 +53,16 @@ __all__ = [
     "ShmpipeError",
     "ShmpipeTypeError",
     "ShmpipeValueError",
+    "TransportUnavailableError",
     "WorkerDiedError",
     "WorkerError",
     "WorkerInfo",
+    "available_transports",
     "clean",
     "from_iterators",
+    "get_transport",
     "get_worker_info",
+    "register_transport",
     "reserve",
 ]
 

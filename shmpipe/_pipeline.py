@@ -1,37 +1,38 @@
-"""Pipeline: N producer processes, one consumer, one data channel.
+"""Pipeline: N producers, one consumer, one channel.
 
-The consumer (this process) starts the producers, tells them when a pass
-begins, takes their batches from the channel, watches for their errors and
-deaths, and stops them on close. Batches themselves never touch the control
-pipes; see _worker.py for the control protocol and _shm.py for the channel.
+The consumer (this process) iterates passes, asks the channel for the next
+batch in the order the user wants, keeps the statistics, enforces timeouts,
+and turns a producer's failure into an error once the batches it published
+before failing are delivered. Starting and watching the producers is the
+launcher's job (_launch.py, or the transport's own); moving batches is the
+transport's (transport.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
-import multiprocessing.connection
-import os
 import secrets
-import signal
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from shmpipe import _ring, _segments
-from shmpipe._shm import ShmConsumer, check_slot_size, slot_size_for
+from shmpipe import _segments
+from shmpipe._launch import ProcessLauncher
+from shmpipe._shm import check_slot_size
 from shmpipe._stats import PipelineStats, WaitHistogram
-from shmpipe._worker import producer_main, seed_for
+from shmpipe._worker import seed_for
 from shmpipe.errors import (
     PipelineClosedError,
     PipelineTimeoutError,
     ShmpipeTypeError,
     ShmpipeValueError,
-    WorkerDiedError,
     WorkerError,
 )
+from shmpipe.registry import resolve_transport
+from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, Transport
 
 __all__ = ["Pipeline", "from_iterators"]
 
@@ -44,11 +45,6 @@ POLL_S = 0.1
 #: While batches keep coming, how often the consumer still checks that every
 #: producer is alive.
 HEALTH_CHECK_NS = 250_000_000
-#: close(): how long producers get to exit on their own before SIGTERM, and
-#: again before SIGKILL.
-GRACE_S = 1.0
-
-TRANSPORTS = ("shm",)
 
 
 def default_start_method() -> str:
@@ -59,7 +55,7 @@ def default_start_method() -> str:
 def from_iterators(
     sources: Sequence[Source],
     *,
-    transport: str = "shm",
+    transport: str | Transport = "shm",
     capacity: int | None = None,
     ordered: bool = False,
     start_method: str | None = None,
@@ -77,7 +73,10 @@ def from_iterators(
     scalars).
 
     Args:
-        transport: the data channel; ``"shm"``, the shared-memory ring.
+        transport: how batches travel: ``"shm"`` (the shared-memory ring),
+            ``"arrow"``, ``"ray"``, ``"queue"``, a plugin's name, or a
+            Transport instance (for options: ``RayTransport(address=...)``).
+            See ``shmpipe.available_transports()``.
         capacity: slots in the ring, i.e. the most batches in flight,
             including those the consumer still holds. Default ``2 * len(sources) + 2``.
         ordered: False yields whichever batch is ready first; True yields
@@ -103,53 +102,6 @@ def from_iterators(
         slot_size=slot_size,
         seed=seed,
     )
-
-
-class _Resources:
-    """Everything a pipeline must release, apart from the Pipeline object so
-    a weakref.finalize can release it without keeping the Pipeline alive."""
-
-    __slots__ = ("processes", "conns", "channel")
-
-    def __init__(self) -> None:
-        self.processes: list = []
-        self.conns: list = []
-        self.channel: ShmConsumer | None = None
-
-
-def _shutdown(res: _Resources) -> None:
-    channel = res.channel
-    if channel is not None:
-        channel.close()  # producers waiting for a slot return at once
-    for conn in res.conns:
-        try:
-            conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
-    if channel is not None:
-        try:
-            channel.destroy()  # the name goes now; live arrays keep their memory
-        except OSError:
-            pass
-    _reap(res.processes)
-    for conn in res.conns:
-        conn.close()
-    res.channel = None
-
-
-def _reap(processes: list) -> None:
-    deadline = time.monotonic() + GRACE_S
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for sig_method in ("terminate", "kill"):
-        alive = [p for p in processes if p.exitcode is None]
-        if not alive:
-            break
-        for p in alive:
-            getattr(p, sig_method)()
-        deadline = time.monotonic() + GRACE_S
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
 
 
 class _PassIterator:
@@ -189,7 +141,7 @@ class Pipeline:
         self,
         sources: Sequence[Source],
         *,
-        transport: str = "shm",
+        transport: str | Transport = "shm",
         capacity: int | None = None,
         ordered: bool = False,
         start_method: str | None = None,
@@ -200,10 +152,8 @@ class Pipeline:
         self._closed = True  # until the producers exist
         sources = _check_sources(sources)
         n = len(sources)
-        if transport not in TRANSPORTS:
-            raise ShmpipeValueError(
-                f"unknown transport {transport!r}; known transports: {', '.join(TRANSPORTS)}"
-            )
+        transport = resolve_transport(transport)
+        caps = transport.capabilities
         if capacity is None:
             capacity = 2 * n + 2
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
@@ -227,7 +177,7 @@ class Pipeline:
                 f"unknown start_method {method!r}; this platform has "
                 f"{', '.join(multiprocessing.get_all_start_methods())}"
             )
-        if method != "fork":
+        if method != "fork" and not caps.own_producers:
             _check_picklable(sources, method)
 
         self.transport = transport
@@ -240,10 +190,8 @@ class Pipeline:
         self._slot_size = slot_size
         self._pass_no = 0
         self._first_iter = True  # pass 0 starts with the producers
-        self._need_ring = 0  # largest first batch a producer asked for
         self._failure: BaseException | None = None  # raised once published batches are out
-        self._res = _Resources()
-        self._finalizer = weakref.finalize(self, _shutdown, self._res)
+        self._channel = None  # the launcher's, once open
 
         # counters behind stats()
         self._created_ns = time.perf_counter_ns()
@@ -258,59 +206,29 @@ class Pipeline:
         self._blocked_s = [0.0] * n
 
         _segments.sweep()  # segments of pipelines whose process died
-        try:
-            if slot_size is not None:
-                self._make_channel(slot_size)
-            self._start(sources, method)
-        except BaseException:
-            self._finalizer()
-            raise
+        spec = ChannelSpec(
+            num_workers=n,
+            capacity=capacity,
+            ordered=self.ordered,
+            first_pass=0,
+            slot_size=slot_size,
+            mp_context=multiprocessing.get_context(method),
+        )
+        if caps.own_producers:
+            self._launcher = transport.launch(sources, spec, seed)
+        else:
+            self._launcher = ProcessLauncher(transport, sources, spec)
+        # The launcher, not this object, owns the processes and the channel,
+        # so a forgotten pipeline is shut down when it is collected.
+        self._finalizer = weakref.finalize(self, self._launcher.shutdown)
+        self._channel = self._launcher.channel  # None while it waits for a first batch
+        self._launcher.begin_pass(0, self._seeds(0))
         self._closed = False
 
     # -- start and stop -------------------------------------------------------
 
-    def _make_channel(self, slot_size: int) -> None:
-        self._res.channel = ShmConsumer(
-            num_workers=self.num_workers,
-            capacity=self.capacity,
-            slot_size=slot_size,
-            ordered=self.ordered,
-            first_pass=self._pass_no,
-        )
-        self._slot_size = slot_size
-        self._reader_take = self._res.channel.take
-        self._reader = self._res.channel.reader
-
-    def _start(self, sources: list, method: str) -> None:
-        ctx = multiprocessing.get_context(method)
-        owner_pid, owner_start = _segments.owner_identity()
-        handle = self._res.channel.handle if self._res.channel is not None else None
-        # A spawned child inherits an ignored SIGINT from birth, so a Ctrl-C
-        # during its start-up prints nothing; producer_main keeps it ignored.
-        # (A forkserver child is forked from the server: its window is tiny.)
-        ignore = method == "spawn" and threading.current_thread() is threading.main_thread()
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
-        try:
-            for worker, source in enumerate(sources):
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                self._res.conns.append(parent_end)
-                p = ctx.Process(
-                    target=producer_main,
-                    args=(worker, self.num_workers, source, child_end, owner_pid, owner_start, handle),
-                    name=f"shmpipe-producer-{worker}",
-                    daemon=True,
-                )
-                p.start()
-                self._res.processes.append(p)
-                child_end.close()
-        finally:
-            if ignore:
-                signal.signal(signal.SIGINT, old)
-        self._send_pass(0)
-
-    def _send_pass(self, pass_no: int) -> None:
-        for worker, conn in enumerate(self._res.conns):
-            conn.send(("pass", pass_no, seed_for(self.seed, pass_no, worker)))
+    def _seeds(self, pass_no: int) -> list[int]:
+        return [seed_for(self.seed, pass_no, w) for w in range(self.num_workers)]
 
     def close(self) -> None:
         """Stops the producers, joins them and destroys the shared memory.
@@ -321,7 +239,8 @@ class Pipeline:
         if not self._closed:
             self._blocked_s = self._producer_blocked()
         self._closed = True
-        self._finalizer()
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
 
     @property
     def closed(self) -> bool:
@@ -345,20 +264,26 @@ class Pipeline:
         if self._failure is not None:
             return  # the first failure is the one to report
         self._failure = exc
-        if self._res.channel is None:
+        if self._channel is None:
             self._fail(exc)  # nothing was published: nothing to deliver first
-        self._res.channel.ring.report_fault()
+        self._channel.halt()
+        self._launcher.halt()
 
     def _on_fault(self) -> None:
         """The channel has delivered everything published before a failure."""
         self._check_health(time.perf_counter_ns())
         if self._failure is None:  # the producer's message is still on its way
-            multiprocessing.connection.wait(self._res.conns, GRACE_S)
+            self._launcher.wait_for_event(1.0)
             self._check_health(time.perf_counter_ns())
         self._fail(
             self._failure
             or WorkerError(-1, None, "unknown", "a producer reported a failure but sent no details", "")
         )
+
+    def _drained(self) -> None:
+        """Nothing more is in flight; if a producer failed, raise now."""
+        if self._failure is not None:
+            self._fail(self._failure)
 
     # -- iteration ------------------------------------------------------------
 
@@ -369,10 +294,7 @@ class Pipeline:
             self._first_iter = False
         else:
             self._pass_no += 1
-            if self._res.channel is not None:
-                started = self._res.channel.begin_pass()
-                assert started == self._pass_no, (started, self._pass_no)
-            self._send_pass(self._pass_no)
+            self._launcher.begin_pass(self._pass_no, self._seeds(self._pass_no))
         self._passes += 1
         return _PassIterator(self, self._pass_no, self.num_workers)
 
@@ -400,39 +322,37 @@ class Pipeline:
         t1 = time.perf_counter_ns()
         self._waits.add(t1 - t0)
         self._batches += 1
-        self._bytes += self._reader.last_nbytes
-        self._per_worker[self._reader.last_worker] += 1
+        channel = self._channel
+        self._bytes += channel.last_nbytes
+        self._per_worker[channel.last_worker] += 1
         if self._first_batch_ns is None:
             self._first_batch_ns = t1
         return batch
 
     def _take_any(self, it: _PassIterator, t0: int) -> Any:
-        if self._res.channel is None:
-            self._await_channel(t0)
-        take = self._reader_take
+        get = (self._channel or self._await_channel(t0)).get
         while True:
-            r = take(-1, 0, it.pass_no, POLL_S)
-            if r is _ring.AGAIN:
+            r = get(it.pass_no, -1, 0, POLL_S)
+            if r is AGAIN:
                 self._waited(t0)
-            elif r is _ring.FAULT:
+            elif r is FAULT:
                 self._on_fault()
-            elif r is _ring.END:
+            elif r is END:
+                self._drained()
                 raise StopIteration
             else:
                 return r
 
     def _take_ordered(self, it: _PassIterator, t0: int) -> Any:
-        if self._res.channel is None:
-            self._await_channel(t0)
-        take = self._reader_take
+        get = (self._channel or self._await_channel(t0)).get
         while it.order:
             worker = it.order[it.turn]
-            r = take(worker, it.wseq[worker], it.pass_no, POLL_S)
-            if r is _ring.AGAIN:
+            r = get(it.pass_no, worker, it.wseq[worker], POLL_S)
+            if r is AGAIN:
                 self._waited(t0)
-            elif r is _ring.FAULT:
+            elif r is FAULT:
                 self._on_fault()
-            elif r is _ring.END:
+            elif r is END:
                 del it.order[it.turn]  # this worker's part of the pass is over
                 if it.turn == len(it.order):
                     it.turn = 0
@@ -440,6 +360,7 @@ class Pipeline:
                 it.wseq[worker] += 1
                 it.turn = (it.turn + 1) % len(it.order)
                 return r
+        self._drained()
         raise StopIteration
 
     def _waited(self, t0: int) -> None:
@@ -448,61 +369,40 @@ class Pipeline:
             raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         now = time.perf_counter_ns()
         self._check_health(now)
+        if self._failure is not None:
+            self._fail(self._failure)  # production stopped and nothing more came
         if self.timeout is not None and now - t0 >= self.timeout * 1e9:
             why = (
-                self._res.channel.describe_wait()
-                if self._res.channel is not None
+                self._channel.describe_wait()
+                if self._channel is not None
                 else "no producer has delivered a first batch yet"
             )
-            raise PipelineTimeoutError(f"no batch within {self.timeout:g} s: {why}")
+            raise PipelineTimeoutError(f"no batch within {self.timeout:g} s" + (f": {why}" if why else ""))
 
-    def _await_channel(self, t0: int) -> None:
-        """No ring yet: wait for a producer's first batch to size it."""
-        while self._res.channel is None:
-            multiprocessing.connection.wait(self._res.conns, POLL_S)
-            self._waited(t0)
-            if self._need_ring:
-                self._make_channel(slot_size_for(self._need_ring))
-                for conn in self._res.conns:
-                    conn.send(("attach", self._res.channel.handle))
+    def _await_channel(self, t0: int):
+        """No channel yet: wait until the launcher can open it (a transport
+        sized by its first batch waits for a producer to have one)."""
+        while self._channel is None:
+            self._channel = self._launcher.open_channel(POLL_S)
+            if self._channel is None:
+                self._waited(t0)
+        self._slot_size = getattr(self._channel, "slot_size", self._slot_size)
+        return self._channel
 
     def _check_health(self, now: int) -> None:
-        """Reads producers' messages; notes a producer that failed or died."""
+        """Notes a producer that failed or died (see _set_failure)."""
         self._last_health_ns = now
-        for worker, conn in enumerate(self._res.conns):
-            try:
-                while conn.poll():
-                    self._on_message(worker, conn.recv())
-            except (EOFError, OSError):
-                pass  # it died; the exit code below says how
-        if self._failure is None:
-            for worker, p in enumerate(self._res.processes):
-                if p.exitcode is not None:
-                    self._set_failure(WorkerDiedError(worker, p.pid, p.exitcode))
-                    break
-
-    def _on_message(self, worker: int, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "need_ring":
-            self._need_ring = max(self._need_ring, msg[1])
-        elif kind == "error":
-            _, exc_type, message, tb, own = msg
-            error = WorkerError(worker, self._res.processes[worker].pid, exc_type, message, tb)
-            if own is not None:
-                # shmpipe's own error in the producer (BatchTypeError, ...):
-                # raise its type, so `except TypeError` works, chained to the
-                # WorkerError that says which worker and where.
-                own.__cause__ = error
-                error = own
-            self._set_failure(error)
+        failure = self._launcher.check()
+        if failure is not None:
+            self._set_failure(failure)
 
     # -- observation ----------------------------------------------------------
 
-    def _producer_blocked(self) -> list[float]:
-        channel = self._res.channel
-        if channel is None:
+    def _producer_blocked(self) -> list[float | None]:
+        channel = self._channel
+        if channel is None or self._closed:
             return list(self._blocked_s)
-        return [channel.blocked_s(w) for w in range(self.num_workers)]
+        return [channel.producer_blocked_s(w) for w in range(self.num_workers)]
 
     def stats(self) -> PipelineStats:
         """Counters of everything delivered so far (see PipelineStats)."""
@@ -520,20 +420,27 @@ class Pipeline:
             wait_p99_s=w.quantile(0.99) / 1e9,
             wait_max_s=w.max_ns / 1e9,
             time_to_first_batch_s=first,
-            producer_blocked_s=tuple(self._producer_blocked() if not self._closed else self._blocked_s),
+            producer_blocked_s=tuple(self._producer_blocked()),
             wall_s=wall,
             stall_fraction=(w.total_ns / 1e9 / wall) if wall > 0 else 0.0,
             passes=self._passes,
-            transport=self.transport,
+            transport=self.transport.name,
             num_workers=self.num_workers,
             capacity=self.capacity,
             slot_size=self._slot_size,
         )
 
     @property
-    def pids(self) -> list[int]:
-        """The producer processes' pids."""
-        return [p.pid for p in self._res.processes]
+    def pids(self) -> list[int | None]:
+        """The producers' process ids (None where the transport runs
+        producers on other machines)."""
+        return self._launcher.pids
+
+    @property
+    def channel(self):
+        """The transport's ConsumerEnd (None until the first batch for
+        transports sized by it). For diagnostics and tests."""
+        return self._channel
 
     @property
     def slot_size(self) -> int | None:
@@ -543,7 +450,7 @@ class Pipeline:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"pass {self._pass_no}"
         return (
-            f"<shmpipe.Pipeline {self.num_workers} workers, transport={self.transport!r}, "
+            f"<shmpipe.Pipeline {self.num_workers} workers, transport={self.transport.name!r}, "
             f"capacity={self.capacity}, ordered={self.ordered}, {state}>"
         )
 

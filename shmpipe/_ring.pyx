@@ -31,6 +31,7 @@ from libc.string cimport strerror
 from shmpipe._codec cimport Decoder, Encoder, new_array
 
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, ShmpipeValueError
+from shmpipe.transport import AGAIN, END, FAULT, Cancelled, Closed
 
 cnp.import_array()
 
@@ -127,18 +128,8 @@ MAX_SLOTS = SHMP_MAX_SLOTS
 MAX_WORKERS = SHMP_MAX_WORKERS
 LAYOUT_VERSION = SHMP_LAYOUT_VERSION
 
-# take() results that are not batches.
-END = object()     # the pass (or the worker's part of it) is over
-AGAIN = object()   # nothing within the wait
-FAULT = object()   # a producer reported a fault: look at the control channel
-
-
-class PassCancelled(Exception):
-    """Producer side: the consumer started another pass; drop this one."""
-
-
-class RingClosed(Exception):
-    """Producer side: the consumer closed the ring; stop."""
+# take() results that are not batches are shmpipe.transport's END, AGAIN
+# and FAULT; a producer's acquire raises its Cancelled and Closed.
 
 
 _STATUS_MESSAGES = {
@@ -156,9 +147,9 @@ cdef int _raise_status(int status, str context) except -1:
         PyErr_CheckSignals()
         return 0
     if status == SHMP_CANCELLED:
-        raise PassCancelled(context)
+        raise Cancelled(context)
     if status == SHMP_CLOSED:
-        raise RingClosed(context)
+        raise Closed(context)
     if status in _STATUS_MESSAGES:
         raise CorruptSegmentError(f"{context}: {_STATUS_MESSAGES[status]}")
     if status == SHMP_E_ARG:
@@ -514,6 +505,25 @@ cdef class RingWriter:
         self.wseq += 1
         return 0
 
+    def claim(self):
+        """Claims a free slot (waiting for one) for a payload written by
+        other means (the Arrow transport): (slot, writable uint8 array over
+        the whole slot). Then publish_claimed() or abandon()."""
+        cdef uint32_t slot = self._acquire()
+        cdef unsigned char *payload = self.ring.payload(slot)
+        return slot, _root_array(payload, <Py_ssize_t>self.ring.slot_size,
+                                 _lease(self.ring, slot, False), True)
+
+    def publish_claimed(self, uint32_t slot, uint64_t nbytes):
+        """Publishes a claimed slot whose first `nbytes` bytes are written."""
+        if nbytes > self.ring.slot_size:
+            raise BatchTooLargeError(nbytes, self.ring.slot_size)
+        self._publish(slot, nbytes)
+
+    def abandon(self, uint32_t slot):
+        """Gives a claimed slot back unpublished."""
+        _raise_status(shmp_abandon(self.ring.base, slot, self.worker), "abandoning a slot")
+
     def reserve(self, template):
         """Claims a slot and returns `template`'s structure with writable
         arrays that live in it (ArraySpec or array leaves give shape and
@@ -574,35 +584,44 @@ cdef class RingReader:
         self.ring = ring
         self.dec = Decoder()
 
-    def take(self, int worker, uint64_t wseq, uint32_t pass_no, double wait):
+    def take(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
         """The next batch of `pass_no` (from `worker`, number `wseq`, if
-        worker >= 0); END when there is none; FAULT when a producer reported
-        a fault; AGAIN after waiting up to `wait` seconds. Runs the signal
-        handlers (so KeyboardInterrupt comes out) if a signal interrupts."""
+        worker >= 0); END when there is none; FAULT when a fault was
+        reported and nothing is left to deliver; AGAIN after waiting up to
+        `wait` seconds. Runs the signal handlers (so KeyboardInterrupt comes
+        out) if a signal interrupts the wait."""
+        root = self._take_raw(pass_no, worker, wseq, wait)
+        if root is END or root is AGAIN or root is FAULT:
+            return root
+        cdef cnp.ndarray r = <cnp.ndarray>root
+        return self.dec.decode(<unsigned char *>cnp.PyArray_DATA(r), cnp.PyArray_DIM(r, 0), root, False)
+
+    def take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
+        """Like take(), but returns the payload itself: a read-only uint8
+        array whose lifetime holds the slot (the Arrow transport decodes it)."""
+        return self._take_raw(pass_no, worker, wseq, wait)
+
+    cdef object _take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
         cdef uint32_t slot = 0
+        cdef uint64_t nbytes
         cdef int rc
         cdef int64_t wait_ns = <int64_t>(wait * 1e9) if wait > 0 else 0
+        cdef Ring ring = self.ring
         with nogil:
-            rc = shmp_take(self.ring.base, worker, pass_no, wseq, wait_ns, &slot)
+            rc = shmp_take(ring.base, worker, pass_no, wseq, wait_ns, &slot)
         if rc == SHMP_OK:
-            return self._decode(slot)
+            nbytes = shmp_slot_nbytes(ring.base, slot)
+            self.last_worker = <int>shmp_slot_worker(ring.base, slot)
+            self.last_nbytes = nbytes
+            # The lease exists from here on, so whatever happens the slot is
+            # released: on error, the root is dropped and the lease with it.
+            lease = _lease(ring, slot, True)
+            if nbytes > ring.slot_size:
+                raise CorruptSegmentError(f"slot {slot} claims {nbytes} bytes, more than a slot holds")
+            return _root_array(ring.payload(slot), <Py_ssize_t>nbytes, lease, False)
         if rc == SHMP_END:
             return END
         if rc == SHMP_FAULT:
             return FAULT
         _raise_status(rc, "waiting for a batch")
         return AGAIN
-
-    cdef object _decode(self, uint32_t slot):
-        cdef Ring ring = self.ring
-        cdef uint64_t nbytes = shmp_slot_nbytes(ring.base, slot)
-        cdef unsigned char *payload = ring.payload(slot)
-        self.last_worker = <int>shmp_slot_worker(ring.base, slot)
-        self.last_nbytes = nbytes
-        # The lease exists from here on, so whatever happens the slot is
-        # released: on error, the root is dropped and the lease with it.
-        lease = _lease(ring, slot, True)
-        if nbytes > ring.slot_size:
-            raise CorruptSegmentError(f"slot {slot} claims {nbytes} bytes, more than a slot holds")
-        root = _root_array(payload, <Py_ssize_t>nbytes, lease, False)
-        return self.dec.decode(payload, <Py_ssize_t>nbytes, root, False)

@@ -1,5 +1,6 @@
-"""The shared-memory ring as a pipeline's data channel: the consumer owns the
-segment (creates, sizes, destroys it); each producer attaches to it by name.
+"""The "shm" transport: the shared-memory ring as a pipeline's channel. The
+consumer owns the segment (creates, sizes, destroys it); each producer
+attaches to it by name. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -8,10 +9,20 @@ import errno
 import os
 from dataclasses import dataclass
 
+from typing import Any
+
 from shmpipe import _ring, _segments
 from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
+from shmpipe.transport import (
+    Capabilities,
+    ChannelSpec,
+    ConsumerEnd,
+    ProducerControl,
+    ProducerEnd,
+    Transport,
+)
 
-__all__ = ["ShmHandle", "ShmConsumer", "attach_producer", "slot_size_for"]
+__all__ = ["ShmTransport", "ShmHandle", "ShmConsumer", "ShmProducer", "attach_producer", "slot_size_for"]
 
 #: A slot sized from a first batch gets this much room to spare, so later
 #: batches may be somewhat larger (a longer sequence, a bigger image).
@@ -46,7 +57,54 @@ def _free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-class ShmConsumer:
+class ShmTransport(Transport):
+    """Batches in a ring of fixed-size slots in one shared-memory segment:
+    one copy into a slot (none with reserve), read back as views."""
+
+    name = "shm"
+    capabilities = Capabilities(
+        zero_copy_reads=True,
+        in_place_writes=True,
+        alignment=64,
+        serializes="none (shmpipe's layout: structure plus raw array bytes)",
+        sized_by_first_batch=True,
+        cancels_passes=True,
+    )
+
+    def open(self, spec: ChannelSpec) -> "ShmConsumer":
+        if spec.slot_size is None:
+            raise ShmpipeValueError("the shm transport needs a slot size")
+        return ShmConsumer(
+            num_workers=spec.num_workers,
+            capacity=spec.capacity,
+            slot_size=spec.slot_size,
+            ordered=spec.ordered,
+            first_pass=spec.first_pass,
+        )
+
+    def attach(self, handle: "ShmHandle", worker: int, control: ProducerControl) -> "ShmProducer":
+        return ShmProducer(attach_producer(handle, worker))
+
+
+class ShmProducer(ProducerEnd):
+    """A producer's end of the ring (RingWriter does the work)."""
+
+    def __init__(self, writer: _ring.RingWriter) -> None:
+        self.writer = writer
+        # Straight to the Cython methods: put() is on the hot path.
+        self.put = writer.put
+        self.reserve = writer.reserve
+        self.start_pass = writer.start_pass
+        self.end_pass = writer.finish_pass
+
+    def put(self, batch: Any) -> None:  # replaced per instance in __init__
+        self.writer.put(batch)
+
+    def end_pass(self) -> None:  # replaced per instance in __init__
+        self.writer.finish_pass()
+
+
+class ShmConsumer(ConsumerEnd):
     """The consumer's side: creates the segment and reads batches from it."""
 
     def __init__(
@@ -83,12 +141,31 @@ class ShmConsumer:
         self.segment = segment
         self.handle = ShmHandle(name, pid, start)
         self.reader = _ring.RingReader(self.ring)
-        self.take = self.reader.take
+        # Straight to the Cython method: get() is on the hot path.
+        self.get = self.reader.take
         self.slot_size = slot_size
         self.capacity = capacity
 
-    def begin_pass(self) -> int:
-        return self.ring.begin_pass()
+    def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:  # replaced in __init__
+        return self.reader.take(pass_no, worker, wseq, wait)
+
+    @property
+    def last_worker(self) -> int:  # type: ignore[override]
+        return self.reader.last_worker
+
+    @property
+    def last_nbytes(self) -> int:  # type: ignore[override]
+        return self.reader.last_nbytes
+
+    def begin_pass(self, pass_no: int) -> None:
+        if pass_no == self.ring.current_pass:
+            return  # the pass the ring was created at
+        started = self.ring.begin_pass()
+        if started != pass_no:
+            raise AssertionError(f"ring started pass {started}, the pipeline is at {pass_no}")
+
+    def halt(self) -> None:
+        self.ring.report_fault()
 
     def close(self) -> None:
         """Stops producers' waits; the memory stays while batches live."""
@@ -98,12 +175,11 @@ class ShmConsumer:
         """Removes the segment's name. Arrays still alive keep their memory."""
         self.segment.unlink()
 
-    def blocked_s(self, worker: int) -> float:
+    def producer_blocked_s(self, worker: int) -> float:
         return self.ring.worker_blocked_ns(worker) / 1e9
 
-    def memory_range(self) -> tuple[int, int]:
-        """(address, size) of the whole segment in this process."""
-        return self.segment.address, self.segment.size
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        return [(self.segment.address, self.segment.size)]
 
     def describe_wait(self) -> str:
         """Why nothing came: the slots' states, for a timeout's message."""

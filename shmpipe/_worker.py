@@ -4,13 +4,14 @@ calls from inside a source.
 
 Control protocol (small pickled tuples on one duplex pipe per worker):
 
-    consumer -> producer   ("attach", ShmHandle)   the ring exists now
+    consumer -> producer   ("attach", handle)       the channel exists now
                            ("pass", pass_no, seed)  run the source (again)
                            ("stop",)                exit
-    producer -> consumer   ("need_ring", nbytes)    a first batch is ready
+    producer -> consumer   ("need_ring", nbytes)    a first batch is ready (and
+                                                    the channel is sized from it)
                            ("error", type, message, traceback, shmpipe error or None)
 
-End of pass, batches and faults travel through the ring itself.
+Batches and the end of a pass travel through the transport's channel.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import numpy as np
 
 from shmpipe import _ring, _segments
 from shmpipe._spec import ArraySpec
-from shmpipe._shm import ShmHandle, attach_producer
 from shmpipe.errors import ShmpipeError
+from shmpipe.transport import Cancelled, Closed, ProducerControl, ProducerEnd, Transport
 
 __all__ = ["WorkerInfo", "get_worker_info", "reserve", "producer_main"]
 
@@ -54,7 +55,7 @@ class WorkerInfo:
 
 
 _info: WorkerInfo | None = None
-_producer: "_Producer | None" = None
+_producer: Any = None  # the _Producer of this process, if it is one
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -102,17 +103,21 @@ def seed_for(base_seed: int, pass_no: int, worker: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
-class _Stop(Exception):
-    """The consumer asked this producer to exit, or is gone."""
+class _Producer(ProducerControl):
+    """Runs a source per pass and feeds its batches to the transport's
+    ProducerEnd; is the ProducerControl that end checks while it blocks."""
 
-
-class _Producer:
-    def __init__(self, worker: int, num_workers: int, conn, handle: ShmHandle | None) -> None:
+    def __init__(self, worker: int, num_workers: int, conn, transport: Transport, handle: Any) -> None:
         self.worker = worker
         self.num_workers = num_workers
         self.conn = conn
-        self.pending: deque = deque()  # commands read while waiting for something else
-        self.writer: _ring.RingWriter | None = None
+        self.transport = transport
+        # Transports that do not notice a new pass themselves get a look at
+        # the control pipe between batches.
+        self.check_between = not transport.capabilities.cancels_passes
+        self.pending: deque = deque()  # commands read while doing something else
+        self.pass_no = 0
+        self.end: ProducerEnd | None = None
         if handle is not None:
             self._attach(handle)
 
@@ -124,40 +129,52 @@ class _Producer:
         try:
             return self.conn.recv()
         except (EOFError, OSError):
-            raise _Stop() from None
+            raise Closed("the consumer is gone") from None
 
-    def _attach(self, handle: ShmHandle) -> None:
-        self.writer = attach_producer(handle, self.worker)
-        _Watchdog.segment_name = handle.name
+    def _attach(self, handle: Any) -> None:
+        self.end = self.transport.attach(handle, self.worker, self)
+        name = getattr(handle, "name", None)  # a shared-memory segment to remove if orphaned
+        if isinstance(name, str):
+            _Watchdog.segment_name = name
 
-    def _wait_for_ring(self, nbytes: int) -> None:
-        """Asks the consumer for a ring sized for a first batch of nbytes."""
+    def check(self) -> None:
+        """ProducerControl: raises if the consumer moved on."""
+        try:
+            while self.conn.poll():
+                msg = self.conn.recv()
+                if msg[0] == "stop":
+                    raise Closed("the pipeline is closing")
+                self.pending.append(msg)
+                if msg[0] == "pass":
+                    raise Cancelled(f"pass {msg[1]} started")
+        except (EOFError, OSError):
+            raise Closed("the consumer is gone") from None
+
+    def _wait_for_channel(self, nbytes: int) -> None:
+        """Asks the consumer for a channel sized for a first batch of nbytes."""
         self.conn.send(("need_ring", nbytes))
-        while self.writer is None:
+        while self.end is None:
             msg = self._recv()
             if msg[0] == "attach":
                 self._attach(msg[1])
             elif msg[0] == "stop":
-                raise _Stop()
+                raise Closed("the pipeline is closing")
             else:  # a new pass: this one is cancelled; handle it after
                 self.pending.append(msg)
-                raise _ring.PassCancelled()
+                raise Cancelled(f"pass {msg[1]} started")
+        self.end.start_pass(self.pass_no)
 
     # -- what sources call ----------------------------------------------------
 
     def put(self, batch: Any) -> None:
-        if self.writer is None:
-            from shmpipe._codec import encoded_size
-
-            self._wait_for_ring(encoded_size(batch))
-            self.writer.start_pass(self.pass_no)
-        self.writer.put(batch)
+        if self.end is None:
+            self._wait_for_channel(self.transport.batch_nbytes(batch))
+        self.end.put(batch)
 
     def reserve(self, template: Any) -> Any:
-        if self.writer is None:
-            self._wait_for_ring(_template_size(template))
-            self.writer.start_pass(self.pass_no)
-        return self.writer.reserve(template)
+        if self.end is None:
+            self._wait_for_channel(self.transport.batch_nbytes(_plain_arrays(template)))
+        return self.end.reserve(template)
 
     # -- the loop -------------------------------------------------------------
 
@@ -169,34 +186,33 @@ class _Producer:
             if kind == "stop":
                 return
             if kind == "attach":
-                self._attach(msg[1])
+                if self.end is None:
+                    self._attach(msg[1])
                 continue
             _, self.pass_no, seed = msg
             _info = WorkerInfo(self.worker, self.num_workers, seed, self.pass_no)
             _seed_generators(seed)
-            if self.writer is not None:
-                self.writer.start_pass(self.pass_no)
+            if self.end is not None:
+                self.end.start_pass(self.pass_no)
             try:
                 self._run_pass(source)
-            except _ring.PassCancelled:
+            except Cancelled:
                 continue
-            except (_ring.RingClosed, _Stop):
-                return
 
     def _run_pass(self, source) -> None:
-        iterable = source()
-        iterator = iter(iterable)
+        iterator = iter(source())
         try:
             for batch in iterator:
+                if self.check_between:
+                    self.check()
                 self.put(batch)
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()  # runs the generator's finally blocks when we stop early
-        if self.writer is None:  # an empty pass before any ring exists
-            self._wait_for_ring(_ring.PAGE_SIZE)
-            self.writer.start_pass(self.pass_no)
-        self.writer.finish_pass()
+        if self.end is None:  # an empty pass before any channel exists
+            self._wait_for_channel(_ring.PAGE_SIZE)
+        self.end.end_pass()
 
     def report(self, exc: BaseException) -> None:
         """Sends the error to the consumer, then waits to be stopped."""
@@ -212,19 +228,11 @@ class _Producer:
                 self.conn.send(("error", exc_type, str(exc), tb, None))
             except (OSError, ValueError):
                 return
-        if self.writer is not None:
-            self.writer.ring.report_fault()
         try:
             while self._recv()[0] != "stop":
                 pass
-        except _Stop:
+        except Closed:
             pass
-
-
-def _template_size(template: Any) -> int:
-    from shmpipe._codec import encoded_size
-
-    return encoded_size(_plain_arrays(template))
 
 
 def _seed_generators(seed: int) -> None:
@@ -274,7 +282,8 @@ def producer_main(
     conn,
     owner_pid: int,
     owner_start: int,
-    handle: ShmHandle | None,
+    transport: Transport,
+    handle: Any,
 ) -> None:
     """Entry point of a producer process."""
     global _producer
@@ -282,18 +291,18 @@ def producer_main(
     # happens (it stops us), so producers ignore it and print nothing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _Watchdog.start(owner_pid, owner_start)
-    producer = None
+    producer = _Producer.__new__(_Producer)
+    producer.conn, producer.end, producer.pending = conn, None, deque()
     try:
-        producer = _Producer(worker, num_workers, conn, handle)
+        producer.__init__(worker, num_workers, conn, transport, handle)
         _producer = producer
         producer.run(source)
-    except _Stop:
+    except Closed:
         pass
     except Exception as exc:  # the source (or attaching) failed: tell the consumer
-        if producer is None:
-            producer = _Producer.__new__(_Producer)
-            producer.conn, producer.writer, producer.pending = conn, None, deque()
         producer.report(exc)
     finally:
         _producer = None
+        if producer.end is not None:
+            producer.end.close()
         conn.close()

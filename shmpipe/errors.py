@@ -11,6 +11,7 @@ work as they would anywhere else::
     │   ├── BatchTooLargeError        a batch does not fit in a slot
     │   └── CorruptSegmentError       a segment's header is not what it must be
     ├── SharedMemoryFullError(OSError)  /dev/shm has no room for the ring
+    ├── TransportUnavailableError(ImportError)  a transport's dependency is missing
     ├── PipelineTimeoutError(TimeoutError)
     ├── PipelineClosedError(RuntimeError)
     └── WorkerError(RuntimeError)     a producer raised
@@ -30,6 +31,7 @@ __all__ = [
     "BatchTooLargeError",
     "CorruptSegmentError",
     "SharedMemoryFullError",
+    "TransportUnavailableError",
     "PipelineTimeoutError",
     "PipelineClosedError",
     "WorkerError",
@@ -108,6 +110,10 @@ class SharedMemoryFullError(ShmpipeError, OSError):
         return (type(self), (self.needed, self.available, self.where))
 
 
+class TransportUnavailableError(ShmpipeError, ImportError):
+    """A transport cannot be used here; the message says what to install."""
+
+
 class PipelineTimeoutError(ShmpipeError, TimeoutError):
     """No batch (or no free slot) arrived within the timeout."""
 
@@ -150,22 +156,27 @@ class WorkerError(ShmpipeError, RuntimeError):
 
 
 class WorkerDiedError(WorkerError):
-    """A producer process ended without being asked to.
+    """A producer ended without being asked to.
 
     ``exitcode`` is its exit status when it exited, ``signal`` the signal
-    number when a signal killed it (one of the two is ``None``).
+    number when a signal killed it; both are None when the transport only
+    knows that it died (a Ray actor), and ``reason`` says what it knows.
     """
 
-    def __init__(self, worker_id: int, pid: int | None, exitcode: int | None) -> None:
-        if exitcode is not None and exitcode < 0:
-            sig: int | None = -exitcode
+    def __init__(
+        self, worker_id: int, pid: int | None, exitcode: int | None, reason: str | None = None
+    ) -> None:
+        sig: int | None = None
+        code: int | None = None
+        if reason is not None:
+            how = f"died: {reason}"
+        elif exitcode is not None and exitcode < 0:
+            sig = -exitcode
             try:
                 how = f"was killed by signal {_signal.Signals(sig).name}"
             except ValueError:
                 how = f"was killed by signal {sig}"
-            code = None
         else:
-            sig = None
             code = exitcode
             how = f"exited early with exit code {exitcode}"
         ShmpipeError.__init__(self, f"worker {worker_id} (pid {pid}) {how}")
@@ -176,6 +187,8 @@ class WorkerDiedError(WorkerError):
         self.remote_traceback = ""
         self.exitcode = code
         self.signal = sig
+        self.reason = reason
 
     def __reduce__(self):
-        return (type(self), (self.worker_id, self.pid, -self.signal if self.signal else self.exitcode))
+        exitcode = -self.signal if self.signal else self.exitcode
+        return (type(self), (self.worker_id, self.pid, exitcode, self.reason))

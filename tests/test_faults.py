@@ -125,9 +125,12 @@ CONSUMER = textwrap.dedent(
         pipe = shmpipe.from_iterators(sources, capacity=4, start_method=sys.argv[1], timeout=30)
         try:
             with pipe:
+                if sys.argv[2] == "early":  # producers may still be starting up
+                    print(json.dumps({"pids": pipe.pids, "segment": None}), flush=True)
                 it = iter(pipe)
                 first = next(it)
-                print(json.dumps({"pids": pipe.pids, "segment": pipe._res.channel.segment.name}), flush=True)
+                if sys.argv[2] != "early":
+                    print(json.dumps({"pids": pipe.pids, "segment": pipe.channel.segment.name}), flush=True)
                 for b in it:
                     time.sleep(0.01)
         except KeyboardInterrupt:
@@ -168,9 +171,12 @@ def test_consumer_killed_with_sigkill(tmp_path, start_method):
     proc.communicate(timeout=10)
 
 
-@pytest.mark.parametrize("mode", ["busy", "waiting"])
-def test_ctrl_c_in_the_consumer(tmp_path, mode):
-    proc, info = start_consumer(tmp_path, mode=mode)
+@pytest.mark.parametrize(
+    "mode, start_method",
+    [("busy", "forkserver"), ("waiting", "forkserver"), ("early", "forkserver"), ("early", "spawn")],
+)
+def test_ctrl_c_in_the_consumer(tmp_path, mode, start_method):
+    proc, info = start_consumer(tmp_path, start_method=start_method, mode=mode)
     if mode == "waiting":
         time.sleep(0.3)  # well inside the wait for the second batch
     t = time.monotonic()
@@ -179,7 +185,7 @@ def test_ctrl_c_in_the_consumer(tmp_path, mode):
     assert time.monotonic() - t < 5.0, "shutdown took too long"
     assert proc.returncode == 130 and "interrupted" in out
     assert err == "", f"something printed to stderr (a producer's traceback?):\n{err}"
-    assert not os.path.exists(_segments.SHM_DIR + info["segment"])
+    assert info["segment"] is None or not os.path.exists(_segments.SHM_DIR + info["segment"])
     assert all(gone(pid) for pid in info["pids"])
 
 
@@ -196,7 +202,7 @@ def test_no_resource_tracker_noise_or_unlinking(tmp_path, start_method):
                 with shmpipe.from_iterators([Counter(50)] * 2, start_method=sys.argv[1], timeout=30) as pipe:
                     for i, b in enumerate(pipe):
                         if i == 10:
-                            name = pipe._res.channel.segment.name
+                            name = pipe.channel.segment.name
                             # producers attached long ago; the segment must still be there
                             assert os.path.exists("/dev/shm" + name)
                 print("ok", flush=True)
@@ -227,7 +233,7 @@ def test_a_script_that_never_closes_its_pipeline(tmp_path):
                 pipe = shmpipe.from_iterators([Counter(10**6), Sleeper(60.0)], timeout=30)
                 it = iter(pipe)
                 batch = next(it)
-                print(pipe._res.channel.segment.name, *pipe.pids, flush=True)
+                print(pipe.channel.segment.name, *pipe.pids, flush=True)
                 # exits here, holding a batch, without close()
             """
         )

@@ -20,7 +20,7 @@ T = 30.0  # no single batch may take longer than this in these tests
 
 
 def segment_of(pipe):
-    return pipe._res.channel.segment
+    return pipe.channel.segment
 
 
 def check_counter_batch(b, shape=(16,), dtype=np.float32):
@@ -154,7 +154,7 @@ def test_backpressure_bounds_batches_in_flight():
         import time
 
         time.sleep(0.5)  # producers run ahead as far as they may
-        ring = pipe._res.channel.ring
+        ring = pipe.channel.ring
         published = sum(ring.worker_published(w) for w in range(2))
         states = ring.slot_states()
         assert published - 2 <= cap - len(held), "more batches in flight than capacity allows"
@@ -282,7 +282,7 @@ def test_unpicklable_source_is_a_clear_error():
         (dict(capacity=0), ValueError, "capacity"),
         (dict(capacity=2.5), ValueError, "capacity"),
         (dict(ordered=True, capacity=2), ValueError, "capacity >= 3"),
-        (dict(transport="carrier-pigeon"), ValueError, "known transports: shm"),
+        (dict(transport="carrier-pigeon"), ValueError, "known transports: arrow, queue, ray, shm"),
         (dict(timeout=-1), ValueError, "timeout"),
         (dict(slot_size=0), ValueError, "slot_size"),
         (dict(seed=-3), ValueError, "seed"),

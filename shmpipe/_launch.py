@@ -1,0 +1,202 @@
+"""ProcessLauncher: runs a pipeline's producers as local processes.
+
+Each producer gets a duplex control pipe (protocol in _worker.py). The
+channel is opened here: at once, or -- for a transport sized by its first
+batch, when the user gave no slot size -- once a producer reports the size
+of its first batch ("need_ring"), after which every producer is told to
+"attach".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from shmpipe import _segments
+from shmpipe._shm import slot_size_for
+from shmpipe._worker import producer_main
+from shmpipe.errors import WorkerDiedError, WorkerError
+from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
+
+__all__ = ["ProcessLauncher", "GRACE_S"]
+
+#: shutdown(): how long producers get to exit on their own before SIGTERM,
+#: and again before SIGKILL.
+GRACE_S = 1.0
+
+
+class ProcessLauncher(Launcher):
+    def __init__(
+        self,
+        transport: Transport,
+        sources: Sequence[Callable[[], Iterable[Any]]],
+        spec: ChannelSpec,
+    ) -> None:
+        self.transport = transport
+        self.spec = spec
+        self.channel: ConsumerEnd | None = None
+        self.processes: list = []
+        self.conns: list = []
+        self._need = 0  # largest first batch a producer asked a channel for
+        self._failure: BaseException | None = None
+        self._down = False
+        lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
+        if not lazy:
+            self.channel = transport.open(spec)
+        try:
+            self._start(sources)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, sources: Sequence) -> None:
+        ctx = self.spec.mp_context
+        method = ctx.get_start_method()
+        owner_pid, owner_start = _segments.owner_identity()
+        handle = self.channel.handle if self.channel is not None else None
+        # Ctrl-C reaches every process of the terminal's process group, and a
+        # producer still starting up would print a KeyboardInterrupt
+        # traceback. A spawned child inherits an ignored SIGINT from birth
+        # (Python installs its handler only over the default disposition),
+        # and so does a forkserver child when the forkserver itself started
+        # with SIGINT ignored: its children get the server's start-up
+        # disposition. So SIGINT is ignored while the producers (and, the
+        # first time, the forkserver) start; producer_main keeps it ignored.
+        # A forkserver started earlier by other code leaves a short window.
+        ignore = method in ("spawn", "forkserver") and (
+            threading.current_thread() is threading.main_thread()
+        )
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+        try:
+            for worker, source in enumerate(sources):
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                self.conns.append(parent_end)
+                p = ctx.Process(
+                    target=producer_main,
+                    args=(
+                        worker, self.spec.num_workers, source, child_end, owner_pid, owner_start,
+                        self.transport, handle,
+                    ),
+                    name=f"shmpipe-producer-{worker}",
+                    daemon=True,
+                )
+                p.start()
+                self.processes.append(p)
+                child_end.close()
+        finally:
+            if ignore:
+                signal.signal(signal.SIGINT, old)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self.processes]
+
+    def open_channel(self, wait: float) -> ConsumerEnd | None:
+        if self.channel is None:
+            self.wait_for_event(wait)
+            self.check()
+            if self._need:
+                spec = dataclasses.replace(self.spec, slot_size=slot_size_for(self._need))
+                self.channel = self.transport.open(spec)
+                for conn in self.conns:
+                    conn.send(("attach", self.channel.handle))
+        return self.channel
+
+    def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
+        if self.channel is not None:
+            self.channel.begin_pass(pass_no)
+        for conn, seed in zip(self.conns, seeds):
+            conn.send(("pass", pass_no, seed))
+
+    def wait_for_event(self, timeout: float) -> None:
+        multiprocessing.connection.wait(self.conns + [p.sentinel for p in self.processes], timeout)
+
+    def check(self) -> BaseException | None:
+        """Reads the producers' messages; the first failure, or None."""
+        if self._down:
+            return self._failure
+        for worker, conn in enumerate(self.conns):
+            try:
+                while conn.poll():
+                    self._on_message(worker, conn.recv())
+            except (EOFError, OSError):
+                pass  # it died; its exit code says how
+        if self._failure is None:
+            for worker, p in enumerate(self.processes):
+                if p.exitcode is not None:
+                    self._failure = WorkerDiedError(worker, p.pid, p.exitcode)
+                    break
+        return self._failure
+
+    def _on_message(self, worker: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "need_ring":
+            self._need = max(self._need, msg[1])
+        elif kind == "error" and self._failure is None:
+            _, exc_type, message, tb, own = msg
+            error = WorkerError(worker, self.processes[worker].pid, exc_type, message, tb)
+            if own is not None:
+                # shmpipe's own error in the producer (BatchTypeError, ...):
+                # raise its type, so `except TypeError` works, chained to the
+                # WorkerError that says which worker and where.
+                own.__cause__ = error
+                error = own
+            self._failure = error
+
+    def halt(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+
+    def shutdown(self) -> None:
+        if self._down:
+            return
+        self._down = True
+        channel = self.channel
+        if channel is not None:
+            channel.close()  # producers waiting for room return at once
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        if channel is not None:
+            try:
+                channel.destroy()  # shared names go now; live arrays keep their memory
+            except OSError:
+                pass
+        _reap(self.processes)
+        for conn in self.conns:
+            conn.close()
+        self.channel = None
+
+    def leftovers(self) -> list[str]:
+        """What is still running after shutdown (for tests): nothing, we hope."""
+        return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
+
+
+def _reap(processes: list) -> None:
+    deadline = time.monotonic() + GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for sig_method in ("terminate", "kill"):
+        alive = [p for p in processes if p.exitcode is None]
+        if not alive:
+            break
+        for p in alive:
+            getattr(p, sig_method)()
+        deadline = time.monotonic() + GRACE_S
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+
+
+def default_context():
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")

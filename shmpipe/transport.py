@@ -1,0 +1,345 @@
+"""The transport contract: how batches travel from producers to the consumer.
+
+A *transport* moves batches from N producers to one consumer for a Pipeline.
+shmpipe ships four (``"shm"``, ``"arrow"``, ``"ray"``, ``"queue"``); anyone can
+add one. This docstring is the contract a transport implements; the test
+suite in ``shmpipe.testing.conformance`` checks it, and every transport,
+built in or not, must pass it.
+
+What shmpipe does, so a transport does not have to
+---------------------------------------------------
+
+shmpipe starts the producer processes, runs each source once per pass, seeds
+them, tells them when a pass starts, notices when one raises or dies, stops
+them, keeps the statistics, enforces timeouts, and turns the order of
+delivery (``ordered=``) into calls of :meth:`ConsumerEnd.get` for a given
+worker. A transport only moves batches, bounded, and says when a worker's
+part of a pass is over.
+
+The three objects
+-----------------
+
+``Transport``
+    Configuration and a factory, made in the consumer (``Transport(**options)``)
+    and pickled to every producer process, so it must be small and
+    picklable. Class attributes: ``name``, ``capabilities`` (below),
+    ``requires`` (modules it imports; when one is missing, shmpipe answers
+    with ``pip install "shmpipe[<extra>]"``) and ``extra``.
+
+``ConsumerEnd`` = ``Transport.open(spec)``, in the consumer
+    Creates whatever the channel needs (memory, queues) for a
+    :class:`ChannelSpec`. Its ``handle`` (small, picklable) is what producers
+    attach with. ``get(pass_no, worker, wseq, wait)`` returns the next batch
+    of pass ``pass_no`` -- from any worker if ``worker == -1``, else the
+    batch number ``wseq`` of that worker -- or one of the sentinels
+    :data:`END` (the pass, or that worker's part of it, is over), :data:`AGAIN`
+    (nothing within ``wait`` seconds; shmpipe calls again), :data:`FAULT`
+    (after :meth:`ConsumerEnd.halt`, nothing more will come). After returning
+    a batch it sets ``last_worker`` and ``last_nbytes``. Batches of other
+    passes must never be returned: drop them. ``close()`` wakes and stops
+    producers waiting in ``put``; ``destroy()`` frees what ``open`` made and
+    must be idempotent. Batches already delivered must stay valid after both.
+
+``ProducerEnd`` = ``Transport.attach(handle, worker, control)``, in a producer
+    ``start_pass(n)`` before each pass, ``put(batch)`` for each batch
+    (blocking while the channel is full: that is the backpressure),
+    ``end_pass()`` when the source is exhausted (the consumer's ``get`` then
+    returns END for this worker once its batches are delivered), ``close()``.
+    ``reserve(template)`` may hand out arrays inside the transport's memory
+    (capability ``in_place_writes``); the default returns new arrays.
+    While blocked, ``put`` must call ``control.check()`` every few tenths of
+    a second: it raises :class:`Cancelled` when the consumer started another
+    pass and :class:`Closed` when it is shutting down; let both propagate.
+
+Bounds, order and ownership
+---------------------------
+
+* At most ``spec.capacity`` batches may be in flight: put but not yet
+  returned by ``get``. With ``spec.ordered`` a single worker must not be able
+  to take every place while the consumer waits for another worker's batch
+  (give each worker ``spec.quota`` places, for instance).
+* ``get(..., worker=w, wseq=k)`` returns worker ``w``'s batches in the order
+  it put them. With ``worker=-1``, any order is allowed; publication order
+  is best.
+* The arrays ``get`` returns may be read-only; they must not change for as
+  long as the consumer holds them, and memory behind them may only be reused
+  once the consumer lets go of them.
+
+Capabilities
+------------
+
+Callers and tests ask for capabilities, never for names: see
+:class:`Capabilities`. A transport cannot opt out of a conformance test
+except by what its capabilities say.
+
+Producers a transport runs itself
+---------------------------------
+
+A transport whose producers must run elsewhere (Ray actors on a cluster) sets
+``capabilities.own_producers`` and implements ``launch(sources, spec,
+seeds)`` returning a :class:`Launcher`; ``attach`` is then unused.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Sequence
+
+from shmpipe.errors import ShmpipeError
+
+__all__ = [
+    "AGAIN",
+    "END",
+    "FAULT",
+    "Cancelled",
+    "Capabilities",
+    "ChannelSpec",
+    "Closed",
+    "ConsumerEnd",
+    "Launcher",
+    "ProducerControl",
+    "ProducerEnd",
+    "Transport",
+]
+
+
+class _Sentinel:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"shmpipe.transport.{self.name}"
+
+    def __reduce__(self):
+        return self.name  # a module global: unpickles as the same object
+
+
+END = _Sentinel("END")
+AGAIN = _Sentinel("AGAIN")
+FAULT = _Sentinel("FAULT")
+
+
+class Cancelled(ShmpipeError):
+    """Producer side: the consumer started another pass; abandon this one."""
+
+
+class Closed(ShmpipeError):
+    """Producer side: the pipeline is shutting down; stop."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport guarantees. The conformance suite tests each claim.
+
+    zero_copy_reads: the arrays ``get`` returns are views of the transport's
+        memory (no copy on the consumer's side); ``ConsumerEnd.memory_ranges``
+        says where that memory is.
+    in_place_writes: ``reserve`` returns arrays inside the transport's memory,
+        and putting them publishes without a copy.
+    alignment: every array of a delivered batch starts on a multiple of this
+        many bytes (0: no promise). TensorFlow aliases arrays aligned to 64.
+    cross_host: producers may run on other machines.
+    serializes: what a batch goes through on the way ("none", "shmpipe",
+        "arrow", "pickle", ...). Informational.
+    sized_by_first_batch: ``open`` needs ``spec.slot_size``; when the user
+        gave none, shmpipe opens the channel once a producer has a first
+        batch, with a size derived from it.
+    cancels_passes: ``put`` raises Cancelled by itself when a new pass
+        starts; otherwise shmpipe checks between batches.
+    own_producers: the transport runs producers itself (see ``launch``).
+    """
+
+    zero_copy_reads: bool = False
+    in_place_writes: bool = False
+    alignment: int = 0
+    cross_host: bool = False
+    serializes: str = "pickle"
+    sized_by_first_batch: bool = False
+    cancels_passes: bool = False
+    own_producers: bool = False
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """What a pipeline asks of its channel."""
+
+    num_workers: int
+    capacity: int
+    ordered: bool
+    first_pass: int = 0
+    slot_size: int | None = None
+    #: The multiprocessing context producers start with: queues and locks
+    #: meant for them must come from it.
+    mp_context: Any = field(default=None, compare=False)
+
+    @property
+    def quota(self) -> int:
+        """Places one worker may take in ordered mode (one is kept for the
+        batch the consumer holds): ``(capacity - 1) // num_workers``."""
+        if not self.ordered or self.num_workers == 1:
+            return self.capacity
+        return max(1, (self.capacity - 1) // self.num_workers)
+
+
+class ProducerControl(abc.ABC):
+    """Given to a ProducerEnd by shmpipe: lets a blocked put() notice that
+    the consumer moved on."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raises Cancelled or Closed if the producer must stop what it does."""
+
+
+class ConsumerEnd(abc.ABC):
+    """The consumer's side of one pipeline's channel (see the module doc)."""
+
+    #: Picklable; what ``Transport.attach`` gets in each producer.
+    handle: Any = None
+    #: The worker and payload size of the batch ``get`` returned last.
+    last_worker: int = 0
+    last_nbytes: int = 0
+
+    @abc.abstractmethod
+    def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
+        """A batch, END, AGAIN or FAULT (see the module doc)."""
+
+    def begin_pass(self, pass_no: int) -> None:
+        """Pass `pass_no` starts (called before producers hear of it, for
+        every pass; the channel was opened at ``spec.first_pass``, so a call
+        for the pass it is at must change nothing)."""
+
+    def halt(self) -> None:
+        """A producer failed: stop taking batches; get() returns what is
+        already in flight, then FAULT."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wake and stop producers blocked in put()."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Free what open() made. Idempotent; delivered batches stay valid."""
+
+    def producer_blocked_s(self, worker: int) -> float | None:
+        """Seconds `worker` spent waiting for room, if the transport knows."""
+        return None
+
+    def describe_wait(self) -> str:
+        """Why nothing arrives (for a timeout's message)."""
+        return ""
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        """(address, size) of the memory delivered arrays live in, in this
+        process (zero_copy_reads transports)."""
+        return []
+
+
+class ProducerEnd(abc.ABC):
+    """A producer's side of the channel (see the module doc)."""
+
+    def start_pass(self, pass_no: int) -> None:
+        """Called before the source of pass `pass_no` runs."""
+
+    @abc.abstractmethod
+    def put(self, batch: Any) -> None:
+        """Send one batch; block while the channel is full."""
+
+    def reserve(self, template: Any) -> Any:
+        """Writable arrays for the next batch (default: new arrays)."""
+        from shmpipe._worker import _plain_arrays
+
+        return _plain_arrays(template)
+
+    @abc.abstractmethod
+    def end_pass(self) -> None:
+        """This producer's part of the current pass is complete."""
+
+    def close(self) -> None:
+        """The producer is exiting."""
+
+
+class Launcher(abc.ABC):
+    """Runs a pipeline's producers and owns its channel (consumer side).
+
+    shmpipe's own launcher starts processes; a transport with
+    ``own_producers`` returns its own from ``Transport.launch``.
+    """
+
+    #: The channel, once open (a launcher may open it lazily).
+    channel: ConsumerEnd | None = None
+
+    @property
+    @abc.abstractmethod
+    def pids(self) -> list[int | None]:
+        """Process ids of the producers (None where not meaningful)."""
+
+    @abc.abstractmethod
+    def open_channel(self, wait: float) -> ConsumerEnd | None:
+        """The channel, opening it if it is not open yet; None if it cannot
+        be opened within `wait` seconds (no first batch yet)."""
+
+    @abc.abstractmethod
+    def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
+        """Starts pass `pass_no` in every producer."""
+
+    @abc.abstractmethod
+    def check(self) -> BaseException | None:
+        """The first failure of a producer (an error it raised, or its
+        death) as the exception to raise, or None."""
+
+    def halt(self) -> None:
+        """A producer failed: the others should stop producing (what is in
+        flight is still delivered, then the error raised)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stops the producers, joins them and destroys the channel.
+        Idempotent; must work from a finalizer."""
+
+    def wait_for_event(self, timeout: float) -> None:
+        """Blocks until a producer may have something to say, or timeout."""
+        import time
+
+        time.sleep(timeout)
+
+    def leftovers(self) -> list[str]:
+        """After shutdown: whatever still runs (processes, actors), described;
+        the conformance suite asserts it is empty."""
+        return []
+
+
+class Transport(abc.ABC):
+    """A way to move batches; see the module doc for the contract."""
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: Modules this transport needs beyond NumPy.
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: The pip extra that installs them: pip install "shmpipe[<extra>]".
+    extra: ClassVar[str | None] = None
+
+    @abc.abstractmethod
+    def open(self, spec: ChannelSpec) -> ConsumerEnd:
+        """Consumer side: create the channel."""
+
+    def attach(self, handle: Any, worker: int, control: ProducerControl) -> ProducerEnd:
+        """Producer side: join the channel `handle` names as `worker`."""
+        raise NotImplementedError(f"{type(self).__name__} does not attach producers")
+
+    def launch(
+        self, sources: Sequence[Callable[[], Iterable[Any]]], spec: ChannelSpec, seed: int
+    ) -> Launcher:
+        """Only for ``own_producers`` transports: start the producers."""
+        raise NotImplementedError(f"{type(self).__name__} does not run its own producers")
+
+    def batch_nbytes(self, batch: Any) -> int:
+        """Bytes a batch needs in this transport (to size a channel)."""
+        from shmpipe._codec import encoded_size
+
+        return encoded_size(batch)
+
+    def __repr__(self) -> str:
+        return f"<shmpipe transport {self.name!r}>"
