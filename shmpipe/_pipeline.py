@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
 import secrets
 import sys
 import time
@@ -319,6 +320,10 @@ class Pipeline:
             it.finished = True
             self._wall_ns += time.perf_counter_ns() - it.started_ns
             raise
+        except WorkerError as exc:  # a transport that reports failures in stream order (Ray)
+            if not self._closed:
+                self._fail(exc)
+            raise
         t1 = time.perf_counter_ns()
         self._waits.add(t1 - t0)
         self._batches += 1
@@ -482,7 +487,15 @@ def _check_picklable(sources: list, method: str) -> None:
     from multiprocessing.reduction import ForkingPickler
 
     main = sys.modules.get("__main__")
-    interactive = getattr(main, "__file__", None) is None
+    main_file = getattr(main, "__file__", None)
+    if main_file is not None and not os.path.exists(main_file):
+        # multiprocessing re-imports __main__ from its file in every child
+        raise ShmpipeValueError(
+            f"the main module's file {main_file!r} does not exist (a script read from stdin?), "
+            f"so {method!r} producer processes cannot start; run the script from a file, or "
+            "pass start_method='fork'"
+        )
+    interactive = main_file is None
     for i, s in enumerate(sources):
         module = getattr(s, "__module__", None) or type(s).__module__
         if interactive and module == "__main__":

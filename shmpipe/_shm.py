@@ -71,10 +71,14 @@ class ShmTransport(Transport):
         cancels_passes=True,
     )
 
+    #: The ConsumerEnd class open() makes (a ring transport with another
+    #: payload encoding, like "arrow", substitutes its own).
+    consumer_class: Any = None  # ShmConsumer, set below
+
     def open(self, spec: ChannelSpec) -> "ShmConsumer":
         if spec.slot_size is None:
-            raise ShmpipeValueError("the shm transport needs a slot size")
-        return ShmConsumer(
+            raise ShmpipeValueError(f"the {self.name} transport needs a slot size")
+        return self.consumer_class(
             num_workers=spec.num_workers,
             capacity=spec.capacity,
             slot_size=spec.slot_size,
@@ -197,6 +201,9 @@ class ShmConsumer(ConsumerEnd):
             f"of {len(states)} slots {held} are held by batches the consumer still "
             f"references, {ready} are ready for other workers, {writing} are being written"
         )
+
+
+ShmTransport.consumer_class = ShmConsumer
 
 
 def attach_producer(handle: ShmHandle, worker: int) -> _ring.RingWriter:

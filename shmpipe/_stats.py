@@ -69,7 +69,8 @@ class PipelineStats:
     wait_p99_s: float
     wait_max_s: float
     time_to_first_batch_s: float | None
-    producer_blocked_s: tuple[float, ...]
+    #: per worker; None where the transport cannot tell (Ray)
+    producer_blocked_s: tuple[float | None, ...]
     wall_s: float
     stall_fraction: float
     passes: int
@@ -80,8 +81,9 @@ class PipelineStats:
     extra: dict = field(default_factory=dict)
 
     @property
-    def producer_blocked_total_s(self) -> float:
-        return sum(self.producer_blocked_s)
+    def producer_blocked_total_s(self) -> float | None:
+        known = [b for b in self.producer_blocked_s if b is not None]
+        return sum(known) if known else None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -105,7 +107,11 @@ class PipelineStats:
             f"p50 {ms(self.wait_p50_s)}, p99 {ms(self.wait_p99_s)}, max {ms(self.wait_max_s)}",
             f"  first batch    {ms(self.time_to_first_batch_s)} after start",
             f"  stall fraction {self.stall_fraction:.1%} of {self.wall_s:.3f} s iterating",
-            f"  producers blocked on a full ring {self.producer_blocked_total_s:.3f} s "
-            f"({', '.join(f'{b:.3f}' for b in self.producer_blocked_s)})",
         ]
+        total = self.producer_blocked_total_s
+        if total is None:
+            lines.append("  producers blocked on a full channel: not measured by this transport")
+        else:
+            each = ", ".join("-" if b is None else f"{b:.3f}" for b in self.producer_blocked_s)
+            lines.append(f"  producers blocked on a full channel {total:.3f} s ({each})")
         return "\n".join(lines)

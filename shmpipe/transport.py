@@ -141,6 +141,9 @@ class Capabilities:
         and putting them publishes without a copy.
     alignment: every array of a delivered batch starts on a multiple of this
         many bytes (0: no promise). TensorFlow aliases arrays aligned to 64.
+    zero_copy_min_bytes: zero_copy_reads and alignment hold for batches whose
+        arrays make at least this many bytes (Ray copies smaller objects
+        inline into its messages); 0: for every batch.
     cross_host: producers may run on other machines.
     serializes: what a batch goes through on the way ("none", "shmpipe",
         "arrow", "pickle", ...). Informational.
@@ -155,6 +158,7 @@ class Capabilities:
     zero_copy_reads: bool = False
     in_place_writes: bool = False
     alignment: int = 0
+    zero_copy_min_bytes: int = 0
     cross_host: bool = False
     serializes: str = "pickle"
     sized_by_first_batch: bool = False

@@ -282,7 +282,7 @@ def test_unpicklable_source_is_a_clear_error():
         (dict(capacity=0), ValueError, "capacity"),
         (dict(capacity=2.5), ValueError, "capacity"),
         (dict(ordered=True, capacity=2), ValueError, "capacity >= 3"),
-        (dict(transport="carrier-pigeon"), ValueError, "known transports: arrow, queue, ray, shm"),
+        (dict(transport="carrier-pigeon"), ValueError, "known transports: arrow, example-pipe, queue, ray, shm"),
         (dict(timeout=-1), ValueError, "timeout"),
         (dict(slot_size=0), ValueError, "slot_size"),
         (dict(seed=-3), ValueError, "seed"),

@@ -27,6 +27,8 @@ __all__ = [
     "SeedReporter",
     "Stamped",
     "Matrix",
+    "Progress",
+    "NodeReporter",
     "HalfWriter",
     "Sleeper",
     "payload_for",
@@ -220,3 +222,49 @@ class Sleeper:
         for seq in range(self.n):
             yield {"worker": worker, "seq": seq}
             time.sleep(self.seconds)
+
+
+class Progress:
+    """n batches {"worker", "seq"}; before yielding each, appends one byte to
+    <directory>/<worker>, so the file's size is how far the producer got
+    (backpressure tests read it from outside, whatever the transport)."""
+
+    def __init__(self, n: int, directory: str):
+        self.n, self.directory = n, directory
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        fd = os.open(os.path.join(self.directory, str(worker)), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for seq in range(self.n):
+                os.write(fd, b".")
+                yield {"worker": worker, "seq": seq}
+        finally:
+            os.close(fd)
+
+
+def produced(directory: str, num_workers: int) -> int:
+    """How many batches Progress sources in `directory` have made."""
+    total = 0
+    for w in range(num_workers):
+        try:
+            total += os.path.getsize(os.path.join(directory, str(w)))
+        except FileNotFoundError:
+            pass
+    return total
+
+
+class NodeReporter:
+    """For Ray producers: n batches {"node": the Ray node id it ran on,
+    "worker", "seq", "data"} (data as Counter's, of `shape`)."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (16,)):
+        self.n, self.shape = n, tuple(shape)
+
+    def __call__(self):
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        worker = shmpipe.get_worker_info().id
+        for seq in range(self.n):
+            yield {"node": node, "worker": worker, "seq": seq, "data": payload_for(worker, seq, self.shape)}

@@ -1,0 +1,252 @@
+"""The test suite every transport must pass.
+
+shmpipe runs it against each of its transports, and a plugin author runs it
+against theirs: subclass :class:`TransportConformance` in a pytest module and
+give it a ``transport`` fixture (a name, a Transport class or an instance)::
+
+    import pytest
+    from shmpipe.testing.conformance import TransportConformance
+
+    class TestMyTransport(TransportConformance):
+        @pytest.fixture
+        def transport(self):
+            return "mytransport"
+
+Every test runs real producer processes (or whatever the transport runs)
+through ``shmpipe.from_iterators``. A transport skips a test only where its
+capabilities say the test does not apply (no zero-copy claim, no zero-copy
+test); there is no other way to opt out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import _segments
+from shmpipe.registry import resolve_transport
+from shmpipe.testing.assertions import assert_same
+from shmpipe.testing.batches import matrix
+from shmpipe.testing.sources import (
+    Counter,
+    Fixed,
+    Killer,
+    Matrix,
+    Progress,
+    Raiser,
+    Reserver,
+    Stamped,
+    payload_for,
+    produced,
+)
+
+__all__ = ["TransportConformance"]
+
+
+def _our_segments() -> set[str]:
+    try:
+        return {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(_segments.PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+def _in_ranges(arr: np.ndarray, ranges: list[tuple[int, int]]) -> bool:
+    lo = arr.__array_interface__["data"][0]
+    return any(start <= lo and lo + arr.nbytes <= start + size for start, size in ranges)
+
+
+def _arrays(batch):
+    from shmpipe._tree import leaves
+
+    return [leaf for leaf in leaves(batch) if isinstance(leaf, np.ndarray)]
+
+
+class TransportConformance:
+    """Subclass and provide a ``transport`` fixture (see the module doc)."""
+
+    #: seconds the consumer waits for any one batch before the test fails
+    timeout = 60.0
+
+    @pytest.fixture
+    def transport(self):
+        raise NotImplementedError("give the subclass a `transport` fixture")
+
+    def pipe(self, transport, sources, **options) -> shmpipe.Pipeline:
+        options.setdefault("timeout", self.timeout)
+        return shmpipe.from_iterators(sources, transport=transport, **options)
+
+    @staticmethod
+    def caps(transport):
+        return resolve_transport(transport).capabilities
+
+    # -- what arrives --------------------------------------------------------
+
+    def test_round_trip_matrix_bit_exact(self, transport):
+        want = [b for _, b in matrix()]
+        with self.pipe(transport, [Matrix()], ordered=True) as pipe:
+            got = 0
+            for batch, expected in zip(pipe, want):
+                assert_same(batch, expected)
+                got += 1
+        assert got == len(want)
+
+    @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+    def test_every_batch_exactly_once(self, transport, ordered):
+        n, per = 3, 25
+        with self.pipe(transport, [Counter(per, shape=(64,))] * n, ordered=ordered) as pipe:
+            seen = []
+            for b in pipe:
+                np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], (64,)))
+                assert float(b["data"].astype(np.float64).sum()) == b["checksum"]
+                seen.append((b["worker"], b["seq"]))
+            stats = pipe.stats()
+        assert sorted(seen) == [(w, s) for w in range(n) for s in range(per)]
+        if ordered:
+            assert seen == [(w, s) for s in range(per) for w in range(n)]
+        else:  # each worker's batches still come in the order it made them
+            for w in range(n):
+                assert [s for ww, s in seen if ww == w] == list(range(per))
+        assert stats.batches == n * per and stats.per_worker_batches == (per,) * n
+
+    def test_ordered_skips_exhausted_workers(self, transport):
+        with self.pipe(transport, [Counter(3), Counter(5), Counter(1)], ordered=True) as pipe:
+            seen = [(b["worker"], b["seq"]) for b in pipe]
+        assert seen == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
+
+    def test_end_of_stream_and_new_passes(self, transport):
+        with self.pipe(transport, [Counter(6)] * 2) as pipe:
+            for _ in range(2):
+                assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(2) for s in range(6)]
+            it = iter(pipe)
+            next(it)  # abandon this pass after one batch
+            assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(2) for s in range(6)]
+        with self.pipe(transport, [Fixed([])] * 2) as pipe:
+            assert list(pipe) == [] and list(pipe) == []
+
+    def test_reserve_gives_correct_batches(self, transport):
+        with self.pipe(transport, [Reserver(10, shape=(128,))] * 2) as pipe:
+            seen = []
+            for b in pipe:
+                np.testing.assert_array_equal(b["data"], np.full(128, b["seq"] + 1000 * b["worker"], np.float32))
+                seen.append((b["worker"], b["seq"]))
+        assert sorted(seen) == [(w, s) for w in range(2) for s in range(10)]
+
+    # -- bounds --------------------------------------------------------------
+
+    def test_backpressure_bounds_batches_in_flight(self, transport, tmp_path):
+        n, capacity = 2, 4
+        with self.pipe(transport, [Progress(500, str(tmp_path))] * n, capacity=capacity) as pipe:
+            it = iter(pipe)
+            delivered = 0
+            for _ in range(3):
+                next(it)
+                delivered += 1
+                time.sleep(0.5)  # producers run ahead as far as the channel lets them
+                made = produced(str(tmp_path), n)
+                # in flight (made, not yet delivered) is at most capacity, plus
+                # the one batch each producer holds while it waits for room
+                assert made - delivered <= capacity + n, (
+                    f"{made} batches made, {delivered} delivered, capacity {capacity}"
+                )
+            assert made >= delivered + 1, "producers did not run ahead at all"
+
+    def test_held_batches_never_change(self, transport):
+        kept = []
+        with self.pipe(transport, [Stamped(60, shape=(2048,))] * 2, capacity=6) as pipe:
+            for b in pipe:
+                kept.append(b)
+                if len(kept) > 2:  # keep a window while the producers write on
+                    del kept[0]
+                for k in kept:
+                    assert np.all(k["data"] == k["stamp"])
+            for k in kept:
+                assert np.all(k["data"] == k["stamp"])
+
+    # -- failures ------------------------------------------------------------
+
+    def test_producer_exception(self, transport):
+        pipe = self.pipe(transport, [Raiser(3, only_worker=1)] * 2)
+        seen = []
+        with pytest.raises(shmpipe.WorkerError) as info:
+            with pipe:
+                for b in pipe:
+                    seen.append((b["worker"], b["seq"]))
+        err = info.value
+        assert err.worker_id == 1
+        assert err.exc_type == "builtins.ValueError" and "boom from the source" in str(err)
+        assert "raise self.exc_type(self.message)" in err.remote_traceback
+        assert [s for w, s in seen if w == 1] == [0, 1, 2], "batches yielded before the error were lost"
+        assert pipe.closed
+
+    def test_producer_death(self, transport):
+        with pytest.raises(shmpipe.WorkerDiedError) as info:
+            with self.pipe(transport, [Killer(2, signal.SIGKILL, only_worker=0)] * 2) as pipe:
+                for _ in pipe:
+                    pass
+        assert info.value.worker_id == 0
+        assert pipe.closed
+
+    # -- clean-up --------------------------------------------------------------
+
+    def test_close_leaves_nothing_behind_and_keeps_delivered_batches(self, transport):
+        before = _our_segments()
+        pipe = self.pipe(transport, [Counter(100, shape=(1000,))] * 2, capacity=6)
+        it = iter(pipe)
+        kept = [next(it) for _ in range(3)]
+        pids = [p for p in pipe.pids if p is not None]
+        pipe.close()
+        launcher = pipe._launcher
+        assert launcher.leftovers() == []
+        if not self.caps(transport).cross_host:
+            deadline = time.monotonic() + 10
+            while any(_segments.process_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert all(_segments.process_start_time(p) is None for p in pids), "producers outlived close()"
+        assert _our_segments() - before == set(), "close() left shared memory behind"
+        for b in kept:  # batches delivered before close stay valid
+            np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], (1000,)))
+
+    # -- what the capabilities claim -----------------------------------------
+
+    def test_zero_copy_reads(self, transport):
+        caps = self.caps(transport)
+        if not caps.zero_copy_reads:
+            pytest.skip("the transport does not claim zero-copy reads")
+        n = max(256, caps.zero_copy_min_bytes // 4 + 1)  # float32 elements
+        with self.pipe(transport, [Counter(5, shape=(n,))] * 2) as pipe:
+            for b in pipe:
+                ranges = pipe.channel.memory_ranges()
+                assert ranges, "zero_copy_reads but memory_ranges() is empty"
+                for arr in _arrays(b):
+                    assert _in_ranges(arr, ranges), "a delivered array is not in the transport's memory"
+                    assert not arr.flags.writeable
+
+    def test_alignment(self, transport):
+        caps = self.caps(transport)
+        align = caps.alignment
+        if not align:
+            pytest.skip("the transport promises no alignment")
+        if caps.zero_copy_min_bytes:
+            # every batch of the matrix, with enough bytes beside it
+            filler = np.zeros(caps.zero_copy_min_bytes + 1, np.uint8)
+            source = Fixed([{"batch": b, "filler": filler} for _, b in matrix()])
+        else:
+            source = Matrix()
+        with self.pipe(transport, [source]) as pipe:
+            for b in pipe:
+                for arr in _arrays(b):
+                    if arr.nbytes:
+                        assert arr.__array_interface__["data"][0] % align == 0
+
+    def test_in_place_writes(self, transport):
+        if not self.caps(transport).in_place_writes:
+            pytest.skip("the transport does not claim in-place writes")
+        with self.pipe(transport, [Reserver(6, shape=(512,))] * 2) as pipe:
+            for b in pipe:
+                assert _in_ranges(b["data"], pipe.channel.memory_ranges())
+                assert np.all(b["data"] == b["seq"] + 1000 * b["worker"])

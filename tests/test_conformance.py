@@ -1,0 +1,66 @@
+"""Every built-in transport, and the example plugin (found through its real
+entry point), against shmpipe.testing.conformance."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from shmpipe import registry
+from shmpipe.testing.conformance import TransportConformance
+
+
+class TestShm(TransportConformance):
+    @pytest.fixture
+    def transport(self):
+        return "shm"
+
+
+class TestArrow(TransportConformance):
+    @pytest.fixture
+    def transport(self):
+        return "arrow"
+
+
+class TestQueue(TransportConformance):
+    @pytest.fixture
+    def transport(self):
+        return "queue"
+
+
+class TestRay(TransportConformance):
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def ray_running(cls):
+        # One local Ray for the class: the transport uses a running Ray as
+        # it finds it (starting and stopping one is tested on its own).
+        import ray
+
+        ray.init(num_cpus=4, object_store_memory=400 << 20, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
+
+    @pytest.fixture
+    def transport(self):
+        from shmpipe.transports.ray import RayTransport
+
+        return RayTransport()
+
+
+class TestExamplePlugin(TransportConformance):
+    """examples/pipe-transport, installed as a package (the README's test
+    command installs it): found through the entry point, never registered
+    by hand."""
+
+    @pytest.fixture
+    def transport(self):
+        return "example-pipe"
+
+    def test_it_comes_from_its_entry_point(self):
+        eps = {ep.name: ep for ep in importlib.metadata.entry_points(group=registry.ENTRY_POINT_GROUP)}
+        assert "example-pipe" in eps, "install examples/pipe-transport (see README)"
+        assert "example-pipe" not in registry._registered
+        assert "example-pipe" in registry.available_transports()
+        cls = registry.get_transport("example-pipe")
+        assert cls.__module__ == "shmpipe_example_pipe" and cls.name == "example-pipe"

@@ -1,0 +1,76 @@
+"""The Ray transport beyond the conformance suite: a local Ray started and
+stopped on demand, and producers placed on another node of a (simulated)
+two-node cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
+
+import shmpipe
+from shmpipe.testing.sources import NodeReporter, payload_for
+from shmpipe.transports.ray import RayTransport
+
+
+def test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close(tmp_path):
+    script = tmp_path / "ray_on_demand.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import ray, shmpipe
+            from shmpipe.testing.sources import Counter
+            if __name__ == "__main__":
+                assert not ray.is_initialized()
+                with shmpipe.from_iterators([Counter(3)] * 2, transport="ray", slot_size=1 << 20, timeout=120) as pipe:
+                    n = sum(1 for _ in pipe)
+                    up = ray.is_initialized()
+                    store = ray.cluster_resources()["object_store_memory"]
+                print(n, up, ray.is_initialized(), int(store))
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    n, up, after, store = out.stdout.split()
+    assert (n, up, after) == ("6", "True", "False")
+    # sized for the pipeline: max(256 MiB, 3 x capacity x slot_size) = 256 MiB here
+    assert abs(int(store) - (256 << 20)) < (16 << 20)
+
+
+def test_producers_run_on_the_second_node_of_a_cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": 120 << 20, "include_dashboard": False},
+    )
+    try:
+        cluster.add_node(num_cpus=2, resources={"producer_node": 2}, object_store_memory=120 << 20)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        head = ray.get_runtime_context().get_node_id()
+        (second,) = [n["NodeID"] for n in ray.nodes() if "producer_node" in n["Resources"]]
+        assert second != head
+        transport = RayTransport(actor_options={"num_cpus": 1, "resources": {"producer_node": 1}})
+        shape = (64, 1024)  # 256 KiB: travels through the object store, not inline
+        with shmpipe.from_iterators([NodeReporter(5, shape)] * 2, transport=transport, timeout=120) as pipe:
+            seen = []
+            for b in pipe:
+                assert b["node"] == second, "a producer ran on the head node"
+                np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], shape))
+                seen.append((b["worker"], b["seq"]))
+            assert ray.is_initialized()  # a cluster shmpipe did not start stays up
+        assert sorted(seen) == [(w, s) for w in range(2) for s in range(5)]
+        assert pipe._launcher.leftovers() == []
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -1,0 +1,126 @@
+"""The transport registry and what the transports say when something is off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import registry
+from shmpipe.errors import BatchTypeError, CorruptSegmentError
+from shmpipe.testing.sources import Counter, Fixed
+from shmpipe.transport import Capabilities, Transport
+from shmpipe.transports import arrow
+from shmpipe.transports.queue import QueueTransport
+
+
+@pytest.fixture
+def clean_registry():
+    before = dict(registry._registered)
+    yield
+    registry._registered.clear()
+    registry._registered.update(before)
+
+
+def test_available_transports():
+    names = shmpipe.available_transports()
+    assert {"shm", "arrow", "ray", "queue", "example-pipe"} <= set(names)
+    assert names == sorted(names)
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(shmpipe.ShmpipeValueError, match="unknown transport 'nope'; known transports: arrow, ") as info:
+        shmpipe.get_transport("nope")
+    assert isinstance(info.value, ValueError)
+
+
+class MyQueue(QueueTransport):
+    name = "my-queue"
+
+
+def test_register_use_and_replace(clean_registry):
+    shmpipe.register_transport("my-queue", MyQueue)
+    assert "my-queue" in shmpipe.available_transports()
+    assert shmpipe.get_transport("my-queue") is MyQueue
+    with shmpipe.from_iterators([Counter(4)] * 2, transport="my-queue", timeout=30) as pipe:
+        assert len([b for b in pipe]) == 8
+        assert pipe.stats().transport == "my-queue"
+    with pytest.raises(shmpipe.ShmpipeValueError, match="already exists; pass replace=True"):
+        shmpipe.register_transport("my-queue", QueueTransport)
+    with pytest.raises(shmpipe.ShmpipeValueError, match="already exists"):
+        shmpipe.register_transport("shm", MyQueue)  # built-in names too
+    with pytest.raises(shmpipe.ShmpipeValueError, match="already exists"):
+        shmpipe.register_transport("example-pipe", MyQueue)  # and entry points
+    shmpipe.register_transport("my-queue", QueueTransport, replace=True)
+    assert shmpipe.get_transport("my-queue") is QueueTransport
+
+
+def test_register_rejects_what_is_not_a_transport(clean_registry):
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="not a subclass"):
+        shmpipe.register_transport("x", object)
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="non-empty str"):
+        shmpipe.register_transport("", MyQueue)
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="transport must be a name"):
+        shmpipe.from_iterators([Counter(1)], transport=42)
+
+
+class NeedsSomethingMissing(QueueTransport):
+    name = "needs-missing"
+    requires = ("a_module_nobody_installed_xyz",)
+    extra = "demo"
+
+
+def test_a_missing_dependency_says_what_to_install(clean_registry):
+    shmpipe.register_transport("needs-missing", NeedsSomethingMissing)
+    with pytest.raises(shmpipe.TransportUnavailableError, match=r'pip install "shmpipe\[demo\]"') as info:
+        shmpipe.from_iterators([Counter(1)], transport="needs-missing")
+    assert isinstance(info.value, ImportError)
+
+
+def test_transport_instances_and_classes_are_accepted():
+    with shmpipe.from_iterators([Counter(3)], transport=QueueTransport(), timeout=30) as pipe:
+        assert len(list(pipe)) == 3
+    with shmpipe.from_iterators([Counter(3)], transport=QueueTransport, timeout=30) as pipe:
+        assert len(list(pipe)) == 3
+
+
+def test_capabilities_are_what_callers_ask():
+    caps = {name: shmpipe.get_transport(name).capabilities for name in ("shm", "arrow", "ray", "queue")}
+    assert caps["shm"].zero_copy_reads and caps["shm"].in_place_writes and caps["shm"].alignment == 64
+    assert caps["arrow"].zero_copy_reads and not caps["arrow"].in_place_writes and caps["arrow"].alignment == 64
+    assert caps["ray"].cross_host and caps["ray"].own_producers and caps["ray"].zero_copy_min_bytes > 0
+    assert caps["queue"] == Capabilities(serializes=caps["queue"].serializes)  # promises nothing
+
+
+def test_arrow_bad_batches_and_corrupt_payloads():
+    with pytest.raises(BatchTypeError) as info:
+        arrow.encode({"x": [1, {"y": object()}]})
+    assert info.value.path == "batch['x'][1]['y']"
+    with pytest.raises(BatchTypeError, match="dtype"):
+        arrow.encode({"o": np.array([None])})
+    payload = arrow.encode({"x": np.arange(10)})
+    bad = payload.copy()
+    bad[:4] = 0
+    with pytest.raises(CorruptSegmentError):
+        arrow.decode(bad)
+    bad = payload.copy()
+    bad[8:12] = np.frombuffer(b"{{{{", np.uint8)
+    with pytest.raises(CorruptSegmentError):
+        arrow.decode(bad)
+
+
+def test_a_bad_batch_through_the_arrow_transport_is_a_type_error():
+    with pytest.raises(TypeError, match=r"batch\['x'\]") as info:
+        with shmpipe.from_iterators([Fixed([{"x": object()}])], transport="arrow", timeout=30) as pipe:
+            list(pipe)
+    assert isinstance(info.value.__cause__, shmpipe.WorkerError)
+
+
+class Broken(Transport):
+    name = "broken"  # forgets to implement open()
+
+
+def test_an_incomplete_transport_fails_loudly(clean_registry):
+    shmpipe.register_transport("broken", Broken)
+    with pytest.raises(TypeError, match="abstract"):
+        shmpipe.from_iterators([Counter(1)], transport="broken")
