@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -43,3 +44,17 @@ def no_leaks():
         child.join(5)
     assert not left, f"the test left shared-memory segments behind: {sorted(left)}"
     assert not children, f"the test left child processes behind: {children}"
+
+
+@contextlib.contextmanager
+def ray_friendly_cwd(directory):
+    """Ray puts the driver's working directory on its workers' sys.path. Run
+    from the repository's root, that would make them import the shmpipe
+    source tree (no compiled extensions) instead of the installed package,
+    so Ray is started from another directory."""
+    old = os.getcwd()
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(old)

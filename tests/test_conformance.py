@@ -10,6 +10,8 @@ import pytest
 from shmpipe import registry
 from shmpipe.testing.conformance import TransportConformance
 
+from conftest import ray_friendly_cwd
+
 
 class TestShm(TransportConformance):
     @pytest.fixture
@@ -32,12 +34,13 @@ class TestQueue(TransportConformance):
 class TestRay(TransportConformance):
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
-    def ray_running(cls):
+    def ray_running(cls, tmp_path_factory):
         # One local Ray for the class: the transport uses a running Ray as
         # it finds it (starting and stopping one is tested on its own).
         import ray
 
-        ray.init(num_cpus=4, object_store_memory=400 << 20, include_dashboard=False, log_to_driver=False)
+        with ray_friendly_cwd(tmp_path_factory.mktemp("ray")):
+            ray.init(num_cpus=4, object_store_memory=400 << 20, include_dashboard=False, log_to_driver=False)
         yield
         ray.shutdown()
 

@@ -46,9 +46,10 @@ def test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close(tmp_path):
     assert abs(int(store) - (256 << 20)) < (16 << 20)
 
 
-def test_producers_run_on_the_second_node_of_a_cluster():
+def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
     if ray.is_initialized():
         ray.shutdown()
+    monkeypatch.chdir(tmp_path)  # see conftest.ray_friendly_cwd
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "object_store_memory": 120 << 20, "include_dashboard": False},

@@ -12,6 +12,7 @@ Paths:
   mp.Queue      multiprocessing.Queue: pickle through a pipe (the article's recipe)
   shm ring      shmpipe.from_iterators, producers yield arrays (one copy into a slot)
   shm reserve   shmpipe producers fill slots in place with shmpipe.reserve (no copy)
+  transport:X   the same pipeline as "shm ring" over transport X (arrow, queue, ray)
 """
 
 from __future__ import annotations
@@ -172,15 +173,22 @@ def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, cap
     return Result("mp.Queue", nbytes, n, wall, cpu)
 
 
-def bench_shm(nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int, reserve: bool) -> Result:
+def bench_pipeline(
+    path: str, nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int
+) -> Result:
+    """A shmpipe pipeline: "shm ring", "shm reserve", or "transport:<name>"."""
+    reserve = path == "shm reserve"
+    transport = path.split(":", 1)[1] if path.startswith("transport:") else "shm"
     source = ReservedArrays(nbytes) if reserve else FreshArrays(nbytes)
-    with shmpipe.from_iterators([source] * workers, capacity=capacity, timeout=60) as pipe:
+    with shmpipe.from_iterators([source] * workers, capacity=capacity, transport=transport, timeout=120) as pipe:
         it = iter(pipe)
         n, wall, cpu = _timed(lambda: next(it), seconds, min_batches, warmup=capacity)
-    return Result("shm reserve" if reserve else "shm ring", nbytes, n, wall, cpu)
+    return Result(path, nbytes, n, wall, cpu)
 
 
 PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve")
+#: Every other transport, through the same pipeline API.
+TRANSPORT_PATHS = ("transport:arrow", "transport:queue", "transport:ray")
 
 
 def run(
@@ -204,10 +212,10 @@ def run(
                 r = bench_memcpy(nbytes, seconds, min_batches)
             elif path == "mp.Queue":
                 r = bench_queue(nbytes, seconds, min_batches, workers, capacity)
-            elif path in ("shm ring", "shm reserve"):
-                r = bench_shm(nbytes, seconds, min_batches, workers, capacity, reserve=path == "shm reserve")
+            elif path in ("shm ring", "shm reserve") or path.startswith("transport:"):
+                r = bench_pipeline(path, nbytes, seconds, min_batches, workers, capacity)
             else:
-                raise ValueError(f"unknown path {path!r}; known: {', '.join(PATHS)}")
+                raise ValueError(f"unknown path {path!r}; known: {', '.join(PATHS + TRANSPORT_PATHS)}")
             results.append(r)
     return results
 
@@ -272,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=1.5, help="timed seconds per path and size")
     parser.add_argument("--min-batches", type=int, default=20, help="at least this many batches per measurement")
     parser.add_argument("--workers", type=int, default=2, help="producer processes")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument(
+        "--paths", nargs="+", default=list(PATHS), choices=PATHS + TRANSPORT_PATHS,
+        help="what to measure (default: the core four; transport:<name> for the others)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
 
