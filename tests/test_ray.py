@@ -75,3 +75,29 @@ def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_pipeline_started_next_to_a_source_checkout(tmp_path):
+    # ./shmpipe here is a decoy "checkout" that cannot be imported; Ray puts
+    # the directory ray.init() runs in on its workers' sys.path, so the
+    # pipeline must start Ray elsewhere for the actors to find the real one.
+    (tmp_path / "shmpipe").mkdir()
+    (tmp_path / "shmpipe" / "__init__.py").write_text("raise ImportError('the decoy checkout was imported')\n")
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            sys.path.remove(sys.path[0])  # like an installed program: ./ is not on the path
+            import shmpipe
+            from shmpipe.testing.sources import Counter
+            if __name__ == "__main__":
+                with shmpipe.from_iterators([Counter(3)], transport="ray", timeout=120) as pipe:
+                    print(sum(1 for _ in pipe))
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "3"

@@ -27,9 +27,11 @@ the actors run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
+import tempfile
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -167,13 +169,27 @@ class RayLauncher(Launcher):
                     f"within {START_TIMEOUT_S:g} s; does the cluster have room for "
                     f"{transport.actor_options} each?"
                 )
-            self._pids = ray.get(refs)
+            try:
+                self._pids = ray.get(refs)
+            except ray.exceptions.RayActorError as exc:
+                if _shadowing_checkout():
+                    raise ShmpipeValueError(
+                        "Ray's workers import shmpipe from ./shmpipe, a source checkout without "
+                        "its compiled extensions, because Ray puts the directory ray.init() ran "
+                        "in on their sys.path; call ray.init() from another directory (or let "
+                        "the pipeline start Ray)"
+                    ) from exc
+                raise
         except BaseException:
             self.shutdown()
             raise
         self.channel = RayConsumer(self)
 
     def _start_ray(self, spec: ChannelSpec) -> None:
+        with _away_from_a_checkout():
+            self._init_ray(spec)
+
+    def _init_ray(self, spec: ChannelSpec) -> None:
         t = self.transport
         options = dict(include_dashboard=False)
         if t.address is not None:
@@ -244,6 +260,33 @@ class RayLauncher(Launcher):
             if not alive or time.monotonic() > deadline:
                 return [f"Ray actor {name}" for name in alive]
             time.sleep(0.1)
+
+
+def _shadowing_checkout() -> bool:
+    """Whether ./shmpipe is a directory other than the shmpipe imported here:
+    a source checkout that Ray's workers would import instead."""
+    import shmpipe
+
+    here = os.path.realpath(os.path.join(os.getcwd(), "shmpipe"))
+    installed = os.path.realpath(os.path.dirname(shmpipe.__file__))
+    return os.path.isdir(here) and here != installed
+
+
+@contextlib.contextmanager
+def _away_from_a_checkout():
+    """ray.init() puts its current directory on every worker's sys.path (so
+    actors can import the user's modules). Started inside a shmpipe source
+    checkout, that would make workers import the checkout instead of the
+    installed package; only then is Ray started from the temp directory."""
+    if not _shadowing_checkout():
+        yield
+        return
+    old = os.getcwd()
+    os.chdir(tempfile.gettempdir())
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 class RayConsumer(ConsumerEnd):
