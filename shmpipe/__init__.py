@@ -18,11 +18,11 @@ TensorFlow).
 """
 
 from shmpipe._pipeline import Pipeline, from_iterators
-from shmpipe.registry import available_transports, get_transport, register_transport
 from shmpipe._segments import sweep as _sweep
 from shmpipe._spec import ArraySpec
 from shmpipe._stats import PipelineStats
 from shmpipe._worker import WorkerInfo, get_worker_info, reserve
+from shmpipe.registry import available_transports, get_transport, register_transport
 from shmpipe.errors import (
     BatchTooLargeError,
     BatchTypeError,
@@ -31,9 +31,10 @@ from shmpipe.errors import (
     PipelineTimeoutError,
     SharedMemoryFullError,
     ShmpipeError,
-    TransportUnavailableError,
     ShmpipeTypeError,
     ShmpipeValueError,
+    ShmpipeWarning,
+    TransportUnavailableError,
     WorkerDiedError,
     WorkerError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "ShmpipeError",
     "ShmpipeTypeError",
     "ShmpipeValueError",
+    "ShmpipeWarning",
     "TransportUnavailableError",
     "WorkerDiedError",
     "WorkerError",
@@ -64,6 +66,7 @@ __all__ = [
     "get_worker_info",
     "register_transport",
     "reserve",
+    "signature_of",
 ]
 
 
@@ -72,3 +75,12 @@ def clean(dry_run: bool = False) -> list[str]:
     (never one whose owner lives). Returns the names removed (or, with
     dry_run, that would be)."""
     return _sweep(dry_run=dry_run)
+
+
+def signature_of(*batches):
+    """A tf.data ``output_signature`` for batches like these: their
+    structure, dtypes and shapes, with None for each dimension that differs
+    between them (imports TensorFlow)."""
+    from shmpipe._tf import signature_of as _signature_of
+
+    return _signature_of(*batches)

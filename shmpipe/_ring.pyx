@@ -355,6 +355,13 @@ cdef class Ring:
     def faults(self) -> int:
         return shmp_faults(self.base)
 
+    def held_count(self) -> int:
+        """Slots HELD: delivered batches still referenced somewhere."""
+        cdef uint32_t i, n = 0
+        for i in range(self.nslots):
+            n += shmp_slot_state(self.base, i) == SHMP_HELD
+        return n
+
     def slot_states(self) -> list:
         """Each slot's state (FREE/WRITING/READY/HELD), read without ordering."""
         return [shmp_slot_state(self.base, i) for i in range(self.nslots)]

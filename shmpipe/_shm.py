@@ -179,6 +179,9 @@ class ShmConsumer(ConsumerEnd):
         """Removes the segment's name. Arrays still alive keep their memory."""
         self.segment.unlink()
 
+    def held(self) -> int:
+        return self.ring.held_count()
+
     def producer_blocked_s(self, worker: int) -> float:
         return self.ring.worker_blocked_ns(worker) / 1e9
 

@@ -16,6 +16,8 @@ work as they would anywhere else::
     ├── PipelineClosedError(RuntimeError)
     └── WorkerError(RuntimeError)     a producer raised
         └── WorkerDiedError           a producer was killed or exited early
+
+    ShmpipeWarning(UserWarning)       something works, but slower than it should
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "PipelineClosedError",
     "WorkerError",
     "WorkerDiedError",
+    "ShmpipeWarning",
 ]
 
 
@@ -192,3 +195,8 @@ class WorkerDiedError(WorkerError):
     def __reduce__(self):
         exitcode = -self.signal if self.signal else self.exitcode
         return (type(self), (self.worker_id, self.pid, exitcode, self.reason))
+
+
+class ShmpipeWarning(UserWarning):
+    """Something works, but not as well as it could (a copy where there
+    should be none, an option without effect)."""

@@ -227,6 +227,12 @@ class ConsumerEnd(abc.ABC):
     def destroy(self) -> None:
         """Free what open() made. Idempotent; delivered batches stay valid."""
 
+    def held(self) -> int | None:
+        """How many delivered batches still hold a place of the channel (a
+        slot), where delivered batches hold places at all; None otherwise.
+        Adapters that buffer batches (tf.data) use it not to hold them all."""
+        return None
+
     def producer_blocked_s(self, worker: int) -> float | None:
         """Seconds `worker` spent waiting for room, if the transport knows."""
         return None

@@ -49,3 +49,22 @@ def test_throughput_script_writes_json(tmp_path):
     assert "| 8 KiB | shm ring |" in proc.stdout
     data = json.loads(out.read_text())
     assert {r["path"] for r in data["results"]} == set(throughput.PATHS)
+
+
+def test_gpu_feed_says_what_it_did_not_measure(tmp_path):
+    # No GPU in CI: the script must say so and succeed, measuring nothing.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_feed.py"), "--mib", "1", "--batches", "2"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        assert "not measured" in proc.stdout
+    else:
+        assert "host-to-device GB/s" in proc.stdout

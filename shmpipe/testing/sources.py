@@ -29,6 +29,7 @@ __all__ = [
     "Matrix",
     "Progress",
     "NodeReporter",
+    "LinearXY",
     "HalfWriter",
     "Sleeper",
     "payload_for",
@@ -268,3 +269,18 @@ class NodeReporter:
         worker = shmpipe.get_worker_info().id
         for seq in range(self.n):
             yield {"node": node, "worker": worker, "seq": seq, "data": payload_for(worker, seq, self.shape)}
+
+
+class LinearXY:
+    """n (x, y) batches of a linear regression problem, for training loops:
+    x is (batch, features) float32, y = x @ [1, 2, ..., features]."""
+
+    def __init__(self, n: int, batch: int = 32, features: int = 8):
+        self.n, self.batch, self.features = n, batch, features
+
+    def __call__(self):
+        rng = np.random.default_rng(shmpipe.get_worker_info().seed)
+        w = np.arange(1, self.features + 1, dtype=np.float32)
+        for _ in range(self.n):
+            x = rng.standard_normal((self.batch, self.features)).astype(np.float32)
+            yield x, (x @ w)[:, None]

@@ -1,0 +1,181 @@
+"""Feeding a GPU from the ring: host-to-device GB/s and the share of each
+training step spent waiting for input.
+
+    python benchmarks/gpu_feed.py                      # needs an NVIDIA GPU and torch with CUDA
+    python benchmarks/gpu_feed.py --mib 64 --batches 60 --json gpu.json
+
+What it measures, in one run:
+
+1. Host pointer identity: torch.from_numpy of a delivered array points into
+   the shared-memory segment (no copy on the host).
+2. Host-to-device copy rate, for batches whose arrays live in ring slots
+   (producers fill them in place with shmpipe.reserve, so the producers are
+   not the bottleneck): pageable (the ring as it is) and registered
+   (pin_memory=True: cudaHostRegister of the ring, once), beside two
+   references in one process: a pinned torch tensor and a pageable NumPy array.
+3. The share of training time spent waiting for input, with a simulated
+   training step (a matmul loop of a fixed time on the GPU) fed through
+   pipe.to_torch(device="cuda", pin_memory=True).
+4. If TensorFlow sees a GPU: the same step fed through
+   pipe.to_tf_dataset(device="/gpu:0") (prefetch to device).
+
+Without CUDA it says so and measures nothing (exit status 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import shmpipe
+
+
+class Filled:
+    """Producers that fill a slot in place: `n` float32 arrays of `nbytes`."""
+
+    def __init__(self, n: int, nbytes: int):
+        self.n, self.nbytes = n, nbytes
+
+    def __call__(self):
+        spec = shmpipe.ArraySpec((self.nbytes // 4,), np.float32)
+        for i in range(self.n):
+            a = shmpipe.reserve(spec)
+            a[:: 1 << 10] = i  # touch it: fresh data
+            yield a
+
+
+def h2d_rate(torch, arrays_or_tensors, device, non_blocking=True) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    nbytes = 0
+    for x in arrays_or_tensors:
+        t = x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
+        t.to(device, non_blocking=non_blocking)
+        nbytes += t.numel() * t.element_size()
+    torch.cuda.synchronize()
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def ring_rate(torch, args, pin: bool) -> float:
+    with shmpipe.from_iterators([Filled(args.batches, args.mib << 20)] * 2, capacity=6, timeout=120) as pipe:
+        batches = pipe.to_torch(device="cuda", pin_memory=pin, non_blocking=True)
+        it = iter(batches)
+        next(it)  # the ring exists (and is registered) from the first batch on
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = 0
+        for t in it:
+            n += t.numel() * t.element_size()
+        torch.cuda.synchronize()
+        rate = n / (time.perf_counter() - t0) / 1e9
+        batches.unregister()
+    return rate
+
+
+def step_wait_share(torch, args) -> dict:
+    a = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 0
+    while time.perf_counter() - t0 < 0.2:
+        a @ a
+        reps += 1
+    torch.cuda.synchronize()
+    per = (time.perf_counter() - t0) / reps
+    matmuls = max(1, int(args.step_ms / 1e3 / per))
+
+    with shmpipe.from_iterators([Filled(args.batches, args.mib << 20)] * 2, capacity=6, timeout=120) as pipe:
+        for x in pipe.to_torch(device="cuda", pin_memory=True):
+            for _ in range(matmuls):
+                a @ a  # the "training step"
+            torch.cuda.synchronize()
+            del x
+        s = pipe.stats()
+    return {"step_ms": args.step_ms, "stall_fraction": s.stall_fraction, "wait_p50_ms": s.wait_p50_s * 1e3,
+            "wait_p99_ms": s.wait_p99_s * 1e3, "batches": s.batches}
+
+
+def tf_step_wait_share(args) -> dict | None:
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return None
+    if not tf.config.list_physical_devices("GPU"):
+        return None
+    a = tf.random.normal((2048, 2048))
+    with shmpipe.from_iterators([Filled(args.batches, args.mib << 20)] * 2, capacity=8, timeout=120) as pipe:
+        for x in pipe.to_tf_dataset(device="/gpu:0"):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < args.step_ms / 1e3:
+                a = tf.linalg.matmul(a, a) * 1e-3
+            _ = a.numpy()  # wait for the GPU
+            del x
+        s = pipe.stats()
+    return {"step_ms": args.step_ms, "stall_fraction": s.stall_fraction, "batches": s.batches}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64, help="batch size in MiB")
+    parser.add_argument("--batches", type=int, default=40, help="batches per producer (2 producers)")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated training step")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        print("No CUDA device here (or no torch with CUDA): the GPU figures are not measured. "
+              "Run this on a machine with an NVIDIA GPU and a CUDA build of torch.")
+        return 0
+
+    results: dict = {"device": torch.cuda.get_device_name(0), "batch_mib": args.mib}
+    # 1. pointer identity on the host
+    with shmpipe.from_iterators([Filled(2, 1 << 20)], timeout=60) as pipe:
+        t = next(iter(pipe.to_torch()))
+        lo, size = pipe.channel.memory_ranges()[0]
+        results["host_tensor_in_segment"] = lo <= t.data_ptr() < lo + size
+        del t
+    # 2. host-to-device rates
+    n = args.mib << 20
+    pinned = [torch.empty(n // 4, dtype=torch.float32, pin_memory=True) for _ in range(4)]
+    pageable = [np.ones(n // 4, np.float32) for _ in range(4)]
+    results["h2d_gbs"] = {
+        "torch pinned tensor (reference)": h2d_rate(torch, pinned * 10, "cuda"),
+        "numpy pageable (reference)": h2d_rate(torch, pageable * 10, "cuda"),
+        "ring, pageable": ring_rate(torch, args, pin=False),
+        "ring, registered (pin_memory=True)": ring_rate(torch, args, pin=True),
+    }
+    # 3. share of each step spent waiting
+    results["torch_step"] = step_wait_share(torch, args)
+    # 4. the same through tf.data, if TensorFlow sees the GPU
+    results["tf_step"] = tf_step_wait_share(args)
+
+    print(f"device: {results['device']}; batches of {args.mib} MiB")
+    print(f"host tensor is the slot (no host copy): {results['host_tensor_in_segment']}")
+    print("| path | host-to-device GB/s |\n| --- | ---: |")
+    for k, v in results["h2d_gbs"].items():
+        print(f"| {k} | {v:.1f} |")
+    st = results["torch_step"]
+    print(f"training step {st['step_ms']} ms fed by to_torch(device='cuda', pin_memory=True): "
+          f"stall fraction {st['stall_fraction']:.1%}, wait p50 {st['wait_p50_ms']:.2f} ms, p99 {st['wait_p99_ms']:.2f} ms")
+    if results["tf_step"] is not None:
+        st = results["tf_step"]
+        print(f"training step {st['step_ms']} ms fed by to_tf_dataset(device='/gpu:0'): "
+              f"stall fraction {st['stall_fraction']:.1%}")
+    else:
+        print("TensorFlow sees no GPU here: the tf.data path was not measured")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Train a small PyTorch model on batches from producer processes.
+
+    python examples/torch_train.py --workers 2 --epochs 3
+
+The same synthetic 10-class problem as keras_fit.py; the training loop gets
+torch tensors that are views of the shared-memory slots (pipe.to_torch()).
+torch is imported inside main(), so producer processes do not import it.
+"""
+
+import argparse
+
+import shmpipe
+
+from keras_fit import CLASSES, SHAPE, SyntheticImages  # the same producer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=20, help="batches per worker per epoch")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(SHAPE[0] * SHAPE[1], 32), torch.nn.ReLU(), torch.nn.Linear(32, CLASSES)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    epoch_loss = []
+    with shmpipe.from_iterators([SyntheticImages(args.batches)] * args.workers, timeout=60) as pipe:
+        batches = pipe.to_torch()
+        for _ in range(args.epochs):
+            total, n = 0.0, 0
+            for images, labels in batches:  # each epoch is a new pass
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total, n = total + loss.item(), n + 1
+            epoch_loss.append(total / n)
+        stats = pipe.stats()
+    print(f"loss {epoch_loss[0]:.3f} -> {epoch_loss[-1]:.3f}")
+    print(stats)
+    print(f"stall fraction: {stats.stall_fraction:.1%} of the time iterating was spent waiting for input")
+
+
+if __name__ == "__main__":
+    main()

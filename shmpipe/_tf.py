@@ -1,0 +1,289 @@
+"""tf.data from a Pipeline, without a copy on the host.
+
+``tf.data.Dataset.from_generator`` with an ``output_signature`` of TensorSpecs
+hands each NumPy array to TensorFlow through ``numpy_function``, which
+*aliases* an array whose data is 64-byte aligned (and copies it once
+otherwise). The tensor then keeps the array alive, the array keeps its
+batch's root, the root keeps the slot: the slot goes back to the ring only
+when TensorFlow drops the tensor (after ``prefetch``, ``batch``, ``shuffle``
+are done with it), never earlier.
+
+tf.data buffers hold elements, and in the ring every element held is a slot
+held. A buffer larger than the ring (``batch(8)`` over 4 slots, a big
+``shuffle``) would hold every slot while it waits for more, and the producers
+could never make more. So the generator copies an element instead of
+aliasing it when TensorFlow holds all slots but one and does not let go of
+any within RELEASE_WAIT_S: the pipeline slows to one copy per batch instead
+of deadlocking, and a warning says which capacity would keep it zero-copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
+
+__all__ = ["to_tf_dataset", "tensorflow_aliases", "signature_of"]
+
+#: How long a full ring may stay full before batches are copied for tf.data.
+RELEASE_WAIT_S = 0.2
+_alias_check: bool | None = None
+_alias_lock = threading.Lock()
+
+
+def tensorflow_aliases() -> bool:
+    """Whether this TensorFlow aliases aligned NumPy arrays in from_generator
+    (checked once per process, on a tiny array; warns if it does not)."""
+    global _alias_check
+    with _alias_lock:
+        if _alias_check is None:
+            import tensorflow as tf
+
+            def through_from_generator(arr):
+                spec = tf.TensorSpec(arr.shape, tf.as_dtype(arr.dtype))
+                return next(iter(tf.data.Dataset.from_generator(lambda: iter([arr]), output_signature=spec)))
+
+            _alias_check = check_aliasing(through_from_generator)
+        return _alias_check
+
+
+def check_aliasing(to_tensor) -> bool:
+    """Passes a 64-byte aligned array through `to_tensor` and tells whether
+    the tensor is that array's memory; warns when it is not."""
+    import tensorflow as tf
+
+    raw = np.zeros(64 + 256, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    arr = raw[start : start + 256].view(np.float32)
+    tensor = to_tensor(arr)
+    # Tensor.numpy() copies by design; _numpy() is the tensor's own buffer.
+    aliased = tensor._numpy().ctypes.data == arr.ctypes.data
+    if not aliased:
+        warnings.warn(
+            f"TensorFlow {tf.__version__} copies NumPy arrays passed through "
+            "tf.data.Dataset.from_generator (earlier versions aliased 64-byte aligned "
+            "ones): every batch now costs one copy on the host",
+            ShmpipeWarning,
+            stacklevel=3,
+        )
+    return aliased
+
+
+def _spec_of_leaf(leaf: Any, path: str):
+    import tensorflow as tf
+
+    if isinstance(leaf, np.ndarray) or isinstance(leaf, np.generic):
+        try:
+            dtype = tf.as_dtype(leaf.dtype)
+        except TypeError:
+            raise BatchTypeError(f"TensorFlow has no dtype for {leaf.dtype!r}", path) from None
+        return tf.TensorSpec(np.shape(leaf), dtype)
+    if isinstance(leaf, bool):
+        return tf.TensorSpec((), tf.bool)
+    if isinstance(leaf, int):
+        return tf.TensorSpec((), tf.int64)
+    if isinstance(leaf, float):
+        return tf.TensorSpec((), tf.float64)
+    if isinstance(leaf, (str, bytes)):
+        return tf.TensorSpec((), tf.string)
+    raise BatchTypeError(
+        f"tf.data cannot hold {type(leaf).__name__} values"
+        + (" (None has no tensor; leave it out of the batch)" if leaf is None else ""),
+        path,
+    )
+
+
+def _structure(batch: Any, leaf_fn, path: str = "batch") -> Any:
+    """`batch` with leaf_fn(leaf, path) at each leaf; lists become tuples
+    (tf.data has no lists)."""
+    t = type(batch)
+    if t is dict:
+        return {k: _structure(v, leaf_fn, f"{path}[{k!r}]") for k, v in batch.items()}
+    if t is tuple or t is list:
+        return tuple(_structure(v, leaf_fn, f"{path}[{i}]") for i, v in enumerate(batch))
+    return leaf_fn(batch, path)
+
+
+def signature_of(*batches: Any):
+    """The output_signature for batches like these: their structure, dtypes
+    and shapes, with None for every dimension that differs between them."""
+    import tensorflow as tf
+
+    if not batches:
+        raise ShmpipeValueError("signature_of() needs at least one batch")
+    specs = [_structure(b, _spec_of_leaf) for b in batches]
+
+    def merge(a, b):
+        if a.dtype != b.dtype or a.shape.rank != b.shape.rank:
+            raise ShmpipeValueError(f"batches disagree: {a} vs {b}; pass output_signature yourself")
+        return tf.TensorSpec(
+            [x if x == y else None for x, y in zip(a.shape.as_list(), b.shape.as_list())], a.dtype
+        )
+
+    out = specs[0]
+    for other in specs[1:]:
+        try:
+            out = tf.nest.map_structure(merge, out, other)
+        except (ValueError, TypeError) as exc:
+            raise ShmpipeValueError(
+                f"batches differ in structure ({exc}); pass output_signature yourself"
+            ) from None
+    return out
+
+
+class _Feeder:
+    """The generator function tf.data calls once per iteration: each call
+    runs a new pass of the pipeline (the first may start with batches that
+    were peeked to infer the signature)."""
+
+    def __init__(self, pipe, signature, peeked: tuple | None) -> None:
+        self.pipe = pipe
+        self.check = _check_leaf(signature)
+        self.peeked = peeked  # (iterator, [batches]) of a pass already started
+        self.warned = False
+        self.copying = False  # TensorFlow held every slot and did not let go
+
+    def __call__(self) -> "_FeederPass":
+        if self.peeked is not None:
+            it, first = self.peeked
+            self.peeked = None
+        else:
+            it, first = iter(self.pipe), []
+        return _FeederPass(self, it, first)
+
+    def _prepare(self, batch: Any) -> Any:
+        if self._tensorflow_holds_every_other_slot():
+            # This batch's slot is the last one: hand TensorFlow a copy and
+            # free the slot, so the producers can go on.
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"tf.data holds all {self.pipe.capacity} slots of the ring (its buffers: "
+                    "batch, prefetch, shuffle); shmpipe now copies batches that would not "
+                    "fit instead of waiting forever. Raise capacity above what the dataset "
+                    "holds at once (batch size + prefetch + 2) to keep it zero-copy.",
+                    ShmpipeWarning,
+                    stacklevel=2,
+                )
+            batch = _structure(batch, lambda leaf, path: leaf.copy() if isinstance(leaf, np.ndarray) else leaf)
+        return _structure(batch, self.check)
+
+    def _tensorflow_holds_every_other_slot(self) -> bool:
+        channel = self.pipe.channel
+        held = channel.held() if channel is not None else None
+        if held is None or held < self.pipe.capacity:
+            self.copying = False
+            return False
+        if not self.copying:
+            # tf.data's buffers (the prefetch TensorFlow adds by itself, for
+            # one) fill and drain; a full ring is only a trap if nothing
+            # drains. Give TensorFlow a moment to let go of a slot.
+            deadline = time.monotonic() + RELEASE_WAIT_S
+            while held >= self.pipe.capacity and time.monotonic() < deadline:
+                time.sleep(0.002)
+                held = channel.held()
+        self.copying = held >= self.pipe.capacity
+        return self.copying
+
+
+class _FeederPass:
+    """One pass, as tf.data iterates it. An iterator object, not a
+    generator: a suspended generator would keep the batch it yielded last
+    (and its slot) alive until the next one -- and a batch copied for
+    TensorFlow must give its slot back at once, or the last free slot would
+    stay held."""
+
+    __slots__ = ("feeder", "it", "first")
+
+    def __init__(self, feeder: _Feeder, it, first: list) -> None:
+        self.feeder, self.it, self.first = feeder, it, first
+
+    def __iter__(self) -> "_FeederPass":
+        return self
+
+    def __next__(self) -> Any:
+        return self.feeder._prepare(self.first.pop(0) if self.first else next(self.it))
+
+
+def _check_leaf(signature):
+    """A leaf function that checks shapes against the signature, with the
+    path in the error (TensorFlow's own error would not say where)."""
+    flat = {}
+
+    def collect(spec, path="batch"):
+        if isinstance(spec, dict):
+            for k, v in spec.items():
+                collect(v, f"{path}[{k!r}]")
+        elif isinstance(spec, (tuple, list)):
+            for i, v in enumerate(spec):
+                collect(v, f"{path}[{i}]")
+        else:
+            flat[path] = spec
+
+    collect(signature)
+
+    def check(leaf, path):
+        spec = flat.get(path)
+        if spec is None:
+            raise ShmpipeValueError(
+                f"{path} is not in the dataset's element_spec (the batches changed their "
+                "structure); pass output_signature= to say what every batch holds"
+            )
+        if isinstance(leaf, np.ndarray) and not spec.shape.is_compatible_with(leaf.shape):
+            raise ShmpipeValueError(
+                f"{path} has shape {leaf.shape}, but the dataset's element_spec says "
+                f"{tuple(spec.shape.as_list())} (inferred from the first batches); pass "
+                "output_signature= with None for the dimensions that vary, e.g. "
+                "shmpipe.signature_of(batch_a, batch_b)"
+            )
+        return leaf
+
+    return check
+
+
+def to_tf_dataset(
+    pipe,
+    output_signature=None,
+    device: str | None = None,
+    batches_per_pass: int | None = None,
+    peek: int | None = None,
+):
+    import tensorflow as tf
+
+    tensorflow_aliases()  # warns once if this TensorFlow stopped aliasing
+    peeked = None
+    if output_signature is None:
+        # Infer from the first batches of a pass; each worker's first batch
+        # tells which dimensions vary. Those batches are yielded first.
+        k = peek if peek is not None else max(1, min(pipe.num_workers, pipe.capacity - 2, 4))
+        it = iter(pipe)
+        first = []
+        for batch in it:
+            first.append(batch)
+            if len(first) == k:
+                break
+        if not first:
+            raise ShmpipeValueError(
+                "the sources produced no batch, so there is nothing to infer the dataset's "
+                "element_spec from; pass output_signature="
+            )
+        output_signature = signature_of(*first)
+        peeked = (it, first)
+    ds = tf.data.Dataset.from_generator(_Feeder(pipe, output_signature, peeked), output_signature=output_signature)
+    if batches_per_pass is not None:
+        if not isinstance(batches_per_pass, int) or batches_per_pass < 1:
+            raise ShmpipeValueError(f"batches_per_pass must be a positive int, got {batches_per_pass!r}")
+        # A known length: Keras then knows an epoch's steps (and does not warn
+        # "Your input ran out of data" at the end of each one).
+        ds = ds.apply(tf.data.experimental.assert_cardinality(batches_per_pass))
+    if device is not None:
+        # The final hop: TensorFlow copies each element to the device in the
+        # background, so the copy overlaps the training step.
+        ds = ds.apply(tf.data.experimental.prefetch_to_device(device))
+    return ds
+

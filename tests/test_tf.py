@@ -1,0 +1,186 @@
+"""tf.data over a pipeline, with real TensorFlow on the CPU."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import shmpipe
+from shmpipe import _tf
+from shmpipe.testing.sources import Counter, Fixed, LinearXY, Stamped, payload_for
+
+T = 60.0
+
+
+def in_segment(tensor, pipe) -> bool:
+    addr = tensor._numpy().ctypes.data  # the tensor's buffer (numpy() would copy)
+    lo = pipe.channel.segment.address
+    return lo <= addr < lo + pipe.channel.segment.size
+
+
+def test_this_tensorflow_aliases_aligned_arrays():
+    assert _tf.tensorflow_aliases() is True
+
+
+def test_the_self_check_warns_when_tensorflow_copies():
+    # tf.constant always copies: what a TensorFlow that stopped aliasing does.
+    with pytest.warns(shmpipe.ShmpipeWarning, match="copies NumPy arrays"):
+        assert _tf.check_aliasing(tf.constant) is False
+
+
+def test_tensors_alias_the_shared_memory():
+    with shmpipe.from_iterators([Counter(8, shape=(1024,))] * 2, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert ds.element_spec["data"] == tf.TensorSpec((1024,), tf.float32)
+        assert ds.element_spec["seq"] == tf.TensorSpec((), tf.int64)
+        seen = []
+        for e in ds:
+            assert in_segment(e["data"], pipe), "the tensor is a copy"
+            w, s = int(e["worker"]), int(e["seq"])
+            np.testing.assert_array_equal(e["data"].numpy(), payload_for(w, s, (1024,)))
+            seen.append((w, s))
+    assert sorted(seen) == [(w, s) for w in range(2) for s in range(8)]
+
+
+def slot_of(tensor, pipe) -> int:
+    ring = pipe.channel.ring
+    addr = tensor._numpy().ctypes.data
+    return next(i for i in range(ring.nslots) if ring.payload_address(i) <= addr < ring.payload_address(i) + ring.slot_size)
+
+
+def test_a_slot_is_released_only_when_tensorflow_drops_the_tensor():
+    from shmpipe import _ring
+
+    with shmpipe.from_iterators([Counter(50, shape=(256,))], capacity=8, timeout=T) as pipe:
+        it = iter(pipe.to_tf_dataset())
+        kept = []
+        for _ in range(3):
+            e = next(it)
+            kept.append((e["data"], int(e["seq"])))
+            del e
+        slots = [(slot_of(t, pipe), seq) for t, seq in kept]
+        time.sleep(0.3)
+        for slot, seq in slots:  # held, by exactly that batch, while the tensor lives
+            state, _, _, wseq, _ = pipe.channel.ring.slot_info(slot)
+            assert (state, wseq) == (_ring.HELD, seq)
+        del kept
+        gc.collect()
+        time.sleep(0.1)
+        for slot, seq in slots:  # given back (maybe already reused by a later batch)
+            state, _, _, wseq, _ = pipe.channel.ring.slot_info(slot)
+            assert not (state == _ring.HELD and wseq == seq), "the slot was not released"
+        del it
+
+
+@pytest.mark.parametrize("transform", ["prefetch", "batch", "map+batch+prefetch", "unbatched slow"])
+def test_no_element_changes_while_producers_keep_writing(transform):
+    with shmpipe.from_iterators([Stamped(80, shape=(4096,))] * 2, capacity=16, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        if transform == "prefetch":
+            ds = ds.prefetch(4)
+        elif transform == "batch":
+            ds = ds.batch(4)
+        elif transform == "map+batch+prefetch":
+            ds = ds.map(lambda e: {"stamp": e["stamp"], "data": e["data"] * 1}).batch(3).prefetch(2)
+        else:
+            ds = ds.prefetch(6)
+        count = 0
+        kept = []
+        for e in ds:
+            stamp = e["stamp"].numpy()
+            data = e["data"].numpy()
+            expect = np.broadcast_to(np.reshape(stamp, np.shape(stamp) + (1,)), data.shape)
+            np.testing.assert_array_equal(data, expect)
+            count += int(np.size(stamp))
+            if transform == "unbatched slow":
+                kept.append(e)  # hold a few tensors while the producers write on
+                if len(kept) > 3:
+                    old = kept.pop(0)
+                    np.testing.assert_array_equal(old["data"].numpy(), np.full(4096, old["stamp"].numpy()))
+                time.sleep(0.002)
+        assert count == 160
+
+
+def test_a_dataset_that_holds_more_than_the_ring_copies_instead_of_deadlocking():
+    # batch(8) holds 8 elements at once; the ring has 4 slots.
+    with shmpipe.from_iterators([Counter(40, shape=(64,))] * 2, capacity=4, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset().batch(8)
+        with pytest.warns(shmpipe.ShmpipeWarning, match="holds all 4 slots"):
+            batches = list(ds)
+        seen = sorted(
+            (int(w), int(s)) for b in batches for w, s in zip(b["worker"].numpy(), b["seq"].numpy())
+        )
+        assert seen == [(w, s) for w in range(2) for s in range(40)]
+        for b in batches:
+            for w, s, d in zip(b["worker"].numpy(), b["seq"].numpy(), b["data"].numpy()):
+                np.testing.assert_array_equal(d, payload_for(int(w), int(s), (64,)))
+
+
+def test_each_iteration_of_the_dataset_is_a_new_pass():
+    with shmpipe.from_iterators([Counter(5)] * 2, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        for _ in range(3):
+            got = sorted((int(e["worker"]), int(e["seq"])) for e in ds)
+            assert got == [(w, s) for w in range(2) for s in range(5)]
+        assert pipe.stats().passes == 3
+
+
+def test_dimensions_that_vary_become_none_and_surprises_are_clear():
+    # worker 0 sends rows of 3, worker 1 rows of 5: the first dimension varies
+    sources = [Fixed([np.zeros((3, 2), np.float32)] * 3), Fixed([np.zeros((5, 2), np.float32)] * 3)]
+    with shmpipe.from_iterators(sources, ordered=True, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert ds.element_spec == tf.TensorSpec((None, 2), tf.float32)
+        assert [tuple(e.shape) for e in ds] == [(3, 2), (5, 2)] * 3
+    sources = [Fixed([np.zeros((3, 2), np.float32), np.zeros((3, 7), np.float32)])]
+    with shmpipe.from_iterators(sources, ordered=True, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        with pytest.raises(Exception, match=r"batch has shape \(3, 7\).*output_signature"):
+            list(ds)
+
+
+def test_an_explicit_signature():
+    sig = (tf.TensorSpec((None,), tf.float32), tf.TensorSpec((), tf.int64))
+    batches = [(np.ones(n, np.float32), n) for n in (2, 3, 4)]
+    with shmpipe.from_iterators([Fixed(batches)], timeout=T) as pipe:
+        ds = pipe.to_tf_dataset(output_signature=sig)
+        assert ds.element_spec == sig
+        assert [int(n) for _, n in ds] == [2, 3, 4]
+
+
+def test_lists_become_tuples_and_none_is_refused():
+    with shmpipe.from_iterators([Fixed([[np.zeros(2), 1]])], timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert isinstance(ds.element_spec, tuple)
+    with shmpipe.from_iterators([Fixed([{"x": np.zeros(2), "y": None}])], timeout=T) as pipe:
+        with pytest.raises(shmpipe.BatchTypeError, match=r"batch\['y'\].*None"):
+            pipe.to_tf_dataset()
+
+
+def test_prefetch_to_device_is_the_last_hop():
+    with shmpipe.from_iterators([Counter(6)] * 2, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset(device="/cpu:0")
+        assert sorted((int(e["worker"]), int(e["seq"])) for e in ds) == [(w, s) for w in range(2) for s in range(6)]
+
+
+def test_model_fit_on_a_shmpipe_dataset():
+    import keras
+
+    # LinearXY lives in a module without TensorFlow, so producers stay light
+    with shmpipe.from_iterators([LinearXY(10)] * 2, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset(batches_per_pass=20).prefetch(2)
+        assert ds.cardinality().numpy() == 20
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(ds, epochs=3, verbose=0, shuffle=False)
+        assert len(history.history["loss"]) == 3
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        stats = pipe.stats()
+    assert stats.passes == 3 and stats.batches == 60
