@@ -270,16 +270,15 @@ class Pipeline:
         self._channel.halt()
         self._launcher.halt()
 
-    def _on_fault(self) -> None:
-        """The channel has delivered everything published before a failure."""
+    def _note_fault(self) -> None:
+        """The channel says a failure stopped production: make sure we know
+        which (the producer's message may still be on its way)."""
         self._check_health(time.perf_counter_ns())
-        if self._failure is None:  # the producer's message is still on its way
+        if self._failure is None:
             self._launcher.wait_for_event(1.0)
             self._check_health(time.perf_counter_ns())
-        self._fail(
-            self._failure
-            or WorkerError(-1, None, "unknown", "a producer reported a failure but sent no details", "")
-        )
+        if self._failure is None:
+            self._failure = WorkerError(-1, None, "unknown", "a producer reported a failure but sent no details", "")
 
     def _drained(self) -> None:
         """Nothing more is in flight; if a producer failed, raise now."""
@@ -339,9 +338,11 @@ class Pipeline:
         while True:
             r = get(it.pass_no, -1, 0, POLL_S)
             if r is AGAIN:
+                self._drained()  # after a failure, nothing arriving means all is out
                 self._waited(t0)
             elif r is FAULT:
-                self._on_fault()
+                self._note_fault()
+                self._drained()
             elif r is END:
                 self._drained()
                 raise StopIteration
@@ -353,12 +354,15 @@ class Pipeline:
         while it.order:
             worker = it.order[it.turn]
             r = get(it.pass_no, worker, it.wseq[worker], POLL_S)
-            if r is AGAIN:
+            if r is AGAIN and self._failure is None:
                 self._waited(t0)
-            elif r is FAULT:
-                self._on_fault()
-            elif r is END:
-                del it.order[it.turn]  # this worker's part of the pass is over
+            elif r is AGAIN or r is FAULT or r is END:
+                if r is FAULT:
+                    self._note_fault()
+                # This worker's part is over: it ended, or production stopped
+                # after a failure and it has nothing more. The others go on,
+                # so what they published before the failure is delivered too.
+                del it.order[it.turn]
                 if it.turn == len(it.order):
                     it.turn = 0
             else:
@@ -373,9 +377,7 @@ class Pipeline:
         if self._closed:  # close() from another thread while this one waited
             raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         now = time.perf_counter_ns()
-        self._check_health(now)
-        if self._failure is not None:
-            self._fail(self._failure)  # production stopped and nothing more came
+        self._check_health(now)  # notes a failure; it is raised once all is delivered
         if self.timeout is not None and now - t0 >= self.timeout * 1e9:
             why = (
                 self._channel.describe_wait()

@@ -169,8 +169,11 @@ class TransportConformance:
 
     # -- failures ------------------------------------------------------------
 
-    def test_producer_exception(self, transport):
-        pipe = self.pipe(transport, [Raiser(3, only_worker=1)] * 2)
+    @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+    def test_producer_exception(self, transport, ordered):
+        # The healthy worker is slow, so in ordered mode the failing worker's
+        # batches queue up behind its turns: they must still be delivered.
+        pipe = self.pipe(transport, [Raiser(3, only_worker=1, delay=0.3)] * 2, ordered=ordered)
         seen = []
         with pytest.raises(shmpipe.WorkerError) as info:
             with pipe:

@@ -70,9 +70,13 @@ class Fixed:
 
 
 class _FailsAfter:
-    """Yields `after` batches {"worker", "seq"}, then fails (how: fail())
-    in worker `only_worker` (every worker if None); the other workers keep
-    producing slowly, so the consumer is never starved."""
+    """Worker `only_worker` (every worker if None) yields `after` batches
+    {"worker", "seq"} at once, then fails (how: fail()); the other workers
+    yield one batch every `delay` seconds, for ever, so the consumer is
+    never starved."""
+
+    #: seconds the workers that do not fail sleep before each batch
+    delay = 0.01
 
     def __init__(self, after: int, only_worker: int | None):
         self.after, self.only_worker = after, only_worker
@@ -82,13 +86,13 @@ class _FailsAfter:
 
     def __call__(self):
         worker = shmpipe.get_worker_info().id
-        for seq in range(self.after):
-            yield {"worker": worker, "seq": seq}
-        if self.only_worker is None or worker == self.only_worker:
-            self.fail()
-        seq = self.after
+        fails = self.only_worker is None or worker == self.only_worker
+        seq = 0
         while True:
-            time.sleep(0.01)
+            if seq == self.after and fails:
+                self.fail()
+            if not fails:
+                time.sleep(self.delay)
             yield {"worker": worker, "seq": seq}
             seq += 1
 
@@ -97,9 +101,9 @@ class Raiser(_FailsAfter):
     """Fails by raising `exc_type(message)`."""
 
     def __init__(self, after: int, exc_type: type = ValueError, message: str = "boom from the source",
-                 only_worker: int | None = None):
+                 only_worker: int | None = None, delay: float = 0.01):
         super().__init__(after, only_worker)
-        self.exc_type, self.message = exc_type, message
+        self.exc_type, self.message, self.delay = exc_type, message, delay
 
     def fail(self) -> None:
         raise self.exc_type(self.message)
