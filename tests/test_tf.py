@@ -79,7 +79,7 @@ def test_a_slot_is_released_only_when_tensorflow_drops_the_tensor():
         del it
 
 
-@pytest.mark.parametrize("transform", ["prefetch", "batch", "map+batch+prefetch", "unbatched slow"])
+@pytest.mark.parametrize("transform", ["prefetch", "batch", "map+batch+prefetch", "shuffle+batch", "unbatched slow"])
 def test_no_element_changes_while_producers_keep_writing(transform):
     with shmpipe.from_iterators([Stamped(80, shape=(4096,))] * 2, capacity=16, timeout=T) as pipe:
         ds = pipe.to_tf_dataset()
@@ -87,6 +87,8 @@ def test_no_element_changes_while_producers_keep_writing(transform):
             ds = ds.prefetch(4)
         elif transform == "batch":
             ds = ds.batch(4)
+        elif transform == "shuffle+batch":
+            ds = ds.shuffle(8, seed=1).batch(2)
         elif transform == "map+batch+prefetch":
             ds = ds.map(lambda e: {"stamp": e["stamp"], "data": e["data"] * 1}).batch(3).prefetch(2)
         else:
