@@ -1,13 +1,139 @@
-"""The shmpipe command line: ``shmpipe clean`` (and ``python -m shmpipe``)."""
+"""The shmpipe command line.
+
+    shmpipe bench seed         the article's experiment, every recipe side by side
+    shmpipe bench throughput   transport-bound GB/s and batches/s, every transport
+    shmpipe bench serialize    every serialization path, in one process
+    shmpipe clean              remove segments left by processes that died
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
+def _sizes(values: list[str]) -> list[int]:
+    from shmpipe.bench._report import parse_size
+
+    sizes = [parse_size(v) for v in values]
+    for s in sizes:
+        if not 4 << 10 <= s <= 256_000_000:
+            raise SystemExit(f"shmpipe bench: batch sizes go from 4KiB to 256MB, not {s:,} bytes")
+    return sizes
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in text.replace("x", ",").split(",") if d.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (say 4,1000000,3)") from None
+    if not shape or any(d < 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (say 4,1000000,3)")
+    return shape
+
+
+def _positive(kind):
+    def parse(text):
+        v = kind(text)
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"must not be negative: {text}")
+        return v
+
+    return parse
+
+
+def _write_json(path: str | None, kind: str, payload: dict) -> None:
+    if path:
+        from shmpipe.bench._report import environment
+
+        with open(path, "w") as f:
+            json.dump({"benchmark": kind, "environment": environment(), **payload}, f, indent=2)
+        print(f"wrote {path}")
+
+
+def _bench_seed(args) -> int:
+    import multiprocessing
+
+    from shmpipe.bench import seed
+    from shmpipe.bench._report import Progress
+
+    cfg = seed.SeedConfig(
+        workers=args.workers or multiprocessing.cpu_count(),
+        batches=args.batches,
+        shape=args.shape,
+        fetch_s=args.fetch,
+        compute_s=args.compute,
+        train_s=args.train,
+    )
+    recipes = args.recipes or list(seed.available_recipes())
+    single = sum(1 for r in recipes if r in ("generator", "tf.data"))
+    total = single * cfg.batches + (len(recipes) - single) * cfg.batches * cfg.workers
+    progress = Progress(total, "bench seed")
+    with progress.running():
+        results = seed.run(cfg, recipes, progress=lambda name, n: progress.step(name, n or 0))
+    print(
+        f"shmpipe bench seed: {cfg.workers} producers, {cfg.batches} batches each of {cfg.shape} float32 "
+        f"(+{cfg.target_shape}), fetch {cfg.fetch_s} s, compute {cfg.compute_s} s, train step {cfg.train_s} s"
+    )
+    print(seed.table(results))
+    _write_json(args.json, "seed", {"config": cfg.__dict__, "results": [r.as_dict() for r in results]})
+    if args.plot:
+        seed.plot(results, args.plot, f"Wait for the next batch ({cfg.workers} producers, {cfg.shape} float32)")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_throughput(args) -> int:
+    from shmpipe.bench import throughput
+    from shmpipe.bench._report import Progress, human_size
+
+    sizes = _sizes(args.sizes)
+    paths = args.paths or throughput.default_paths()
+    progress = Progress(len(sizes) * len(paths), "bench throughput")
+    with progress.running():
+        results = throughput.run(
+            sizes, seconds=args.seconds, min_batches=args.min_batches, workers=args.workers, paths=paths,
+            progress=lambda path, nbytes: progress.step(f"{path} {human_size(nbytes)}"),
+        )
+    print(f"shmpipe bench throughput: {args.workers} producers, fresh float32 batches, {args.seconds} s per row")
+    print(throughput.table(results))
+    checks = throughput.targets(results)
+    if checks:
+        print()
+        for name, met, measured in checks:
+            print(f"{'met    ' if met else 'NOT MET'}  {name}: {measured}")
+    _write_json(
+        args.json, "throughput",
+        {"workers": args.workers, "results": [r.as_dict() for r in results],
+         "targets": [{"target": n, "met": m, "measured": v} for n, m, v in checks]},
+    )
+    if args.plot:
+        throughput.plot(results, args.plot, f"Throughput, {args.workers} producers")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_serialize(args) -> int:
+    from shmpipe.bench import serialize
+    from shmpipe.bench._report import Progress
+
+    sizes = _sizes(args.sizes)
+    paths = args.paths or list(serialize.PATHS)
+    progress = Progress(len(sizes) * len(paths), "bench serialize")
+    with progress.running():
+        results = serialize.run(sizes, paths, seconds=args.seconds, progress=progress.step)
+    print("shmpipe bench serialize: one process; batch = {x: float32 array, y: int64 (64,), i: int}")
+    print(serialize.table(results))
+    _write_json(args.json, "serialize", {"results": [r.as_dict() for r in results]})
+    if args.plot:
+        serialize.plot(results, args.plot, "Serialization: encode + decode per batch")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shmpipe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="shmpipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     clean = sub.add_parser(
@@ -17,6 +143,45 @@ def main(argv: list[str] | None = None) -> int:
         "has died. A segment whose owner is alive is never touched.",
     )
     clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+
+    bench = sub.add_parser("bench", help="benchmarks: seed, throughput, serialize")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+
+    s = kinds.add_parser("seed", help="the article's experiment, every recipe side by side",
+                         description=__import__("shmpipe.bench.seed", fromlist=["x"]).__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--workers", type=int, default=0, help="producer processes (default: cpu_count(), as the article)")
+    s.add_argument("--batches", type=_positive(int), default=10, help="batches per producer (default 10)")
+    s.add_argument("--shape", type=_shape, default=(4, 1000000, 3), help="sample shape (default 4,1000000,3: 48 MB)")
+    s.add_argument("--fetch", type=_positive(float), default=0.5, help="simulated fetch, seconds (default 0.5)")
+    s.add_argument("--compute", type=_positive(float), default=0.0, help="simulated compute (busy loop), seconds")
+    s.add_argument("--train", type=_positive(float), default=0.1, help="simulated training step, seconds (default 0.1)")
+    s.add_argument("--recipes", nargs="+", metavar="RECIPE",
+                   help="recipes to run (default: all): generator tf.data mp.Queue ray.util.iter "
+                        "shmpipe:<transport> shmpipe:shm+reserve")
+    s.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    s.add_argument("--plot", metavar="FILE.png", help="draw the wait per recipe")
+
+    t = kinds.add_parser("throughput", help="transport-bound throughput, every transport",
+                         description=__import__("shmpipe.bench.throughput", fromlist=["x"]).__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--sizes", nargs="+", default=["64KiB", "1MiB", "48MB"], help="batch sizes, 4KiB to 256MB")
+    t.add_argument("--seconds", type=_positive(float), default=1.5, help="timed seconds per path and size")
+    t.add_argument("--min-batches", type=_positive(int), default=20, help="at least this many batches per row")
+    t.add_argument("--workers", type=int, default=2, help="producer processes (default 2)")
+    t.add_argument("--paths", nargs="+", metavar="PATH",
+                   help="memcpy, mp.Queue, 'shm ring', 'shm reserve', transport:<name> (default: all)")
+    t.add_argument("--json", metavar="FILE")
+    t.add_argument("--plot", metavar="FILE.png", help="draw GB/s against batch size")
+
+    z = kinds.add_parser("serialize", help="serialization paths in one process",
+                         description=__import__("shmpipe.bench.serialize", fromlist=["x"]).__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    z.add_argument("--sizes", nargs="+", default=["64KiB", "1MiB", "48MB"], help="batch sizes, 4KiB to 256MB")
+    z.add_argument("--paths", nargs="+", metavar="PATH", help="which paths (default: all)")
+    z.add_argument("--seconds", type=_positive(float), default=0.3, help="timed seconds per path and size")
+    z.add_argument("--json", metavar="FILE")
+    z.add_argument("--plot", metavar="FILE.png", help="draw time per batch against batch size")
 
     args = parser.parse_args(argv)
     if args.command == "clean":
@@ -28,8 +193,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{verb} {name}")
         print(f"{verb} {len(removed)} segment(s)")
         return 0
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    from shmpipe.errors import ShmpipeError
+
+    try:
+        return {"seed": _bench_seed, "throughput": _bench_throughput, "serialize": _bench_serialize}[args.kind](args)
+    except ShmpipeError as exc:
+        print(f"shmpipe bench {args.kind}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -646,6 +646,24 @@ def encode(batch):
     return buf
 
 
+def encode_into(batch, buf) -> int:
+    """Writes the payload of `batch` into `buf` (a 64-byte aligned, writable
+    uint8 array, like a slot); returns its size in bytes."""
+    cdef Encoder enc = Encoder()
+    cdef Py_ssize_t n = enc.plan(batch, False)
+    cdef cnp.ndarray arr = buf
+    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError("encode_into() needs a writable, contiguous uint8 array")
+    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
+        raise ValueError("encode_into() needs a 64-byte aligned buffer")
+    if n > arr.shape[0]:
+        from shmpipe.errors import BatchTooLargeError
+
+        raise BatchTooLargeError(n, arr.shape[0])
+    enc.write(<unsigned char *>cnp.PyArray_DATA(arr), n)
+    return n
+
+
 def decode(buf, *, writeable=False):
     """The batch held in `buf` (a uint8 array from encode()), as views of it."""
     cdef Decoder dec = Decoder()

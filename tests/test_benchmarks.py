@@ -42,7 +42,7 @@ def test_throughput_script_writes_json(tmp_path):
     out = tmp_path / "t.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--sizes", "8192",
-         "--seconds", "0.05", "--min-batches", "2", "--json", str(out)],
+         "--seconds", "0.05", "--min-batches", "2", "--paths", *throughput.PATHS, "--json", str(out)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr

@@ -17,8 +17,6 @@ Paths:
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import queue as queue_mod
 import sys
@@ -28,8 +26,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 import shmpipe
+from shmpipe.bench._report import human_size
 
-__all__ = ["Result", "run", "main", "DEFAULT_SIZES"]
+__all__ = ["Result", "run", "main", "DEFAULT_SIZES", "default_paths", "table", "targets", "plot"]
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (64 * KiB, 1 * MiB, 48_000_000)
@@ -191,6 +190,34 @@ PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve")
 TRANSPORT_PATHS = ("transport:arrow", "transport:queue", "transport:ray")
 
 
+def default_paths() -> list[str]:
+    """The floors, the ring (copying and in place), and every other
+    transport installed here (plugins included)."""
+    return list(PATHS) + [f"transport:{t}" for t in shmpipe.available_transports() if t != "shm"]
+
+
+def plot(results: list[Result], path: str, title: str) -> None:
+    """GB/s against batch size, one line per path (log-log)."""
+    from shmpipe.bench._report import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(r.path for r in results):
+        rows = sorted((r for r in results if r.path == name), key=lambda r: r.nbytes)
+        style = {"memcpy": "k--", "mp.Queue": "k:"}.get(name, "o-")
+        ax.plot([r.nbytes for r in rows], [r.gb_per_s for r in rows], style, label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size, bytes")
+    ax.set_ylabel("GB/s (reserve: bytes handed over, not moved)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(
     sizes=DEFAULT_SIZES,
     *,
@@ -198,11 +225,12 @@ def run(
     min_batches: int = 20,
     workers: int = 2,
     capacity: int | None = None,
-    paths=PATHS,
+    paths=None,
     progress=None,
 ) -> list[Result]:
     """Measures every path at every size, in this process, one after the other."""
     capacity = capacity or 2 * workers + 2
+    paths = default_paths() if paths is None else list(paths)
     results = []
     for nbytes in sizes:
         for path in paths:
@@ -215,16 +243,11 @@ def run(
             elif path in ("shm ring", "shm reserve") or path.startswith("transport:"):
                 r = bench_pipeline(path, nbytes, seconds, min_batches, workers, capacity)
             else:
-                raise ValueError(f"unknown path {path!r}; known: {', '.join(PATHS + TRANSPORT_PATHS)}")
+                raise shmpipe.ShmpipeValueError(
+                    f"unknown path {path!r}; known: {', '.join(default_paths())}"
+                )
             results.append(r)
     return results
-
-
-def human_size(nbytes: int) -> str:
-    for unit, size in (("MiB", MiB), ("MB", 1_000_000), ("KiB", KiB)):
-        if nbytes >= size and nbytes % size == 0:
-            return f"{nbytes // size} {unit}"
-    return f"{nbytes} B"
 
 
 def table(results: list[Result]) -> str:
@@ -273,38 +296,7 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="batch sizes in bytes")
-    parser.add_argument("--seconds", type=float, default=1.5, help="timed seconds per path and size")
-    parser.add_argument("--min-batches", type=int, default=20, help="at least this many batches per measurement")
-    parser.add_argument("--workers", type=int, default=2, help="producer processes")
-    parser.add_argument(
-        "--paths", nargs="+", default=list(PATHS), choices=PATHS + TRANSPORT_PATHS,
-        help="what to measure (default: the core four; transport:<name> for the others)",
-    )
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    args = parser.parse_args(argv)
+    """benchmarks/throughput.py: the same as `shmpipe bench throughput`."""
+    from shmpipe.__main__ import main as cli
 
-    def progress(path, nbytes):
-        print(f"  measuring {path:<12} {human_size(nbytes):>8} ...", file=sys.stderr, flush=True)
-
-    results = run(
-        args.sizes, seconds=args.seconds, min_batches=args.min_batches, workers=args.workers,
-        paths=args.paths, progress=progress,
-    )
-    print(table(results))
-    checks = targets(results)
-    if checks:
-        print()
-        for name, met, measured in checks:
-            print(f"{'met    ' if met else 'NOT MET'}  {name}: {measured}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"workers": args.workers, "results": [r.as_dict() for r in results],
-                 "targets": [{"target": n, "met": m, "measured": v} for n, m, v in checks]},
-                f, indent=2,
-            )
-    return 0
+    return cli(["bench", "throughput", *(sys.argv[1:] if argv is None else argv)])

@@ -354,11 +354,15 @@ class RayConsumer(ConsumerEnd):
         pass  # objects go when their last reference does
 
     def memory_ranges(self) -> list[tuple[int, int]]:
-        """Where the object store is mapped in this process."""
-        ranges = []
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if "plasma" in line:
-                    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                    ranges.append((lo, hi - lo))
-        return ranges
+        return object_store_ranges()
+
+
+def object_store_ranges() -> list[tuple[int, int]]:
+    """(address, size) of Ray's object store mappings in this process."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "plasma" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                ranges.append((lo, hi - lo))
+    return ranges

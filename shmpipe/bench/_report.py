@@ -1,0 +1,102 @@
+"""What the benchmarks share: sizes people can type, a progress display,
+plots, and the environment a result was measured in."""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+import time
+from contextlib import contextmanager
+
+from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
+
+KiB, MiB = 1 << 10, 1 << 20
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,
+          "g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'64KiB', '48MB', '1048576' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ShmpipeValueError(f"not a size: {text!r} (say 4KiB, 64KiB, 1MiB, 48MB, 256MB, or bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def human_size(nbytes: int) -> str:
+    for unit, size in (("MiB", MiB), ("MB", 1_000_000), ("KiB", KiB)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size} {unit}"
+    return f"{nbytes} B"
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files, no screen)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise TransportUnavailableError(
+            'plots need matplotlib: pip install "shmpipe[bench]"'
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def environment() -> dict:
+    """Where and with what a result was measured."""
+    import numpy
+
+    import shmpipe
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": __import__("os").cpu_count(),
+        "shmpipe": shmpipe.__version__,
+        "numpy": numpy.__version__,
+    }
+    for name in ("pyarrow", "ray", "tensorflow"):
+        module = sys.modules.get(name)
+        if module is not None:
+            env[name] = getattr(module, "__version__", "?")
+    return env
+
+
+class Progress:
+    """A progress bar (rich) on a terminal; one line per step otherwise."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.what = total, what
+        self._bar = None
+        self._task = None
+        self.done = 0
+        if sys.stderr.isatty():
+            try:
+                from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+                self._bar = RichProgress(
+                    TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), transient=True,
+                )
+            except ImportError:
+                self._bar = None
+
+    @contextmanager
+    def running(self):
+        if self._bar is not None:
+            with self._bar:
+                self._task = self._bar.add_task(self.what, total=self.total)
+                yield self
+        else:
+            yield self
+
+    def step(self, label: str, advance: int = 1) -> None:
+        self.done += advance
+        if self._bar is not None:
+            self._bar.update(self._task, advance=advance, description=f"{self.what}: {label}")
+        elif advance == 0 or self.done == self.total:
+            print(f"  {self.what}: {label} ...", file=sys.stderr, flush=True)
