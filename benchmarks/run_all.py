@@ -48,7 +48,8 @@ def main() -> int:
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)
             return proc.returncode
-        env = json.loads((OUT / f"{name}.json").read_text())["environment"]
+        run_env = json.loads((OUT / f"{name}.json").read_text())["environment"]
+        env = {**run_env, **(env or {})}  # each run knows the libraries it imported
         table = "\n".join(line for line in proc.stdout.splitlines() if not line.startswith("wrote "))
         sections.append(
             f"## {title}\n\n```sh\n{shlex.join(cmd)}\n```\n\n{table}\n\n![{title}]({name}.png)\n\n"
