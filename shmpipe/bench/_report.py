@@ -100,3 +100,22 @@ class Progress:
             self._bar.update(self._task, advance=advance, description=f"{self.what}: {label}")
         elif advance == 0 or self.done == self.total:
             print(f"  {self.what}: {label} ...", file=sys.stderr, flush=True)
+
+
+def line_plot(path: str, title: str, ylabel: str, series: dict, styles: dict | None = None) -> None:
+    """One line per series ({name: [(batch bytes, value), ...]}), log-log."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, points in series.items():
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, (styles or {}).get(name, "o-"), label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size, bytes")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

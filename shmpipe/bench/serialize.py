@@ -309,20 +309,10 @@ def table(results: list[SerializeResult]) -> str:
 
 def plot(results: list[SerializeResult], path: str, title: str) -> None:
     """Microseconds per batch (encode + decode) against batch size."""
-    from shmpipe.bench._report import pyplot
+    from shmpipe.bench._report import line_plot
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name in dict.fromkeys(r.path for r in results if not r.skipped):
-        rows = sorted((r for r in results if r.path == name and not r.skipped), key=lambda r: r.nbytes)
-        ax.plot([r.nbytes for r in rows], [r.total_us for r in rows], "o-", label=name)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size, bytes")
-    ax.set_ylabel("encode + decode, us per batch")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series: dict = {}
+    for r in results:
+        if not r.skipped:
+            series.setdefault(r.path, []).append((r.nbytes, r.total_us))
+    line_plot(path, title, "encode + decode, us per batch", series)

@@ -198,24 +198,13 @@ def default_paths() -> list[str]:
 
 def plot(results: list[Result], path: str, title: str) -> None:
     """GB/s against batch size, one line per path (log-log)."""
-    from shmpipe.bench._report import pyplot
+    from shmpipe.bench._report import line_plot
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name in dict.fromkeys(r.path for r in results):
-        rows = sorted((r for r in results if r.path == name), key=lambda r: r.nbytes)
-        style = {"memcpy": "k--", "mp.Queue": "k:"}.get(name, "o-")
-        ax.plot([r.nbytes for r in rows], [r.gb_per_s for r in rows], style, label=name)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size, bytes")
-    ax.set_ylabel("GB/s (reserve: bytes handed over, not moved)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series: dict = {}
+    for r in results:
+        series.setdefault(r.path, []).append((r.nbytes, r.gb_per_s))
+    line_plot(path, title, "GB/s (reserve: bytes handed over, not moved)", series,
+              styles={"memcpy": "k--", "mp.Queue": "k:"})
 
 
 def run(
