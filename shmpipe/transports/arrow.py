@@ -29,6 +29,7 @@ IPC are only 8-byte aligned; that is why this transport uses tensors.)
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -40,7 +41,7 @@ from shmpipe import _ring
 from shmpipe._codec import _dtype_from_spec, _dtype_spec
 from shmpipe._shm import ShmConsumer, ShmTransport, attach_producer
 from shmpipe.errors import BatchTooLargeError, BatchTypeError, CorruptSegmentError
-from shmpipe.transport import AGAIN, END, FAULT, Capabilities, ProducerControl, ProducerEnd
+from shmpipe.transport import AGAIN, END, FAULT, ProducerControl, ProducerEnd
 
 __all__ = ["ArrowTransport", "encode", "decode", "encoded_size"]
 
@@ -216,13 +217,9 @@ class ArrowTransport(ShmTransport):
     """The shared-memory ring carrying Arrow IPC tensors (no pickle)."""
 
     name = "arrow"
-    capabilities = Capabilities(
-        zero_copy_reads=True,
-        in_place_writes=False,
-        alignment=64,
-        serializes="arrow ipc (tensor messages)",
-        sized_by_first_batch=True,
-        cancels_passes=True,
+    # The ring's guarantees, except filling slots in place.
+    capabilities = dataclasses.replace(
+        ShmTransport.capabilities, in_place_writes=False, serializes="arrow ipc (tensor messages)"
     )
     requires = ("pyarrow",)
     extra = "arrow"
