@@ -1,22 +1,31 @@
-"""Feeding a GPU from the ring: host-to-device GB/s and the share of each
-training step spent waiting for input.
+"""Feeding a GPU from the ring: checks, host-to-device GB/s and the share of
+each training step spent waiting for input.
 
     python benchmarks/gpu_feed.py                      # needs an NVIDIA GPU and torch with CUDA
     python benchmarks/gpu_feed.py --mib 64 --batches 60 --json gpu.json
 
-What it measures, in one run:
+What it checks (exit status 1 if one fails), then measures, in one run:
 
 1. Host pointer identity: torch.from_numpy of a delivered array points into
    the shared-memory segment (no copy on the host).
-2. Host-to-device copy rate, for batches whose arrays live in ring slots
+2. pin_memory=True registers the ring: memory inside the segment is
+   page-locked (``Tensor.is_pinned``) once the first batch went to the GPU,
+   and no longer once the pipeline closed (unregistered before unmapping).
+3. Slot safety: batches stamped by their producers are copied to the GPU
+   while the stream is kept busy, so each non-blocking copy waits in the
+   stream behind compute; every batch on the device must still hold its
+   stamp (a slot released before its copy ran would have been refilled).
+   The same run without the wait for the copy's event is the control: it
+   shows whether this machine would have caught a release too early.
+4. Host-to-device copy rate, for batches whose arrays live in ring slots
    (producers fill them in place with shmpipe.reserve, so the producers are
    not the bottleneck): pageable (the ring as it is) and registered
-   (pin_memory=True: cudaHostRegister of the ring, once), beside two
-   references in one process: a pinned torch tensor and a pageable NumPy array.
-3. The share of training time spent waiting for input, with a simulated
+   (pin_memory=True), beside two references in one process: a pinned torch
+   tensor and a pageable NumPy array.
+5. The share of training time spent waiting for input, with a simulated
    training step (a matmul loop of a fixed time on the GPU) fed through
    pipe.to_torch(device="cuda", pin_memory=True).
-4. If TensorFlow sees a GPU: the same step fed through
+6. If TensorFlow sees a GPU: the same step fed through
    pipe.to_tf_dataset(device="/gpu:0") (prefetch to device).
 
 Without CUDA it says so and measures nothing (exit status 0).
@@ -32,6 +41,7 @@ import time
 import numpy as np
 
 import shmpipe
+from shmpipe.testing.sources import StampedInPlace
 
 
 class Filled:
@@ -46,6 +56,54 @@ class Filled:
             a = shmpipe.reserve(spec)
             a[:: 1 << 10] = i  # touch it: fresh data
             yield a
+
+
+def pinned_inside(torch, address: int) -> bool:
+    """Whether the page at `address` is page-locked for CUDA."""
+    import ctypes
+
+    page = (ctypes.c_uint8 * 4096).from_address(address)
+    return torch.frombuffer(page, dtype=torch.uint8).is_pinned()
+
+
+def check_registration(torch) -> dict:
+    with shmpipe.from_iterators([Filled(4, 1 << 20)], timeout=60) as pipe:
+        it = iter(pipe.to_torch(device="cuda", pin_memory=True))
+        next(it)
+        lo, size = pipe.channel.memory_ranges()[0]
+        during = pinned_inside(torch, lo + size // 2)
+        for _ in it:
+            pass
+        ranges = list(pipe._cuda_registration.ranges)
+    after = pipe._cuda_registration.ranges
+    return {"pinned_while_open": during, "registered_ranges": len(ranges), "unregistered_on_close": after == []}
+
+
+def check_slot_safety(torch, args, gated: bool, device: str = "cuda") -> dict:
+    """Copies wait behind matmuls in the stream; count the batches whose
+    device copy lost its stamp. (device="cpu" runs the same code without a
+    copy: the test suite's smoke test of this function.)"""
+    a = torch.randn(4096 if device == "cuda" else 64, 4096 if device == "cuda" else 64, device=device)
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    n = 0
+    with shmpipe.from_iterators([StampedInPlace(args.batches, 4 << 20)] * 2, capacity=3, timeout=120) as pipe:
+        batches = pipe.to_torch(device=device, pin_memory=device == "cuda", non_blocking=True)
+        if not gated:
+            batches.new_event = None  # the control: slots go back when .to() returns
+        it = iter(batches)
+        while True:
+            for _ in range(4):
+                a = (a @ a) * 1e-4  # keep the stream busy: the next copy queues behind this
+            try:
+                b = next(it)
+            except StopIteration:
+                break
+            bad += (b["data"] != b["stamp"]).any().to(torch.int64)  # on the device: no sync
+            n += 1
+            del b
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return {"batches": n, "changed": int(bad.item()), "waits_for_copy_events": gated}
 
 
 def h2d_rate(torch, arrays_or_tensors, device, non_blocking=True) -> float:
@@ -72,8 +130,7 @@ def ring_rate(torch, args, pin: bool) -> float:
             n += t.numel() * t.element_size()
         torch.cuda.synchronize()
         rate = n / (time.perf_counter() - t0) / 1e9
-        batches.unregister()
-    return rate
+    return rate  # the pipeline's close unregistered the ring
 
 
 def step_wait_share(torch, args) -> dict:
@@ -135,14 +192,32 @@ def main(argv=None) -> int:
               "Run this on a machine with an NVIDIA GPU and a CUDA build of torch.")
         return 0
 
-    results: dict = {"device": torch.cuda.get_device_name(0), "batch_mib": args.mib}
+    results: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "numpy": np.__version__},
+        "batch_mib": args.mib,
+    }
+    failed = []
     # 1. pointer identity on the host
     with shmpipe.from_iterators([Filled(2, 1 << 20)], timeout=60) as pipe:
         t = next(iter(pipe.to_torch()))
         lo, size = pipe.channel.memory_ranges()[0]
         results["host_tensor_in_segment"] = lo <= t.data_ptr() < lo + size
         del t
-    # 2. host-to-device rates
+    if not results["host_tensor_in_segment"]:
+        failed.append("the host tensor is a copy")
+    # 2. registration and unregistration
+    reg = results["registration"] = check_registration(torch)
+    print(f"registration: {reg}")
+    if not (reg["pinned_while_open"] and reg["unregistered_on_close"]):
+        failed.append("pin_memory=True did not register the ring, or close did not unregister it")
+    # 3. slot safety under non-blocking copies, and its control
+    safety = results["slot_safety"] = check_slot_safety(torch, args, gated=True)
+    control = results["slot_safety_control"] = check_slot_safety(torch, args, gated=False)
+    print(f"slot safety: {safety}; control without the event wait: {control}")
+    if safety["changed"]:
+        failed.append(f"{safety['changed']} batches changed before their copy ran")
+    # 4. host-to-device rates
     n = args.mib << 20
     pinned = [torch.empty(n // 4, dtype=torch.float32, pin_memory=True) for _ in range(4)]
     pageable = [np.ones(n // 4, np.float32) for _ in range(4)]
@@ -152,9 +227,9 @@ def main(argv=None) -> int:
         "ring, pageable": ring_rate(torch, args, pin=False),
         "ring, registered (pin_memory=True)": ring_rate(torch, args, pin=True),
     }
-    # 3. share of each step spent waiting
+    # 5. share of each step spent waiting
     results["torch_step"] = step_wait_share(torch, args)
-    # 4. the same through tf.data, if TensorFlow sees the GPU
+    # 6. the same through tf.data, if TensorFlow sees the GPU
     results["tf_step"] = tf_step_wait_share(args)
 
     print(f"device: {results['device']}; batches of {args.mib} MiB")
@@ -171,10 +246,13 @@ def main(argv=None) -> int:
               f"stall fraction {st['stall_fraction']:.1%}")
     else:
         print("TensorFlow sees no GPU here: the tf.data path was not measured")
+    results["failed_checks"] = failed
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-    return 0
+    for what in failed:
+        print(f"CHECK FAILED: {what}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

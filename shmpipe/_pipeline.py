@@ -219,9 +219,12 @@ class Pipeline:
             self._launcher = transport.launch(sources, spec, seed)
         else:
             self._launcher = ProcessLauncher(transport, sources, spec)
+        # Called, last first, before the channel goes: what adapters did to
+        # its memory is undone there (to_torch's CUDA registration).
+        self._on_close: list[Callable[[], None]] = []
         # The launcher, not this object, owns the processes and the channel,
         # so a forgotten pipeline is shut down when it is collected.
-        self._finalizer = weakref.finalize(self, self._launcher.shutdown)
+        self._finalizer = weakref.finalize(self, _shut_down, self._on_close, self._launcher)
         self._channel = self._launcher.channel  # None while it waits for a first batch
         self._launcher.begin_pass(0, self._seeds(0))
         self._closed = False
@@ -500,6 +503,17 @@ class Pipeline:
             f"<shmpipe.Pipeline {self.num_workers} workers, transport={self.transport.name!r}, "
             f"capacity={self.capacity}, ordered={self.ordered}, {state}>"
         )
+
+
+def _shut_down(on_close: list[Callable[[], None]], launcher: Any) -> None:
+    """A pipeline's end: its close hooks, then its producers and channel.
+    A function, not a method: the finalizer must not keep the pipeline
+    alive."""
+    try:
+        while on_close:
+            on_close.pop()()
+    finally:
+        launcher.shutdown()
 
 
 def _check_sources(sources: Any) -> list:

@@ -188,6 +188,8 @@ class ShmConsumer(ConsumerEnd):
     def memory_ranges(self) -> list[tuple[int, int]]:
         return [(self.segment.address, self.segment.size)]
 
+    owns_memory = True  # the segment is this pipeline's alone
+
     def describe_wait(self) -> str:
         """Why nothing came: the slots' states, for a timeout's message."""
         states = self.ring.slot_states()

@@ -2,17 +2,33 @@
 
 On the host, ``torch.from_numpy`` makes a tensor that *is* the array (no
 copy), and the tensor keeps the array -- so the slot -- alive until it is
-freed. For a CUDA device each array is copied once, host to device; with
-``pin_memory=True`` the ring is registered once with ``cudaHostRegister``,
-so that copy is a DMA straight from the slot, asynchronous with
-``non_blocking=True``, and the batch's host arrays (its slot) are kept until
-the copy's CUDA event has completed.
+freed.
+
+For a CUDA device each array is copied once, host to device. Two lifetime
+rules make that copy safe and cheap:
+
+* A copy with ``non_blocking=True`` may still be reading the slot when
+  ``.to()`` returns (from page-locked memory it is a DMA the GPU runs in
+  stream order). So the batch's host tensors -- and its slot -- are kept,
+  with a CUDA event recorded after the copies, until that event has
+  completed (``_CopiesInFlight``). Before the next batch is taken at most
+  one batch stays in flight: the pipeline's capacity rules count one batch
+  held by the consumer, and a copy in flight is such a batch.
+* ``pin_memory=True`` page-locks the channel's memory with
+  ``cudaHostRegister`` once (``_Registration``), and unregisters it when the
+  pipeline closes: after every copy from it has finished, and before the
+  memory is unmapped. CUDA keeps a registered range's pages past munmap; a
+  later mapping at the same address would be refused, or read through the
+  old pages. Only channels that own their memory are registered
+  (``ConsumerEnd.owns_memory``): page-locking Ray's object store would pin
+  all of it.
 """
 
 from __future__ import annotations
 
 import collections
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,6 +36,9 @@ import numpy as np
 from shmpipe.errors import BatchTypeError, ShmpipeWarning
 
 __all__ = ["TorchBatches"]
+
+#: Batches whose copies may still run when the next batch is taken.
+MAX_IN_FLIGHT = 1
 
 
 class TorchBatches:
@@ -31,88 +50,198 @@ class TorchBatches:
 
         self.pipe = pipe
         self.device = torch.device(device) if device is not None else None
-        self.to_cuda = self.device is not None and self.device.type == "cuda"
-        self.non_blocking = non_blocking
-        self.pin_memory = pin_memory
-        self.registered: list[int] = []  # host addresses registered with CUDA
-        self.pending: collections.deque = collections.deque()  # (event, host batch)
-        self._quiet = False
-        if pin_memory and not torch.cuda.is_available():
+        self.to_device = self.device is not None and self.device.type != "cpu"
+        self.non_blocking = bool(non_blocking)
+        self.pin_memory = bool(pin_memory)
+        if self.pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory=True has no effect: CUDA is not available", ShmpipeWarning, stacklevel=3)
+            self.pin_memory = False
+        elif self.pin_memory and (self.device is None or self.device.type != "cuda"):
+            # Handing out page-locked host tensors would let a caller's own
+            # non_blocking copy outlive the tensor, and so the slot.
             warnings.warn(
-                "pin_memory=True has no effect: CUDA is not available", ShmpipeWarning, stacklevel=3
+                f"pin_memory=True has no effect with device={device!r}: it page-locks the ring "
+                "for the copy to a CUDA device that shmpipe makes; pass device='cuda'",
+                ShmpipeWarning,
+                stacklevel=3,
             )
             self.pin_memory = False
+        # How a copy's completion is known: an event recorded on the stream
+        # after it (None where the device has none: its copies are done
+        # when .to() returns). Tests, which have no CUDA, put a stand-in here.
+        self.new_event: Callable[[], Any] | None = None
+        if self.to_device and self.non_blocking:
+            self.new_event = _event_factory(torch, self.device)
+        self._quiet = False
 
     def __iter__(self) -> "_TorchIterator":
         return _TorchIterator(self, iter(self.pipe))
 
-    def _register(self) -> None:
-        """Page-locks the channel's memory once, so host-to-device copies
-        from it are DMA (about 0.1 s per GB, once, never per batch)."""
-        import torch
-
-        channel = self.pipe.channel
-        for address, size in channel.memory_ranges() if channel is not None else []:
-            if address in self.registered:
-                continue
-            err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
-            if int(err) != 0:
-                warnings.warn(
-                    f"cudaHostRegister of {size:,} bytes failed ({err}); copies stay pageable",
-                    ShmpipeWarning,
-                    stacklevel=3,
-                )
-            else:
-                self.registered.append(address)
-
-    def unregister(self) -> None:
-        import torch
-
-        while self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.registered.pop())
-
-    def _convert(self, batch: Any) -> Any:
-        import torch
-
-        if not self._quiet:
-            # torch warns once that the arrays are read-only (they are: views
-            # of shared memory); say nothing, the docs say so.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                host = _host_tensors(batch, "batch")
-            self._quiet = True
-        else:
+    def _host(self, batch: Any) -> Any:
+        if self._quiet:
+            return _host_tensors(batch, "batch")
+        # torch warns once that the arrays are read-only (they are: views
+        # of shared memory); say nothing, the docs say so.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             host = _host_tensors(batch, "batch")
-        if not self.to_cuda:
-            return host if self.device is None else _map(host, lambda t: t.to(self.device))
-        if self.pin_memory and not self.registered:
-            self._register()
-        out = _map(host, lambda t: t.to(self.device, non_blocking=self.non_blocking))
-        if self.non_blocking and self.pin_memory:
-            # The copies may still run: keep the host tensors (the slot)
-            # until they are done, and let finished ones go.
-            event = torch.cuda.Event()
-            event.record()
-            self.pending.append((event, host))
-            while self.pending and self.pending[0][0].query():
-                self.pending.popleft()
-        return out
+        self._quiet = True
+        return host
+
+    def _to_device(self, host: Any) -> Any:
+        if self.pin_memory:
+            _Registration.of(self.pipe).register(self.pipe.channel)
+        device, non_blocking = self.device, self.non_blocking
+        return _map(host, lambda t: t.to(device, non_blocking=non_blocking))
+
+    @property
+    def copies_may_outlive_the_call(self) -> bool:
+        """Whether ``.to()`` may return before its copy has read the slot."""
+        return self.to_device and self.non_blocking and self.new_event is not None
+
+
+def _event_factory(torch, device) -> Callable[[], Any] | None:
+    if device.type == "cuda":
+        return torch.cuda.Event
+    try:
+        torch.Event(device).record()  # "meta" makes the event, refuses to record it
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        return None  # a backend without events ("meta") copies synchronously
+    return lambda: torch.Event(device)
 
 
 class _TorchIterator:
     """One pass. An iterator object, not a generator: a suspended generator
     would keep the batch it yielded last (and its slot) until the next one."""
 
-    __slots__ = ("batches", "it")
+    __slots__ = ("batches", "it", "in_flight")
 
     def __init__(self, batches: TorchBatches, it) -> None:
         self.batches, self.it = batches, it
+        self.in_flight = _CopiesInFlight(batches.new_event) if batches.copies_may_outlive_the_call else None
 
     def __iter__(self) -> "_TorchIterator":
         return self
 
     def __next__(self) -> Any:
-        return self.batches._convert(next(self.it))
+        in_flight = self.in_flight
+        if in_flight is not None:
+            in_flight.make_room(MAX_IN_FLIGHT)
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            if in_flight is not None:
+                in_flight.wait_all()  # the pass is over: every slot goes back
+            raise
+        host = self.batches._host(batch)
+        del batch
+        if not self.batches.to_device:
+            return host
+        out = self.batches._to_device(host)
+        if in_flight is not None:
+            in_flight.add(host)
+        return out
+
+    def __del__(self) -> None:
+        # Abandoned mid-pass: the slots must not go back while a copy reads them.
+        in_flight = getattr(self, "in_flight", None)
+        if in_flight:
+            try:
+                in_flight.wait_all()
+            except Exception:  # CUDA already torn down at interpreter exit
+                pass
+
+
+class _CopiesInFlight:
+    """Host batches whose copies to the device may still run, oldest first,
+    each with the event recorded (on the stream that copied it) after its
+    copies. Holding a batch's host tensors holds its slot."""
+
+    __slots__ = ("new_event", "queue")
+
+    def __init__(self, new_event: Callable[[], Any]) -> None:
+        self.new_event = new_event
+        self.queue: collections.deque = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, host: Any) -> None:
+        event = self.new_event()
+        event.record()
+        self.queue.append((event, host))
+
+    def make_room(self, limit: int) -> None:
+        """Lets finished batches go; then waits for the oldest until at
+        most `limit` are left."""
+        queue = self.queue
+        while queue and queue[0][0].query():
+            queue.popleft()
+        while len(queue) > limit:
+            queue[0][0].synchronize()
+            queue.popleft()
+
+    def wait_all(self) -> None:
+        self.make_room(0)
+
+
+class _Registration:
+    """A pipeline's channel memory, page-locked for CUDA: registered once,
+    unregistered by the pipeline's close (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.tried = False
+        self.ranges: list[tuple[int, int]] = []
+
+    @classmethod
+    def of(cls, pipe) -> "_Registration":
+        reg = getattr(pipe, "_cuda_registration", None)
+        if reg is None:
+            reg = pipe._cuda_registration = cls()
+            # The hook holds the registration, not the pipeline.
+            pipe._on_close.append(reg.unregister)
+        return reg
+
+    def register(self, channel) -> None:
+        if self.tried or channel is None:
+            return
+        self.tried = True
+        if not getattr(channel, "owns_memory", False):
+            warnings.warn(
+                f"pin_memory=True has no effect on {type(channel).__name__}: its memory is not the "
+                "pipeline's own (page-locking it would pin memory others use); copies to the GPU "
+                "go from pageable memory",
+                ShmpipeWarning,
+                stacklevel=4,
+            )
+            return
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for address, size in channel.memory_ranges():
+            err = cudart.cudaHostRegister(address, size, 0)
+            if int(err) != 0:
+                warnings.warn(
+                    f"cudaHostRegister of {size:,} bytes failed ({cudart.cudaGetErrorString(err)}); "
+                    "copies to the GPU go from pageable memory",
+                    ShmpipeWarning,
+                    stacklevel=4,
+                )
+            else:
+                self.ranges.append((address, size))
+
+    def unregister(self) -> None:
+        if not self.ranges:
+            return
+        import torch
+
+        # Every copy from the ranges has finished before they become
+        # pageable again (the pipeline may unmap them next).
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
+        cudart = torch.cuda.cudart()
+        while self.ranges:
+            cudart.cudaHostUnregister(self.ranges.pop()[0])
 
 
 def _map(batch: Any, fn) -> Any:

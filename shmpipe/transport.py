@@ -246,6 +246,13 @@ class ConsumerEnd(abc.ABC):
         process (zero_copy_reads transports)."""
         return []
 
+    #: True when memory_ranges() is this channel's own memory, mapped until
+    #: the pipeline closes and shared with nothing else. Only then may
+    #: ``to_torch(pin_memory=True)`` page-lock it for CUDA (it is registered
+    #: once and unregistered when the pipeline closes). Ray's object store,
+    #: for one, is not: pinning it would pin the whole store.
+    owns_memory: bool = False
+
 
 class ProducerEnd(abc.ABC):
     """A producer's side of the channel (see the module doc)."""

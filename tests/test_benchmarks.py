@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shmpipe.bench import throughput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,3 +70,17 @@ def test_gpu_feed_says_what_it_did_not_measure(tmp_path):
         assert "not measured" in proc.stdout
     else:
         assert "host-to-device GB/s" in proc.stdout
+
+
+def test_gpu_feed_slot_safety_check_runs_on_the_host():
+    # The GPU check's own code, with host tensors instead of copies (no
+    # CUDA here): every stamp must survive, as it must on the GPU.
+    torch = pytest.importorskip("torch")
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_feed", ROOT / "benchmarks" / "gpu_feed.py")
+    gpu_feed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_feed)
+    out = gpu_feed.check_slot_safety(torch, argparse.Namespace(batches=6), gated=True, device="cpu")
+    assert out == {"batches": 12, "changed": 0, "waits_for_copy_events": True}

@@ -360,3 +360,23 @@ def test_a_source_from_an_interactive_session_is_refused(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "interactive session" in out.stdout
+
+
+@pytest.mark.parametrize("how", ["close", "collect"])
+def test_close_hooks_run_while_the_channel_memory_still_exists(how):
+    # to_torch's CUDA registration is undone in such a hook: it must run
+    # before the segment is destroyed, on close() and when a forgotten
+    # pipeline is collected.
+    pipe = shmpipe.from_iterators([Counter(2)], timeout=T)
+    next(iter(pipe))
+    path = "/dev/shm" + pipe.channel.segment.name
+    seen = []
+    pipe._on_close.append(lambda: seen.append(("first", os.path.exists(path))))
+    pipe._on_close.append(lambda: seen.append(("last", os.path.exists(path))))
+    if how == "close":
+        pipe.close()
+    else:
+        del pipe
+        gc.collect()
+    assert seen == [("last", True), ("first", True)]  # last registered, first run
+    assert not os.path.exists(path)

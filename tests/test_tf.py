@@ -125,6 +125,26 @@ def test_a_dataset_that_holds_more_than_the_ring_copies_instead_of_deadlocking()
                 np.testing.assert_array_equal(d, payload_for(int(w), int(s), (64,)))
 
 
+@pytest.mark.parametrize("shape", [(3,), (64, 1024), (0, 5), ()])
+def test_the_copy_made_when_the_ring_is_full_is_the_only_one(shape):
+    # The fallback above copies a batch once, into 64-byte aligned memory,
+    # which TensorFlow then aliases (a plain ndarray.copy() of 4 KiB or more
+    # starts 16 bytes into a page: TensorFlow would copy it again).
+    src = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    batch = {"x": src, "n": [np.int64(3), 2.5]}
+    out = _tf.copy_for_tensorflow(batch)
+    x = out["x"]
+    assert not np.shares_memory(x, src)
+    assert x.size == 0 or x.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(x, src)
+    assert out["n"] == (np.int64(3), 2.5)
+    spec = tf.TensorSpec(shape, tf.float32)
+    tensor = next(iter(tf.data.Dataset.from_generator(lambda: iter([x]), output_signature=spec)))
+    if x.ndim and x.size:  # (_numpy() of a 0-d tensor is a NumPy scalar: no address to compare)
+        assert tensor._numpy().ctypes.data == x.ctypes.data, "TensorFlow copied the copy"
+    np.testing.assert_array_equal(tensor._numpy(), src)
+
+
 def test_each_iteration_of_the_dataset_is_a_new_pass():
     with shmpipe.from_iterators([Counter(5)] * 2, timeout=T) as pipe:
         ds = pipe.to_tf_dataset()

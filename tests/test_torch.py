@@ -1,5 +1,11 @@
-"""PyTorch tensors from a pipeline (CPU build of torch; CUDA paths need a GPU:
-see benchmarks/gpu_feed.py)."""
+"""PyTorch tensors from a pipeline, with the CPU build of torch.
+
+There is no CUDA here. The copy to a device is exercised with the "meta"
+device, whose copies are real torch calls but keep no data, and a stand-in
+for the CUDA event that the test completes by hand: what is tested is
+shmpipe's rule that a slot stays held until the event recorded after its
+copy completes. The CUDA calls themselves (cudaHostRegister, events, DMA)
+run in benchmarks/gpu_feed.py, on a machine with a GPU."""
 
 from __future__ import annotations
 
@@ -108,3 +114,112 @@ def test_a_training_loop():
                 total += loss.item()
             losses.append(total)
     assert losses[-1] < losses[0]
+
+
+class StandInEvent:
+    """What shmpipe needs of torch.cuda.Event, completed by the test."""
+
+    made: list = []
+
+    def __init__(self) -> None:
+        self.recorded = self.done = self.waited = False
+        StandInEvent.made.append(self)
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def held_seqs(pipe) -> set[int]:
+    ring = pipe.channel.ring
+    return {ring.slot_info(i)[3] for i in range(ring.nslots) if ring.slot_info(i)[0] == _ring.HELD}
+
+
+def device_batches(pipe):
+    StandInEvent.made = []
+    batches = pipe.to_torch(device="meta", non_blocking=True)
+    assert batches.new_event is None  # "meta" has no events: its copies are done on return
+    batches.new_event = StandInEvent  # as torch.cuda.Event would be on a GPU
+    return batches
+
+
+def test_a_slot_stays_held_until_the_event_after_its_copy_completes():
+    with shmpipe.from_iterators([Counter(5, shape=(64,))], capacity=4, timeout=T) as pipe:
+        it = iter(device_batches(pipe))
+        b = next(it)
+        assert b["data"].device.type == "meta" and b["seq"] == 0
+        e0 = StandInEvent.made[0]
+        assert e0.recorded and held_seqs(pipe) == {0}, "the copy may still read slot 0"
+        assert next(it)["seq"] == 1
+        assert held_seqs(pipe) == {0, 1}  # one batch in flight is allowed when taking the next
+        e0.done = True
+        assert next(it)["seq"] == 2
+        assert held_seqs(pipe) == {1, 2}, "the finished copy's slot goes back"
+        e1, e2 = StandInEvent.made[1:3]
+        assert not e0.waited and not e1.done
+        assert next(it)["seq"] == 3
+        # two were in flight: shmpipe waited for the older one
+        assert e1.waited and not e2.waited and held_seqs(pipe) == {2, 3}
+        assert next(it)["seq"] == 4
+        with pytest.raises(StopIteration):
+            next(it)
+        assert all(e.done for e in StandInEvent.made)  # the pass ended: every copy waited for
+        assert held_seqs(pipe) == set() and pipe.channel.held() == 0
+
+
+def test_an_abandoned_pass_waits_for_its_copies_before_letting_slots_go():
+    with shmpipe.from_iterators([Counter(8, shape=(64,))], capacity=4, timeout=T) as pipe:
+        batches = device_batches(pipe)
+        it = iter(batches)
+        next(it), next(it)
+        assert held_seqs(pipe) == {0, 1}
+        del it
+        gc.collect()
+        assert all(e.waited for e in StandInEvent.made[:2])
+        assert held_seqs(pipe) == set()
+        # and the next pass is complete
+        assert [b["seq"] for b in batches] == list(range(8))
+
+
+def test_copies_in_flight_never_hold_the_ring_hostage():
+    # Capacity 2 and copies that never finish on their own: without the
+    # wait for the oldest copy the consumer would wait for a slot forever.
+    with shmpipe.from_iterators([Counter(12, shape=(64,))], capacity=2, timeout=10) as pipe:
+        seqs = [b["seq"] for b in device_batches(pipe)]
+    assert seqs == list(range(12))
+
+
+def test_blocking_copies_need_no_events():
+    with shmpipe.from_iterators([Counter(3, shape=(64,))], timeout=T) as pipe:
+        batches = pipe.to_torch(device="meta", non_blocking=False)
+        batches.new_event = StandInEvent
+        StandInEvent.made = []
+        assert [b["seq"] for b in batches] == [0, 1, 2]
+        assert StandInEvent.made == []
+
+
+def test_pin_memory_leaves_memory_the_pipeline_does_not_own_alone():
+    from shmpipe._torch import _Registration
+
+    with shmpipe.from_iterators([Counter(2)], transport="queue", timeout=T) as pipe:
+        next(iter(pipe))
+        assert pipe.channel.owns_memory is False
+        reg = _Registration.of(pipe)
+        assert _Registration.of(pipe) is reg and pipe._on_close.count(reg.unregister) == 1
+        with pytest.warns(shmpipe.ShmpipeWarning, match="not the pipeline's own"):
+            reg.register(pipe.channel)
+        assert reg.ranges == []
+        reg.register(pipe.channel)  # tried once: no second warning (pytest errors on one)
+
+
+def test_pin_memory_without_a_cuda_device_says_it_does_nothing():
+    with shmpipe.from_iterators([Counter(2)], timeout=T) as pipe:
+        with pytest.warns(shmpipe.ShmpipeWarning, match="no effect"):
+            batches = pipe.to_torch(device="cpu", pin_memory=True)
+        assert batches.pin_memory is False
+        assert len(list(batches)) == 2

@@ -229,6 +229,26 @@ class TransportConformance:
                     assert _in_ranges(arr, ranges), "a delivered array is not in the transport's memory"
                     assert not arr.flags.writeable
 
+    def test_owned_memory_stays_the_same_for_the_pipelines_life(self, transport):
+        # owns_memory lets to_torch(pin_memory=True) page-lock memory_ranges()
+        # once, at the first batch, and unlock them at close: they must hold
+        # every batch, and must not move, for as long as the pipeline lives.
+        with self.pipe(transport, [Counter(6, shape=(512,))] * 2) as pipe:
+            it = iter(pipe)
+            first = next(it)
+            if not getattr(pipe.channel, "owns_memory", False):
+                pytest.skip("the transport's memory is not its own (owns_memory is False)")
+            assert self.caps(transport).zero_copy_reads, "owns_memory needs zero_copy_reads"
+            ranges = pipe.channel.memory_ranges()
+            assert ranges, "owns_memory but memory_ranges() is empty"
+            assert all(_in_ranges(arr, ranges) for arr in _arrays(first))
+            del first
+            for batches in (it, pipe):  # the rest of this pass, and the next
+                for b in batches:
+                    for arr in _arrays(b):
+                        assert _in_ranges(arr, ranges), "a batch lies outside the ranges of the first"
+            assert pipe.channel.memory_ranges() == ranges
+
     def test_alignment(self, transport):
         caps = self.caps(transport)
         align = caps.alignment

@@ -184,6 +184,23 @@ class Stamped:
             yield {"stamp": worker * 1e6 + seq, "data": data}
 
 
+class StampedInPlace:
+    """n batches {"stamp", "data"} whose float32 array of `nbytes` is filled
+    with its stamp (worker * 1e6 + seq) in the slot itself (shmpipe.reserve):
+    a slot reused too early holds another stamp."""
+
+    def __init__(self, n: int, nbytes: int = 1 << 16):
+        self.n, self.nbytes = n, nbytes
+
+    def __call__(self):
+        worker = shmpipe.get_worker_info().id
+        spec = shmpipe.ArraySpec((self.nbytes // 4,), np.float32)
+        for seq in range(self.n):
+            a = shmpipe.reserve(spec)
+            a.fill(worker * 1e6 + seq)
+            yield {"stamp": np.float32(worker * 1e6 + seq), "data": a}
+
+
 class Matrix:
     """Every batch of shmpipe.testing.batches.matrix(), built in the producer."""
 
