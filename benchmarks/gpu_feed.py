@@ -89,7 +89,7 @@ def check_slot_safety(torch, args, gated: bool, device: str = "cuda") -> dict:
     with shmpipe.from_iterators([StampedInPlace(args.batches, 4 << 20)] * 2, capacity=3, timeout=120) as pipe:
         batches = pipe.to_torch(device=device, pin_memory=device == "cuda", non_blocking=True)
         if not gated:
-            batches.new_event = None  # the control: slots go back when .to() returns
+            batches.record_event = None  # the control: slots go back when .to() returns
         it = iter(batches)
         while True:
             for _ in range(4):

@@ -66,12 +66,13 @@ class TorchBatches:
                 stacklevel=3,
             )
             self.pin_memory = False
-        # How a copy's completion is known: an event recorded on the stream
-        # after it (None where the device has none: its copies are done
+        # How a copy's completion is known: a function that records an
+        # event on the stream that copies to the device, right after the
+        # copies (None where the device has no events: its copies are done
         # when .to() returns). Tests, which have no CUDA, put a stand-in here.
-        self.new_event: Callable[[], Any] | None = None
+        self.record_event: Callable[[], Any] | None = None
         if self.to_device and self.non_blocking:
-            self.new_event = _event_factory(torch, self.device)
+            self.record_event = _event_recorder(torch, self.device)
         self._quiet = False
 
     def __iter__(self) -> "_TorchIterator":
@@ -97,17 +98,31 @@ class TorchBatches:
     @property
     def copies_may_outlive_the_call(self) -> bool:
         """Whether ``.to()`` may return before its copy has read the slot."""
-        return self.to_device and self.non_blocking and self.new_event is not None
+        return self.to_device and self.non_blocking and self.record_event is not None
 
 
-def _event_factory(torch, device) -> Callable[[], Any] | None:
+def _event_recorder(torch, device) -> Callable[[], Any] | None:
     if device.type == "cuda":
-        return torch.cuda.Event
+
+        def record():
+            # On the current stream *of the target device*: .to("cuda:1")
+            # copies on cuda:1's stream, whatever the current device is.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            return event
+
+        return record
     try:
         torch.Event(device).record()  # "meta" makes the event, refuses to record it
     except (AttributeError, RuntimeError, ValueError, TypeError):
         return None  # a backend without events ("meta") copies synchronously
-    return lambda: torch.Event(device)
+
+    def record_other():
+        event = torch.Event(device)
+        event.record()
+        return event
+
+    return record_other
 
 
 class _TorchIterator:
@@ -118,7 +133,7 @@ class _TorchIterator:
 
     def __init__(self, batches: TorchBatches, it) -> None:
         self.batches, self.it = batches, it
-        self.in_flight = _CopiesInFlight(batches.new_event) if batches.copies_may_outlive_the_call else None
+        self.in_flight = _CopiesInFlight(batches.record_event) if batches.copies_may_outlive_the_call else None
 
     def __iter__(self) -> "_TorchIterator":
         return self
@@ -157,19 +172,17 @@ class _CopiesInFlight:
     each with the event recorded (on the stream that copied it) after its
     copies. Holding a batch's host tensors holds its slot."""
 
-    __slots__ = ("new_event", "queue")
+    __slots__ = ("record_event", "queue")
 
-    def __init__(self, new_event: Callable[[], Any]) -> None:
-        self.new_event = new_event
+    def __init__(self, record_event: Callable[[], Any]) -> None:
+        self.record_event = record_event
         self.queue: collections.deque = collections.deque()
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def add(self, host: Any) -> None:
-        event = self.new_event()
-        event.record()
-        self.queue.append((event, host))
+        self.queue.append((self.record_event(), host))
 
     def make_room(self, limit: int) -> None:
         """Lets finished batches go; then waits for the oldest until at

@@ -117,16 +117,14 @@ def test_a_training_loop():
 
 
 class StandInEvent:
-    """What shmpipe needs of torch.cuda.Event, completed by the test."""
+    """What shmpipe needs of a recorded torch.cuda.Event, completed by the
+    test. Making one stands for recording it."""
 
     made: list = []
 
     def __init__(self) -> None:
-        self.recorded = self.done = self.waited = False
+        self.done = self.waited = False
         StandInEvent.made.append(self)
-
-    def record(self) -> None:
-        self.recorded = True
 
     def query(self) -> bool:
         return self.done
@@ -143,8 +141,8 @@ def held_seqs(pipe) -> set[int]:
 def device_batches(pipe):
     StandInEvent.made = []
     batches = pipe.to_torch(device="meta", non_blocking=True)
-    assert batches.new_event is None  # "meta" has no events: its copies are done on return
-    batches.new_event = StandInEvent  # as torch.cuda.Event would be on a GPU
+    assert batches.record_event is None  # "meta" has no events: its copies are done on return
+    batches.record_event = StandInEvent  # as a CUDA event would be recorded on a GPU
     return batches
 
 
@@ -154,7 +152,7 @@ def test_a_slot_stays_held_until_the_event_after_its_copy_completes():
         b = next(it)
         assert b["data"].device.type == "meta" and b["seq"] == 0
         e0 = StandInEvent.made[0]
-        assert e0.recorded and held_seqs(pipe) == {0}, "the copy may still read slot 0"
+        assert held_seqs(pipe) == {0}, "the copy may still read slot 0"
         assert next(it)["seq"] == 1
         assert held_seqs(pipe) == {0, 1}  # one batch in flight is allowed when taking the next
         e0.done = True
@@ -197,7 +195,7 @@ def test_copies_in_flight_never_hold_the_ring_hostage():
 def test_blocking_copies_need_no_events():
     with shmpipe.from_iterators([Counter(3, shape=(64,))], timeout=T) as pipe:
         batches = pipe.to_torch(device="meta", non_blocking=False)
-        batches.new_event = StandInEvent
+        batches.record_event = StandInEvent
         StandInEvent.made = []
         assert [b["seq"] for b in batches] == [0, 1, 2]
         assert StandInEvent.made == []
