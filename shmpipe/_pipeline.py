@@ -18,7 +18,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shmpipe import _segments
 from shmpipe._launch import ProcessLauncher
@@ -34,6 +34,11 @@ from shmpipe.errors import (
 )
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, Transport
+
+if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time here
+    import tensorflow as tf
+
+    from shmpipe._torch import TorchBatches
 
 __all__ = ["Pipeline", "from_iterators"]
 
@@ -410,7 +415,7 @@ class Pipeline:
 
     def to_tf_dataset(
         self, output_signature: Any = None, *, device: str | None = None, batches_per_pass: int | None = None
-    ):
+    ) -> "tf.data.Dataset":
         """A ``tf.data.Dataset`` of this pipeline's batches, without a copy.
 
         Each iteration of the dataset (each epoch of ``model.fit``) is a new
@@ -431,16 +436,19 @@ class Pipeline:
 
         return to_tf_dataset(self, output_signature, device=device, batches_per_pass=batches_per_pass)
 
-    def to_torch(self, device: Any = None, pin_memory: bool = False, non_blocking: bool = True):
+    def to_torch(self, device: Any = None, pin_memory: bool = False, non_blocking: bool = True) -> "TorchBatches":
         """This pipeline's batches with torch tensors at the array leaves.
 
         On the host (``device=None`` or "cpu") the tensors are
         ``torch.from_numpy`` views of the shared memory: no copy, read-only
         by contract (do not write into them). With a CUDA ``device`` each
-        array is copied once; ``pin_memory=True`` registers the ring with
-        ``cudaHostRegister`` once so that copy is a direct DMA (a no-op with
-        one warning where there is no CUDA). Returns an iterable; each
-        iteration is a new pass. See docs/gpu.md.
+        array is copied once, and with ``non_blocking`` a batch's slot is
+        kept until the CUDA event recorded after its copy has completed.
+        ``pin_memory=True`` registers the ring with ``cudaHostRegister`` once
+        so that copy is a direct DMA, and unregisters it when the pipeline
+        closes (where there is no CUDA, or no CUDA ``device``, it does
+        nothing and warns once). Returns an iterable; each iteration is a
+        new pass. See docs/gpu.md.
         """
         from shmpipe._torch import TorchBatches
 
