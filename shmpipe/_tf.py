@@ -12,9 +12,10 @@ tf.data buffers hold elements, and in the ring every element held is a slot
 held. A buffer larger than the ring (``batch(8)`` over 4 slots, a big
 ``shuffle``) would hold every slot while it waits for more, and the producers
 could never make more. So the generator copies an element instead of
-aliasing it when TensorFlow holds all slots but one and does not let go of
-any within RELEASE_WAIT_S: the pipeline slows to one copy per batch instead
-of deadlocking, and a warning says which capacity would keep it zero-copy.
+aliasing it when TensorFlow holds more slots than the producers can spare
+(slots_tensorflow_may_hold) and does not let go of any within
+RELEASE_WAIT_S: the pipeline slows to one copy per batch instead of
+deadlocking, and a warning says which capacity would keep it zero-copy.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class _Feeder:
 
     def __init__(self, pipe, signature, peeked: tuple | None) -> None:
         self.pipe = pipe
+        self.limit = slots_tensorflow_may_hold(pipe)
         self.check = _check_leaf(signature)
         self.peeked = peeked  # (iterator, [batches]) of a pass already started
         self.warned = False
@@ -158,26 +160,38 @@ class _Feeder:
         return _FeederPass(self, it, first)
 
     def _prepare(self, batch: Any) -> Any:
-        if self._tensorflow_holds_every_other_slot():
-            # This batch's slot is the last one: hand TensorFlow a copy and
-            # free the slot, so the producers can go on.
+        if self._tensorflow_holds_too_many_slots():
+            # Handing TensorFlow this batch's slot would leave the producers
+            # too few: hand it a copy and free the slot, so they can go on.
             if not self.warned:
                 self.warned = True
+                pipe = self.pipe
+                if pipe.ordered and pipe.num_workers > 1:
+                    need = (
+                        f"an ordered pipeline of {pipe.num_workers} workers may lend it at most "
+                        f"{self.limit} of {pipe.capacity}, since each worker may fill "
+                        f"(capacity - 1) // {pipe.num_workers} while the consumer waits for another"
+                    )
+                    advice = f"capacity >= {pipe.num_workers} * (what the dataset holds at once) + 1"
+                else:
+                    need = f"the producers need one of the {pipe.capacity} free"
+                    advice = "capacity above what the dataset holds at once (batch size + prefetch + 2)"
                 warnings.warn(
-                    f"tf.data holds all {self.pipe.capacity} slots of the ring (its buffers: "
-                    "batch, prefetch, shuffle); shmpipe now copies batches that would not "
-                    "fit instead of waiting forever. Raise capacity above what the dataset "
-                    "holds at once (batch size + prefetch + 2) to keep it zero-copy.",
+                    f"tf.data holds more slots of the ring than it can lend (its buffers: batch, "
+                    f"prefetch, shuffle; {need}); shmpipe now copies batches that would not fit "
+                    f"instead of waiting forever. Raise {advice} to keep it zero-copy.",
                     ShmpipeWarning,
                     stacklevel=2,
                 )
             batch = copy_for_tensorflow(batch)
         return _structure(batch, self.check)
 
-    def _tensorflow_holds_every_other_slot(self) -> bool:
+    def _tensorflow_holds_too_many_slots(self) -> bool:
+        """Whether the slots held, this batch's included, exceed the limit
+        (and stay above it for RELEASE_WAIT_S)."""
         channel = self.pipe.channel
         held = channel.held() if channel is not None else None
-        if held is None or held < self.pipe.capacity:
+        if held is None or held <= self.limit:
             self.copying = False
             return False
         if not self.copying:
@@ -185,11 +199,31 @@ class _Feeder:
             # one) fill and drain; a full ring is only a trap if nothing
             # drains. Give TensorFlow a moment to let go of a slot.
             deadline = time.monotonic() + RELEASE_WAIT_S
-            while held >= self.pipe.capacity and time.monotonic() < deadline:
+            while held > self.limit and time.monotonic() < deadline:
                 time.sleep(0.002)
                 held = channel.held()
-        self.copying = held >= self.pipe.capacity
+        self.copying = held > self.limit
         return self.copying
+
+
+def slots_tensorflow_may_hold(pipe) -> int:
+    """How many slots tf.data may hold with the producers still sure to
+    deliver the batch the dataset waits for next.
+
+    Unordered, any worker's batch will do: one free slot is enough, so
+    TensorFlow may hold capacity - 1. Ordered, the consumer waits for one
+    worker's batch while each other worker may fill its quota
+    ((capacity - 1) // workers slots, see ChannelSpec.quota) with batches
+    whose turn has not come: the worker it waits for needs a slot beyond
+    those, so TensorFlow may hold capacity - 1 - (workers - 1) * quota.
+    """
+    from shmpipe.transport import ChannelSpec
+
+    n, capacity = pipe.num_workers, pipe.capacity
+    quota = ChannelSpec(num_workers=n, capacity=capacity, ordered=pipe.ordered).quota
+    if not pipe.ordered or n == 1:
+        return capacity - 1
+    return max(1, capacity - 1 - (n - 1) * quota)
 
 
 def copy_for_tensorflow(batch: Any) -> Any:
@@ -279,7 +313,7 @@ def to_tf_dataset(
     if output_signature is None:
         # Infer from the first batches of a pass; each worker's first batch
         # tells which dimensions vary. Those batches are yielded first.
-        k = peek if peek is not None else max(1, min(pipe.num_workers, pipe.capacity - 2, 4))
+        k = peek if peek is not None else max(1, min(pipe.num_workers, slots_tensorflow_may_hold(pipe), 4))
         it = iter(pipe)
         first = []
         for batch in it:

@@ -114,7 +114,7 @@ def test_a_dataset_that_holds_more_than_the_ring_copies_instead_of_deadlocking()
     # batch(8) holds 8 elements at once; the ring has 4 slots.
     with shmpipe.from_iterators([Counter(40, shape=(64,))] * 2, capacity=4, timeout=T) as pipe:
         ds = pipe.to_tf_dataset().batch(8)
-        with pytest.warns(shmpipe.ShmpipeWarning, match="holds all 4 slots"):
+        with pytest.warns(shmpipe.ShmpipeWarning, match="one of the 4 free"):
             batches = list(ds)
         seen = sorted(
             (int(w), int(s)) for b in batches for w, s in zip(b["worker"].numpy(), b["seq"].numpy())
@@ -123,6 +123,48 @@ def test_a_dataset_that_holds_more_than_the_ring_copies_instead_of_deadlocking()
         for b in batches:
             for w, s, d in zip(b["worker"].numpy(), b["seq"].numpy(), b["data"].numpy()):
                 np.testing.assert_array_equal(d, payload_for(int(w), int(s), (64,)))
+
+
+@pytest.mark.parametrize("hold", ["list", "batch", "break-and-again"])
+def test_an_ordered_pipeline_never_lends_tensorflow_the_slots_its_producers_need(hold):
+    # Ordered, the consumer waits for one worker while the others may fill
+    # their quota of slots with batches whose turn has not come: tf.data may
+    # hold only what is left (here 8 - 1 - 2 * 2 = 3 of 8 slots), or the
+    # worker whose turn it is could never write.
+    n, per = 3, 12
+    expected = [(w, s) for s in range(per) for w in range(n)]
+    with shmpipe.from_iterators([Counter(per, shape=(256,))] * n, ordered=True, timeout=T) as pipe:
+        assert pipe.capacity == 8 and _tf.slots_tensorflow_may_hold(pipe) == 3
+        ds = pipe.to_tf_dataset()
+        with pytest.warns(shmpipe.ShmpipeWarning, match="ordered pipeline of 3 workers may lend it at most 3 of 8"):
+            if hold == "list":
+                elements = list(ds)  # every element kept: far more than 8 slots
+                got = [(int(e["worker"]), int(e["seq"])) for e in elements]
+                for e in elements:
+                    w, s = int(e["worker"]), int(e["seq"])
+                    np.testing.assert_array_equal(e["data"].numpy(), payload_for(w, s, (256,)))
+                del elements
+            elif hold == "batch":
+                got = [(int(w), int(s)) for b in ds.batch(5) for w, s in zip(b["worker"], b["seq"])]
+            else:
+                for i, e in enumerate(ds):
+                    if i == 2:
+                        break
+                del e
+                got = [(int(e["worker"]), int(e["seq"])) for e in list(ds)]
+    assert got == expected
+
+
+def test_slots_tensorflow_may_hold():
+    class P:  # what the function reads of a pipeline
+        def __init__(self, n, capacity, ordered):
+            self.num_workers, self.capacity, self.ordered = n, capacity, ordered
+
+    assert _tf.slots_tensorflow_may_hold(P(4, 6, False)) == 5
+    assert _tf.slots_tensorflow_may_hold(P(1, 6, True)) == 5  # one worker: no quota
+    assert _tf.slots_tensorflow_may_hold(P(3, 8, True)) == 3  # quota 2: 8 - 1 - 2 * 2
+    assert _tf.slots_tensorflow_may_hold(P(3, 31, True)) == 10  # quota 10: 31 - 1 - 2 * 10
+    assert _tf.slots_tensorflow_may_hold(P(2, 3, True)) == 1  # quota 1: 3 - 1 - 1
 
 
 @pytest.mark.parametrize("shape", [(3,), (64, 1024), (0, 5), ()])
