@@ -16,6 +16,7 @@ import os
 import secrets
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from shmpipe.errors import (
     PipelineTimeoutError,
     ShmpipeTypeError,
     ShmpipeValueError,
+    ShmpipeWarning,
     WorkerError,
 )
 from shmpipe.registry import resolve_transport
@@ -51,6 +53,9 @@ POLL_S = 0.1
 #: While batches keep coming, how often the consumer still checks that every
 #: producer is alive.
 HEALTH_CHECK_NS = 250_000_000
+#: After this long without a batch, a consumer that holds too many slots is
+#: told so (once per pass): the batch it waits for may never come.
+STALL_WARNING_NS = 10_000_000_000
 
 
 def default_start_method() -> str:
@@ -196,6 +201,7 @@ class Pipeline:
         self._slot_size = slot_size
         self._pass_no = 0
         self._first_iter = True  # pass 0 starts with the producers
+        self._stall_warned = -1  # the pass the consumer was last told it holds too much
         self._failure: BaseException | None = None  # raised once published batches are out
         self._channel = None  # the launcher's, once open
 
@@ -212,7 +218,7 @@ class Pipeline:
         self._blocked_s = [0.0] * n
 
         _segments.sweep()  # segments of pipelines whose process died
-        spec = ChannelSpec(
+        spec = self._spec = ChannelSpec(
             num_workers=n,
             capacity=capacity,
             ordered=self.ordered,
@@ -386,6 +392,8 @@ class Pipeline:
             raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         now = time.perf_counter_ns()
         self._check_health(now)  # notes a failure; it is raised once all is delivered
+        if now - t0 >= STALL_WARNING_NS and self._stall_warned != self._pass_no:
+            self._warn_if_held_up_by_consumer(now - t0)
         if self.timeout is not None and now - t0 >= self.timeout * 1e9:
             why = (
                 self._channel.describe_wait()
@@ -393,6 +401,25 @@ class Pipeline:
                 else "no producer has delivered a first batch yet"
             )
             raise PipelineTimeoutError(f"no batch within {self.timeout:g} s" + (f": {why}" if why else ""))
+
+    def _warn_if_held_up_by_consumer(self, waited_ns: int) -> None:
+        """This process holds so many slots that the batch it waits for may
+        never come: say so once per pass (without a timeout it would wait
+        forever, silently, unless another thread lets go of batches)."""
+        channel = self._channel
+        held = channel.held() if channel is not None else None
+        limit = self._spec.consumer_may_hold
+        if held is None or held <= limit:
+            return
+        self._stall_warned = self._pass_no
+        warnings.warn(
+            f"no batch for {waited_ns / 1e9:.0f} s, and this process holds {held} of the "
+            f"{self.capacity} slots (at most {limit} leave the producers room to deliver what "
+            f"it waits for): {channel.describe_wait()}. Unless another thread lets go of "
+            "batches this waits forever; pass timeout= to get an error instead.",
+            ShmpipeWarning,
+            stacklevel=6,  # the caller's next() or for loop
+        )
 
     def _await_channel(self, t0: int):
         """No channel yet: wait until the launcher can open it (a transport

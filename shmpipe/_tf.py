@@ -208,22 +208,13 @@ class _Feeder:
 
 def slots_tensorflow_may_hold(pipe) -> int:
     """How many slots tf.data may hold with the producers still sure to
-    deliver the batch the dataset waits for next.
-
-    Unordered, any worker's batch will do: one free slot is enough, so
-    TensorFlow may hold capacity - 1. Ordered, the consumer waits for one
-    worker's batch while each other worker may fill its quota
-    ((capacity - 1) // workers slots, see ChannelSpec.quota) with batches
-    whose turn has not come: the worker it waits for needs a slot beyond
-    those, so TensorFlow may hold capacity - 1 - (workers - 1) * quota.
-    """
+    deliver the batch the dataset waits for next: capacity - 1 unordered;
+    ordered, capacity - 1 - (workers - 1) * quota, since each other worker
+    may fill its quota ((capacity - 1) // workers) with batches whose turn
+    has not come (ChannelSpec.consumer_may_hold)."""
     from shmpipe.transport import ChannelSpec
 
-    n, capacity = pipe.num_workers, pipe.capacity
-    quota = ChannelSpec(num_workers=n, capacity=capacity, ordered=pipe.ordered).quota
-    if not pipe.ordered or n == 1:
-        return capacity - 1
-    return max(1, capacity - 1 - (n - 1) * quota)
+    return ChannelSpec(num_workers=pipe.num_workers, capacity=pipe.capacity, ordered=pipe.ordered).consumer_may_hold
 
 
 def copy_for_tensorflow(batch: Any) -> Any:

@@ -187,6 +187,19 @@ class ChannelSpec:
             return self.capacity
         return max(1, (self.capacity - 1) // self.num_workers)
 
+    @property
+    def consumer_may_hold(self) -> int:
+        """The most places delivered batches may hold while the producers
+        are still sure to deliver the batch the consumer waits for.
+
+        Unordered, any worker's batch will do: one free place is enough.
+        Ordered, the consumer waits for one worker while each other worker
+        may fill its quota with batches whose turn has not come, and the
+        worker it waits for needs a place beyond those."""
+        if not self.ordered or self.num_workers == 1:
+            return self.capacity - 1
+        return max(1, self.capacity - 1 - (self.num_workers - 1) * self.quota)
+
 
 class ProducerControl(abc.ABC):
     """Given to a ProducerEnd by shmpipe: lets a blocked put() notice that

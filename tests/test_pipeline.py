@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _ring, _segments
+from shmpipe import _pipeline, _ring, _segments
 from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
 
 from shmpipe.testing.batches import matrix
@@ -174,6 +174,28 @@ def test_timeout_says_when_the_consumer_holds_every_slot():
         del held[0]  # let one go: the pipeline carries on
         b = next(it)
         assert b["seq"] == 3
+
+
+def test_a_consumer_that_holds_every_slot_is_told_so_without_a_timeout(monkeypatch):
+    # Without timeout= such a wait would last forever: after STALL_WARNING_NS
+    # (10 s; shortened here) a warning says why, once per pass.
+    monkeypatch.setattr(_pipeline, "STALL_WARNING_NS", 200_000_000)
+    with shmpipe.from_iterators([Counter(100)] * 2, capacity=3, timeout=1.5) as pipe:
+        it = iter(pipe)
+        held = [next(it) for _ in range(3)]
+        with pytest.warns(shmpipe.ShmpipeWarning, match=r"holds 3 of the 3 slots \(at most 2") as record:
+            with pytest.raises(shmpipe.PipelineTimeoutError):
+                next(it)
+        assert len(record) == 1 and record[0].filename == __file__  # points at the caller
+        with pytest.raises(shmpipe.PipelineTimeoutError):
+            next(it)  # the same pass: said once
+        del held
+
+
+def test_slow_producers_are_no_reason_to_warn(monkeypatch):
+    monkeypatch.setattr(_pipeline, "STALL_WARNING_NS", 200_000_000)
+    with shmpipe.from_iterators([Counter(2, delay=0.8)], capacity=3, timeout=T) as pipe:
+        assert len(list(pipe)) == 2  # a warning would fail the test (filterwarnings = error)
 
 
 def test_slot_size_from_first_batch_with_headroom():
