@@ -35,6 +35,21 @@ def test_the_self_check_warns_when_tensorflow_copies():
         assert _tf.check_aliasing(tf.constant) is False
 
 
+def test_tensorflow_copies_a_misaligned_array_once_into_its_own_memory():
+    # What happens to arrays of transports that promise no 64-byte
+    # alignment (queue, small Ray objects): TensorFlow makes the tensor its
+    # own aligned copy, with the same values.
+    raw = np.zeros(64 * 5, np.uint8)
+    start = (-raw.ctypes.data) % 64 + 8  # 8 bytes past a 64-byte boundary
+    arr = raw[start : start + 256].view(np.float32)
+    arr[:] = np.arange(64)
+    spec = tf.TensorSpec(arr.shape, tf.float32)
+    tensor = next(iter(tf.data.Dataset.from_generator(lambda: iter([arr]), output_signature=spec)))
+    own = tensor._numpy()
+    assert own.ctypes.data != arr.ctypes.data and own.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(own, np.arange(64, dtype=np.float32))
+
+
 def test_tensors_alias_the_shared_memory():
     with shmpipe.from_iterators([Counter(8, shape=(1024,))] * 2, timeout=T) as pipe:
         ds = pipe.to_tf_dataset()
