@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from shmpipe.errors import BatchTypeError, ShmpipeWarning
+from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
 
 __all__ = ["TorchBatches"]
 
@@ -49,7 +49,7 @@ class TorchBatches:
         import torch
 
         self.pipe = pipe
-        self.device = torch.device(device) if device is not None else None
+        self.device = _checked_device(torch, device)
         self.to_device = self.device is not None and self.device.type != "cpu"
         self.non_blocking = bool(non_blocking)
         self.pin_memory = bool(pin_memory)
@@ -99,6 +99,22 @@ class TorchBatches:
     def copies_may_outlive_the_call(self) -> bool:
         """Whether ``.to()`` may return before its copy has read the slot."""
         return self.to_device and self.non_blocking and self.record_event is not None
+
+
+def _checked_device(torch, device: Any):
+    """torch.device(device), refused now if torch cannot put a tensor there
+    (rather than at the first batch, which would then be lost)."""
+    if device is None:
+        return None
+    try:
+        checked = torch.device(device)
+        torch.empty(0, device=checked)
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        built = ""
+        if torch.version.cuda is None and "cuda" in str(device):
+            built = f" (this torch, {torch.__version__}, has no CUDA)"
+        raise ShmpipeValueError(f"to_torch(device={device!r}): torch cannot put tensors there{built}: {exc}") from None
+    return checked
 
 
 def _event_recorder(torch, device) -> Callable[[], Any] | None:

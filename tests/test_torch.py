@@ -221,3 +221,11 @@ def test_pin_memory_without_a_cuda_device_says_it_does_nothing():
             batches = pipe.to_torch(device="cpu", pin_memory=True)
         assert batches.pin_memory is False
         assert len(list(batches)) == 2
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "bogus"])
+def test_a_device_torch_cannot_use_is_refused_before_any_batch_is_taken(device):
+    with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=r"to_torch\(device=.*torch cannot put tensors there"):
+            pipe.to_torch(device=device)
+        assert [b["seq"] for b in pipe] == [0, 1, 2]  # nothing was lost
