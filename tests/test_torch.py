@@ -22,6 +22,9 @@ from shmpipe import _ring  # noqa: E402
 from shmpipe.testing.sources import Counter, Fixed, LinearXY, payload_for  # noqa: E402
 
 T = 60.0
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these there)")
+no_cuda = pytest.mark.skipif(CUDA, reason="what happens where there is no CUDA")
 
 
 def in_segment(t, pipe) -> bool:
@@ -84,8 +87,8 @@ def test_a_dtype_torch_lacks_is_a_type_error_with_its_path():
             list(pipe.to_torch())
 
 
+@no_cuda
 def test_pin_memory_without_cuda_warns_once_and_works():
-    assert not torch.cuda.is_available()
     with shmpipe.from_iterators([Counter(4)], timeout=T) as pipe:
         with pytest.warns(shmpipe.ShmpipeWarning, match="no effect") as record:
             batches = pipe.to_torch(pin_memory=True)
@@ -223,9 +226,57 @@ def test_pin_memory_without_a_cuda_device_says_it_does_nothing():
         assert len(list(batches)) == 2
 
 
-@pytest.mark.parametrize("device", ["cuda", "cuda:0", "bogus"])
+@pytest.mark.parametrize(
+    "device", [pytest.param("cuda", marks=no_cuda), pytest.param("cuda:0", marks=no_cuda), "bogus", "cuda:99"]
+)
 def test_a_device_torch_cannot_use_is_refused_before_any_batch_is_taken(device):
     with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
         with pytest.raises(shmpipe.ShmpipeValueError, match=r"to_torch\(device=.*torch cannot put tensors there"):
             pipe.to_torch(device=device)
         assert [b["seq"] for b in pipe] == [0, 1, 2]  # nothing was lost
+
+
+# -- on a GPU (skipped without CUDA) ------------------------------------------
+
+
+def page_is_pinned(address: int) -> bool:
+    import ctypes
+
+    return torch.frombuffer((ctypes.c_uint8 * 4096).from_address(address), dtype=torch.uint8).is_pinned()
+
+
+@needs_cuda
+def test_pin_memory_registers_the_ring_once_and_unregisters_it_at_close():
+    with shmpipe.from_iterators([Counter(6, shape=(1 << 16,))], timeout=T) as pipe:
+        batches = pipe.to_torch(device="cuda", pin_memory=True)
+        it = iter(batches)
+        b = next(it)
+        assert b["data"].is_cuda
+        reg = pipe._cuda_registration
+        lo, size = pipe.channel.memory_ranges()[0]
+        assert reg.ranges == [(lo, size)] and page_is_pinned(lo + size // 2)
+        rest = list(it) + list(batches)  # the rest of the pass, and a second pass
+        assert len(rest) == 11 and reg.ranges == [(lo, size)]  # registered once
+        np.testing.assert_array_equal(rest[-1]["data"].cpu().numpy(), payload_for(0, 5, (1 << 16,)))
+    assert reg.ranges == []  # unregistered by close, before the segment could go
+
+
+@needs_cuda
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_on_the_gpu_no_batch_changes_before_its_copy_ran(pin_memory):
+    # Each copy waits in the stream behind matrix products, while the
+    # producers refill every slot that is given back: a slot given back
+    # before its copy ran would reach the GPU with another batch's stamp.
+    from shmpipe.testing.sources import StampedInPlace
+
+    a = torch.randn(2048, 2048, device="cuda")
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    n = 0
+    with shmpipe.from_iterators([StampedInPlace(30, 4 << 20)] * 2, capacity=3, timeout=T) as pipe:
+        for b in pipe.to_torch(device="cuda", pin_memory=pin_memory, non_blocking=True):
+            for _ in range(4):
+                a = (a @ a) * 1e-4  # the next copy queues behind these
+            bad += (b["data"] != b["stamp"]).any().to(torch.int64)
+            n += 1
+        torch.cuda.synchronize()
+    assert n == 60 and int(bad) == 0
