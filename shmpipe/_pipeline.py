@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import secrets
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -202,6 +203,12 @@ class Pipeline:
         self._pass_no = 0
         self._first_iter = True  # pass 0 starts with the producers
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
+        # A channel has one consumer. Threads may still meet here: a tf.data
+        # iterator's thread waiting for a batch of one pass while another
+        # iterator starts the next. So channel.get and begin_pass run one at
+        # a time, and a get is only made for the current pass: a get for an
+        # old pass would take, or throw away, batches of the new one.
+        self._consumer_lock = threading.Lock()
         self._failure: BaseException | None = None  # raised once published batches are out
         self._channel = None  # the launcher's, once open
 
@@ -304,11 +311,12 @@ class Pipeline:
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise PipelineClosedError("this pipeline is closed")
-        if self._first_iter:
-            self._first_iter = False
-        else:
-            self._pass_no += 1
-            self._launcher.begin_pass(self._pass_no, self._seeds(self._pass_no))
+        with self._consumer_lock:  # waits for a get() of the old pass in another thread
+            if self._first_iter:
+                self._first_iter = False
+            else:
+                self._pass_no += 1
+                self._launcher.begin_pass(self._pass_no, self._seeds(self._pass_no))
         self._passes += 1
         return _PassIterator(self, self._pass_no, self.num_workers)
 
@@ -347,10 +355,21 @@ class Pipeline:
             self._first_batch_ns = t1
         return batch
 
+    def _get(self, it: _PassIterator, worker: int, wseq: int) -> Any:
+        """One channel.get, under the consumer lock, for a pass still current."""
+        with self._consumer_lock:
+            if it.pass_no != self._pass_no:
+                raise PipelineClosedError(
+                    "this iterator belongs to an earlier pass; iterating the pipeline again "
+                    "started a new one (while this one waited for a batch)"
+                )
+            return self._channel.get(it.pass_no, worker, wseq, POLL_S)
+
     def _take_any(self, it: _PassIterator, t0: int) -> Any:
-        get = (self._channel or self._await_channel(t0)).get
+        if self._channel is None:
+            self._await_channel(t0)
         while True:
-            r = get(it.pass_no, -1, 0, POLL_S)
+            r = self._get(it, -1, 0)
             if r is AGAIN:
                 self._drained()  # after a failure, nothing arriving means all is out
                 self._waited(t0)
@@ -364,10 +383,11 @@ class Pipeline:
                 return r
 
     def _take_ordered(self, it: _PassIterator, t0: int) -> Any:
-        get = (self._channel or self._await_channel(t0)).get
+        if self._channel is None:
+            self._await_channel(t0)
         while it.order:
             worker = it.order[it.turn]
-            r = get(it.pass_no, worker, it.wseq[worker], POLL_S)
+            r = self._get(it, worker, it.wseq[worker])
             if r is AGAIN and self._failure is None:
                 self._waited(t0)
             elif r is AGAIN or r is FAULT or r is END:

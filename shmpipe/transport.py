@@ -36,7 +36,10 @@ The three objects
     (nothing within ``wait`` seconds; shmpipe calls again), :data:`FAULT`
     (after :meth:`ConsumerEnd.halt`, nothing more will come). After returning
     a batch it sets ``last_worker`` and ``last_nbytes``. Batches of other
-    passes must never be returned: drop them. ``close()`` wakes and stops
+    passes must never be returned: drop them. shmpipe calls ``get`` and
+    ``begin_pass`` from one thread at a time, and ``get`` only for the
+    current pass (so "other passes" are always older ones), even when the
+    user's threads (tf.data's) iterate several passes. ``close()`` wakes and stops
     producers waiting in ``put``; ``destroy()`` frees what ``open`` made and
     must be idempotent. Batches already delivered must stay valid after both.
 

@@ -15,10 +15,35 @@ from shmpipe.testing.assertions import assert_same  # noqa: F401  (tests import 
 
 
 def _our_segments() -> set[str]:
+    """shmpipe segments of this process, of its live descendants (a CLI run
+    in a subprocess) or of owners that are gone; not those of other live
+    processes (another test run, or a training job, on the same machine)."""
     try:
-        return {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(_segments.PREFIX)}
+        entries = os.listdir(_segments.SHM_DIR)
     except FileNotFoundError:
         return set()
+    ours = set()
+    for entry in entries:
+        owner = _segments.parse_name(entry)
+        if owner is not None and (not _segments.owner_alive(*owner) or _descends_from_us(owner[0])):
+            ours.add(entry)
+    return ours
+
+
+def _descends_from_us(pid: int) -> bool:
+    me = os.getpid()
+    for _ in range(64):  # a chain of parents; pid 1 ends it
+        if pid == me:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        pid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # field 4: the parent
+    return False
 
 
 @pytest.fixture(autouse=True)

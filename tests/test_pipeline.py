@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -138,6 +139,37 @@ def test_breaking_out_and_iterating_again():
         assert complete == [(w, s) for w in range(2) for s in range(50)]
         with pytest.raises(shmpipe.PipelineClosedError, match="earlier pass"):
             next(it)
+
+
+@pytest.mark.parametrize("transport", ["shm", "queue"])
+def test_a_new_pass_loses_nothing_to_an_old_iterator_waiting_in_another_thread(transport):
+    # What tf.data does when a new iterator starts while an old one's thread
+    # still waits for a batch: the old wait must not take, or throw away,
+    # batches of the new pass.
+    import threading
+
+    with shmpipe.from_iterators([Counter(8, delay=0.05)] * 2, transport=transport, timeout=T) as pipe:
+        for _ in range(3):
+            old = iter(pipe)
+            next(old)
+            outcome = []
+
+            def drain_old():
+                try:
+                    for _ in old:
+                        pass
+                    outcome.append("ended")
+                except shmpipe.PipelineClosedError as exc:
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=drain_old)
+            thread.start()
+            time.sleep(0.02)  # it waits inside the pipeline now
+            got = sorted((b["worker"], b["seq"]) for b in pipe)
+            thread.join(T)
+            assert not thread.is_alive()
+            assert got == [(w, s) for w in range(2) for s in range(8)]
+            assert len(outcome) == 1 and isinstance(outcome[0], shmpipe.PipelineClosedError)
 
 
 def test_empty_sources_end_at_once():
