@@ -217,6 +217,22 @@ def slots_tensorflow_may_hold(pipe) -> int:
     return ChannelSpec(num_workers=pipe.num_workers, capacity=pipe.capacity, ordered=pipe.ordered).consumer_may_hold
 
 
+def _check_device(tf, device: str) -> None:
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError) as exc:
+        raise ShmpipeValueError(f"to_tf_dataset(device={device!r}): {exc}") from None
+    kind = (spec.device_type or "").upper()
+    if kind and kind != "CPU" and not tf.config.list_logical_devices(kind):
+        # TensorFlow would place the elements on the CPU without a word.
+        warnings.warn(
+            f"to_tf_dataset(device={device!r}): TensorFlow sees no {kind} here, so the elements "
+            "stay on the CPU",
+            ShmpipeWarning,
+            stacklevel=4,
+        )
+
+
 def copy_for_tensorflow(batch: Any) -> Any:
     """`batch` with each array copied to 64-byte aligned memory, which
     TensorFlow aliases: one copy in all. (ndarray.copy() would do for small
@@ -299,6 +315,8 @@ def to_tf_dataset(
 ):
     import tensorflow as tf
 
+    if device is not None:
+        _check_device(tf, device)  # before a pass is started to peek at batches
     tensorflow_aliases()  # warns once if this TensorFlow stopped aliasing
     peeked = None
     if output_signature is None:

@@ -249,6 +249,18 @@ def test_prefetch_to_device_is_the_last_hop():
         assert sorted((int(e["worker"]), int(e["seq"])) for e in ds) == [(w, s) for w in range(2) for s in range(6)]
 
 
+def test_a_device_tensorflow_lacks_is_said_and_a_bad_one_refused():
+    with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=r"device='bogus'"):
+            pipe.to_tf_dataset(device="bogus")
+        assert [b["seq"] for b in pipe] == [0, 1, 2]  # refused before any batch was taken
+        if tf.config.list_logical_devices("GPU"):
+            return
+        with pytest.warns(shmpipe.ShmpipeWarning, match="sees no GPU here, so the elements stay on the CPU"):
+            ds = pipe.to_tf_dataset(device="/gpu:0")
+        assert [int(e["seq"]) for e in ds] == [0, 1, 2]
+
+
 def test_model_fit_on_a_shmpipe_dataset():
     import keras
 
