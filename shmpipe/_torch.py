@@ -149,7 +149,8 @@ class _TorchIterator:
 
     def __init__(self, batches: TorchBatches, it) -> None:
         self.batches, self.it = batches, it
-        self.in_flight = _CopiesInFlight(batches.record_event) if batches.copies_may_outlive_the_call else None
+        record = batches.record_event
+        self.in_flight = _CopiesInFlight(record) if record is not None and batches.copies_may_outlive_the_call else None
 
     def __iter__(self) -> "_TorchIterator":
         return self
