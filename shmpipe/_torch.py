@@ -39,6 +39,8 @@ __all__ = ["TorchBatches"]
 
 #: Batches whose copies may still run when the next batch is taken.
 MAX_IN_FLIGHT = 1
+#: cudaHostRegisterPortable, from cuda_runtime_api.h.
+CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class TorchBatches:
@@ -249,7 +251,9 @@ class _Registration:
 
         cudart = torch.cuda.cudart()
         for address, size in channel.memory_ranges():
-            err = cudart.cudaHostRegister(address, size, 0)
+            # Portable: page-locked for every device's context, not only the
+            # current one (copies to "cuda:1" are DMA too).
+            err = cudart.cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE)
             if int(err) != 0:
                 warnings.warn(
                     f"cudaHostRegister of {size:,} bytes failed ({cudart.cudaGetErrorString(err)}); "
