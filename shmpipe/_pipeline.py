@@ -20,7 +20,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from shmpipe import _segments
 from shmpipe._launch import ProcessLauncher
@@ -36,7 +36,7 @@ from shmpipe.errors import (
     WorkerError,
 )
 from shmpipe.registry import resolve_transport
-from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, Transport
+from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Transport
 
 if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time here
     import tensorflow as tf
@@ -222,7 +222,7 @@ class Pipeline:
         self._wall_ns = 0
         self._passes = 0
         self._last_health_ns = self._created_ns
-        self._blocked_s = [0.0] * n
+        self._blocked_s: list[float | None] = [0.0] * n
 
         _segments.sweep()  # segments of pipelines whose process died
         spec = self._spec = ChannelSpec(
@@ -274,7 +274,7 @@ class Pipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> NoReturn:
         """Stop everything, then raise."""
         self.close()
         raise exc
@@ -348,7 +348,7 @@ class Pipeline:
         t1 = time.perf_counter_ns()
         self._waits.add(t1 - t0)
         self._batches += 1
-        channel = self._channel
+        channel = cast(ConsumerEnd, self._channel)  # a batch came through it
         self._bytes += channel.last_nbytes
         self._per_worker[channel.last_worker] += 1
         if self._first_batch_ns is None:
@@ -363,7 +363,7 @@ class Pipeline:
                     "this iterator belongs to an earlier pass; iterating the pipeline again "
                     "started a new one (while this one waited for a batch)"
                 )
-            return self._channel.get(it.pass_no, worker, wseq, POLL_S)
+            return cast(ConsumerEnd, self._channel).get(it.pass_no, worker, wseq, POLL_S)
 
     def _take_any(self, it: _PassIterator, t0: int) -> Any:
         if self._channel is None:
@@ -427,7 +427,9 @@ class Pipeline:
         never come: say so once per pass (without a timeout it would wait
         forever, silently, unless another thread lets go of batches)."""
         channel = self._channel
-        held = channel.held() if channel is not None else None
+        if channel is None:
+            return
+        held = channel.held()
         limit = self._spec.consumer_may_hold
         if held is None or held <= limit:
             return

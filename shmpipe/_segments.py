@@ -69,7 +69,7 @@ def sweep(dry_run: bool = False) -> list[str]:
     """Removes this user's segments whose owner has died; returns their names."""
     from shmpipe._ring import unlink_segment
 
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(SHM_DIR)
     except FileNotFoundError:

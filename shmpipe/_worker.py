@@ -150,7 +150,7 @@ class _Producer(ProducerControl):
         except (EOFError, OSError):
             raise Closed("the consumer is gone") from None
 
-    def _wait_for_channel(self, nbytes: int) -> None:
+    def _wait_for_channel(self, nbytes: int) -> ProducerEnd:
         """Asks the consumer for a channel sized for a first batch of nbytes."""
         self.conn.send(("need_ring", nbytes))
         while self.end is None:
@@ -163,18 +163,19 @@ class _Producer(ProducerControl):
                 self.pending.append(msg)
                 raise Cancelled(f"pass {msg[1]} started")
         self.end.start_pass(self.pass_no)
+        return self.end
 
     # -- what sources call ----------------------------------------------------
 
     def put(self, batch: Any) -> None:
-        if self.end is None:
-            self._wait_for_channel(self.transport.batch_nbytes(batch))
-        self.end.put(batch)
+        end = self.end if self.end is not None else self._wait_for_channel(self.transport.batch_nbytes(batch))
+        end.put(batch)
 
     def reserve(self, template: Any) -> Any:
-        if self.end is None:
-            self._wait_for_channel(self.transport.batch_nbytes(_plain_arrays(template)))
-        return self.end.reserve(template)
+        end = self.end
+        if end is None:
+            end = self._wait_for_channel(self.transport.batch_nbytes(_plain_arrays(template)))
+        return end.reserve(template)
 
     # -- the loop -------------------------------------------------------------
 
@@ -210,9 +211,9 @@ class _Producer(ProducerControl):
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()  # runs the generator's finally blocks when we stop early
-        if self.end is None:  # an empty pass before any channel exists
-            self._wait_for_channel(_ring.PAGE_SIZE)
-        self.end.end_pass()
+        # an empty pass before any channel exists still needs one to say so
+        end = self.end if self.end is not None else self._wait_for_channel(_ring.PAGE_SIZE)
+        end.end_pass()
 
     def report(self, exc: BaseException) -> None:
         """Sends the error to the consumer, then waits to be stopped."""
