@@ -261,6 +261,18 @@ def test_a_device_tensorflow_lacks_is_said_and_a_bad_one_refused():
         assert [int(e["seq"]) for e in ds] == [0, 1, 2]
 
 
+def test_a_producer_failure_comes_through_tensorflow():
+    from shmpipe.testing.sources import Raiser
+
+    with shmpipe.from_iterators([Raiser(3)], timeout=T) as pipe:
+        ds = pipe.to_tf_dataset(output_signature={"worker": tf.TensorSpec((), tf.int64), "seq": tf.TensorSpec((), tf.int64)})
+        seen = []
+        with pytest.raises(tf.errors.UnknownError, match=r"(?s)WorkerError.*boom from the source"):
+            for e in ds:
+                seen.append(int(e["seq"]))
+        assert seen == [0, 1, 2]  # everything published before the failure
+
+
 def test_model_fit_on_a_shmpipe_dataset():
     import keras
 
