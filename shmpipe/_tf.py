@@ -13,7 +13,7 @@ held. A buffer larger than the ring (``batch(8)`` over 4 slots, a big
 ``shuffle``) would hold every slot while it waits for more, and the producers
 could never make more. So the generator copies an element instead of
 aliasing it when TensorFlow holds more slots than the producers can spare
-(slots_tensorflow_may_hold) and does not let go of any within
+(ChannelSpec.consumer_may_hold) and does not let go of any within
 RELEASE_WAIT_S: the pipeline slows to one copy per batch instead of
 deadlocking, and a warning says which capacity would keep it zero-copy.
 """
@@ -145,7 +145,9 @@ class _Feeder:
 
     def __init__(self, pipe, signature, peeked: tuple | None) -> None:
         self.pipe = pipe
-        self.limit = slots_tensorflow_may_hold(pipe)
+        # The most slots TensorFlow may hold with the producers still sure
+        # to deliver the batch it waits for (see ChannelSpec.consumer_may_hold).
+        self.limit = pipe._spec.consumer_may_hold
         self.check = _check_leaf(signature)
         self.peeked = peeked  # (iterator, [batches]) of a pass already started
         self.warned = False
@@ -204,17 +206,6 @@ class _Feeder:
                 held = channel.held()
         self.copying = held > self.limit
         return self.copying
-
-
-def slots_tensorflow_may_hold(pipe) -> int:
-    """How many slots tf.data may hold with the producers still sure to
-    deliver the batch the dataset waits for next: capacity - 1 unordered;
-    ordered, capacity - 1 - (workers - 1) * quota, since each other worker
-    may fill its quota ((capacity - 1) // workers) with batches whose turn
-    has not come (ChannelSpec.consumer_may_hold)."""
-    from shmpipe.transport import ChannelSpec
-
-    return ChannelSpec(num_workers=pipe.num_workers, capacity=pipe.capacity, ordered=pipe.ordered).consumer_may_hold
 
 
 def _check_device(tf, device: str) -> None:
@@ -322,7 +313,7 @@ def to_tf_dataset(
     if output_signature is None:
         # Infer from the first batches of a pass; each worker's first batch
         # tells which dimensions vary. Those batches are yielded first.
-        k = peek if peek is not None else max(1, min(pipe.num_workers, slots_tensorflow_may_hold(pipe), 4))
+        k = peek if peek is not None else max(1, min(pipe.num_workers, pipe._spec.consumer_may_hold, 4))
         it = iter(pipe)
         first = []
         for batch in it:

@@ -149,7 +149,7 @@ def test_an_ordered_pipeline_never_lends_tensorflow_the_slots_its_producers_need
     n, per = 3, 12
     expected = [(w, s) for s in range(per) for w in range(n)]
     with shmpipe.from_iterators([Counter(per, shape=(256,))] * n, ordered=True, timeout=T) as pipe:
-        assert pipe.capacity == 8 and _tf.slots_tensorflow_may_hold(pipe) == 3
+        assert pipe.capacity == 8 and pipe._spec.consumer_may_hold == 3
         ds = pipe.to_tf_dataset()
         with pytest.warns(shmpipe.ShmpipeWarning, match="ordered pipeline of 3 workers may lend it at most 3 of 8"):
             if hold == "list":
@@ -168,18 +168,6 @@ def test_an_ordered_pipeline_never_lends_tensorflow_the_slots_its_producers_need
                 del e
                 got = [(int(e["worker"]), int(e["seq"])) for e in list(ds)]
     assert got == expected
-
-
-def test_slots_tensorflow_may_hold():
-    class P:  # what the function reads of a pipeline
-        def __init__(self, n, capacity, ordered):
-            self.num_workers, self.capacity, self.ordered = n, capacity, ordered
-
-    assert _tf.slots_tensorflow_may_hold(P(4, 6, False)) == 5
-    assert _tf.slots_tensorflow_may_hold(P(1, 6, True)) == 5  # one worker: no quota
-    assert _tf.slots_tensorflow_may_hold(P(3, 8, True)) == 3  # quota 2: 8 - 1 - 2 * 2
-    assert _tf.slots_tensorflow_may_hold(P(3, 31, True)) == 10  # quota 10: 31 - 1 - 2 * 10
-    assert _tf.slots_tensorflow_may_hold(P(2, 3, True)) == 1  # quota 1: 3 - 1 - 1
 
 
 @pytest.mark.parametrize("shape", [(3,), (64, 1024), (0, 5), ()])

@@ -124,3 +124,19 @@ def test_an_incomplete_transport_fails_loudly(clean_registry):
     shmpipe.register_transport("broken", Broken)
     with pytest.raises(TypeError, match="abstract"):
         shmpipe.from_iterators([Counter(1)], transport="broken")
+
+
+def test_how_many_places_the_consumer_may_hold():
+    # Unordered, one free place lets any producer deliver; ordered, the
+    # worker the consumer waits for needs a place beyond every other
+    # worker's quota: capacity - 1 - (workers - 1) * quota.
+    from shmpipe.transport import ChannelSpec
+
+    def may_hold(n, capacity, ordered):
+        return ChannelSpec(num_workers=n, capacity=capacity, ordered=ordered).consumer_may_hold
+
+    assert may_hold(4, 6, False) == 5
+    assert may_hold(1, 6, True) == 5  # one worker: no quota
+    assert may_hold(3, 8, True) == 3  # quota 2: 8 - 1 - 2 * 2
+    assert may_hold(3, 31, True) == 10  # quota 10: 31 - 1 - 2 * 10
+    assert may_hold(2, 3, True) == 1  # quota 1: 3 - 1 - 1
