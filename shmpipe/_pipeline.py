@@ -447,7 +447,9 @@ class Pipeline:
         """No channel yet: wait until the launcher can open it (a transport
         sized by its first batch waits for a producer to have one)."""
         while self._channel is None:
-            self._channel = self._launcher.open_channel(POLL_S)
+            with self._consumer_lock:  # one thread opens it
+                if self._channel is None:
+                    self._channel = self._launcher.open_channel(POLL_S)
             if self._channel is None:
                 self._waited(t0)
         self._slot_size = getattr(self._channel, "slot_size", self._slot_size)
