@@ -148,8 +148,10 @@ def test_a_new_pass_loses_nothing_to_an_old_iterator_waiting_in_another_thread(t
     # batches of the new pass.
     import threading
 
-    with shmpipe.from_iterators([Counter(8, delay=0.05)] * 2, transport=transport, timeout=T) as pipe:
-        for _ in range(3):
+    # 30 batches at 0.05 s: the old thread cannot finish its pass before the
+    # new one starts, even on a loaded machine.
+    with shmpipe.from_iterators([Counter(30, delay=0.05)] * 2, transport=transport, timeout=T) as pipe:
+        for _ in range(2):
             old = iter(pipe)
             next(old)
             outcome = []
@@ -168,7 +170,7 @@ def test_a_new_pass_loses_nothing_to_an_old_iterator_waiting_in_another_thread(t
             got = sorted((b["worker"], b["seq"]) for b in pipe)
             thread.join(T)
             assert not thread.is_alive()
-            assert got == [(w, s) for w in range(2) for s in range(8)]
+            assert got == [(w, s) for w in range(2) for s in range(30)]
             assert len(outcome) == 1 and isinstance(outcome[0], shmpipe.PipelineClosedError)
 
 
