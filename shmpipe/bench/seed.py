@@ -24,7 +24,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -357,9 +356,3 @@ def plot(results: list[RecipeResult], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from shmpipe.__main__ import main
-
-    sys.exit(main(["bench", "seed", *sys.argv[1:]]))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import multiprocessing
 import queue as queue_mod
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -28,7 +27,7 @@ import numpy as np
 import shmpipe
 from shmpipe.bench._report import human_size
 
-__all__ = ["Result", "run", "main", "DEFAULT_SIZES", "default_paths", "table", "targets", "plot"]
+__all__ = ["Result", "run", "DEFAULT_SIZES", "default_paths", "table", "targets", "plot"]
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (64 * KiB, 1 * MiB, 48_000_000)
@@ -282,10 +281,3 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
             )
         )
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """benchmarks/throughput.py: the same as `shmpipe bench throughput`."""
-    from shmpipe.__main__ import main as cli
-
-    return cli(["bench", "throughput", *(sys.argv[1:] if argv is None else argv)])
