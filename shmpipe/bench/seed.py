@@ -32,7 +32,7 @@ import numpy as np
 
 import shmpipe
 
-__all__ = ["SeedConfig", "RecipeResult", "RECIPES", "available_recipes", "run", "table", "plot"]
+__all__ = ["SeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot"]
 
 
 @dataclass(frozen=True)
@@ -263,9 +263,6 @@ def available_recipes() -> dict[str, Callable]:
         recipes[f"shmpipe:{name}"] = recipe_shmpipe(name)
     recipes["shmpipe:shm+reserve"] = recipe_shmpipe("shm", reserve=True)
     return recipes
-
-
-RECIPES = ("generator", "tf.data", "mp.Queue", "ray.util.iter", "shmpipe:<transport>", "shmpipe:shm+reserve")
 
 
 def _why_not(name: str) -> str | None:

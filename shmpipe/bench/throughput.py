@@ -185,8 +185,6 @@ def bench_pipeline(
 
 
 PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve")
-#: Every other transport, through the same pipeline API.
-TRANSPORT_PATHS = ("transport:arrow", "transport:queue", "transport:ray")
 
 
 def default_paths() -> list[str]:

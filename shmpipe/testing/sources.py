@@ -220,7 +220,6 @@ class HalfWriter:
         self.after, self.shape = after, tuple(shape)
 
     def __call__(self):
-        worker = shmpipe.get_worker_info().id
         for seq in range(self.after):
             batch = shmpipe.reserve({"data": shmpipe.ArraySpec(self.shape, np.float64), "seq": seq})
             batch["data"][...] = seq
