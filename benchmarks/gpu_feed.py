@@ -37,6 +37,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -47,10 +49,10 @@ from shmpipe.testing.sources import StampedInPlace
 class Filled:
     """Producers that fill a slot in place: `n` float32 arrays of `nbytes`."""
 
-    def __init__(self, n: int, nbytes: int):
+    def __init__(self, n: int, nbytes: int) -> None:
         self.n, self.nbytes = n, nbytes
 
-    def __call__(self):
+    def __call__(self) -> Iterator[np.ndarray]:
         spec = shmpipe.ArraySpec((self.nbytes // 4,), np.float32)
         for i in range(self.n):
             a = shmpipe.reserve(spec)
@@ -58,7 +60,7 @@ class Filled:
             yield a
 
 
-def pinned_inside(torch, address: int) -> bool:
+def pinned_inside(torch: Any, address: int) -> bool:
     """Whether the page at `address` is page-locked for CUDA."""
     import ctypes
 
@@ -66,7 +68,7 @@ def pinned_inside(torch, address: int) -> bool:
     return torch.frombuffer(page, dtype=torch.uint8).is_pinned()
 
 
-def check_registration(torch, mib: int) -> dict:
+def check_registration(torch: Any, mib: int) -> dict[str, Any]:
     from shmpipe._torch import _Registration
 
     with shmpipe.from_iterators([Filled(4, mib << 20)], timeout=60) as pipe:
@@ -74,7 +76,8 @@ def check_registration(torch, mib: int) -> dict:
         it = iter(pipe)
         next(it)  # the ring exists now; time its registration alone
         t0 = time.perf_counter()
-        _Registration.of(pipe).register(pipe.channel)
+        registration = _Registration.of(pipe)
+        registration.register(pipe.channel)
         register_s = time.perf_counter() - t0
         gb = sum(size for _, size in pipe.channel.memory_ranges()) / 1e9
         it = iter(batches)  # a new pass, to the GPU (registered already)
@@ -83,8 +86,8 @@ def check_registration(torch, mib: int) -> dict:
         during = pinned_inside(torch, lo + size // 2)
         for _ in it:
             pass
-        ranges = list(pipe._cuda_registration.ranges)
-    after = pipe._cuda_registration.ranges
+        ranges = list(registration.ranges)
+    after = registration.ranges
     return {
         "pinned_while_open": during,
         "registered_ranges": len(ranges),
@@ -94,7 +97,7 @@ def check_registration(torch, mib: int) -> dict:
     }
 
 
-def check_slot_safety(torch, args, gated: bool, device: str = "cuda") -> dict:
+def check_slot_safety(torch: Any, args: argparse.Namespace, gated: bool, device: str = "cuda") -> dict[str, Any]:
     """Copies wait behind matmuls in the stream; count the batches whose
     device copy lost its stamp. (device="cpu" runs the same code without a
     copy: the test suite's smoke test of this function.)"""
@@ -121,7 +124,7 @@ def check_slot_safety(torch, args, gated: bool, device: str = "cuda") -> dict:
     return {"batches": n, "changed": int(bad.item()), "waits_for_copy_events": gated}
 
 
-def h2d_rate(torch, arrays_or_tensors, device, non_blocking=True) -> float:
+def h2d_rate(torch: Any, arrays_or_tensors: Iterable[Any], device: str, non_blocking: bool = True) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     nbytes = 0
@@ -133,7 +136,7 @@ def h2d_rate(torch, arrays_or_tensors, device, non_blocking=True) -> float:
     return nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def ring_rate(torch, args, pin: bool) -> float:
+def ring_rate(torch: Any, args: argparse.Namespace, pin: bool) -> float:
     with shmpipe.from_iterators([Filled(args.batches, args.mib << 20)] * 2, capacity=6, timeout=120) as pipe:
         batches = pipe.to_torch(device="cuda", pin_memory=pin, non_blocking=True)
         it = iter(batches)
@@ -148,7 +151,7 @@ def ring_rate(torch, args, pin: bool) -> float:
     return rate  # the pipeline's close unregistered the ring
 
 
-def step_wait_share(torch, args) -> dict:
+def step_wait_share(torch: Any, args: argparse.Namespace) -> dict[str, Any]:
     a = torch.randn(2048, 2048, device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -171,7 +174,7 @@ def step_wait_share(torch, args) -> dict:
             "wait_p99_ms": s.wait_p99_s * 1e3, "batches": s.batches}
 
 
-def tf_step_wait_share(args) -> dict | None:
+def tf_step_wait_share(args: argparse.Namespace) -> dict[str, Any] | None:
     try:
         import tensorflow as tf
     except ImportError:
@@ -190,7 +193,7 @@ def tf_step_wait_share(args) -> dict | None:
     return {"step_ms": args.step_ms, "stall_fraction": s.stall_fraction, "batches": s.batches}
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="batch size in MiB")
     parser.add_argument("--batches", type=int, default=40, help="batches per producer (2 producers)")
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
               "Run this on a machine with an NVIDIA GPU and a CUDA build of torch.")
         return 0
 
-    results: dict = {
+    results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "numpy": np.__version__},
         "batch_mib": args.mib,
@@ -254,7 +257,8 @@ def main(argv=None) -> int:
         print(f"| {k} | {v:.1f} |")
     st = results["torch_step"]
     print(f"training step {st['step_ms']} ms fed by to_torch(device='cuda', pin_memory=True): "
-          f"stall fraction {st['stall_fraction']:.1%}, wait p50 {st['wait_p50_ms']:.2f} ms, p99 {st['wait_p99_ms']:.2f} ms")
+          f"stall fraction {st['stall_fraction']:.1%}, wait p50 {st['wait_p50_ms']:.2f} ms, "
+          f"p99 {st['wait_p99_ms']:.2f} ms")
     if results["tf_step"] is not None:
         st = results["tf_step"]
         print(f"training step {st['step_ms']} ms fed by to_tf_dataset(device='/gpu:0'): "

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "results"
@@ -37,9 +38,11 @@ RUNS = [
 
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     sections = []
-    env = None
+    env: dict[str, Any] = {}
     for name, title, args in RUNS:
         cmd = ["shmpipe", *args]
         print(f"== {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -49,7 +52,7 @@ def main() -> int:
             print(proc.stderr, file=sys.stderr)
             return proc.returncode
         run_env = json.loads((OUT / f"{name}.json").read_text())["environment"]
-        env = {**run_env, **(env or {})}  # each run knows the libraries it imported
+        env = {**run_env, **env}  # each run knows the libraries it imported
         table = "\n".join(line for line in proc.stdout.splitlines() if not line.startswith("wrote "))
         sections.append(
             f"## {title}\n\n```sh\n{shlex.join(cmd)}\n```\n\n{table}\n\n![{title}]({name}.png)\n\n"

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from shmpipe import clean as do_clean
+from shmpipe.bench import seed, serialize, throughput
+from shmpipe.bench._report import Progress, environment, human_size, parse_size
+from shmpipe.errors import ShmpipeError
+
+_N = TypeVar("_N", int, float)
 
 
 def _sizes(values: list[str]) -> list[int]:
-    from shmpipe.bench._report import parse_size
-
     sizes = [parse_size(v) for v in values]
     for s in sizes:
         if not 4 << 10 <= s <= 256_000_000:
@@ -33,8 +41,8 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _positive(kind):
-    def parse(text):
+def _positive(kind: Callable[[str], _N]) -> Callable[[str], _N]:
+    def parse(text: str) -> _N:
         v = kind(text)
         if v < 0:
             raise argparse.ArgumentTypeError(f"must not be negative: {text}")
@@ -43,21 +51,14 @@ def _positive(kind):
     return parse
 
 
-def _write_json(path: str | None, kind: str, payload: dict) -> None:
+def _write_json(path: str | None, kind: str, payload: dict[str, Any]) -> None:
     if path:
-        from shmpipe.bench._report import environment
-
         with open(path, "w") as f:
             json.dump({"benchmark": kind, "environment": environment(), **payload}, f, indent=2)
         print(f"wrote {path}")
 
 
-def _bench_seed(args) -> int:
-    import multiprocessing
-
-    from shmpipe.bench import seed
-    from shmpipe.bench._report import Progress
-
+def _bench_seed(args: argparse.Namespace) -> int:
     cfg = seed.SeedConfig(
         workers=args.workers or multiprocessing.cpu_count(),
         batches=args.batches,
@@ -84,10 +85,7 @@ def _bench_seed(args) -> int:
     return 0
 
 
-def _bench_throughput(args) -> int:
-    from shmpipe.bench import throughput
-    from shmpipe.bench._report import Progress, human_size
-
+def _bench_throughput(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     paths = args.paths or throughput.default_paths()
     progress = Progress(len(sizes) * len(paths), "bench throughput")
@@ -114,10 +112,7 @@ def _bench_throughput(args) -> int:
     return 0
 
 
-def _bench_serialize(args) -> int:
-    from shmpipe.bench import serialize
-    from shmpipe.bench._report import Progress
-
+def _bench_serialize(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     paths = args.paths or list(serialize.PATHS)
     progress = Progress(len(sizes) * len(paths), "bench serialize")
@@ -133,7 +128,9 @@ def _bench_serialize(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shmpipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="shmpipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     clean = sub.add_parser(
@@ -148,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = bench.add_subparsers(dest="kind", required=True)
 
     s = kinds.add_parser("seed", help="the article's experiment, every recipe side by side",
-                         description=__import__("shmpipe.bench.seed", fromlist=["x"]).__doc__,
+                         description=seed.__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--workers", type=int, default=0, help="producer processes (default: cpu_count(), as the article)")
     s.add_argument("--batches", type=_positive(int), default=10, help="batches per producer (default 10)")
@@ -163,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--plot", metavar="FILE.png", help="draw the wait per recipe")
 
     t = kinds.add_parser("throughput", help="transport-bound throughput, every transport",
-                         description=__import__("shmpipe.bench.throughput", fromlist=["x"]).__doc__,
+                         description=throughput.__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--sizes", nargs="+", default=["64KiB", "1MiB", "48MB"], help="batch sizes, 4KiB to 256MB")
     t.add_argument("--seconds", type=_positive(float), default=1.5, help="timed seconds per path and size")
@@ -175,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--plot", metavar="FILE.png", help="draw GB/s against batch size")
 
     z = kinds.add_parser("serialize", help="serialization paths in one process",
-                         description=__import__("shmpipe.bench.serialize", fromlist=["x"]).__doc__,
+                         description=serialize.__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     z.add_argument("--sizes", nargs="+", default=["64KiB", "1MiB", "48MB"], help="batch sizes, 4KiB to 256MB")
     z.add_argument("--paths", nargs="+", metavar="PATH", help="which paths (default: all)")
@@ -185,18 +182,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "clean":
-        from shmpipe import clean as do_clean
-
         removed = do_clean(dry_run=args.dry_run)
         verb = "would remove" if args.dry_run else "removed"
         for name in removed:
             print(f"{verb} {name}")
         print(f"{verb} {len(removed)} segment(s)")
         return 0
-    from shmpipe.errors import ShmpipeError
-
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "seed": _bench_seed, "throughput": _bench_throughput, "serialize": _bench_serialize,
+    }
     try:
-        return {"seed": _bench_seed, "throughput": _bench_throughput, "serialize": _bench_serialize}[args.kind](args)
+        return commands[args.kind](args)
     except ShmpipeError as exc:
         print(f"shmpipe bench {args.kind}: {exc}", file=sys.stderr)
         return 2

@@ -3,11 +3,16 @@ plots, and the environment a result was measured in."""
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
+import os
 import platform
 import re
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
 
@@ -31,7 +36,15 @@ def human_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def pyplot():
+def process_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
+    """The start method the benchmarks' own producer processes use: forkserver,
+    or spawn where there is no forkserver."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("spawn")
+
+
+def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (files, no screen)."""
     try:
         import matplotlib
@@ -45,7 +58,7 @@ def pyplot():
     return plt
 
 
-def environment() -> dict:
+def environment() -> dict[str, Any]:
     """Where and with what a result was measured."""
     import numpy
 
@@ -55,7 +68,7 @@ def environment() -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "cpus": __import__("os").cpu_count(),
+        "cpus": os.cpu_count(),
         "shmpipe": shmpipe.__version__,
         "numpy": numpy.__version__,
     }
@@ -71,12 +84,13 @@ class Progress:
 
     def __init__(self, total: int, what: str) -> None:
         self.total, self.what = total, what
-        self._bar = None
-        self._task = None
+        self._bar: Any = None
+        self._task: Any = None
         self.done = 0
         if sys.stderr.isatty():
             try:
-                from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+                from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+                from rich.progress import Progress as RichProgress
 
                 self._bar = RichProgress(
                     TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -86,7 +100,7 @@ class Progress:
                 self._bar = None
 
     @contextmanager
-    def running(self):
+    def running(self) -> Iterator[Progress]:
         if self._bar is not None:
             with self._bar:
                 self._task = self._bar.add_task(self.what, total=self.total)
@@ -102,12 +116,18 @@ class Progress:
             print(f"  {self.what}: {label} ...", file=sys.stderr, flush=True)
 
 
-def line_plot(path: str, title: str, ylabel: str, series: dict, styles: dict | None = None) -> None:
+def line_plot(
+    path: str,
+    title: str,
+    ylabel: str,
+    series: dict[str, list[tuple[int, float]]],
+    styles: dict[str, str] | None = None,
+) -> None:
     """One line per series ({name: [(batch bytes, value), ...]}), log-log."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, points in series.items():
-        xs, ys = zip(*sorted(points))
+        xs, ys = zip(*sorted(points), strict=True)
         ax.plot(xs, ys, (styles or {}).get(name, "o-"), label=name)
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -21,18 +21,29 @@ the same machine in the same minute.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any
 
 import numpy as np
 
 import shmpipe
+from shmpipe.bench._report import process_context, pyplot
 
 __all__ = ["SeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot"]
+
+#: A batch: (sample, target).
+Batch = tuple[np.ndarray, np.ndarray]
+#: Called after each batch the consumer took (run() counts them).
+OnBatch = Callable[[], None]
+#: run()'s progress callback: (recipe, None) when it is skipped, (recipe, 0)
+#: when it starts, (recipe, 1) after each batch.
+OnProgress = Callable[[str, int | None], None]
 
 
 @dataclass(frozen=True)
@@ -74,10 +85,14 @@ class RecipeResult:
     def stall_fraction(self) -> float:
         return sum(self.waits_s) / self.total_s if self.total_s > 0 else float("nan")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(mean_s=self.mean_s, median_s=self.median_s, p99_s=self.p99_s, stall_fraction=self.stall_fraction)
         return d
+
+
+#: A recipe: runs the experiment with a config, calling on_batch after each batch.
+Recipe = Callable[[SeedConfig, OnBatch | None], RecipeResult]
 
 
 # -- the data generator (top level: producer processes unpickle it) -----------
@@ -86,10 +101,10 @@ class RecipeResult:
 class DataGenerator:
     """The article's data_generator, with its costs as parameters."""
 
-    def __init__(self, cfg: SeedConfig, reserve: bool = False):
+    def __init__(self, cfg: SeedConfig, reserve: bool = False) -> None:
         self.cfg, self.reserve = cfg, reserve
 
-    def __call__(self):
+    def __call__(self) -> Iterator[Batch]:
         cfg = self.cfg
         rng = np.random.default_rng()
         for _ in range(cfg.batches):
@@ -111,7 +126,7 @@ class DataGenerator:
                 )
 
 
-def _article_producer(q, cfg: SeedConfig) -> None:
+def _article_producer(q: multiprocessing.Queue[Batch | str], cfg: SeedConfig) -> None:
     for batch in DataGenerator(cfg)():
         q.put(batch)
     q.put("DONE")
@@ -120,12 +135,14 @@ def _article_producer(q, cfg: SeedConfig) -> None:
 # -- the recipes ----------------------------------------------------------------
 
 
-def _measure(name: str, producers: int, cfg: SeedConfig, make_iter: Callable, on_batch=None) -> RecipeResult:
+def _measure(
+    name: str, producers: int, cfg: SeedConfig, make_iter: Callable[[], Iterator[Any]], on_batch: OnBatch | None = None
+) -> RecipeResult:
     """Times the consumer's wait for each batch of iterator make_iter()."""
     t_start = time.perf_counter()
     it = make_iter()
-    waits = []
-    first = None
+    waits: list[float] = []
+    first: float | None = None
     st = time.perf_counter()
     for batch in it:
         en = time.perf_counter()
@@ -142,14 +159,14 @@ def _measure(name: str, producers: int, cfg: SeedConfig, make_iter: Callable, on
     return RecipeResult(name, producers, waits, first or 0.0, total)
 
 
-def recipe_generator(cfg: SeedConfig, on_batch=None) -> RecipeResult:
+def recipe_generator(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
     return _measure("generator", 0, cfg, lambda: iter(DataGenerator(cfg)()), on_batch)
 
 
-def recipe_tf_data(cfg: SeedConfig, on_batch=None) -> RecipeResult:
+def recipe_tf_data(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
     import tensorflow as tf
 
-    def make():
+    def make() -> Iterator[Any]:
         ds = tf.data.Dataset.from_generator(
             DataGenerator(cfg),
             output_signature=(tf.TensorSpec(cfg.shape, tf.float32), tf.TensorSpec(cfg.target_shape, tf.float32)),
@@ -159,25 +176,25 @@ def recipe_tf_data(cfg: SeedConfig, on_batch=None) -> RecipeResult:
     return _measure("tf.data", 0, cfg, make, on_batch)
 
 
-def recipe_mp_queue(cfg: SeedConfig, on_batch=None) -> RecipeResult:
+def recipe_mp_queue(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
     """The article's multiprocessing recipe (its queue.join() aside, which
     multiprocessing.Queue does not have)."""
     n = cfg.workers
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
-    procs: list = []
+    ctx = process_context()
+    procs: list[multiprocessing.process.BaseProcess] = []
 
-    def make():
-        q = ctx.Queue(n * 2)
+    def make() -> Iterator[Batch]:
+        q: multiprocessing.Queue[Batch | str] = ctx.Queue(n * 2)
         for _ in range(n):
             p = ctx.Process(target=_article_producer, args=(q, cfg), daemon=True)
             p.start()
             procs.append(p)
 
-        def gen():
+        def gen() -> Iterator[Batch]:
             done = 0
             while done < n:
                 msg = q.get(timeout=300)
-                if isinstance(msg, str) and msg == "DONE":
+                if isinstance(msg, str):  # "DONE", the only string a producer puts
                     done += 1
                 else:
                     yield msg
@@ -209,7 +226,7 @@ def ray_util_iter_available() -> str | None:
     return None
 
 
-def recipe_ray_util_iter(cfg: SeedConfig, on_batch=None) -> RecipeResult:
+def recipe_ray_util_iter(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
     import ray
     import ray.util.iter
 
@@ -218,7 +235,7 @@ def recipe_ray_util_iter(cfg: SeedConfig, on_batch=None) -> RecipeResult:
     n = cfg.workers
     started = not ray.is_initialized()
 
-    def make():  # Ray's start-up counts towards the first batch, as the article's
+    def make() -> Iterator[Any]:  # Ray's start-up counts towards the first batch, as the article's
         if started:
             with _away_from_a_checkout():
                 ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
@@ -231,12 +248,12 @@ def recipe_ray_util_iter(cfg: SeedConfig, on_batch=None) -> RecipeResult:
             ray.shutdown()
 
 
-def recipe_shmpipe(transport: str, reserve: bool = False) -> Callable:
-    def run_recipe(cfg: SeedConfig, on_batch=None) -> RecipeResult:
+def recipe_shmpipe(transport: str, reserve: bool = False) -> Recipe:
+    def run_recipe(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
         n = cfg.workers
-        pipes = []
+        pipes: list[shmpipe.Pipeline] = []
 
-        def make():  # starting the producers counts towards the first batch
+        def make() -> Iterator[Any]:  # starting the producers counts towards the first batch
             pipes.append(
                 shmpipe.from_iterators([DataGenerator(cfg, reserve=reserve)] * n, transport=transport, timeout=600)
             )
@@ -252,8 +269,8 @@ def recipe_shmpipe(transport: str, reserve: bool = False) -> Callable:
     return run_recipe
 
 
-def available_recipes() -> dict[str, Callable]:
-    recipes = {
+def available_recipes() -> dict[str, Recipe]:
+    recipes: dict[str, Recipe] = {
         "generator": recipe_generator,
         "tf.data": recipe_tf_data,
         "mp.Queue": recipe_mp_queue,
@@ -282,7 +299,7 @@ def _why_not(name: str) -> str | None:
     return None
 
 
-def run(cfg: SeedConfig, recipes: list[str] | None = None, progress=None) -> list[RecipeResult]:
+def run(cfg: SeedConfig, recipes: list[str] | None = None, progress: OnProgress | None = None) -> list[RecipeResult]:
     """Runs the recipes one after the other; returns their results (a
     recipe that cannot run here comes back with `skipped` saying why)."""
     known = available_recipes()
@@ -290,7 +307,7 @@ def run(cfg: SeedConfig, recipes: list[str] | None = None, progress=None) -> lis
     unknown = [n for n in names if n not in known]
     if unknown:
         raise shmpipe.ShmpipeValueError(f"unknown recipes {unknown}; known: {', '.join(known)}")
-    results = []
+    results: list[RecipeResult] = []
     for name in names:
         why = _why_not(name)
         if why is not None:
@@ -300,7 +317,7 @@ def run(cfg: SeedConfig, recipes: list[str] | None = None, progress=None) -> lis
             continue
         if progress:
             progress(name, 0)
-        on_batch = (lambda: progress(name, 1)) if progress else None
+        on_batch = functools.partial(progress, name, 1) if progress else None
         results.append(known[name](cfg, on_batch))
     return results
 
@@ -316,7 +333,8 @@ def table(results: list[RecipeResult]) -> str:
     and speed-up over the article's tf.data recipe."""
     base = next((r for r in results if r.recipe == "tf.data" and r.waits_s), None)
     lines = [
-        "| recipe | producers | mean wait | median wait | p99 wait | first batch | stall fraction | speed-up vs tf.data |",
+        "| recipe | producers | mean wait | median wait | p99 wait | first batch | stall fraction "
+        "| speed-up vs tf.data |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
@@ -333,8 +351,6 @@ def table(results: list[RecipeResult]) -> str:
 
 def plot(results: list[RecipeResult], path: str, title: str) -> None:
     """A bar chart of the mean wait per recipe (log scale), p99 as a whisker."""
-    from shmpipe.bench._report import pyplot
-
     plt = pyplot()
     done = [r for r in results if not r.skipped]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(done) + 1.6))

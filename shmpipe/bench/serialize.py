@@ -24,12 +24,14 @@ from __future__ import annotations
 import io
 import pickle
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any
 
 import numpy as np
 
-from shmpipe.bench._report import human_size
+from shmpipe.bench._report import human_size, line_plot
+from shmpipe.errors import ShmpipeValueError
 
 __all__ = ["SerializeResult", "PATHS", "available_paths", "run", "table", "plot"]
 
@@ -63,55 +65,57 @@ class SerializeResult:
     def gb_per_s(self) -> float:
         return self.nbytes / (self.total_us * 1e-6) / 1e9 if self.total_us > 0 else float("nan")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(total_us=self.total_us, gb_per_s=self.gb_per_s)
         return d
 
 
-def make_batch(nbytes: int) -> dict:
+def make_batch(nbytes: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     return {"x": rng.random(max(1, nbytes // 4), dtype=np.float32), "y": np.arange(64, dtype=np.int64), "i": 7}
 
 
 # Each path: (encode(batch) -> payload, decode(payload) -> batch). A payload
 # must hold what another process would need to rebuild the batch.
+Encode = Callable[[dict[str, Any]], Any]
+Decode = Callable[[Any], Any]
 
 
-def _pickle(protocol: int):
+def _pickle(protocol: int) -> tuple[Encode, Decode]:
     return (lambda b: pickle.dumps(b, protocol=protocol)), pickle.loads
 
 
-def _pickle_oob():
-    def enc(b):
-        buffers = []
+def _pickle_oob() -> tuple[Encode, Decode]:
+    def enc(b: dict[str, Any]) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        buffers: list[pickle.PickleBuffer] = []
         data = pickle.dumps(b, protocol=5, buffer_callback=buffers.append)
         return data, buffers
 
-    def dec(payload):
+    def dec(payload: tuple[bytes, list[pickle.PickleBuffer]]) -> Any:
         data, buffers = payload
         return pickle.loads(data, buffers=buffers)
 
     return enc, dec
 
 
-def _numpy_save():
-    def enc(b):
+def _numpy_save() -> tuple[Encode, Decode]:
+    def enc(b: dict[str, Any]) -> memoryview:
         f = io.BytesIO()
         np.savez(f, x=b["x"], y=b["y"], i=np.int64(b["i"]))
         return f.getbuffer()
 
-    def dec(payload):
+    def dec(payload: memoryview) -> dict[str, Any]:
         z = np.load(io.BytesIO(payload))
         return {"x": z["x"], "y": z["y"], "i": int(z["i"])}
 
     return enc, dec
 
 
-def _arrow_tensor():
+def _arrow_tensor() -> tuple[Encode, Decode]:
     import pyarrow as pa
 
-    def enc(b):
+    def enc(b: dict[str, Any]) -> tuple[list[Any], int]:
         out = []
         for key in ("x", "y"):
             sink = pa.BufferOutputStream()
@@ -119,7 +123,7 @@ def _arrow_tensor():
             out.append(sink.getvalue())
         return out, b["i"]
 
-    def dec(payload):
+    def dec(payload: tuple[list[Any], int]) -> dict[str, Any]:
         (x, y), i = payload
         return {"x": pa.ipc.read_tensor(pa.BufferReader(x)).to_numpy(),
                 "y": pa.ipc.read_tensor(pa.BufferReader(y)).to_numpy(), "i": i}
@@ -127,10 +131,10 @@ def _arrow_tensor():
     return enc, dec
 
 
-def _arrow_record_batch():
+def _arrow_record_batch() -> tuple[Encode, Decode]:
     import pyarrow as pa
 
-    def enc(b):
+    def enc(b: dict[str, Any]) -> tuple[Any, Any, int]:
         # one row per batch; the arrays as list columns would copy, so each
         # array is a column of its own length: two record batches
         sink = pa.BufferOutputStream()
@@ -143,7 +147,7 @@ def _arrow_record_batch():
             w.write_batch(rb2)
         return sink.getvalue(), sink2.getvalue(), b["i"]
 
-    def dec(payload):
+    def dec(payload: tuple[Any, Any, int]) -> dict[str, Any]:
         x, y, i = payload
         cx = pa.ipc.open_stream(x).read_next_batch().column(0)
         cy = pa.ipc.open_stream(y).read_next_batch().column(0)
@@ -152,19 +156,19 @@ def _arrow_record_batch():
     return enc, dec
 
 
-def _ray():
+def _ray() -> tuple[Encode, Decode]:
     import ray
 
     return ray.put, ray.get
 
 
-def _shmpipe(nbytes: int):
+def _shmpipe(nbytes: int) -> tuple[Encode, Decode]:
     from shmpipe import _codec
 
     slot = _codec._aligned_empty(_codec.encoded_size(make_batch(nbytes)))
     slot[:] = 0  # touched once, as a ring's slots are
 
-    def enc(b):
+    def enc(b: dict[str, Any]) -> np.ndarray:
         n = _codec.encode_into(b, slot)
         return slot[:n]
 
@@ -175,7 +179,7 @@ def available_paths() -> dict[str, str | None]:
     """Every path, with None or the reason it cannot run here."""
     import importlib.util
 
-    out = {}
+    out: dict[str, str | None] = {}
     for p in PATHS:
         if p.startswith("arrow") and importlib.util.find_spec("pyarrow") is None:
             out[p] = 'pyarrow is not installed (pip install "shmpipe[arrow]")'
@@ -186,8 +190,8 @@ def available_paths() -> dict[str, str | None]:
     return out
 
 
-def _codecs(path: str, nbytes: int) -> tuple[Callable, Callable]:
-    return {
+def _codecs(path: str, nbytes: int) -> tuple[Encode, Decode]:
+    makers: dict[str, Callable[[], tuple[Encode, Decode]]] = {
         "pickle 4": lambda: _pickle(4),
         "pickle 5": lambda: _pickle(5),
         "pickle 5 oob": _pickle_oob,
@@ -196,15 +200,16 @@ def _codecs(path: str, nbytes: int) -> tuple[Callable, Callable]:
         "arrow record batch": _arrow_record_batch,
         "ray put/get": _ray,
         "shmpipe": lambda: _shmpipe(nbytes),
-    }[path]()
+    }
+    return makers[path]()
 
 
-def _payload_arrays(payload) -> list:
+def _payload_arrays(payload: Any) -> list[np.ndarray]:
     """The byte buffers a payload consists of, as NumPy views (for the
     decode-copy check)."""
-    out = []
+    out: list[np.ndarray] = []
 
-    def visit(p):
+    def visit(p: Any) -> None:
         if isinstance(p, (tuple, list)):
             for q in p:
                 visit(q)
@@ -253,16 +258,24 @@ def measure(path: str, nbytes: int, seconds: float = 0.3, min_repeats: int = 3) 
     return SerializeResult(path, nbytes, enc_t / n * 1e6, dec_t / n * 1e6, ENCODE_COPIES[path], 0 if shared else 1, n)
 
 
-def run(sizes, paths=None, *, seconds: float = 0.3, min_repeats: int = 3, progress=None) -> list[SerializeResult]:
+def run(
+    sizes: Iterable[int],
+    paths: Iterable[str] | None = None,
+    *,
+    seconds: float = 0.3,
+    min_repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[SerializeResult]:
+    """Measures every path at every size; progress(label), if given, is
+    called before each."""
+    sizes = list(sizes)
     avail = available_paths()
-    paths = list(PATHS) if paths is None else list(paths)
-    unknown = [p for p in paths if p not in avail]
+    todo = list(PATHS) if paths is None else list(paths)
+    unknown = [p for p in todo if p not in avail]
     if unknown:
-        from shmpipe.errors import ShmpipeValueError
-
         raise ShmpipeValueError(f"unknown paths {unknown}; known: {', '.join(PATHS)}")
     started_ray = False
-    if "ray put/get" in paths and avail["ray put/get"] is None:
+    if "ray put/get" in todo and avail["ray put/get"] is None:
         import ray
 
         if not ray.is_initialized():
@@ -275,7 +288,7 @@ def run(sizes, paths=None, *, seconds: float = 0.3, min_repeats: int = 3, progre
     results = []
     try:
         for nbytes in sizes:
-            for path in paths:
+            for path in todo:
                 if progress:
                     progress(f"{path} {human_size(nbytes)}")
                 why = avail[path]
@@ -309,9 +322,7 @@ def table(results: list[SerializeResult]) -> str:
 
 def plot(results: list[SerializeResult], path: str, title: str) -> None:
     """Microseconds per batch (encode + decode) against batch size."""
-    from shmpipe.bench._report import line_plot
-
-    series: dict = {}
+    series: dict[str, list[tuple[int, float]]] = {}
     for r in results:
         if not r.skipped:
             series.setdefault(r.path, []).append((r.nbytes, r.total_us))

@@ -18,18 +18,20 @@ Paths:
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.synchronize
 import queue as queue_mod
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
 import shmpipe
-from shmpipe.bench._report import human_size
+from shmpipe.bench._report import KiB, MiB, human_size, line_plot, process_context
 
 __all__ = ["Result", "run", "DEFAULT_SIZES", "default_paths", "table", "targets", "plot"]
 
-KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (64 * KiB, 1 * MiB, 48_000_000)
 
 
@@ -53,7 +55,7 @@ class Result:
     def cpu_us_per_batch(self) -> float:
         return self.consumer_cpu_s / self.batches * 1e6
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(batches_per_s=self.batches_per_s, gb_per_s=self.gb_per_s, cpu_us_per_batch=self.cpu_us_per_batch)
         return d
@@ -65,10 +67,10 @@ class Result:
 class FreshArrays:
     """Yields the same float32 array again and again, changed each time."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
 
-    def __call__(self):
+    def __call__(self) -> Iterator[np.ndarray]:
         a = np.ones(max(1, self.nbytes // 4), dtype=np.float32)
         i = 0
         while True:
@@ -80,10 +82,10 @@ class FreshArrays:
 class ReservedArrays:
     """Fills a slot in place: reserve, change an element, yield."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
 
-    def __call__(self):
+    def __call__(self) -> Iterator[np.ndarray]:
         spec = shmpipe.ArraySpec((max(1, self.nbytes // 4),), np.float32)
         i = 0
         while True:
@@ -93,7 +95,9 @@ class ReservedArrays:
             i += 1
 
 
-def _queue_producer(q, nbytes: int, stop) -> None:
+def _queue_producer(
+    q: multiprocessing.Queue[np.ndarray], nbytes: int, stop: multiprocessing.synchronize.Event
+) -> None:
     a = np.ones(max(1, nbytes // 4), dtype=np.float32)
     i = 0
     while not stop.is_set():
@@ -108,7 +112,9 @@ def _queue_producer(q, nbytes: int, stop) -> None:
 # -- the measurements -----------------------------------------------------------
 
 
-def _timed(next_batch, seconds: float, min_batches: int, warmup: int):
+def _timed(
+    next_batch: Callable[[], np.ndarray], seconds: float, min_batches: int, warmup: int
+) -> tuple[int, float, float]:
     """Takes batches until `seconds` passed and at least `min_batches`
     arrived, after `warmup` untimed ones. Returns (count, wall, cpu)."""
     for _ in range(warmup):
@@ -133,7 +139,7 @@ def bench_memcpy(nbytes: int, seconds: float, min_batches: int) -> Result:
     dst = np.empty_like(src)
     i = 0
 
-    def step():
+    def step() -> np.ndarray:
         nonlocal i
         src[0] = i
         i += 1
@@ -145,8 +151,8 @@ def bench_memcpy(nbytes: int, seconds: float, min_batches: int) -> Result:
 
 
 def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int) -> Result:
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
-    q = ctx.Queue(capacity)
+    ctx = process_context()
+    q: multiprocessing.Queue[np.ndarray] = ctx.Queue(capacity)
     stop = ctx.Event()
     procs = [ctx.Process(target=_queue_producer, args=(q, nbytes, stop), daemon=True) for _ in range(workers)]
     for p in procs:
@@ -195,9 +201,7 @@ def default_paths() -> list[str]:
 
 def plot(results: list[Result], path: str, title: str) -> None:
     """GB/s against batch size, one line per path (log-log)."""
-    from shmpipe.bench._report import line_plot
-
-    series: dict = {}
+    series: dict[str, list[tuple[int, float]]] = {}
     for r in results:
         series.setdefault(r.path, []).append((r.nbytes, r.gb_per_s))
     line_plot(path, title, "GB/s (reserve: bytes handed over, not moved)", series,
@@ -205,21 +209,22 @@ def plot(results: list[Result], path: str, title: str) -> None:
 
 
 def run(
-    sizes=DEFAULT_SIZES,
+    sizes: Iterable[int] = DEFAULT_SIZES,
     *,
     seconds: float = 1.5,
     min_batches: int = 20,
     workers: int = 2,
     capacity: int | None = None,
-    paths=None,
-    progress=None,
+    paths: Iterable[str] | None = None,
+    progress: Callable[[str, int], None] | None = None,
 ) -> list[Result]:
-    """Measures every path at every size, in this process, one after the other."""
+    """Measures every path at every size, in this process, one after the other;
+    progress(path, nbytes), if given, is called before each."""
     capacity = capacity or 2 * workers + 2
-    paths = default_paths() if paths is None else list(paths)
+    todo = default_paths() if paths is None else list(paths)
     results = []
     for nbytes in sizes:
-        for path in paths:
+        for path in todo:
             if progress:
                 progress(path, nbytes)
             if path == "memcpy":
@@ -256,7 +261,7 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
     """The core issue's performance targets, checked on these results:
     (target, met, measured)."""
     by = {(r.path, r.nbytes): r for r in results}
-    out = []
+    out: list[tuple[str, bool, str]] = []
     big, small = 48_000_000, 64 * KiB
     if ("shm ring", big) in by and ("memcpy", big) in by:
         ratio = by["shm ring", big].gb_per_s / by["memcpy", big].gb_per_s

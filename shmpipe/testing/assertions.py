@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 __all__ = ["assert_same"]
 
 
-def assert_same(got, want, path="batch"):
+def assert_same(got: Any, want: Any, path: str = "batch") -> None:
     """Bit-exact equality of two batches: same nesting, container types,
     dtypes, shapes and bytes."""
     if isinstance(want, np.ndarray):
@@ -23,7 +25,7 @@ def assert_same(got, want, path="batch"):
             assert_same(got[k], want[k], f"{path}[{k!r}]")
     elif isinstance(want, (tuple, list)):
         assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{path}[{i}]")
     elif isinstance(want, np.generic):
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{path}: {got!r} != {want!r}"

@@ -8,6 +8,8 @@ big-endian arrays into native ones, so pickled data would not be the data.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +38,7 @@ except ImportError:
 SHAPES = [(), (0,), (1,), (7,), (3, 0, 2), (2, 3, 4), (2, 1, 1, 3)]
 
 
-def make_array(dtype: np.dtype, shape: tuple, seed: int) -> np.ndarray:
+def make_array(dtype: np.dtype, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """An array whose every byte is pseudo-random (padding included)."""
     rng = np.random.default_rng(seed)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -46,7 +48,7 @@ def make_array(dtype: np.dtype, shape: tuple, seed: int) -> np.ndarray:
     return raw.view(dtype).reshape(shape) if n else np.zeros(shape, dtype)
 
 
-NESTINGS = {
+NESTINGS: dict[str, Callable[[np.ndarray], Any]] = {
     "leaf": lambda a: a,
     "dict": lambda a: {"x": a, "label": 3},
     "deep": lambda a: (a, [a, {"k": (a,), "n": None}], "text"),
@@ -54,7 +56,7 @@ NESTINGS = {
 }
 
 
-def matrix():
+def matrix() -> Iterator[tuple[str, Any]]:
     """(id, batch) for every dtype x shape x nesting."""
     for (i, dt), shape, (nest, f) in itertools.product(
         enumerate(DTYPES), SHAPES, NESTINGS.items()
@@ -62,7 +64,7 @@ def matrix():
         yield f"{dt}-{shape}-{nest}", f(make_array(dt, shape, seed=i * 100 + len(shape)))
 
 
-def non_contiguous():
+def non_contiguous() -> dict[str, np.ndarray]:
     base = np.arange(240, dtype=np.float64).reshape(6, 8, 5)
     return {
         "strided": base[::2, 1::3, :],

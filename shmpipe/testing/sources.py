@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,14 @@ __all__ = [
 ]
 
 
+def _worker_info() -> shmpipe.WorkerInfo:
+    """This producer's WorkerInfo (these sources run inside shmpipe producers)."""
+    info = shmpipe.get_worker_info()
+    if info is None:
+        raise RuntimeError("this source runs in a shmpipe producer: shmpipe.get_worker_info() is None here")
+    return info
+
+
 def payload_for(worker: int, seq: int, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
     """The deterministic array Counter sends as batch `seq` of `worker`."""
     n = int(np.prod(shape, dtype=np.int64))
@@ -47,11 +56,11 @@ class Counter:
     """Yields n batches {"worker", "seq", "data", "checksum"}; data depends
     only on (worker, seq), so the consumer can check every byte."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] = (16,), dtype: Any = np.float32, delay: float = 0.0):
+    def __init__(self, n: int, shape: tuple[int, ...] = (16,), dtype: Any = np.float32, delay: float = 0.0) -> None:
         self.n, self.shape, self.dtype, self.delay = n, tuple(shape), np.dtype(dtype), delay
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
         for seq in range(self.n):
             if self.delay:
                 time.sleep(self.delay)
@@ -62,10 +71,10 @@ class Counter:
 class Fixed:
     """Yields the given batches, in order (worker id ignored)."""
 
-    def __init__(self, batches: list):
+    def __init__(self, batches: list[Any]) -> None:
         self.batches = batches
 
-    def __call__(self):
+    def __call__(self) -> Iterator[Any]:
         yield from self.batches
 
 
@@ -78,14 +87,14 @@ class _FailsAfter:
     #: seconds the workers that do not fail sleep before each batch
     delay = 0.01
 
-    def __init__(self, after: int, only_worker: int | None):
+    def __init__(self, after: int, only_worker: int | None) -> None:
         self.after, self.only_worker = after, only_worker
 
     def fail(self) -> None:
         raise NotImplementedError
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
         fails = self.only_worker is None or worker == self.only_worker
         seq = 0
         while True:
@@ -100,8 +109,8 @@ class _FailsAfter:
 class Raiser(_FailsAfter):
     """Fails by raising `exc_type(message)`."""
 
-    def __init__(self, after: int, exc_type: type = ValueError, message: str = "boom from the source",
-                 only_worker: int | None = None, delay: float = 0.01):
+    def __init__(self, after: int, exc_type: type[BaseException] = ValueError, message: str = "boom from the source",
+                 only_worker: int | None = None, delay: float = 0.01) -> None:
         super().__init__(after, only_worker)
         self.exc_type, self.message, self.delay = exc_type, message, delay
 
@@ -112,7 +121,7 @@ class Raiser(_FailsAfter):
 class Killer(_FailsAfter):
     """Fails by killing its own process with `sig`."""
 
-    def __init__(self, after: int, sig: int = signal.SIGKILL, only_worker: int | None = 0):
+    def __init__(self, after: int, sig: int = signal.SIGKILL, only_worker: int | None = 0) -> None:
         super().__init__(after, only_worker)
         self.sig = sig
 
@@ -124,7 +133,7 @@ class Killer(_FailsAfter):
 class Exiter(_FailsAfter):
     """Fails by leaving with os._exit(code)."""
 
-    def __init__(self, after: int, code: int = 3, only_worker: int | None = 0):
+    def __init__(self, after: int, code: int = 3, only_worker: int | None = 0) -> None:
         super().__init__(after, only_worker)
         self.code = code
 
@@ -136,11 +145,11 @@ class Reserver:
     """Fills slots in place with shmpipe.reserve: n batches of
     {"data": float32 array of `shape`, "worker", "seq"}; data[...] = seq."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] = (1024,), fill: bool = True):
+    def __init__(self, n: int, shape: tuple[int, ...] = (1024,), fill: bool = True) -> None:
         self.n, self.shape, self.fill = n, tuple(shape), fill
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
         template = {"data": shmpipe.ArraySpec(self.shape, np.float32), "worker": worker, "seq": 0}
         for seq in range(self.n):
             batch = shmpipe.reserve(dict(template, seq=seq))
@@ -155,8 +164,8 @@ class SeedReporter:
     """One batch: this worker's WorkerInfo and the first draws of NumPy's and
     random's global generators."""
 
-    def __call__(self):
-        info = shmpipe.get_worker_info()
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        info = _worker_info()
         yield {
             "id": info.id,
             "num_workers": info.num_workers,
@@ -171,11 +180,11 @@ class Stamped:
     """n batches whose whole array is filled with a stamp (worker * 1e6 + seq),
     so a consumer can tell if a batch changed after delivery."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] = (4096,), delay: float = 0.0):
+    def __init__(self, n: int, shape: tuple[int, ...] = (4096,), delay: float = 0.0) -> None:
         self.n, self.shape, self.delay = n, tuple(shape), delay
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
         data = np.empty(self.shape, np.float64)
         for seq in range(self.n):
             if self.delay:
@@ -189,11 +198,11 @@ class StampedInPlace:
     with its stamp (worker * 1e6 + seq) in the slot itself (shmpipe.reserve):
     a slot reused too early holds another stamp."""
 
-    def __init__(self, n: int, nbytes: int = 1 << 16):
+    def __init__(self, n: int, nbytes: int = 1 << 16) -> None:
         self.n, self.nbytes = n, nbytes
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
         spec = shmpipe.ArraySpec((self.nbytes // 4,), np.float32)
         for seq in range(self.n):
             a = shmpipe.reserve(spec)
@@ -204,7 +213,7 @@ class StampedInPlace:
 class Matrix:
     """Every batch of shmpipe.testing.batches.matrix(), built in the producer."""
 
-    def __call__(self):
+    def __call__(self) -> Iterator[Any]:
         from shmpipe.testing.batches import matrix
 
         for _, batch in matrix():
@@ -216,10 +225,10 @@ class HalfWriter:
     and kills its own process: the half-written slot must never be
     delivered."""
 
-    def __init__(self, after: int, shape: tuple[int, ...] = (4096,)):
+    def __init__(self, after: int, shape: tuple[int, ...] = (4096,)) -> None:
         self.after, self.shape = after, tuple(shape)
 
-    def __call__(self):
+    def __call__(self) -> Iterator[dict[str, Any]]:
         for seq in range(self.after):
             batch = shmpipe.reserve({"data": shmpipe.ArraySpec(self.shape, np.float64), "seq": seq})
             batch["data"][...] = seq
@@ -235,11 +244,11 @@ class Sleeper:
     """One batch, then `seconds` of sleep per batch: a producer stuck in
     user code."""
 
-    def __init__(self, seconds: float, n: int = 1000):
+    def __init__(self, seconds: float, n: int = 1000) -> None:
         self.seconds, self.n = seconds, n
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
         for seq in range(self.n):
             yield {"worker": worker, "seq": seq}
             time.sleep(self.seconds)
@@ -250,11 +259,11 @@ class Progress:
     <directory>/<worker>, so the file's size is how far the producer got
     (backpressure tests read it from outside, whatever the transport)."""
 
-    def __init__(self, n: int, directory: str):
+    def __init__(self, n: int, directory: str) -> None:
         self.n, self.directory = n, directory
 
-    def __call__(self):
-        worker = shmpipe.get_worker_info().id
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
         fd = os.open(os.path.join(self.directory, str(worker)), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             for seq in range(self.n):
@@ -279,14 +288,14 @@ class NodeReporter:
     """For Ray producers: n batches {"node": the Ray node id it ran on,
     "worker", "seq", "data"} (data as Counter's, of `shape`)."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] = (16,)):
+    def __init__(self, n: int, shape: tuple[int, ...] = (16,)) -> None:
         self.n, self.shape = n, tuple(shape)
 
-    def __call__(self):
+    def __call__(self) -> Iterator[dict[str, Any]]:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        worker = shmpipe.get_worker_info().id
+        worker = _worker_info().id
         for seq in range(self.n):
             yield {"node": node, "worker": worker, "seq": seq, "data": payload_for(worker, seq, self.shape)}
 
@@ -295,11 +304,11 @@ class LinearXY:
     """n (x, y) batches of a linear regression problem, for training loops:
     x is (batch, features) float32, y = x @ [1, 2, ..., features]."""
 
-    def __init__(self, n: int, batch: int = 32, features: int = 8):
+    def __init__(self, n: int, batch: int = 32, features: int = 8) -> None:
         self.n, self.batch, self.features = n, batch, features
 
-    def __call__(self):
-        rng = np.random.default_rng(shmpipe.get_worker_info().seed)
+    def __call__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        rng = np.random.default_rng(_worker_info().seed)
         w = np.arange(1, self.features + 1, dtype=np.float32)
         for _ in range(self.n):
             x = rng.standard_normal((self.batch, self.features)).astype(np.float32)
