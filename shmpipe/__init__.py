@@ -17,12 +17,12 @@ Importing shmpipe imports NumPy and nothing heavier (no Ray, Arrow or
 TensorFlow).
 """
 
+from typing import Any
+
 from shmpipe._pipeline import Pipeline, from_iterators
-from shmpipe._segments import sweep as _sweep
+from shmpipe._producer_context import WorkerInfo, get_worker_info, reserve
 from shmpipe._spec import ArraySpec
 from shmpipe._stats import PipelineStats
-from shmpipe._worker import WorkerInfo, get_worker_info, reserve
-from shmpipe.registry import available_transports, get_transport, register_transport
 from shmpipe.errors import (
     BatchTooLargeError,
     BatchTypeError,
@@ -38,6 +38,7 @@ from shmpipe.errors import (
     WorkerDiedError,
     WorkerError,
 )
+from shmpipe.registry import available_transports, get_transport, register_transport
 
 __version__ = "0.1.0"
 
@@ -74,10 +75,12 @@ def clean(dry_run: bool = False) -> list[str]:
     """Removes this user's shmpipe segments whose owning process has died
     (never one whose owner lives). Returns the names removed (or, with
     dry_run, that would be)."""
-    return _sweep(dry_run=dry_run)
+    from shmpipe._segments import sweep  # the ring engine loads when it is used
+
+    return sweep(dry_run=dry_run)
 
 
-def signature_of(*batches):
+def signature_of(*batches: Any) -> Any:
     """A tf.data ``output_signature`` for batches like these: their
     structure, dtypes and shapes, with None for each dimension that differs
     between them (imports TensorFlow)."""

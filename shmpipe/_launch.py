@@ -3,27 +3,28 @@
 Each producer gets a duplex control pipe (protocol in _worker.py). The
 channel is opened here: at once, or -- for a transport sized by its first
 batch, when the user gave no slot size -- once a producer reports the size
-of its first batch ("need_ring"), after which every producer is told to
+of its first batch ("need_channel"), after which every producer is told to
 "attach".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import multiprocessing.connection
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
-from shmpipe import _segments
-from shmpipe._shm import slot_size_for
+from shmpipe._process import owner_identity
 from shmpipe._worker import producer_main
 from shmpipe.errors import WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
-__all__ = ["ProcessLauncher", "GRACE_S"]
+__all__ = ["GRACE_S", "ProcessLauncher"]
 
 #: shutdown(): how long producers get to exit on their own before SIGTERM,
 #: and again before SIGKILL.
@@ -31,6 +32,9 @@ GRACE_S = 1.0
 
 
 class ProcessLauncher(Launcher):
+    """Starts one local process per source, watches them through their
+    control pipes and exit codes, and owns the channel."""
+
     def __init__(
         self,
         transport: Transport,
@@ -40,9 +44,9 @@ class ProcessLauncher(Launcher):
         self.transport = transport
         self.spec = spec
         self.channel: ConsumerEnd | None = None
-        self.processes: list = []
-        self.conns: list = []
-        self._need = 0  # largest first batch a producer asked a channel for
+        self.processes: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._need: int | None = None  # largest first batch a producer asked a channel for
         self._failure: BaseException | None = None
         self._down = False
         lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
@@ -54,10 +58,10 @@ class ProcessLauncher(Launcher):
             self.shutdown()
             raise
 
-    def _start(self, sources: Sequence) -> None:
+    def _start(self, sources: Sequence[Callable[[], Iterable[Any]]]) -> None:
         ctx = self.spec.mp_context
         method = ctx.get_start_method()
-        owner_pid, owner_start = _segments.owner_identity()
+        owner_pid, owner_start = owner_identity()
         handle = self.channel.handle if self.channel is not None else None
         # Ctrl-C reaches every process of the terminal's process group, and a
         # producer still starting up would print a KeyboardInterrupt
@@ -99,9 +103,9 @@ class ProcessLauncher(Launcher):
     def open_channel(self, wait: float) -> ConsumerEnd | None:
         if self.channel is None:
             self.wait_for_event(wait)
-            self.check()
-            if self._need:
-                spec = dataclasses.replace(self.spec, slot_size=slot_size_for(self._need))
+            self._read_messages()
+            if self._need is not None:
+                spec = dataclasses.replace(self.spec, slot_size=self.transport.slot_size_for(self._need))
                 self.channel = self.transport.open(spec)
                 for conn in self.conns:
                     conn.send(("attach", self.channel.handle))
@@ -116,16 +120,11 @@ class ProcessLauncher(Launcher):
     def wait_for_event(self, timeout: float) -> None:
         multiprocessing.connection.wait(self.conns + [p.sentinel for p in self.processes], timeout)
 
-    def check(self) -> BaseException | None:
+    def first_failure(self) -> BaseException | None:
         """Reads the producers' messages; the first failure, or None."""
         if self._down:
             return self._failure
-        for worker, conn in enumerate(self.conns):
-            try:
-                while conn.poll():
-                    self._on_message(worker, conn.recv())
-            except (EOFError, OSError):
-                pass  # it died; its exit code says how
+        self._read_messages()
         if self._failure is None:
             for worker, p in enumerate(self.processes):
                 if p.exitcode is not None:
@@ -133,10 +132,18 @@ class ProcessLauncher(Launcher):
                     break
         return self._failure
 
-    def _on_message(self, worker: int, msg: tuple) -> None:
+    def _read_messages(self) -> None:
+        for worker, conn in enumerate(self.conns):
+            try:
+                while conn.poll():
+                    self._on_message(worker, conn.recv())
+            except (EOFError, OSError):
+                pass  # it died; its exit code says how
+
+    def _on_message(self, worker: int, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
-        if kind == "need_ring":
-            self._need = max(self._need, msg[1])
+        if kind == "need_channel":
+            self._need = max(self._need or 0, msg[1])
         elif kind == "error" and self._failure is None:
             _, exc_type, message, tb, own = msg
             error = WorkerError(worker, self.processes[worker].pid, exc_type, message, tb)
@@ -182,7 +189,7 @@ class ProcessLauncher(Launcher):
         return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
 
 
-def _reap(processes: list) -> None:
+def _reap(processes: list[BaseProcess]) -> None:
     deadline = time.monotonic() + GRACE_S
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -196,7 +203,3 @@ def _reap(processes: list) -> None:
         for p in alive:
             p.join(max(0.0, deadline - time.monotonic()))
 
-
-def default_context():
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")

@@ -10,33 +10,19 @@ transport's (transport.py).
 
 from __future__ import annotations
 
-import dataclasses
-import multiprocessing
-import os
-import secrets
-import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from shmpipe import _segments
 from shmpipe._launch import ProcessLauncher
-from shmpipe._shm import check_slot_size
-from shmpipe._stats import PipelineStats, WaitHistogram
-from shmpipe._worker import seed_for
-from shmpipe.errors import (
-    PipelineClosedError,
-    PipelineTimeoutError,
-    ShmpipeTypeError,
-    ShmpipeValueError,
-    ShmpipeWarning,
-    WorkerError,
-)
-from shmpipe.registry import resolve_transport
-from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Transport
+from shmpipe._options import PipelineOptions, Source, check_options
+from shmpipe._producer_context import seed_for
+from shmpipe._stats import Counters, PipelineStats
+from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeWarning, WorkerError
+from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher, Transport
 
 if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time here
     import tensorflow as tf
@@ -44,8 +30,6 @@ if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time he
     from shmpipe._torch import TorchBatches
 
 __all__ = ["Pipeline", "from_iterators"]
-
-Source = Callable[[], Iterable[Any]]
 
 #: How long one wait lasts before the consumer looks at its producers'
 #: health and its deadline again; also the longest a dead producer can go
@@ -59,22 +43,17 @@ HEALTH_CHECK_NS = 250_000_000
 STALL_WARNING_NS = 10_000_000_000
 
 
-def default_start_method() -> str:
-    methods = multiprocessing.get_all_start_methods()
-    return "forkserver" if "forkserver" in methods else "spawn"
-
-
 def from_iterators(
     sources: Sequence[Source],
     *,
-    transport: str | Transport = "shm",
+    transport: str | Transport | type[Transport] = "shm",
     capacity: int | None = None,
     ordered: bool = False,
     start_method: str | None = None,
     timeout: float | None = None,
     slot_size: int | None = None,
     seed: int | None = None,
-) -> "Pipeline":
+) -> Pipeline:
     """Starts one producer process per source and returns the Pipeline that
     delivers their batches.
 
@@ -103,8 +82,10 @@ def from_iterators(
             BatchTooLargeError naming this option.
         seed: base seed for the producers' seeds (see WorkerInfo); random
             when None.
+
+    Every argument is checked before any process starts.
     """
-    return Pipeline(
+    options = check_options(
         sources,
         transport=transport,
         capacity=capacity,
@@ -114,14 +95,15 @@ def from_iterators(
         slot_size=slot_size,
         seed=seed,
     )
+    return Pipeline(options)
 
 
 class _PassIterator:
     """The iterator of one pass over a Pipeline (what ``iter(pipe)`` returns)."""
 
-    __slots__ = ("pipe", "pass_no", "finished", "started_ns", "order", "turn", "wseq")
+    __slots__ = ("finished", "order", "pass_no", "pipe", "started_ns", "turn", "wseq")
 
-    def __init__(self, pipe: "Pipeline", pass_no: int, num_workers: int) -> None:
+    def __init__(self, pipe: Pipeline, pass_no: int, num_workers: int) -> None:
         self.pipe = pipe
         self.pass_no = pass_no
         self.finished = False
@@ -132,7 +114,7 @@ class _PassIterator:
         self.turn = 0
         self.wseq = [0] * num_workers
 
-    def __iter__(self) -> "_PassIterator":
+    def __iter__(self) -> _PassIterator:
         return self
 
     def __next__(self) -> Any:
@@ -142,64 +124,18 @@ class _PassIterator:
 class Pipeline:
     """Batches from N producer processes, delivered to this process.
 
-    Iterate it for one pass over the sources; iterate again for another
-    (each source is called again; the producer processes stay). Use it as a
-    context manager, or call close(), to stop the producers and destroy the
-    shared memory. Arrays in the batches are read-only views of shared
-    memory; each batch's slot is reused only once every array of it is gone.
+    Made by :func:`from_iterators`. Iterate it for one pass over the
+    sources; iterate again for another (each source is called again; the
+    producer processes stay). Use it as a context manager, or call close(),
+    to stop the producers and destroy the shared memory. Arrays in the
+    batches are read-only views of shared memory; each batch's slot is
+    reused only once every array of it is gone.
     """
 
-    def __init__(
-        self,
-        sources: Sequence[Source],
-        *,
-        transport: str | Transport = "shm",
-        capacity: int | None = None,
-        ordered: bool = False,
-        start_method: str | None = None,
-        timeout: float | None = None,
-        slot_size: int | None = None,
-        seed: int | None = None,
-    ) -> None:
+    def __init__(self, options: PipelineOptions) -> None:
         self._closed = True  # until the producers exist
-        sources = _check_sources(sources)
-        n = len(sources)
-        transport = resolve_transport(transport)
-        caps = transport.capabilities
-        if capacity is None:
-            capacity = 2 * n + 2
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ShmpipeValueError(f"capacity must be a positive int, got {capacity!r}")
-        if ordered and capacity < n + 1:
-            raise ShmpipeValueError(
-                f"ordered=True with {n} workers needs capacity >= {n + 1} (one slot per worker "
-                f"plus one for the batch you hold), got {capacity}"
-            )
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ShmpipeValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        if slot_size is not None:
-            slot_size = check_slot_size(slot_size)
-        if seed is None:
-            seed = secrets.randbits(63)
-        elif not isinstance(seed, int) or seed < 0:
-            raise ShmpipeValueError(f"seed must be a non-negative int or None, got {seed!r}")
-        method = start_method or default_start_method()
-        if method not in multiprocessing.get_all_start_methods():
-            raise ShmpipeValueError(
-                f"unknown start_method {method!r}; this platform has "
-                f"{', '.join(multiprocessing.get_all_start_methods())}"
-            )
-        if method != "fork" and not caps.own_producers:
-            _check_picklable(sources, method)
-
-        self.transport = transport
-        self.num_workers = n
-        self.capacity = capacity
-        self.ordered = bool(ordered)
-        self.start_method = method
-        self.timeout = None if timeout is None else float(timeout)
-        self.seed = seed
-        self._slot_size = slot_size
+        self.options = options
+        self._spec = options.channel_spec()
         self._pass_no = 0
         self._first_iter = True  # pass 0 starts with the producers
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
@@ -210,47 +146,65 @@ class Pipeline:
         # old pass would take, or throw away, batches of the new one.
         self._consumer_lock = threading.Lock()
         self._failure: BaseException | None = None  # raised once published batches are out
-        self._channel = None  # the launcher's, once open
-
-        # counters behind stats()
-        self._created_ns = time.perf_counter_ns()
-        self._first_batch_ns: int | None = None
-        self._waits = WaitHistogram()
-        self._batches = 0
-        self._bytes = 0
-        self._per_worker = [0] * n
-        self._wall_ns = 0
-        self._passes = 0
-        self._last_health_ns = self._created_ns
-        self._blocked_s: list[float | None] = [0.0] * n
-
-        _segments.sweep()  # segments of pipelines whose process died
-        spec = self._spec = ChannelSpec(
-            num_workers=n,
-            capacity=capacity,
-            ordered=self.ordered,
-            first_pass=0,
-            slot_size=slot_size,
-            mp_context=multiprocessing.get_context(method),
-        )
-        if caps.own_producers:
-            self._launcher = transport.launch(sources, spec, seed)
+        self._counters = Counters(options.num_workers)
+        self._last_health_ns = self._counters.created_ns
+        self._blocked_s: list[float | None] = [0.0] * options.num_workers
+        transport = options.transport
+        self._launcher: Launcher
+        if transport.capabilities.own_producers:
+            self._launcher = transport.launch(options.sources, self._spec, options.seed)
         else:
-            self._launcher = ProcessLauncher(transport, sources, spec)
+            self._launcher = ProcessLauncher(transport, options.sources, self._spec)
         # Called, last first, before the channel goes: what adapters did to
         # its memory is undone there (to_torch's CUDA registration).
-        self._on_close: list[Callable[[], None]] = []
+        self._close_hooks: list[Callable[[], None]] = []
         # The launcher, not this object, owns the processes and the channel,
         # so a forgotten pipeline is shut down when it is collected.
-        self._finalizer = weakref.finalize(self, _shut_down, self._on_close, self._launcher)
+        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher)
         self._channel = self._launcher.channel  # None while it waits for a first batch
         self._launcher.begin_pass(0, self._seeds(0))
         self._closed = False
 
-    # -- start and stop -------------------------------------------------------
+    # -- configuration --------------------------------------------------------
+
+    @property
+    def spec(self) -> ChannelSpec:
+        """What this pipeline asks of its channel: workers, capacity, order,
+        and the quotas that follow (see ChannelSpec)."""
+        return self._spec
+
+    @property
+    def transport(self) -> Transport:
+        return self.options.transport
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.num_workers
+
+    @property
+    def capacity(self) -> int:
+        return self.options.capacity
+
+    @property
+    def ordered(self) -> bool:
+        return self.options.ordered
+
+    @property
+    def start_method(self) -> str:
+        return self.options.start_method
+
+    @property
+    def timeout(self) -> float | None:
+        return self.options.timeout
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
 
     def _seeds(self, pass_no: int) -> list[int]:
-        return [seed_for(self.seed, pass_no, w) for w in range(self.num_workers)]
+        return [seed_for(self.options.seed, pass_no, w) for w in range(self.num_workers)]
+
+    # -- start and stop -------------------------------------------------------
 
     def close(self) -> None:
         """Stops the producers, joins them and destroys the shared memory.
@@ -268,43 +222,26 @@ class Pipeline:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "Pipeline":
+    def call_on_close(self, hook: Callable[[], None]) -> None:
+        """Runs `hook` when the pipeline closes (or is collected unclosed),
+        while its channel's memory still exists; hooks run last registered
+        first. For adapters that must undo what they did to that memory
+        (to_torch unregisters it from CUDA). The hook must not refer to
+        the pipeline, or a forgotten pipeline would never be collected."""
+        if self._closed:
+            raise PipelineClosedError("this pipeline is closed")
+        self._close_hooks.append(hook)
+
+    def leftovers(self) -> list[str]:
+        """After close(): whatever of this pipeline still runs (processes,
+        actors), described; empty when close() left nothing behind."""
+        return self._launcher.leftovers()
+
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _fail(self, exc: BaseException) -> NoReturn:
-        """Stop everything, then raise."""
-        self.close()
-        raise exc
-
-    def _set_failure(self, exc: BaseException) -> None:
-        """A producer failed. Production stops now; the batches already
-        published are still delivered, then `exc` is raised (by _on_fault).
-        Nothing a producer yielded before failing is lost."""
-        if self._failure is not None:
-            return  # the first failure is the one to report
-        self._failure = exc
-        if self._channel is None:
-            self._fail(exc)  # nothing was published: nothing to deliver first
-        self._channel.halt()
-        self._launcher.halt()
-
-    def _note_fault(self) -> None:
-        """The channel says a failure stopped production: make sure we know
-        which (the producer's message may still be on its way)."""
-        self._check_health(time.perf_counter_ns())
-        if self._failure is None:
-            self._launcher.wait_for_event(1.0)
-            self._check_health(time.perf_counter_ns())
-        if self._failure is None:
-            self._failure = WorkerError(-1, None, "unknown", "a producer reported a failure but sent no details", "")
-
-    def _drained(self) -> None:
-        """Nothing more is in flight; if a producer failed, raise now."""
-        if self._failure is not None:
-            self._fail(self._failure)
 
     # -- iteration ------------------------------------------------------------
 
@@ -317,7 +254,7 @@ class Pipeline:
             else:
                 self._pass_no += 1
                 self._launcher.begin_pass(self._pass_no, self._seeds(self._pass_no))
-        self._passes += 1
+        self._counters.pass_started()
         return _PassIterator(self, self._pass_no, self.num_workers)
 
     def _next(self, it: _PassIterator) -> Any:
@@ -327,32 +264,26 @@ class Pipeline:
             raise PipelineClosedError("this pipeline is closed")
         if it.pass_no != self._pass_no:
             raise PipelineClosedError(
-                "this iterator belongs to an earlier pass; iterating the pipeline again "
-                "started a new one"
+                "this iterator belongs to an earlier pass; iterating the pipeline again started a new one"
             )
         t0 = time.perf_counter_ns()
         if it.started_ns is None:
             it.started_ns = t0
         if t0 - self._last_health_ns > HEALTH_CHECK_NS:
-            self._check_health(t0)
+            self._poll_producers(t0)
         try:
-            batch = self._take_ordered(it, t0) if self.ordered else self._take_any(it, t0)
+            batch = self._take_ordered(it, t0) if self.options.ordered else self._take_any(it, t0)
         except StopIteration:
             it.finished = True
-            self._wall_ns += time.perf_counter_ns() - it.started_ns
+            self._counters.pass_finished(it.started_ns)
             raise
         except WorkerError as exc:  # a transport that reports failures in stream order (Ray)
             if not self._closed:
-                self._fail(exc)
+                self._close_and_raise(exc)
             raise
-        t1 = time.perf_counter_ns()
-        self._waits.add(t1 - t0)
-        self._batches += 1
-        channel = cast(ConsumerEnd, self._channel)  # a batch came through it
-        self._bytes += channel.last_nbytes
-        self._per_worker[channel.last_worker] += 1
-        if self._first_batch_ns is None:
-            self._first_batch_ns = t1
+        channel = self._channel
+        assert channel is not None  # a batch came through it
+        self._counters.delivered(t0, time.perf_counter_ns(), channel.last_nbytes, channel.last_worker)
         return batch
 
     def _get(self, it: _PassIterator, worker: int, wseq: int) -> Any:
@@ -363,36 +294,37 @@ class Pipeline:
                     "this iterator belongs to an earlier pass; iterating the pipeline again "
                     "started a new one (while this one waited for a batch)"
                 )
-            return cast(ConsumerEnd, self._channel).get(it.pass_no, worker, wseq, POLL_S)
+            assert self._channel is not None  # opened before the first get
+            return self._channel.get(it.pass_no, worker, wseq, POLL_S)
 
     def _take_any(self, it: _PassIterator, t0: int) -> Any:
         if self._channel is None:
-            self._await_channel(t0)
+            self._wait_for_channel(t0)
         while True:
             r = self._get(it, -1, 0)
             if r is AGAIN:
-                self._drained()  # after a failure, nothing arriving means all is out
-                self._waited(t0)
+                self._raise_failure_if_any()  # after a failure, nothing arriving means all is out
+                self._keep_waiting(t0)
             elif r is FAULT:
-                self._note_fault()
-                self._drained()
+                self._learn_why_production_stopped()
+                self._raise_failure_if_any()
             elif r is END:
-                self._drained()
+                self._raise_failure_if_any()
                 raise StopIteration
             else:
                 return r
 
     def _take_ordered(self, it: _PassIterator, t0: int) -> Any:
         if self._channel is None:
-            self._await_channel(t0)
+            self._wait_for_channel(t0)
         while it.order:
             worker = it.order[it.turn]
             r = self._get(it, worker, it.wseq[worker])
             if r is AGAIN and self._failure is None:
-                self._waited(t0)
+                self._keep_waiting(t0)
             elif r is AGAIN or r is FAULT or r is END:
                 if r is FAULT:
-                    self._note_fault()
+                    self._learn_why_production_stopped()
                 # This worker's part is over: it ended, or production stopped
                 # after a failure and it has nothing more. The others go on,
                 # so what they published before the failure is delivered too.
@@ -403,24 +335,80 @@ class Pipeline:
                 it.wseq[worker] += 1
                 it.turn = (it.turn + 1) % len(it.order)
                 return r
-        self._drained()
+        self._raise_failure_if_any()
         raise StopIteration
 
-    def _waited(self, t0: int) -> None:
-        """Nothing came within one POLL_S: look at the producers and the clock."""
+    def _wait_for_channel(self, t0: int) -> ConsumerEnd:
+        """No channel yet: wait until the launcher can open it (a transport
+        sized by its first batch waits for a producer to have one)."""
+        while self._channel is None:
+            with self._consumer_lock:  # one thread opens it
+                if self._channel is None:
+                    self._channel = self._launcher.open_channel(POLL_S)
+            if self._channel is None:
+                self._keep_waiting(t0)
+        return self._channel
+
+    # -- failures, closing, timeouts: what decides whether to go on waiting ---
+    #
+    # A producer's failure stops production at once, but the batches it and
+    # the others published before it are still delivered; the failure is
+    # raised when nothing more is in flight. A close from another thread, a
+    # timeout, and a consumer that holds every slot end a wait too.
+
+    def _poll_producers(self, now: int) -> None:
+        """Asks the launcher whether a producer failed or died; notes it."""
+        self._last_health_ns = now
+        failure = self._launcher.first_failure()
+        if failure is not None:
+            self._production_failed(failure)
+
+    def _production_failed(self, exc: BaseException) -> None:
+        """A producer failed: production stops now; `exc` is raised once
+        what was published before is delivered (_raise_failure_if_any).
+        Nothing a producer yielded before failing is lost."""
+        if self._failure is not None:
+            return  # the first failure is the one to report
+        self._failure = exc
+        if self._channel is None:
+            self._close_and_raise(exc)  # nothing was published: nothing to deliver first
+        self._channel.halt()
+        self._launcher.halt()
+
+    def _learn_why_production_stopped(self) -> None:
+        """The channel says a failure stopped production: make sure we know
+        which (the producer's message may still be on its way)."""
+        self._poll_producers(time.perf_counter_ns())
+        if self._failure is None:
+            self._launcher.wait_for_event(1.0)
+            self._poll_producers(time.perf_counter_ns())
+        if self._failure is None:
+            self._failure = WorkerError(-1, None, "unknown", "a producer reported a failure but sent no details", "")
+
+    def _raise_failure_if_any(self) -> None:
+        """Nothing more is in flight: if a producer failed, close and raise."""
+        if self._failure is not None:
+            self._close_and_raise(self._failure)
+
+    def _keep_waiting(self, t0: int) -> None:
+        """Nothing came within one POLL_S since the wait began at `t0`:
+        raises if the pipeline was closed meanwhile or the timeout passed,
+        notes a producer's failure, warns once per pass if the consumer
+        itself holds the slots the producers need."""
         if self._closed:  # close() from another thread while this one waited
             raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         now = time.perf_counter_ns()
-        self._check_health(now)  # notes a failure; it is raised once all is delivered
+        self._poll_producers(now)  # a failure is raised once all is delivered
         if now - t0 >= STALL_WARNING_NS and self._stall_warned != self._pass_no:
             self._warn_if_held_up_by_consumer(now - t0)
-        if self.timeout is not None and now - t0 >= self.timeout * 1e9:
+        timeout = self.options.timeout
+        if timeout is not None and now - t0 >= timeout * 1e9:
             why = (
                 self._channel.describe_wait()
                 if self._channel is not None
                 else "no producer has delivered a first batch yet"
             )
-            raise PipelineTimeoutError(f"no batch within {self.timeout:g} s" + (f": {why}" if why else ""))
+            raise PipelineTimeoutError(f"no batch within {timeout:g} s" + (f": {why}" if why else ""))
 
     def _warn_if_held_up_by_consumer(self, waited_ns: int) -> None:
         """This process holds so many slots that the batch it waits for may
@@ -443,24 +431,10 @@ class Pipeline:
             stacklevel=6,  # the caller's next() or for loop
         )
 
-    def _await_channel(self, t0: int):
-        """No channel yet: wait until the launcher can open it (a transport
-        sized by its first batch waits for a producer to have one)."""
-        while self._channel is None:
-            with self._consumer_lock:  # one thread opens it
-                if self._channel is None:
-                    self._channel = self._launcher.open_channel(POLL_S)
-            if self._channel is None:
-                self._waited(t0)
-        self._slot_size = getattr(self._channel, "slot_size", self._slot_size)
-        return self._channel
-
-    def _check_health(self, now: int) -> None:
-        """Notes a producer that failed or died (see _set_failure)."""
-        self._last_health_ns = now
-        failure = self._launcher.check()
-        if failure is not None:
-            self._set_failure(failure)
+    def _close_and_raise(self, exc: BaseException) -> NoReturn:
+        """Stop everything, then raise."""
+        self.close()
+        raise exc
 
     # -- frameworks -------------------------------------------------------------
 
@@ -515,28 +489,11 @@ class Pipeline:
 
     def stats(self) -> PipelineStats:
         """Counters of everything delivered so far (see PipelineStats)."""
-        w = self._waits
-        n = w.count
-        first = None if self._first_batch_ns is None else (self._first_batch_ns - self._created_ns) / 1e9
-        wall = self._wall_ns / 1e9
-        return PipelineStats(
-            batches=self._batches,
-            bytes=self._bytes,
-            per_worker_batches=tuple(self._per_worker),
-            wait_total_s=w.total_ns / 1e9,
-            wait_mean_s=(w.total_ns / n / 1e9) if n else 0.0,
-            wait_p50_s=w.quantile(0.5) / 1e9,
-            wait_p99_s=w.quantile(0.99) / 1e9,
-            wait_max_s=w.max_ns / 1e9,
-            time_to_first_batch_s=first,
-            producer_blocked_s=tuple(self._producer_blocked()),
-            wall_s=wall,
-            stall_fraction=(w.total_ns / 1e9 / wall) if wall > 0 else 0.0,
-            passes=self._passes,
+        return self._counters.snapshot(
+            producer_blocked_s=self._producer_blocked(),
             transport=self.transport.name,
-            num_workers=self.num_workers,
             capacity=self.capacity,
-            slot_size=self._slot_size,
+            slot_size=self.slot_size,
         )
 
     @property
@@ -546,15 +503,17 @@ class Pipeline:
         return self._launcher.pids
 
     @property
-    def channel(self):
+    def channel(self) -> ConsumerEnd | None:
         """The transport's ConsumerEnd (None until the first batch for
-        transports sized by it). For diagnostics and tests."""
+        transports sized by it). For diagnostics, adapters and tests."""
         return self._channel
 
     @property
     def slot_size(self) -> int | None:
-        """Bytes per slot; None until the first batch sized the ring."""
-        return self._slot_size
+        """Bytes per slot, where the transport has slots; None until the
+        first batch sized the ring."""
+        made = self._channel.slot_size if self._channel is not None else None
+        return made if made is not None else self.options.slot_size
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"pass {self._pass_no}"
@@ -564,69 +523,12 @@ class Pipeline:
         )
 
 
-def _shut_down(on_close: list[Callable[[], None]], launcher: Any) -> None:
+def _shut_down(close_hooks: list[Callable[[], None]], launcher: Launcher) -> None:
     """A pipeline's end: its close hooks, then its producers and channel.
     A function, not a method: the finalizer must not keep the pipeline
     alive."""
     try:
-        while on_close:
-            on_close.pop()()
+        while close_hooks:
+            close_hooks.pop()()
     finally:
         launcher.shutdown()
-
-
-def _check_sources(sources: Any) -> list:
-    if callable(sources) or isinstance(sources, (str, bytes)):
-        raise ShmpipeTypeError(
-            "sources must be a sequence of callables, one per producer, e.g. "
-            "[make_batches] * 4"
-        )
-    try:
-        sources = list(sources)
-    except TypeError:
-        raise ShmpipeTypeError(
-            f"sources must be a sequence of callables, got {type(sources).__name__}"
-        ) from None
-    if not sources:
-        raise ShmpipeValueError("sources is empty: give at least one callable")
-    for i, s in enumerate(sources):
-        if not callable(s):
-            raise ShmpipeTypeError(
-                f"source {i} is a {type(s).__name__}, not a callable; pass the generator "
-                "function itself (make_batches), not its result (make_batches())"
-            )
-    return sources
-
-
-def _check_picklable(sources: list, method: str) -> None:
-    from multiprocessing.reduction import ForkingPickler
-
-    main = sys.modules.get("__main__")
-    main_file = getattr(main, "__file__", None)
-    if main_file is not None and not os.path.exists(main_file):
-        # multiprocessing re-imports __main__ from its file in every child
-        raise ShmpipeValueError(
-            f"the main module's file {main_file!r} does not exist (a script read from stdin?), "
-            f"so {method!r} producer processes cannot start; run the script from a file, or "
-            "pass start_method='fork'"
-        )
-    interactive = main_file is None
-    for i, s in enumerate(sources):
-        module = getattr(s, "__module__", None) or type(s).__module__
-        if interactive and module == "__main__":
-            # Pickled by reference to __main__, which a fresh producer process
-            # cannot import when __main__ is a notebook or an interactive shell.
-            raise ShmpipeTypeError(
-                f"source {i} ({s!r}) is defined in an interactive session, where a "
-                f"{method!r} producer process cannot import it; move it to a module (a .py "
-                "file) and import it from there, or pass start_method='fork' (not safe "
-                "once TensorFlow or CUDA have started threads)."
-            )
-        try:
-            ForkingPickler.dumps(s)
-        except Exception as exc:
-            raise ShmpipeTypeError(
-                f"source {i} ({s!r}) cannot be pickled, which a {method!r} producer process "
-                f"needs: {exc}. Define it at the top level of an importable module (not a "
-                "lambda or a nested function), or wrap such a function in functools.partial."
-            ) from exc

@@ -6,7 +6,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArraySpec"]
+from shmpipe._tree import map_leaves
+
+__all__ = ["ArraySpec", "new_arrays"]
 
 
 class ArraySpec:
@@ -33,11 +35,6 @@ class ArraySpec:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", np.dtype(dtype))
 
-    @classmethod
-    def like(cls, array: np.ndarray) -> "ArraySpec":
-        """The spec of an existing array."""
-        return cls(array.shape, array.dtype)
-
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -56,5 +53,18 @@ class ArraySpec:
     def __repr__(self) -> str:
         return f"ArraySpec(shape={self.shape}, dtype={self.dtype!r})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ArraySpec], tuple[tuple[int, ...], np.dtype]]:
         return (ArraySpec, (self.shape, self.dtype))
+
+
+def new_arrays(template: Any) -> Any:
+    """`template` with a new uninitialised array (like ``numpy.empty``) for
+    each ArraySpec or array leaf; other leaves are kept as they are. What
+    ``reserve`` gives where the transport has no slots to lend."""
+
+    def allocate(leaf: Any) -> Any:
+        if type(leaf) is ArraySpec or isinstance(leaf, np.ndarray):
+            return np.empty(leaf.shape, leaf.dtype)
+        return leaf
+
+    return map_leaves(template, allocate)

@@ -1,11 +1,16 @@
-"""What a pipeline measured: PipelineStats, and the wait histogram behind it."""
+"""What a pipeline measured: the counters the consumer keeps as it
+delivers (Counters), the wait histogram among them, and the snapshot a user
+reads (PipelineStats)."""
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-__all__ = ["PipelineStats", "WaitHistogram"]
+__all__ = ["Counters", "PipelineStats", "WaitHistogram"]
 
 
 class WaitHistogram:
@@ -78,14 +83,14 @@ class PipelineStats:
     num_workers: int
     capacity: int
     slot_size: int | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def producer_blocked_total_s(self) -> float | None:
         known = [b for b in self.producer_blocked_s if b is not None]
         return sum(known) if known else None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["producer_blocked_total_s"] = self.producer_blocked_total_s
         return d
@@ -115,3 +120,68 @@ class PipelineStats:
             each = ", ".join("-" if b is None else f"{b:.3f}" for b in self.producer_blocked_s)
             lines.append(f"  producers blocked on a full channel {total:.3f} s ({each})")
         return "\n".join(lines)
+
+
+class Counters:
+    """What the consumer counts as it delivers, and the arithmetic that
+    turns it into PipelineStats. One thread updates it at a time (the one
+    iterating); a snapshot may be read from any thread."""
+
+    __slots__ = ("batches", "bytes", "created_ns", "first_batch_ns", "passes", "per_worker", "wall_ns", "waits")
+
+    def __init__(self, num_workers: int) -> None:
+        self.created_ns = time.perf_counter_ns()
+        self.first_batch_ns: int | None = None
+        self.waits = WaitHistogram()
+        self.batches = 0
+        self.bytes = 0
+        self.per_worker = [0] * num_workers
+        self.wall_ns = 0  # of finished passes
+        self.passes = 0
+
+    def pass_started(self) -> None:
+        self.passes += 1
+
+    def pass_finished(self, started_ns: int) -> None:
+        self.wall_ns += time.perf_counter_ns() - started_ns
+
+    def delivered(self, asked_ns: int, got_ns: int, nbytes: int, worker: int) -> None:
+        """A batch asked for at `asked_ns` came at `got_ns`."""
+        self.waits.add(got_ns - asked_ns)
+        self.batches += 1
+        self.bytes += nbytes
+        self.per_worker[worker] += 1
+        if self.first_batch_ns is None:
+            self.first_batch_ns = got_ns
+
+    def snapshot(
+        self,
+        *,
+        producer_blocked_s: Sequence[float | None],
+        transport: str,
+        capacity: int,
+        slot_size: int | None,
+    ) -> PipelineStats:
+        w = self.waits
+        n = w.count
+        first = None if self.first_batch_ns is None else (self.first_batch_ns - self.created_ns) / 1e9
+        wall = self.wall_ns / 1e9
+        return PipelineStats(
+            batches=self.batches,
+            bytes=self.bytes,
+            per_worker_batches=tuple(self.per_worker),
+            wait_total_s=w.total_ns / 1e9,
+            wait_mean_s=(w.total_ns / n / 1e9) if n else 0.0,
+            wait_p50_s=w.quantile(0.5) / 1e9,
+            wait_p99_s=w.quantile(0.99) / 1e9,
+            wait_max_s=w.max_ns / 1e9,
+            time_to_first_batch_s=first,
+            producer_blocked_s=tuple(producer_blocked_s),
+            wall_s=wall,
+            stall_fraction=(w.total_ns / 1e9 / wall) if wall > 0 else 0.0,
+            passes=self.passes,
+            transport=transport,
+            num_workers=len(self.per_worker),
+            capacity=capacity,
+            slot_size=slot_size,
+        )

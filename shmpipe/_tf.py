@@ -23,12 +23,19 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shmpipe._codec import _aligned_empty
+from shmpipe._tree import leaves_with_paths, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from shmpipe._pipeline import Pipeline
 
 __all__ = ["to_tf_dataset", "tensorflow_aliases", "signature_of"]
 
@@ -46,7 +53,7 @@ def tensorflow_aliases() -> bool:
         if _alias_check is None:
             import tensorflow as tf
 
-            def through_from_generator(arr):
+            def through_from_generator(arr: np.ndarray) -> Any:
                 spec = tf.TensorSpec(arr.shape, tf.as_dtype(arr.dtype))
                 return next(iter(tf.data.Dataset.from_generator(lambda: iter([arr]), output_signature=spec)))
 
@@ -54,7 +61,7 @@ def tensorflow_aliases() -> bool:
         return _alias_check
 
 
-def check_aliasing(to_tensor) -> bool:
+def check_aliasing(to_tensor: Callable[[np.ndarray], Any]) -> bool:
     """Passes a 64-byte aligned array through `to_tensor` and tells whether
     the tensor is that array's memory; warns when it is not."""
     import tensorflow as tf
@@ -76,7 +83,7 @@ def check_aliasing(to_tensor) -> bool:
     return aliased
 
 
-def _spec_of_leaf(leaf: Any, path: str):
+def _spec_of_leaf(leaf: Any, path: str) -> Any:
     import tensorflow as tf
 
     if isinstance(leaf, np.ndarray) or isinstance(leaf, np.generic):
@@ -100,27 +107,22 @@ def _spec_of_leaf(leaf: Any, path: str):
     )
 
 
-def _structure(batch: Any, leaf_fn, path: str = "batch") -> Any:
+def _for_tensorflow(batch: Any, leaf_fn: Callable[[Any, str], Any]) -> Any:
     """`batch` with leaf_fn(leaf, path) at each leaf; lists become tuples
     (tf.data has no lists)."""
-    t = type(batch)
-    if t is dict:
-        return {k: _structure(v, leaf_fn, f"{path}[{k!r}]") for k, v in batch.items()}
-    if t is tuple or t is list:
-        return tuple(_structure(v, leaf_fn, f"{path}[{i}]") for i, v in enumerate(batch))
-    return leaf_fn(batch, path)
+    return map_leaves_with_paths(batch, leaf_fn, lists_as_tuples=True)
 
 
-def signature_of(*batches: Any):
+def signature_of(*batches: Any) -> Any:
     """The output_signature for batches like these: their structure, dtypes
     and shapes, with None for every dimension that differs between them."""
     import tensorflow as tf
 
     if not batches:
         raise ShmpipeValueError("signature_of() needs at least one batch")
-    specs = [_structure(b, _spec_of_leaf) for b in batches]
+    specs = [_for_tensorflow(b, _spec_of_leaf) for b in batches]
 
-    def merge(a, b):
+    def merge(a: Any, b: Any) -> Any:
         if a.dtype != b.dtype or a.shape.rank != b.shape.rank:
             raise ShmpipeValueError(f"batches disagree: {a} vs {b}; pass output_signature yourself")
         return tf.TensorSpec(
@@ -143,17 +145,17 @@ class _Feeder:
     runs a new pass of the pipeline (the first may start with batches that
     were peeked to infer the signature)."""
 
-    def __init__(self, pipe, signature, peeked: tuple | None) -> None:
+    def __init__(self, pipe: Pipeline, signature: Any, peeked: tuple[Iterator[Any], list[Any]] | None) -> None:
         self.pipe = pipe
         # The most slots TensorFlow may hold with the producers still sure
         # to deliver the batch it waits for (see ChannelSpec.consumer_may_hold).
-        self.limit = pipe._spec.consumer_may_hold
+        self.limit = pipe.spec.consumer_may_hold
         self.check = _check_leaf(signature)
         self.peeked = peeked  # (iterator, [batches]) of a pass already started
         self.warned = False
         self.copying = False  # TensorFlow held every slot and did not let go
 
-    def __call__(self) -> "_FeederPass":
+    def __call__(self) -> _FeederPass:
         if self.peeked is not None:
             it, first = self.peeked
             self.peeked = None
@@ -186,14 +188,14 @@ class _Feeder:
                     stacklevel=2,
                 )
             batch = copy_for_tensorflow(batch)
-        return _structure(batch, self.check)
+        return _for_tensorflow(batch, self.check)
 
     def _tensorflow_holds_too_many_slots(self) -> bool:
         """Whether the slots held, this batch's included, exceed the limit
         (and stay above it for RELEASE_WAIT_S)."""
         channel = self.pipe.channel
         held = channel.held() if channel is not None else None
-        if held is None or held <= self.limit:
+        if channel is None or held is None or held <= self.limit:
             self.copying = False
             return False
         if not self.copying:
@@ -203,12 +205,12 @@ class _Feeder:
             deadline = time.monotonic() + RELEASE_WAIT_S
             while held > self.limit and time.monotonic() < deadline:
                 time.sleep(0.002)
-                held = channel.held()
+                held = channel.held() or 0
         self.copying = held > self.limit
         return self.copying
 
 
-def _check_device(tf, device: str) -> None:
+def _check_device(tf: Any, device: str) -> None:
     try:
         spec = tf.DeviceSpec.from_string(device)
     except (ValueError, TypeError) as exc:
@@ -239,7 +241,7 @@ def copy_for_tensorflow(batch: Any) -> Any:
         out[...] = leaf
         return out
 
-    return _structure(batch, copy)
+    return _for_tensorflow(batch, copy)
 
 
 class _FeederPass:
@@ -251,34 +253,22 @@ class _FeederPass:
 
     __slots__ = ("feeder", "it", "first")
 
-    def __init__(self, feeder: _Feeder, it, first: list) -> None:
+    def __init__(self, feeder: _Feeder, it: Iterator[Any], first: list[Any]) -> None:
         self.feeder, self.it, self.first = feeder, it, first
 
-    def __iter__(self) -> "_FeederPass":
+    def __iter__(self) -> _FeederPass:
         return self
 
     def __next__(self) -> Any:
         return self.feeder._prepare(self.first.pop(0) if self.first else next(self.it))
 
 
-def _check_leaf(signature):
+def _check_leaf(signature: Any) -> Callable[[Any, str], Any]:
     """A leaf function that checks shapes against the signature, with the
     path in the error (TensorFlow's own error would not say where)."""
-    flat = {}
+    flat = dict(leaves_with_paths(signature))
 
-    def collect(spec, path="batch"):
-        if isinstance(spec, dict):
-            for k, v in spec.items():
-                collect(v, f"{path}[{k!r}]")
-        elif isinstance(spec, (tuple, list)):
-            for i, v in enumerate(spec):
-                collect(v, f"{path}[{i}]")
-        else:
-            flat[path] = spec
-
-    collect(signature)
-
-    def check(leaf, path):
+    def check(leaf: Any, path: str) -> Any:
         spec = flat.get(path)
         if spec is None:
             raise ShmpipeValueError(
@@ -298,12 +288,12 @@ def _check_leaf(signature):
 
 
 def to_tf_dataset(
-    pipe,
-    output_signature=None,
+    pipe: Pipeline,
+    output_signature: Any = None,
     device: str | None = None,
     batches_per_pass: int | None = None,
     peek: int | None = None,
-):
+) -> tf.data.Dataset:
     import tensorflow as tf
 
     if device is not None:
@@ -313,7 +303,7 @@ def to_tf_dataset(
     if output_signature is None:
         # Infer from the first batches of a pass; each worker's first batch
         # tells which dimensions vary. Those batches are yielded first.
-        k = peek if peek is not None else max(1, min(pipe.num_workers, pipe._spec.consumer_may_hold, 4))
+        k = peek if peek is not None else max(1, min(pipe.num_workers, pipe.spec.consumer_may_hold, 4))
         it = iter(pipe)
         first = []
         for batch in it:

@@ -28,12 +28,18 @@ from __future__ import annotations
 
 import collections
 import warnings
-from collections.abc import Callable
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shmpipe._tree import map_leaves, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
+
+if TYPE_CHECKING:
+    from shmpipe._pipeline import Pipeline
+    from shmpipe.transport import ConsumerEnd
 
 __all__ = ["TorchBatches"]
 
@@ -47,7 +53,7 @@ class TorchBatches:
     """An iterable over a Pipeline's batches as torch tensors; each
     iteration is a new pass (as with the pipeline itself)."""
 
-    def __init__(self, pipe, device=None, pin_memory: bool = False, non_blocking: bool = True) -> None:
+    def __init__(self, pipe: Pipeline, device: Any = None, pin_memory: bool = False, non_blocking: bool = True) -> None:
         import torch
 
         self.pipe = pipe
@@ -77,17 +83,17 @@ class TorchBatches:
             self.record_event = _event_recorder(torch, self.device)
         self._quiet = False
 
-    def __iter__(self) -> "_TorchIterator":
+    def __iter__(self) -> _TorchIterator:
         return _TorchIterator(self, iter(self.pipe))
 
     def _host(self, batch: Any) -> Any:
         if self._quiet:
-            return _host_tensors(batch, "batch")
+            return _host_tensors(batch)
         # torch warns once that the arrays are read-only (they are: views
         # of shared memory); say nothing, the docs say so.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            host = _host_tensors(batch, "batch")
+            host = _host_tensors(batch)
         self._quiet = True
         return host
 
@@ -95,7 +101,7 @@ class TorchBatches:
         if self.pin_memory:
             _Registration.of(self.pipe).register(self.pipe.channel)
         device, non_blocking = self.device, self.non_blocking
-        return _map(host, lambda t: t.to(device, non_blocking=non_blocking))
+        return _to_each_tensor(host, lambda t: t.to(device, non_blocking=non_blocking))
 
     @property
     def copies_may_outlive_the_call(self) -> bool:
@@ -103,7 +109,7 @@ class TorchBatches:
         return self.to_device and self.non_blocking and self.record_event is not None
 
 
-def _checked_device(torch, device: Any):
+def _checked_device(torch: Any, device: Any) -> Any:
     """torch.device(device), refused now if torch cannot put a tensor there
     (rather than at the first batch, which would then be lost)."""
     if device is None:
@@ -119,10 +125,10 @@ def _checked_device(torch, device: Any):
     return checked
 
 
-def _event_recorder(torch, device) -> Callable[[], Any] | None:
+def _event_recorder(torch: Any, device: Any) -> Callable[[], Any] | None:
     if device.type == "cuda":
 
-        def record():
+        def record() -> Any:
             # On the current stream *of the target device*: .to("cuda:1")
             # copies on cuda:1's stream, whatever the current device is.
             event = torch.cuda.Event()
@@ -135,7 +141,7 @@ def _event_recorder(torch, device) -> Callable[[], Any] | None:
     except (AttributeError, RuntimeError, ValueError, TypeError):
         return None  # a backend without events ("meta") copies synchronously
 
-    def record_other():
+    def record_other() -> Any:
         event = torch.Event(device)
         event.record()
         return event
@@ -149,12 +155,12 @@ class _TorchIterator:
 
     __slots__ = ("batches", "it", "in_flight")
 
-    def __init__(self, batches: TorchBatches, it) -> None:
+    def __init__(self, batches: TorchBatches, it: Iterator[Any]) -> None:
         self.batches, self.it = batches, it
         record = batches.record_event
         self.in_flight = _CopiesInFlight(record) if record is not None and batches.copies_may_outlive_the_call else None
 
-    def __iter__(self) -> "_TorchIterator":
+    def __iter__(self) -> _TorchIterator:
         return self
 
     def __next__(self) -> Any:
@@ -195,7 +201,7 @@ class _CopiesInFlight:
 
     def __init__(self, record_event: Callable[[], Any]) -> None:
         self.record_event = record_event
-        self.queue: collections.deque = collections.deque()
+        self.queue: collections.deque[tuple[Any, Any]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -226,15 +232,17 @@ class _Registration:
         self.ranges: list[tuple[int, int]] = []
 
     @classmethod
-    def of(cls, pipe) -> "_Registration":
-        reg = getattr(pipe, "_cuda_registration", None)
+    def of(cls, pipe: Pipeline) -> _Registration:
+        """The registration of `pipe`'s channel memory (one per pipeline,
+        whatever the number of to_torch() iterables over it)."""
+        reg = _registrations.get(pipe)
         if reg is None:
-            reg = pipe._cuda_registration = cls()
+            reg = _registrations[pipe] = cls()
             # The hook holds the registration, not the pipeline.
-            pipe._on_close.append(reg.unregister)
+            pipe.call_on_close(reg.unregister)
         return reg
 
-    def register(self, channel) -> None:
+    def register(self, channel: ConsumerEnd | None) -> None:
         if self.tried or channel is None:
             return
         self.tried = True
@@ -278,33 +286,27 @@ class _Registration:
             cudart.cudaHostUnregister(self.ranges.pop()[0])
 
 
-def _map(batch: Any, fn) -> Any:
+#: Each pipeline's registration, for as long as the pipeline lives.
+_registrations: weakref.WeakKeyDictionary[Pipeline, _Registration] = weakref.WeakKeyDictionary()
+
+
+def _to_each_tensor(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """`batch` with fn(t) for each torch tensor t; other leaves as they are."""
     import torch
 
-    t = type(batch)
-    if t is dict:
-        return {k: _map(v, fn) for k, v in batch.items()}
-    if t is tuple or t is list:
-        return t(_map(v, fn) for v in batch)
-    return fn(batch) if isinstance(batch, torch.Tensor) else batch
+    return map_leaves(batch, lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf)
 
 
-def _host_tensors(batch: Any, path: str) -> Any:
+def _host_tensors(batch: Any) -> Any:
+    """`batch` with each array (and NumPy scalar) as a torch tensor viewing it."""
     import torch
 
-    t = type(batch)
-    if t is dict:
-        return {k: _host_tensors(v, f"{path}[{k!r}]") for k, v in batch.items()}
-    if t is tuple or t is list:
-        return t(_host_tensors(v, f"{path}[{i}]") for i, v in enumerate(batch))
-    if isinstance(batch, np.ndarray):
+    def to_tensor(leaf: Any, path: str) -> Any:
+        if not isinstance(leaf, (np.ndarray, np.generic)):
+            return leaf
         try:
-            return torch.from_numpy(batch)
+            return torch.from_numpy(leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf))
         except TypeError:
-            raise BatchTypeError(f"PyTorch has no dtype for {batch.dtype!r}", path) from None
-    if isinstance(batch, np.generic):
-        try:
-            return torch.from_numpy(np.asarray(batch))
-        except TypeError:
-            raise BatchTypeError(f"PyTorch has no dtype for {batch.dtype!r}", path) from None
-    return batch
+            raise BatchTypeError(f"PyTorch has no dtype for {leaf.dtype!r}", path) from None
+
+    return map_leaves_with_paths(batch, to_tensor)

@@ -1,12 +1,54 @@
-"""Walking a batch: nested tuple/list/dict with arrays and scalars at the leaves."""
+"""Walking a batch: nested tuple, list and dict with leaves at the bottom.
+
+The one walker of the package. A batch is a tree whose inner nodes are
+exactly ``dict``, ``list`` and ``tuple`` (subclasses are leaves here: the
+codec refuses them with a message, this module does not judge) and whose
+leaves are anything else: arrays, scalars, ArraySpecs, tensors. Whoever
+needs a batch's leaves, their paths, or the batch rebuilt with other leaves
+uses these functions.
+
+Paths are Python source for the place of a leaf, rooted at ``batch``:
+``batch['image']``, ``batch[2][0]``; error messages name them.
+
+A batch's *structure* (``flatten``) is plain JSON data, so a transport can
+send it next to the leaves and ``unflatten`` rebuilds the batch::
+
+    ["d", [key, ...], [child, ...]]   dict (keys in order)
+    ["l", [child, ...]]               list
+    ["t", [child, ...]]               tuple
+    "*"                               a leaf (the next one in order)
+
+``unflatten`` treats a structure as untrusted input: anything malformed is a
+ValueError, and nesting deeper than MAX_DEPTH is refused, so a structure read
+from shared memory can at worst be reported.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["leaves", "nbytes"]
+__all__ = [
+    "MAX_DEPTH",
+    "Structure",
+    "flatten",
+    "leaves",
+    "leaves_with_paths",
+    "map_leaves",
+    "map_leaves_with_paths",
+    "nbytes",
+    "unflatten",
+]
+
+#: Deepest nesting a structure may have (the codec's limit too).
+MAX_DEPTH = 64
+
+#: JSON data describing a batch's nesting (see the module doc).
+Structure = Any
+
+_LEAF = "*"
 
 
 def leaves(batch: Any) -> Iterator[Any]:
@@ -22,6 +64,109 @@ def leaves(batch: Any) -> Iterator[Any]:
         yield batch
 
 
+def leaves_with_paths(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) for every leaf of `batch`, depth first, in order."""
+    t = type(batch)
+    if t is dict:
+        for k, v in batch.items():
+            yield from leaves_with_paths(v, f"{path}[{k!r}]")
+    elif t is tuple or t is list:
+        for i, v in enumerate(batch):
+            yield from leaves_with_paths(v, f"{path}[{i}]")
+    else:
+        yield path, batch
+
+
+def map_leaves(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """`batch` with ``fn(leaf)`` in place of each leaf; containers keep
+    their types."""
+    t = type(batch)
+    if t is dict:
+        return {k: map_leaves(v, fn) for k, v in batch.items()}
+    if t is tuple or t is list:
+        return t(map_leaves(v, fn) for v in batch)
+    return fn(batch)
+
+
+def map_leaves_with_paths(
+    batch: Any, fn: Callable[[Any, str], Any], path: str = "batch", *, lists_as_tuples: bool = False
+) -> Any:
+    """`batch` with ``fn(leaf, path)`` in place of each leaf. With
+    `lists_as_tuples`, lists become tuples (tf.data has no lists)."""
+    t = type(batch)
+    if t is dict:
+        return {
+            k: map_leaves_with_paths(v, fn, f"{path}[{k!r}]", lists_as_tuples=lists_as_tuples)
+            for k, v in batch.items()
+        }
+    if t is tuple or t is list:
+        children = (
+            map_leaves_with_paths(v, fn, f"{path}[{i}]", lists_as_tuples=lists_as_tuples) for i, v in enumerate(batch)
+        )
+        return tuple(children) if lists_as_tuples or t is tuple else list(children)
+    return fn(batch, path)
+
+
 def nbytes(batch: Any) -> int:
     """Bytes of the arrays in `batch` (scalars count for nothing)."""
     return sum(leaf.nbytes for leaf in leaves(batch) if isinstance(leaf, np.ndarray))
+
+
+# flatten and unflatten recurse through module-level functions, not nested
+# ones: a nested function that calls itself is a reference cycle, and the
+# cycle would keep the leaves (arrays, and so their slots) alive until the
+# garbage collector runs.
+
+
+def flatten(batch: Any) -> tuple[Structure, list[Any]]:
+    """(structure, leaves) of `batch`: ``unflatten(*flatten(b))`` rebuilds
+    `b`. Dict keys must be str (they go into JSON): TypeError otherwise."""
+    out: list[Any] = []
+    return _flatten(batch, "batch", out), out
+
+
+def _flatten(node: Any, path: str, out: list[Any]) -> Structure:
+    t = type(node)
+    if t is dict:
+        keys = list(node)
+        for k in keys:
+            if type(k) is not str:
+                raise TypeError(f"{path}[{k!r}]: dict keys must be str, not {type(k).__name__}")
+        return ["d", keys, [_flatten(node[k], f"{path}[{k!r}]", out) for k in keys]]
+    if t is list or t is tuple:
+        return ["l" if t is list else "t", [_flatten(v, f"{path}[{i}]", out) for i, v in enumerate(node)]]
+    out.append(node)
+    return _LEAF
+
+
+def unflatten(structure: Structure, leaves: Sequence[Any]) -> Any:
+    """The batch that `structure` describes, with `leaves` in order. Raises
+    ValueError if the structure is malformed or does not use exactly
+    ``len(leaves)`` leaves."""
+    remaining = iter(leaves)
+    batch = _unflatten(structure, remaining, 0)
+    if next(remaining, _LEAF) is not _LEAF:
+        raise ValueError(f"the structure uses fewer than the {len(leaves)} leaves given")
+    return batch
+
+
+def _unflatten(node: Structure, leaves: Iterator[Any], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"the structure is nested more than {MAX_DEPTH} levels deep")
+    if node == _LEAF:
+        leaf = next(leaves, _LEAF)
+        if leaf is _LEAF:
+            raise ValueError("the structure has more leaves than were given")
+        return leaf
+    if type(node) is not list or not node:
+        raise ValueError(f"malformed structure node {node!r:.60}")
+    kind = node[0]
+    if kind == "d" and len(node) == 3 and type(node[1]) is list and type(node[2]) is list:
+        keys, children = node[1], node[2]
+        if len(keys) != len(children) or any(type(k) is not str for k in keys):
+            raise ValueError("a dict node's keys and children do not match")
+        return {k: _unflatten(c, leaves, depth + 1) for k, c in zip(keys, children, strict=True)}
+    if kind in ("l", "t") and len(node) == 2 and type(node[1]) is list:
+        items = [_unflatten(c, leaves, depth + 1) for c in node[1]]
+        return items if kind == "l" else tuple(items)
+    raise ValueError(f"malformed structure node {node!r:.60}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno as _errno
 import signal as _signal
+from typing import Any
 
 __all__ = [
     "ShmpipeError",
@@ -65,7 +66,7 @@ class BatchTypeError(ShmpipeTypeError):
         self.message = message
         self.path = path
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         return (type(self), (self.message, self.path))
 
 
@@ -81,7 +82,7 @@ class BatchTooLargeError(ShmpipeValueError):
         self.nbytes = nbytes
         self.slot_size = slot_size
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         return (type(self), (self.nbytes, self.slot_size))
 
 
@@ -109,7 +110,7 @@ class SharedMemoryFullError(ShmpipeError, OSError):
         self.available = available
         self.where = where
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         return (type(self), (self.needed, self.available, self.where))
 
 
@@ -151,7 +152,7 @@ class WorkerError(ShmpipeError, RuntimeError):
         self.message = message
         self.remote_traceback = remote_traceback
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         return (
             type(self),
             (self.worker_id, self.pid, self.exc_type, self.message, self.remote_traceback),
@@ -192,7 +193,7 @@ class WorkerDiedError(WorkerError):
         self.signal = sig
         self.reason = reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         exitcode = -self.signal if self.signal else self.exitcode
         return (type(self), (self.worker_id, self.pid, exitcode, self.reason))
 

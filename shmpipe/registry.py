@@ -8,7 +8,9 @@ it with, in its pyproject.toml::
     mytransport = "mypackage.module:MyTransport"
 
 Nothing is imported until a transport is asked for by name, so ``import
-shmpipe`` stays light (no Ray, no Arrow).
+shmpipe`` stays light (no Ray, no Arrow). The built-in transports are found
+the same way as anyone's: by the path of their class, never imported by
+name, and each one's module says what it needs (``transport.require``).
 """
 
 from __future__ import annotations
@@ -21,19 +23,17 @@ from typing import Any
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, TransportUnavailableError
 from shmpipe.transport import Transport
 
-__all__ = ["ENTRY_POINT_GROUP", "register_transport", "available_transports", "get_transport", "resolve_transport"]
+__all__ = ["ENTRY_POINT_GROUP", "available_transports", "get_transport", "register_transport", "resolve_transport"]
 
 ENTRY_POINT_GROUP = "shmpipe.transports"
 
-#: name -> ("module:Class", pip extra that provides its dependencies)
-_BUILTIN: dict[str, tuple[str, str | None]] = {
-    "shm": ("shmpipe._shm:ShmTransport", None),
-    "arrow": ("shmpipe.transports.arrow:ArrowTransport", "arrow"),
-    "ray": ("shmpipe.transports.ray:RayTransport", "ray"),
-    "queue": ("shmpipe.transports.queue:QueueTransport", None),
+#: name -> "module:Class" of the transports that come with shmpipe
+_BUILTIN: dict[str, str] = {
+    "shm": "shmpipe.transports.shm:ShmTransport",
+    "arrow": "shmpipe.transports.arrow:ArrowTransport",
+    "ray": "shmpipe.transports.ray:RayTransport",
+    "queue": "shmpipe.transports.queue:QueueTransport",
 }
-#: dependencies of the built-in transports, checked before importing them
-_BUILTIN_REQUIRES = {"arrow": ("pyarrow",), "ray": ("ray",)}
 
 _registered: dict[str, type[Transport]] = {}
 
@@ -79,9 +79,9 @@ def get_transport(name: str) -> type[Transport]:
     if name in _registered:
         cls = _registered[name]
     elif name in _BUILTIN:
-        target, extra = _BUILTIN[name]
-        _check_requires(name, _BUILTIN_REQUIRES.get(name, ()), extra)
-        module, _, attr = target.partition(":")
+        module, _, attr = _BUILTIN[name].partition(":")
+        # A missing dependency is a TransportUnavailableError from the
+        # module's own transport.require().
         cls = getattr(importlib.import_module(module), attr)
     else:
         ep = _entry_points().get(name)
@@ -91,6 +91,8 @@ def get_transport(name: str) -> type[Transport]:
             )
         try:
             cls = ep.load()
+        except TransportUnavailableError:
+            raise  # the plugin's own transport.require() said what to install
         except ImportError as exc:
             raise TransportUnavailableError(
                 f"the {name!r} transport (entry point {ep.value!r} of "

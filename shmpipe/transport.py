@@ -22,9 +22,13 @@ The three objects
 ``Transport``
     Configuration and a factory, made in the consumer (``Transport(**options)``)
     and pickled to every producer process, so it must be small and
-    picklable. Class attributes: ``name``, ``capabilities`` (below),
-    ``requires`` (modules it imports; when one is missing, shmpipe answers
-    with ``pip install "shmpipe[<extra>]"``) and ``extra``.
+    picklable. Class attributes: ``name`` and ``capabilities`` (below). A
+    transport that needs packages beyond NumPy says so once: either its
+    module calls :func:`require` for each at import time (what the built-in
+    ones do), or the class lists them in ``requires`` (with the pip
+    ``extra`` that installs them) and imports them lazily. Either way a
+    missing package is a :class:`~shmpipe.TransportUnavailableError` that
+    gives the install command.
 
 ``ConsumerEnd`` = ``Transport.open(spec)``, in the consumer
     Creates whatever the channel needs (memory, queues) for a
@@ -42,6 +46,8 @@ The three objects
     user's threads (tf.data's) iterate several passes. ``close()`` wakes and stops
     producers waiting in ``put``; ``destroy()`` frees what ``open`` made and
     must be idempotent. Batches already delivered must stay valid after both.
+    ``slot_size`` says how many bytes one batch may take, where the channel
+    has such a limit (None otherwise).
 
 ``ProducerEnd`` = ``Transport.attach(handle, worker, control)``, in a producer
     ``start_pass(n)`` before each pass, ``put(batch)`` for each batch
@@ -53,6 +59,21 @@ The three objects
     While blocked, ``put`` must call ``control.check()`` every few tenths of
     a second: it raises :class:`Cancelled` when the consumer started another
     pass and :class:`Closed` when it is shutting down; let both propagate.
+    If the consumer process dies, shmpipe calls ``Transport.orphaned(handle)``
+    in each producer before it exits: the place to remove what the consumer
+    can no longer remove (a named shared-memory segment, say).
+
+Channels sized by their first batch
+-----------------------------------
+
+A transport whose channel needs to know how large a batch is before it
+exists sets ``capabilities.sized_by_first_batch``. When the user gave no
+``slot_size``, shmpipe then starts the producers first; the first producer
+with a batch measures it with ``Transport.batch_nbytes(batch)`` (in the
+producer), and the consumer opens the channel with
+``spec.slot_size = Transport.slot_size_for(nbytes)``, its policy for room to
+spare. A ``slot_size`` the user gave goes to ``open`` as it is; ``open``
+may round it (``ConsumerEnd.slot_size`` says what it made).
 
 Bounds, order and ownership
 ---------------------------
@@ -80,16 +101,26 @@ Producers a transport runs itself
 
 A transport whose producers must run elsewhere (Ray actors on a cluster) sets
 ``capabilities.own_producers`` and implements ``launch(sources, spec,
-seeds)`` returning a :class:`Launcher`; ``attach`` is then unused.
+seed)`` returning a :class:`Launcher`; ``attach`` is then unused. Before it
+runs a source for a pass, its producer calls :func:`enter_pass` (so
+``shmpipe.get_worker_info()`` and the seeds are what they are in shmpipe's
+own producers).
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from types import ModuleType
+from typing import Any, ClassVar
 
-from shmpipe.errors import ShmpipeError
+from shmpipe import _tree
+from shmpipe._producer_context import enter_pass
+from shmpipe._spec import new_arrays
+from shmpipe.errors import ShmpipeError, TransportUnavailableError
 
 __all__ = [
     "AGAIN",
@@ -104,6 +135,8 @@ __all__ = [
     "ProducerControl",
     "ProducerEnd",
     "Transport",
+    "enter_pass",
+    "require",
 ]
 
 
@@ -116,7 +149,7 @@ class _Sentinel:
     def __repr__(self) -> str:
         return f"shmpipe.transport.{self.name}"
 
-    def __reduce__(self):
+    def __reduce__(self) -> str:
         return self.name  # a module global: unpickles as the same object
 
 
@@ -152,7 +185,8 @@ class Capabilities:
         "arrow", "pickle", ...). Informational.
     sized_by_first_batch: ``open`` needs ``spec.slot_size``; when the user
         gave none, shmpipe opens the channel once a producer has a first
-        batch, with a size derived from it.
+        batch, with a size derived from it (see "Channels sized by their
+        first batch" in the module doc).
     cancels_passes: ``put`` raises Cancelled by itself when a new pass
         starts; otherwise shmpipe checks between batches.
     own_producers: the transport runs producers itself (see ``launch``).
@@ -221,6 +255,8 @@ class ConsumerEnd(abc.ABC):
     #: The worker and payload size of the batch ``get`` returned last.
     last_worker: int = 0
     last_nbytes: int = 0
+    #: Bytes one batch may take, where the channel has such a limit.
+    slot_size: int | None = None
 
     @abc.abstractmethod
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
@@ -282,9 +318,7 @@ class ProducerEnd(abc.ABC):
 
     def reserve(self, template: Any) -> Any:
         """Writable arrays for the next batch (default: new arrays)."""
-        from shmpipe._worker import _plain_arrays
-
-        return _plain_arrays(template)
+        return new_arrays(template)
 
     @abc.abstractmethod
     def end_pass(self) -> None:
@@ -319,9 +353,9 @@ class Launcher(abc.ABC):
         """Starts pass `pass_no` in every producer."""
 
     @abc.abstractmethod
-    def check(self) -> BaseException | None:
+    def first_failure(self) -> BaseException | None:
         """The first failure of a producer (an error it raised, or its
-        death) as the exception to raise, or None."""
+        death) as the exception to raise, or None. Never raises it."""
 
     def halt(self) -> None:
         """A producer failed: the others should stop producing (what is in
@@ -334,8 +368,6 @@ class Launcher(abc.ABC):
 
     def wait_for_event(self, timeout: float) -> None:
         """Blocks until a producer may have something to say, or timeout."""
-        import time
-
         time.sleep(timeout)
 
     def leftovers(self) -> list[str]:
@@ -349,7 +381,9 @@ class Transport(abc.ABC):
 
     name: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
-    #: Modules this transport needs beyond NumPy.
+    #: Modules this transport imports lazily (checked before it is used); a
+    #: transport whose module imports them at the top calls require() there
+    #: instead.
     requires: ClassVar[tuple[str, ...]] = ()
     #: The pip extra that installs them: pip install "shmpipe[<extra>]".
     extra: ClassVar[str | None] = None
@@ -369,10 +403,35 @@ class Transport(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not run its own producers")
 
     def batch_nbytes(self, batch: Any) -> int:
-        """Bytes a batch needs in this transport (to size a channel)."""
-        from shmpipe._codec import encoded_size
+        """Producer side, ``sized_by_first_batch`` only: bytes `batch` needs
+        in this transport's channel. Default: the bytes of its arrays."""
+        return _tree.nbytes(batch)
 
-        return encoded_size(batch)
+    def slot_size_for(self, nbytes: int) -> int:
+        """Consumer side, ``sized_by_first_batch`` only: the slot size to
+        open the channel with when the first batch needs `nbytes` (0 when a
+        pass ended before any batch). Default: `nbytes`, at least 1."""
+        return max(1, nbytes)
+
+    def orphaned(self, handle: Any) -> None:
+        """Producer side: the consumer process died, and this producer is
+        about to exit. Remove what only the consumer would have removed
+        (named memory). Runs in a watchdog thread; must not block."""
 
     def __repr__(self) -> str:
         return f"<shmpipe transport {self.name!r}>"
+
+
+def require(module: str, *, transport: str, extra: str | None = None) -> ModuleType:
+    """Imports `module` for the transport named `transport`, or raises
+    TransportUnavailableError with the command that installs it
+    (``pip install "shmpipe[<extra>]"``, or ``pip install <module>``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if exc.name is None or module.split(".")[0] != exc.name.split(".")[0]:
+            raise  # the package is there but fails to import: say that, as it is
+        hint = f'pip install "shmpipe[{extra}]"' if extra else f"pip install {module}"
+        raise TransportUnavailableError(
+            f"the {transport!r} transport needs {module}, which is not installed: {hint}"
+        ) from exc

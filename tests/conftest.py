@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from shmpipe import _segments
+from shmpipe import _process, _segments
 from shmpipe.testing.assertions import assert_same  # noqa: F401  (tests import it from here)
 
 
@@ -25,7 +25,7 @@ def _our_segments() -> set[str]:
     ours = set()
     for entry in entries:
         owner = _segments.parse_name(entry)
-        if owner is not None and (not _segments.owner_alive(*owner) or _descends_from_us(owner[0])):
+        if owner is not None and (not _process.owner_alive(*owner) or _descends_from_us(owner[0])):
             ours.add(entry)
     return ours
 

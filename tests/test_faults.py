@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _ring, _segments
+from shmpipe import _process, _ring, _segments
 from shmpipe.testing.sources import Counter, Exiter, HalfWriter, Killer, Raiser, Sleeper
 
 T = 30.0
@@ -24,7 +24,7 @@ T = 30.0
 
 def gone(pid: int) -> bool:
     """The process has exited (a zombie counts as exited)."""
-    return _segments.process_start_time(pid) is None
+    return _process.process_start_time(pid) is None
 
 
 def wait_until(predicate, timeout: float) -> bool:
@@ -258,7 +258,7 @@ def _dead_owner_name() -> str:
 
 
 def _reused_pid_name() -> str:
-    pid, start = _segments.owner_identity()  # a live pid, but another start time
+    pid, start = _process.owner_identity()  # a live pid, but another start time
     return f"/{_segments.PREFIX}{pid}-{start + 1}-{secrets.token_hex(12)}"
 
 

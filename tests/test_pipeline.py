@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _pipeline, _ring, _segments
+from shmpipe import _pipeline, _process, _producer_context, _ring, _segments
 from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
 
 from shmpipe.testing.batches import matrix
@@ -101,7 +101,7 @@ def test_worker_info_and_seeds():
     assert len({b["seed"] for b in first + second}) == 6, "seeds differ per worker and per pass"
     assert len({b["np"] for b in first}) == 3 and len({b["py"] for b in first}) == 3
     assert again == first, "the same base seed gives the same seeds and draws"
-    assert first[0]["seed"] == shmpipe._worker.seed_for(1234, 0, 0)
+    assert first[0]["seed"] == _producer_context.seed_for(1234, 0, 0)
 
 
 def test_a_deterministic_source_gives_a_deterministic_stream():
@@ -321,7 +321,7 @@ def test_a_forgotten_pipeline_cleans_up_when_collected():
     del pipe
     gc.collect()
     for pid in pids:
-        assert _segments.process_start_time(pid) is None  # stopped and reaped
+        assert _process.process_start_time(pid) is None  # stopped and reaped
     # the autouse fixture checks that the segment is gone too
 
 
@@ -427,8 +427,8 @@ def test_close_hooks_run_while_the_channel_memory_still_exists(how):
     next(iter(pipe))
     path = "/dev/shm" + pipe.channel.segment.name
     seen = []
-    pipe._on_close.append(lambda: seen.append(("first", os.path.exists(path))))
-    pipe._on_close.append(lambda: seen.append(("last", os.path.exists(path))))
+    pipe.call_on_close(lambda: seen.append(("first", os.path.exists(path))))
+    pipe.call_on_close(lambda: seen.append(("last", os.path.exists(path))))
     if how == "close":
         pipe.close()
     else:

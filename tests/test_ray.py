@@ -71,7 +71,7 @@ def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
                 seen.append((b["worker"], b["seq"]))
             assert ray.is_initialized()  # a cluster shmpipe did not start stays up
         assert sorted(seen) == [(w, s) for w in range(2) for s in range(5)]
-        assert pipe._launcher.leftovers() == []
+        assert pipe.leftovers() == []
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -14,10 +14,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from shmpipe import _ring, _segments
-from shmpipe._shm import ShmConsumer, attach_producer
+from shmpipe import _process, _ring, _segments
 from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
-from shmpipe.transport import Cancelled, Closed
+from shmpipe.transport import Cancelled, ChannelSpec, Closed
+from shmpipe.transports.shm import ShmConsumer, ShmHandle, attach_writer
 
 WAIT = 2.0  # seconds any single wait in these tests may take
 
@@ -28,10 +28,10 @@ def make_ring():
 
     def make(num_workers=1, capacity=4, slot_size=8192, ordered=False):
         c = ShmConsumer(
-            num_workers=num_workers, capacity=capacity, slot_size=slot_size, ordered=ordered, first_pass=0
+            ChannelSpec(num_workers=num_workers, capacity=capacity, slot_size=slot_size, ordered=ordered, first_pass=0)
         )
         made.append(c)
-        writers = [attach_producer(c.handle, w) for w in range(num_workers)]
+        writers = [attach_writer(c.handle, w) for w in range(num_workers)]
         for w in writers:
             w.start_pass(0)
         return c, writers
@@ -286,7 +286,7 @@ def _ring_spec(shape, dtype):
 def test_segment_name_mode_and_exclusive_creation(make_ring):
     c, _ = make_ring()
     name = c.handle.name
-    assert _segments.parse_name(name) == _segments.owner_identity()
+    assert _segments.parse_name(name) == _process.owner_identity()
     assert len(name.rsplit("-", 1)[1]) == 24  # 96 random bits
     st = os.stat(_segments.SHM_DIR + name)
     assert stat.S_IMODE(st.st_mode) == 0o600
@@ -322,7 +322,7 @@ def test_space_is_reserved_up_front():
 def test_too_small_dev_shm_is_a_clear_error():
     free = os.statvfs(_segments.SHM_DIR).f_bavail * os.statvfs(_segments.SHM_DIR).f_frsize
     with pytest.raises(SharedMemoryFullError) as info:
-        ShmConsumer(num_workers=1, capacity=2, slot_size=free, ordered=False, first_pass=0)
+        ShmConsumer(ChannelSpec(num_workers=1, capacity=2, slot_size=free, ordered=False, first_pass=0))
     err = info.value
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
     assert err.needed > err.available
@@ -351,15 +351,13 @@ def test_corrupted_header_is_an_error(make_ring, offset, data, words):
     c, _ = make_ring()
     _corrupt(c.handle.name, offset, data)
     with pytest.raises(CorruptSegmentError, match=words):
-        attach_producer(c.handle, 0)
+        attach_writer(c.handle, 0)
 
 
 def test_a_segment_of_someone_else_is_refused(make_ring):
     c, _ = make_ring()
-    from shmpipe._shm import ShmHandle
-
     with pytest.raises(CorruptSegmentError, match="belongs to pid"):
-        attach_producer(ShmHandle(c.handle.name, 1, 1), 0)
+        attach_writer(ShmHandle(c.handle.name, 1, 1), 0)
 
 
 def test_a_forked_child_does_not_release_the_parents_slots(tmp_path):
@@ -367,9 +365,10 @@ def test_a_forked_child_does_not_release_the_parents_slots(tmp_path):
         """
         import os, numpy as np
         from shmpipe import _ring
-        from shmpipe._shm import ShmConsumer, attach_producer
-        c = ShmConsumer(num_workers=1, capacity=2, slot_size=8192, ordered=False, first_pass=0)
-        w = attach_producer(c.handle, 0); w.start_pass(0)
+        from shmpipe.transport import ChannelSpec
+        from shmpipe.transports.shm import ShmConsumer, attach_writer
+        c = ShmConsumer(ChannelSpec(num_workers=1, capacity=2, slot_size=8192, ordered=False, first_pass=0))
+        w = attach_writer(c.handle, 0); w.start_pass(0)
         w.put({"x": np.arange(3)})
         b = c.get(0, -1, 0, 2.0)
         pid = os.fork()

@@ -211,7 +211,7 @@ def test_pin_memory_leaves_memory_the_pipeline_does_not_own_alone():
         next(iter(pipe))
         assert pipe.channel.owns_memory is False
         reg = _Registration.of(pipe)
-        assert _Registration.of(pipe) is reg and pipe._on_close.count(reg.unregister) == 1
+        assert _Registration.of(pipe) is reg and pipe._close_hooks.count(reg.unregister) == 1
         with pytest.warns(shmpipe.ShmpipeWarning, match="not the pipeline's own"):
             reg.register(pipe.channel)
         assert reg.ranges == []
@@ -252,7 +252,9 @@ def test_pin_memory_registers_the_ring_once_and_unregisters_it_at_close():
         it = iter(batches)
         b = next(it)
         assert b["data"].is_cuda
-        reg = pipe._cuda_registration
+        from shmpipe._torch import _Registration
+
+        reg = _Registration.of(pipe)
         lo, size = pipe.channel.memory_ranges()[0]
         assert reg.ranges == [(lo, size)] and page_is_pinned(lo + size // 2)
         rest = list(it) + list(batches)  # the rest of the pass, and a second pass

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _segments
+from shmpipe import _process, _segments
+from shmpipe._tree import leaves
 from shmpipe.registry import resolve_transport
 from shmpipe.testing.assertions import assert_same
 from shmpipe.testing.batches import matrix
@@ -61,8 +62,6 @@ def _in_ranges(arr: np.ndarray, ranges: list[tuple[int, int]]) -> bool:
 
 
 def _arrays(batch):
-    from shmpipe._tree import leaves
-
     return [leaf for leaf in leaves(batch) if isinstance(leaf, np.ndarray)]
 
 
@@ -203,13 +202,12 @@ class TransportConformance:
         kept = [next(it) for _ in range(3)]
         pids = [p for p in pipe.pids if p is not None]
         pipe.close()
-        launcher = pipe._launcher
-        assert launcher.leftovers() == []
+        assert pipe.leftovers() == []
         if not self.caps(transport).cross_host:
             deadline = time.monotonic() + 10
-            while any(_segments.process_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
+            while any(_process.process_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert all(_segments.process_start_time(p) is None for p in pids), "producers outlived close()"
+            assert all(_process.process_start_time(p) is None for p in pids), "producers outlived close()"
         assert _our_segments() - before == set(), "close() left shared memory behind"
         for b in kept:  # batches delivered before close stay valid
             np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], (1000,)))

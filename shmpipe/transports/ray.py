@@ -33,11 +33,10 @@ import re
 import secrets
 import tempfile
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
-import ray
-
-from shmpipe import _tree, _worker
+from shmpipe import _tree
 from shmpipe.errors import ShmpipeValueError, WorkerDiedError, WorkerError
 from shmpipe.transport import (
     AGAIN,
@@ -47,7 +46,11 @@ from shmpipe.transport import (
     ConsumerEnd,
     Launcher,
     Transport,
+    enter_pass,
+    require,
 )
+
+ray = require("ray", transport="ray", extra="ray")
 
 __all__ = ["RayTransport"]
 
@@ -86,8 +89,6 @@ class RayTransport(Transport):
         serializes="pickle 5, arrays out of band into Ray's object store",
         own_producers=True,
     )
-    requires = ("ray",)
-    extra = "ray"
 
     def __init__(
         self,
@@ -111,7 +112,6 @@ class RayTransport(Transport):
         return RayLauncher(self, sources, spec)
 
 
-@ray.remote
 class _Producer:
     """One producer: runs its source once per pass as a streaming generator."""
 
@@ -127,9 +127,8 @@ class _Producer:
     def cancel(self, below: int) -> None:
         self.cancelled_below = max(self.cancelled_below, below)
 
-    def run_pass(self, pass_no: int, seed: int):
-        _worker._info = _worker.WorkerInfo(self.worker, self.num_workers, seed, pass_no)
-        _worker._seed_generators(seed)
+    def run_pass(self, pass_no: int, seed: int) -> Iterator[Any]:
+        enter_pass(self.worker, self.num_workers, seed, pass_no)
         iterator = iter(self.source())
         try:
             for batch in iterator:
@@ -140,6 +139,10 @@ class _Producer:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
+
+
+# A Ray actor class (a class decorator would hide what it makes from type checkers).
+_ProducerActor = ray.remote(_Producer)
 
 
 class RayLauncher(Launcher):
@@ -156,7 +159,7 @@ class RayLauncher(Launcher):
         self.backpressure = spec.quota if spec.ordered else max(1, spec.capacity // spec.num_workers)
         try:
             self.actors = [
-                _Producer.options(
+                _ProducerActor.options(
                     name=f"{self.prefix}-{w}", max_concurrency=2, **transport.actor_options
                 ).remote(w, spec.num_workers, source)
                 for w, source in enumerate(sources)
@@ -183,7 +186,8 @@ class RayLauncher(Launcher):
         except BaseException:
             self.shutdown()
             raise
-        self.channel = RayConsumer(self)
+        self.consumer = RayConsumer(self)
+        self.channel = self.consumer
 
     def _start_ray(self, spec: ChannelSpec) -> None:
         with _away_from_a_checkout():
@@ -191,7 +195,7 @@ class RayLauncher(Launcher):
 
     def _init_ray(self, spec: ChannelSpec) -> None:
         t = self.transport
-        options = dict(include_dashboard=False)
+        options: dict[str, Any] = {"include_dashboard": False}
         if t.address is not None:
             options["address"] = t.address
         else:
@@ -211,7 +215,7 @@ class RayLauncher(Launcher):
         return list(self._pids)
 
     def open_channel(self, wait: float) -> ConsumerEnd:
-        return self.channel
+        return self.consumer
 
     def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
         if self.gens:
@@ -225,9 +229,9 @@ class RayLauncher(Launcher):
             ).remote(pass_no, seed)
             for a, seed in zip(self.actors, seeds)
         ]
-        self.channel.begin_pass(pass_no)
+        self.consumer.begin_pass(pass_no)
 
-    def check(self) -> BaseException | None:
+    def first_failure(self) -> BaseException | None:
         return None  # errors and deaths come out of the generators, in stream order
 
     def halt(self) -> None:
@@ -273,7 +277,7 @@ def _shadowing_checkout() -> bool:
 
 
 @contextlib.contextmanager
-def _away_from_a_checkout():
+def _away_from_a_checkout() -> Iterator[None]:
     """ray.init() puts its current directory on every worker's sys.path (so
     actors can import the user's modules). Started inside a shmpipe source
     checkout, that would make workers import the checkout instead of the
@@ -328,7 +332,7 @@ class RayConsumer(ConsumerEnd):
             return self._fetch(ref, w)
 
     def _fetch(self, ref: Any, worker: int) -> Any:
-        pid = self.launcher._pids[worker]
+        pid = self.launcher.pids[worker]
         try:
             batch = ray.get(ref)
         except ray.exceptions.RayTaskError as exc:

@@ -1,6 +1,11 @@
-"""The "shm" transport: the shared-memory ring as a pipeline's channel. The
-consumer owns the segment (creates, sizes, destroys it); each producer
-attaches to it by name. See docs/design.md.
+"""The "shm" transport, shmpipe's default: the shared-memory ring as a
+pipeline's channel.
+
+The consumer owns the segment (creates, sizes, destroys it); each producer
+attaches to it by name. The ring engine below does the work: _ring.pyx (the
+segment, the slot protocol, the two ends), _codec.pyx (the payload layout)
+and _segments.py (names, and sweeping the segments of dead owners). See
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -8,10 +13,10 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass
-
 from typing import Any
 
-from shmpipe import _ring, _segments
+from shmpipe import _codec, _ring, _segments
+from shmpipe._process import owner_identity
 from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
 from shmpipe.transport import (
     Capabilities,
@@ -22,25 +27,16 @@ from shmpipe.transport import (
     Transport,
 )
 
-__all__ = ["ShmTransport", "ShmHandle", "ShmConsumer", "ShmProducer", "attach_producer", "slot_size_for"]
+__all__ = ["ShmConsumer", "ShmHandle", "ShmProducer", "ShmTransport", "attach_writer"]
 
 #: A slot sized from a first batch gets this much room to spare, so later
 #: batches may be somewhat larger (a longer sequence, a bigger image).
 HEADROOM = 1.25
 
 
-def slot_size_for(nbytes: int) -> int:
-    """The slot size for batches like one of `nbytes` bytes."""
+def _round_to_pages(nbytes: int) -> int:
     page = _ring.PAGE_SIZE
-    want = max(int(nbytes * HEADROOM), nbytes + page)
-    return -(-want // page) * page
-
-
-def check_slot_size(slot_size: int) -> int:
-    if not isinstance(slot_size, int) or isinstance(slot_size, bool) or slot_size <= 0:
-        raise ShmpipeValueError(f"slot_size must be a positive int (bytes), got {slot_size!r}")
-    page = _ring.PAGE_SIZE
-    return -(-slot_size // page) * page
+    return -(-nbytes // page) * page
 
 
 @dataclass(frozen=True)
@@ -71,23 +67,31 @@ class ShmTransport(Transport):
         cancels_passes=True,
     )
 
-    #: The ConsumerEnd class open() makes (a ring transport with another
-    #: payload encoding, like "arrow", substitutes its own).
-    consumer_class: Any = None  # ShmConsumer, set below
+    def open(self, spec: ChannelSpec) -> ShmConsumer:
+        _segments.sweep()  # segments of pipelines whose process died
+        return self._consumer(spec)
 
-    def open(self, spec: ChannelSpec) -> "ShmConsumer":
-        if spec.slot_size is None:
-            raise ShmpipeValueError(f"the {self.name} transport needs a slot size")
-        return self.consumer_class(
-            num_workers=spec.num_workers,
-            capacity=spec.capacity,
-            slot_size=spec.slot_size,
-            ordered=spec.ordered,
-            first_pass=spec.first_pass,
-        )
+    def _consumer(self, spec: ChannelSpec) -> ShmConsumer:
+        """The ConsumerEnd open() makes (a ring transport with another
+        payload encoding, like "arrow", makes its own)."""
+        return ShmConsumer(spec)
 
-    def attach(self, handle: "ShmHandle", worker: int, control: ProducerControl) -> "ShmProducer":
-        return ShmProducer(attach_producer(handle, worker))
+    def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
+        return ShmProducer(attach_writer(handle, worker))
+
+    def batch_nbytes(self, batch: Any) -> int:
+        return _codec.encoded_size(batch)
+
+    def slot_size_for(self, nbytes: int) -> int:
+        return _round_to_pages(max(int(nbytes * HEADROOM), nbytes + _ring.PAGE_SIZE))
+
+    def orphaned(self, handle: ShmHandle) -> None:
+        # The consumer died: it cannot unlink the segment's name any more,
+        # and every producer tries (whoever comes first removes it).
+        try:
+            _ring.unlink_segment(handle.name)
+        except OSError:
+            pass
 
 
 class ShmProducer(ProducerEnd):
@@ -95,30 +99,35 @@ class ShmProducer(ProducerEnd):
 
     def __init__(self, writer: _ring.RingWriter) -> None:
         self.writer = writer
-        # Straight to the Cython methods: put() is on the hot path.
-        self.put = writer.put
-        self.reserve = writer.reserve
-        self.start_pass = writer.start_pass
-        self.end_pass = writer.finish_pass
 
-    def put(self, batch: Any) -> None:  # replaced per instance in __init__
+    def start_pass(self, pass_no: int) -> None:
+        self.writer.start_pass(pass_no)
+
+    def put(self, batch: Any) -> None:
         self.writer.put(batch)
 
-    def end_pass(self) -> None:  # replaced per instance in __init__
+    def reserve(self, template: Any) -> Any:
+        return self.writer.reserve(template)
+
+    def end_pass(self) -> None:
         self.writer.finish_pass()
 
 
 class ShmConsumer(ConsumerEnd):
     """The consumer's side: creates the segment and reads batches from it."""
 
-    def __init__(
-        self, *, num_workers: int, capacity: int, slot_size: int, ordered: bool, first_pass: int
-    ) -> None:
-        if capacity > _ring.MAX_SLOTS:
-            raise ShmpipeValueError(f"capacity must be at most {_ring.MAX_SLOTS}, got {capacity}")
+    owns_memory = True  # the segment is this pipeline's alone
+
+    def __init__(self, spec: ChannelSpec) -> None:
+        if spec.slot_size is None:
+            raise ShmpipeValueError("the ring needs a slot size")
+        if spec.capacity > _ring.MAX_SLOTS:
+            raise ShmpipeValueError(f"capacity must be at most {_ring.MAX_SLOTS}, got {spec.capacity}")
+        slot_size = _round_to_pages(spec.slot_size)
         name = _segments.new_segment_name()
-        pid, start = _segments.owner_identity()
-        total = _ring.header_size(capacity, num_workers) + capacity * slot_size
+        pid, start = owner_identity()
+        total = _ring.header_size(spec.capacity, spec.num_workers) + spec.capacity * slot_size
+        free: int | None
         try:
             free = _free_bytes(_segments.SHM_DIR)
         except OSError:
@@ -133,11 +142,11 @@ class ShmConsumer(ConsumerEnd):
             raise
         try:
             # In ordered mode one worker may not fill the ring while the
-            # consumer waits for another: each gets a quota, keeping one slot
-            # for the batch the consumer holds (see docs/design.md).
-            quota = max(1, (capacity - 1) // num_workers) if ordered and num_workers > 1 else 0
+            # consumer waits for another: each gets the spec's quota (one
+            # ordered worker's quota is the whole ring, the same as none).
+            quota = spec.quota if spec.ordered else 0
             self.ring = _ring.Ring.create(
-                segment, capacity, num_workers, slot_size, quota, ordered, pid, start, first_pass
+                segment, spec.capacity, spec.num_workers, slot_size, quota, spec.ordered, pid, start, spec.first_pass
             )
         except BaseException:
             segment.unlink()
@@ -145,14 +154,14 @@ class ShmConsumer(ConsumerEnd):
         self.segment = segment
         self.handle = ShmHandle(name, pid, start)
         self.reader = _ring.RingReader(self.ring)
-        # Straight to the Cython method: get() is on the hot path.
-        self.get = self.reader.take
         self.slot_size = slot_size
-        self.capacity = capacity
+        self.capacity = spec.capacity
 
-    def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:  # replaced in __init__
+    def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         return self.reader.take(pass_no, worker, wseq, wait)
 
+    # Properties where the contract has plain attributes: read from the
+    # reader only when asked, so get() copies nothing.
     @property
     def last_worker(self) -> int:  # type: ignore[override]
         return self.reader.last_worker
@@ -188,8 +197,6 @@ class ShmConsumer(ConsumerEnd):
     def memory_ranges(self) -> list[tuple[int, int]]:
         return [(self.segment.address, self.segment.size)]
 
-    owns_memory = True  # the segment is this pipeline's alone
-
     def describe_wait(self) -> str:
         """Why nothing came: the slots' states, for a timeout's message."""
         states = self.ring.slot_states()
@@ -208,16 +215,12 @@ class ShmConsumer(ConsumerEnd):
         )
 
 
-ShmTransport.consumer_class = ShmConsumer
-
-
-def attach_producer(handle: ShmHandle, worker: int) -> _ring.RingWriter:
+def attach_writer(handle: ShmHandle, worker: int) -> _ring.RingWriter:
     """A producer's writer for worker `worker` of the ring `handle` names."""
     segment = _ring.Segment.attach(handle.name)
     ring = _ring.Ring.attach(segment)
     if (ring.owner_pid, ring.owner_start) != (handle.owner_pid, handle.owner_start):
         raise CorruptSegmentError(
-            f"segment {handle.name!r} belongs to pid {ring.owner_pid}, not to the pipeline "
-            f"owner {handle.owner_pid}"
+            f"segment {handle.name!r} belongs to pid {ring.owner_pid}, not to the pipeline owner {handle.owner_pid}"
         )
     return _ring.RingWriter(ring, worker)

@@ -1,0 +1,167 @@
+"""The arguments of ``from_iterators``, checked: PipelineOptions.
+
+Every argument is checked here, before any process starts or any memory is
+made, and the result is one small frozen object the pipeline reads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing.reduction import ForkingPickler
+import os
+import secrets
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
+from shmpipe.registry import resolve_transport
+from shmpipe.transport import ChannelSpec, Transport
+
+__all__ = ["PipelineOptions", "Source", "check_options", "default_start_method"]
+
+#: A producer's source: a picklable zero-argument callable returning batches.
+Source = Callable[[], Iterable[Any]]
+
+
+def default_start_method() -> str:
+    """forkserver where the platform has it (producers start from a clean
+    server process, not a copy of a trainer's threads), else spawn."""
+    methods = multiprocessing.get_all_start_methods()
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """A pipeline's configuration, every value checked (see check_options)."""
+
+    sources: tuple[Source, ...]
+    transport: Transport
+    capacity: int
+    ordered: bool
+    start_method: str
+    timeout: float | None
+    slot_size: int | None
+    seed: int
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.sources)
+
+    def channel_spec(self) -> ChannelSpec:
+        """What the pipeline asks of its channel (at pass 0)."""
+        return ChannelSpec(
+            num_workers=self.num_workers,
+            capacity=self.capacity,
+            ordered=self.ordered,
+            first_pass=0,
+            slot_size=self.slot_size,
+            mp_context=multiprocessing.get_context(self.start_method),
+        )
+
+
+def check_options(
+    sources: Sequence[Source],
+    *,
+    transport: str | Transport | type[Transport],
+    capacity: int | None,
+    ordered: bool,
+    start_method: str | None,
+    timeout: float | None,
+    slot_size: int | None,
+    seed: int | None,
+) -> PipelineOptions:
+    """PipelineOptions from from_iterators' arguments (see its doc), or the
+    ShmpipeTypeError / ShmpipeValueError that says what is wrong."""
+    checked = _check_sources(sources)
+    n = len(checked)
+    resolved = resolve_transport(transport)
+    if capacity is None:
+        capacity = 2 * n + 2
+    if not _is_int(capacity) or capacity < 1:
+        raise ShmpipeValueError(f"capacity must be a positive int, got {capacity!r}")
+    if ordered and capacity < n + 1:
+        raise ShmpipeValueError(
+            f"ordered=True with {n} workers needs capacity >= {n + 1} (one slot per worker "
+            f"plus one for the batch you hold), got {capacity}"
+        )
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ShmpipeValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if slot_size is not None and (not _is_int(slot_size) or slot_size <= 0):
+        raise ShmpipeValueError(f"slot_size must be a positive int (bytes), got {slot_size!r}")
+    if seed is None:
+        seed = secrets.randbits(63)
+    elif not _is_int(seed) or seed < 0:
+        raise ShmpipeValueError(f"seed must be a non-negative int or None, got {seed!r}")
+    method = start_method or default_start_method()
+    if method not in multiprocessing.get_all_start_methods():
+        raise ShmpipeValueError(
+            f"unknown start_method {method!r}; this platform has {', '.join(multiprocessing.get_all_start_methods())}"
+        )
+    if method != "fork" and not resolved.capabilities.own_producers:
+        _check_picklable(checked, method)
+    return PipelineOptions(
+        sources=tuple(checked),
+        transport=resolved,
+        capacity=capacity,
+        ordered=bool(ordered),
+        start_method=method,
+        timeout=None if timeout is None else float(timeout),
+        slot_size=slot_size,
+        seed=seed,
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sources(sources: Any) -> list[Source]:
+    if callable(sources) or isinstance(sources, (str, bytes)):
+        raise ShmpipeTypeError("sources must be a sequence of callables, one per producer, e.g. [make_batches] * 4")
+    try:
+        listed = list(sources)
+    except TypeError:
+        raise ShmpipeTypeError(f"sources must be a sequence of callables, got {type(sources).__name__}") from None
+    if not listed:
+        raise ShmpipeValueError("sources is empty: give at least one callable")
+    for i, s in enumerate(listed):
+        if not callable(s):
+            raise ShmpipeTypeError(
+                f"source {i} is a {type(s).__name__}, not a callable; pass the generator "
+                "function itself (make_batches), not its result (make_batches())"
+            )
+    return listed
+
+
+def _check_picklable(sources: list[Source], method: str) -> None:
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)
+    if main_file is not None and not os.path.exists(main_file):
+        # multiprocessing re-imports __main__ from its file in every child
+        raise ShmpipeValueError(
+            f"the main module's file {main_file!r} does not exist (a script read from stdin?), "
+            f"so {method!r} producer processes cannot start; run the script from a file, or "
+            "pass start_method='fork'"
+        )
+    interactive = main_file is None
+    for i, s in enumerate(sources):
+        module = getattr(s, "__module__", None) or type(s).__module__
+        if interactive and module == "__main__":
+            # Pickled by reference to __main__, which a fresh producer process
+            # cannot import when __main__ is a notebook or an interactive shell.
+            raise ShmpipeTypeError(
+                f"source {i} ({s!r}) is defined in an interactive session, where a "
+                f"{method!r} producer process cannot import it; move it to a module (a .py "
+                "file) and import it from there, or pass start_method='fork' (not safe "
+                "once TensorFlow or CUDA have started threads)."
+            )
+        try:
+            ForkingPickler.dumps(s)
+        except Exception as exc:
+            raise ShmpipeTypeError(
+                f"source {i} ({s!r}) cannot be pickled, which a {method!r} producer process "
+                f"needs: {exc}. Define it at the top level of an importable module (not a "
+                "lambda or a nested function), or wrap such a function in functools.partial."
+            ) from exc

@@ -1,0 +1,96 @@
+"""What a source sees from inside a producer: ``get_worker_info()`` and
+``reserve()``, and how whoever runs the source sets them up for a pass.
+
+shmpipe's own producer processes (_worker.py) and transports that run their
+producers themselves (Ray actors) both call :func:`enter_pass` before they
+run a source for a pass, so a source sees the same thing wherever it runs.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from shmpipe._spec import new_arrays
+
+__all__ = ["WorkerInfo", "enter_pass", "get_worker_info", "reserve", "seed_for", "set_reserver"]
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Who this producer is, as seen from inside a source.
+
+    ``id`` is 0..num_workers-1; ``seed`` is this worker's seed for this pass,
+    derived from the pipeline's base seed, the pass (``epoch``) and the id,
+    so runs with the same base seed see the same seeds. NumPy's and
+    ``random``'s global generators are seeded from it before the source is
+    called.
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+    epoch: int
+
+
+class Reserver(Protocol):
+    """Whatever hands out writable arrays in a producer (its channel's end)."""
+
+    def reserve(self, template: Any) -> Any: ...
+
+
+_info: WorkerInfo | None = None
+_reserver: Reserver | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """This producer's WorkerInfo; None outside a shmpipe producer."""
+    return _info
+
+
+def reserve(template: Any) -> Any:
+    """Writable arrays for the next batch, inside a free slot.
+
+    ``template`` has the nesting of a batch; each leaf is an ArraySpec or an
+    array (which stands for its shape and dtype; its values are not
+    copied) or a scalar (kept as it is). The arrays returned are
+    uninitialised, like ``numpy.empty``. Fill them, then yield the structure
+    reserve() returned: the batch is published without a copy. Yielding
+    anything else copies the arrays out and gives the slot back.
+
+    Blocks while every slot is busy. Outside a producer, or with a transport
+    that has no slots, it returns ordinary new arrays, and yielding them
+    sends them as any batch.
+    """
+    if _reserver is None:
+        return new_arrays(template)
+    return _reserver.reserve(template)
+
+
+def set_reserver(reserver: Reserver | None) -> None:
+    """What reserve() asks in this process (a producer sets itself)."""
+    global _reserver
+    _reserver = reserver
+
+
+def seed_for(base_seed: int, pass_no: int, worker: int) -> int:
+    """A 63-bit seed for one worker in one pass, reproducible from base_seed."""
+    state = np.random.SeedSequence(base_seed, spawn_key=(pass_no, worker)).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def enter_pass(worker: int, num_workers: int, seed: int, pass_no: int) -> None:
+    """Before a source runs for pass `pass_no`: what get_worker_info()
+    returns from now on, and the global generators (random, NumPy's, and
+    torch's where it is imported) seeded with `seed`."""
+    global _info
+    _info = WorkerInfo(worker, num_workers, seed, pass_no)
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF])
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
