@@ -44,6 +44,7 @@ import numpy as np
 
 import shmpipe
 from shmpipe.testing.sources import StampedInPlace
+from shmpipe.transport import ConsumerEnd
 
 
 class Filled:
@@ -58,6 +59,13 @@ class Filled:
             a = shmpipe.reserve(spec)
             a[:: 1 << 10] = i  # touch it: fresh data
             yield a
+
+
+def channel_of(pipe: shmpipe.Pipeline) -> ConsumerEnd:
+    """The pipeline's channel, open once a batch came through it."""
+    channel = pipe.channel
+    assert channel is not None, "no batch has opened the channel yet"
+    return channel
 
 
 def pinned_inside(torch: Any, address: int) -> bool:
@@ -79,10 +87,10 @@ def check_registration(torch: Any, mib: int) -> dict[str, Any]:
         registration = _Registration.of(pipe)
         registration.register(pipe.channel)
         register_s = time.perf_counter() - t0
-        gb = sum(size for _, size in pipe.channel.memory_ranges()) / 1e9
+        gb = sum(size for _, size in channel_of(pipe).memory_ranges()) / 1e9
         it = iter(batches)  # a new pass, to the GPU (registered already)
         next(it)
-        lo, size = pipe.channel.memory_ranges()[0]
+        lo, size = channel_of(pipe).memory_ranges()[0]
         during = pinned_inside(torch, lo + size // 2)
         for _ in it:
             pass
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. pointer identity on the host
     with shmpipe.from_iterators([Filled(2, 1 << 20)], timeout=60) as pipe:
         t = next(iter(pipe.to_torch()))
-        lo, size = pipe.channel.memory_ranges()[0]
+        lo, size = channel_of(pipe).memory_ranges()[0]
         results["host_tensor_in_segment"] = lo <= t.data_ptr() < lo + size
         del t
     if not results["host_tensor_in_segment"]:

@@ -425,10 +425,6 @@ void shmp_report_fault(void *base) {
     notify_consumer(h);
 }
 
-uint32_t shmp_faults(const void *base) {
-    return atomic_load_explicit(&((shmp_header *)base)->faults, memory_order_acquire);
-}
-
 /* ---- observation ------------------------------------------------------ */
 
 static inline const shmp_slot *cslot(const void *base, uint32_t slot) {

@@ -152,7 +152,6 @@ int shmp_is_closed(const void *base);
  * consumer saw one die: producers stop claiming slots (SHMP_CLOSED), and
  * shmp_take returns SHMP_FAULT once what is READY has been taken. */
 void shmp_report_fault(void *base);
-uint32_t shmp_faults(const void *base);
 
 /* ---- observation (relaxed reads, for stats and diagnostics) ----------- */
 uint32_t shmp_slot_state(const void *base, uint32_t slot);

@@ -12,9 +12,9 @@ main(), so producer processes do not import it.
 
 import argparse
 
-import shmpipe
-
 from keras_fit import CLASSES, SHAPE, SyntheticImages  # the same producer
+
+import shmpipe
 
 
 def main() -> None:

@@ -114,7 +114,7 @@ class ProcessLauncher(Launcher):
     def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
-        for conn, seed in zip(self.conns, seeds):
+        for conn, seed in zip(self.conns, seeds, strict=True):
             conn.send(("pass", pass_no, seed))
 
     def wait_for_event(self, timeout: float) -> None:

@@ -7,12 +7,12 @@ made, and the result is one small frozen object the pipeline reads.
 from __future__ import annotations
 
 import multiprocessing
-from multiprocessing.reduction import ForkingPickler
 import os
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError

@@ -440,7 +440,7 @@ class Pipeline:
 
     def to_tf_dataset(
         self, output_signature: Any = None, *, device: str | None = None, batches_per_pass: int | None = None
-    ) -> "tf.data.Dataset":
+    ) -> tf.data.Dataset:
         """A ``tf.data.Dataset`` of this pipeline's batches, without a copy.
 
         Each iteration of the dataset (each epoch of ``model.fit``) is a new
@@ -461,7 +461,7 @@ class Pipeline:
 
         return to_tf_dataset(self, output_signature, device=device, batches_per_pass=batches_per_pass)
 
-    def to_torch(self, device: Any = None, pin_memory: bool = False, non_blocking: bool = True) -> "TorchBatches":
+    def to_torch(self, device: Any = None, pin_memory: bool = False, non_blocking: bool = True) -> TorchBatches:
         """This pipeline's batches with torch tensors at the array leaves.
 
         On the host (``device=None`` or "cpu") the tensors are

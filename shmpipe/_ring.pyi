@@ -4,6 +4,10 @@ from typing import Any, Final
 
 import numpy as np
 
+from shmpipe.transport import AGAIN as AGAIN
+from shmpipe.transport import END as END
+from shmpipe.transport import FAULT as FAULT
+
 FREE: Final[int]
 WRITING: Final[int]
 READY: Final[int]
@@ -13,7 +17,6 @@ MAX_SLOTS: Final[int]
 MAX_WORKERS: Final[int]
 LAYOUT_VERSION: Final[int]
 
-from shmpipe.transport import AGAIN as AGAIN, END as END, FAULT as FAULT
 
 def header_size(nslots: int, nworkers: int) -> int: ...
 def unlink_segment(name: str) -> bool: ...
@@ -23,8 +26,6 @@ class Segment:
     def name(self) -> str: ...
     @property
     def size(self) -> int: ...
-    @property
-    def created(self) -> bool: ...
     @property
     def address(self) -> int: ...
     @staticmethod
@@ -55,8 +56,6 @@ class Ring:
     def closed(self) -> bool: ...
     @property
     def current_pass(self) -> int: ...
-    @property
-    def faults(self) -> int: ...
     @staticmethod
     def create(
         segment: Segment,

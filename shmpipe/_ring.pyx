@@ -84,7 +84,6 @@ cdef extern from "shmpipe_ring.h" nogil:
     void shmp_close(void *base)
     int shmp_is_closed(const void *base)
     void shmp_report_fault(void *base)
-    uint32_t shmp_faults(const void *base)
     uint32_t shmp_slot_state(const void *base, uint32_t slot)
     uint32_t shmp_slot_worker(const void *base, uint32_t slot)
     uint32_t shmp_slot_pass(const void *base, uint32_t slot)
@@ -174,7 +173,6 @@ cdef class Segment:
     cdef readonly str name
     cdef unsigned char *addr
     cdef readonly Py_ssize_t size
-    cdef readonly bint created
 
     def __cinit__(self):
         self.addr = NULL
@@ -215,7 +213,6 @@ cdef class Segment:
             raise
         finally:
             close(fd)
-        seg.created = True
         return seg
 
     @staticmethod
@@ -238,7 +235,6 @@ cdef class Segment:
             seg._map(fd, st.st_size, name)
         finally:
             close(fd)
-        seg.created = False
         return seg
 
     cdef int _map(self, int fd, Py_ssize_t size, str name) except -1:
@@ -351,10 +347,6 @@ cdef class Ring:
         """Producer side: make the consumer look at the control channel now."""
         shmp_report_fault(self.base)
 
-    @property
-    def faults(self) -> int:
-        return shmp_faults(self.base)
-
     def held_count(self) -> int:
         """Slots HELD: delivered batches still referenced somewhere."""
         cdef uint32_t i, n = 0
@@ -439,10 +431,9 @@ cdef class RingWriter:
     cdef readonly uint64_t wseq
     cdef Encoder enc
     cdef Decoder dec
-    # The pending reservation: its slot, the structure handed out, its arrays.
+    # The pending reservation: its slot and the arrays handed out in it.
     cdef bint has_reserved
     cdef uint32_t reserved_slot
-    cdef object reserved_batch
     cdef list reserved_arrays
     cdef int64_t wait_ns
 
@@ -557,7 +548,6 @@ cdef class RingWriter:
             raise
         self.has_reserved = True
         self.reserved_slot = slot
-        self.reserved_batch = batch
         self.reserved_arrays = arrays
         return batch
 
@@ -567,7 +557,6 @@ cdef class RingWriter:
         for arr in self.reserved_arrays:
             cnp.PyArray_CLEARFLAGS(<cnp.ndarray>arr, cnp.NPY_ARRAY_WRITEABLE)
         self.has_reserved = False
-        self.reserved_batch = None
         self.reserved_arrays = []
 
     cdef _drop_reservation(self):

@@ -126,7 +126,7 @@ def signature_of(*batches: Any) -> Any:
         if a.dtype != b.dtype or a.shape.rank != b.shape.rank:
             raise ShmpipeValueError(f"batches disagree: {a} vs {b}; pass output_signature yourself")
         return tf.TensorSpec(
-            [x if x == y else None for x, y in zip(a.shape.as_list(), b.shape.as_list())], a.dtype
+            [x if x == y else None for x, y in zip(a.shape.as_list(), b.shape.as_list(), strict=True)], a.dtype
         )
 
     out = specs[0]

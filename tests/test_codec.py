@@ -7,13 +7,12 @@ import collections
 
 import numpy as np
 import pytest
+from conftest import assert_same
 
 import shmpipe
 from shmpipe import _codec
 from shmpipe.errors import BatchTypeError, CorruptSegmentError
-
 from shmpipe.testing.batches import SCALARS, matrix, non_contiguous
-from conftest import assert_same
 
 MATRIX = list(matrix())
 

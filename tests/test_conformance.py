@@ -6,11 +6,10 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
+from conftest import ray_friendly_cwd
 
 from shmpipe import registry
 from shmpipe.testing.conformance import TransportConformance
-
-from conftest import ray_friendly_cwd
 
 
 class TestShm(TransportConformance):

@@ -9,13 +9,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import assert_same
 
 import shmpipe
 from shmpipe import _pipeline, _process, _producer_context, _ring, _segments
-from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
-
 from shmpipe.testing.batches import matrix
-from conftest import assert_same
+from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
 
 T = 30.0  # no single batch may take longer than this in these tests
 

@@ -8,8 +8,8 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 
 import numpy as np
 import pytest

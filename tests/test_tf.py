@@ -188,7 +188,7 @@ def test_an_ordered_pipeline_never_lends_tensorflow_the_slots_its_producers_need
             elif hold == "batch":
                 got = [(int(w), int(s)) for b in ds.batch(5) for w, s in zip(b["worker"], b["seq"])]
             else:
-                for i, e in enumerate(ds):
+                for i, _element in enumerate(ds):
                     if i == 2:
                         break
                 del e

@@ -86,3 +86,23 @@ def test_walking_keeps_no_reference_to_the_leaves():
         assert ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "got, words",
+    [
+        ({"a": (np.arange(3),), "b": 1.5}, "nesting"),  # list became a tuple
+        ({"b": 1.5, "a": [np.arange(3)]}, "nesting"),  # keys in another order
+        ({"a": [np.arange(3, dtype=np.int32)], "b": 1.5}, "dtype"),
+        ({"a": [np.arange(1, 4)], "b": 1.5}, "bytes differ"),
+        ({"a": [np.arange(3)], "b": 1}, "is not"),
+        ({"a": [np.arange(3)], "b": float("nan")}, "!="),
+    ],
+)
+def test_assert_same_catches_each_kind_of_difference(got, words):
+    from shmpipe.testing.assertions import assert_same
+
+    want = {"a": [np.arange(3)], "b": 1.5}
+    assert_same({"a": [np.arange(3)], "b": 1.5}, want)
+    with pytest.raises(AssertionError, match=words):
+        assert_same(got, want)

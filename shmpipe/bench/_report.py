@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from shmpipe._options import default_start_method
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -36,12 +37,10 @@ def human_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def process_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
-    """The start method the benchmarks' own producer processes use: forkserver,
-    or spawn where there is no forkserver."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("forkserver")
-    return multiprocessing.get_context("spawn")
+def process_context() -> Any:
+    """The context the benchmarks' own producer processes start with: the
+    same start method as a pipeline's producers."""
+    return multiprocessing.get_context(default_start_method())
 
 
 def pyplot() -> Any:

@@ -23,12 +23,16 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import shmpipe
 from shmpipe import _process, _segments
+from shmpipe._options import Source
 from shmpipe._tree import leaves
 from shmpipe.registry import resolve_transport
 from shmpipe.testing.assertions import assert_same
@@ -45,8 +49,12 @@ from shmpipe.testing.sources import (
     payload_for,
     produced,
 )
+from shmpipe.transport import Capabilities, ConsumerEnd, Transport
 
 __all__ = ["TransportConformance"]
+
+#: What a ``transport`` fixture may give: a name, a Transport class or an instance.
+TransportArg = str | type[Transport] | Transport
 
 
 def _our_segments() -> set[str]:
@@ -61,7 +69,13 @@ def _in_ranges(arr: np.ndarray, ranges: list[tuple[int, int]]) -> bool:
     return any(start <= lo and lo + arr.nbytes <= start + size for start, size in ranges)
 
 
-def _arrays(batch):
+def _channel(pipe: shmpipe.Pipeline) -> ConsumerEnd:
+    channel = pipe.channel
+    assert channel is not None, "the pipeline has delivered a batch, so its channel is open"
+    return channel
+
+
+def _arrays(batch: Any) -> list[np.ndarray]:
     return [leaf for leaf in leaves(batch) if isinstance(leaf, np.ndarray)]
 
 
@@ -72,30 +86,30 @@ class TransportConformance:
     timeout = 60.0
 
     @pytest.fixture
-    def transport(self):
+    def transport(self) -> TransportArg:
         raise NotImplementedError("give the subclass a `transport` fixture")
 
-    def pipe(self, transport, sources, **options) -> shmpipe.Pipeline:
+    def pipe(self, transport: TransportArg, sources: Sequence[Source], **options: Any) -> shmpipe.Pipeline:
         options.setdefault("timeout", self.timeout)
         return shmpipe.from_iterators(sources, transport=transport, **options)
 
     @staticmethod
-    def caps(transport):
+    def caps(transport: TransportArg) -> Capabilities:
         return resolve_transport(transport).capabilities
 
     # -- what arrives --------------------------------------------------------
 
-    def test_round_trip_matrix_bit_exact(self, transport):
+    def test_round_trip_matrix_bit_exact(self, transport: TransportArg) -> None:
         want = [b for _, b in matrix()]
         with self.pipe(transport, [Matrix()], ordered=True) as pipe:
             got = 0
-            for batch, expected in zip(pipe, want):
+            for batch, expected in zip(pipe, want, strict=False):  # a count below says if one ran short
                 assert_same(batch, expected)
                 got += 1
         assert got == len(want)
 
     @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
-    def test_every_batch_exactly_once(self, transport, ordered):
+    def test_every_batch_exactly_once(self, transport: TransportArg, ordered: bool) -> None:
         n, per = 3, 25
         with self.pipe(transport, [Counter(per, shape=(64,))] * n, ordered=ordered) as pipe:
             seen = []
@@ -112,12 +126,12 @@ class TransportConformance:
                 assert [s for ww, s in seen if ww == w] == list(range(per))
         assert stats.batches == n * per and stats.per_worker_batches == (per,) * n
 
-    def test_ordered_skips_exhausted_workers(self, transport):
+    def test_ordered_skips_exhausted_workers(self, transport: TransportArg) -> None:
         with self.pipe(transport, [Counter(3), Counter(5), Counter(1)], ordered=True) as pipe:
             seen = [(b["worker"], b["seq"]) for b in pipe]
         assert seen == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (0, 2), (1, 2), (1, 3), (1, 4)]
 
-    def test_end_of_stream_and_new_passes(self, transport):
+    def test_end_of_stream_and_new_passes(self, transport: TransportArg) -> None:
         with self.pipe(transport, [Counter(6)] * 2) as pipe:
             for _ in range(2):
                 assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(2) for s in range(6)]
@@ -127,7 +141,7 @@ class TransportConformance:
         with self.pipe(transport, [Fixed([])] * 2) as pipe:
             assert list(pipe) == [] and list(pipe) == []
 
-    def test_reserve_gives_correct_batches(self, transport):
+    def test_reserve_gives_correct_batches(self, transport: TransportArg) -> None:
         with self.pipe(transport, [Reserver(10, shape=(128,))] * 2) as pipe:
             seen = []
             for b in pipe:
@@ -137,7 +151,7 @@ class TransportConformance:
 
     # -- bounds --------------------------------------------------------------
 
-    def test_backpressure_bounds_batches_in_flight(self, transport, tmp_path):
+    def test_backpressure_bounds_batches_in_flight(self, transport: TransportArg, tmp_path: Path) -> None:
         n, capacity = 2, 4
         with self.pipe(transport, [Progress(500, str(tmp_path))] * n, capacity=capacity) as pipe:
             it = iter(pipe)
@@ -154,7 +168,7 @@ class TransportConformance:
                 )
             assert made >= delivered + 1, "producers did not run ahead at all"
 
-    def test_held_batches_never_change(self, transport):
+    def test_held_batches_never_change(self, transport: TransportArg) -> None:
         kept = []
         with self.pipe(transport, [Stamped(60, shape=(2048,))] * 2, capacity=6) as pipe:
             for b in pipe:
@@ -169,7 +183,7 @@ class TransportConformance:
     # -- failures ------------------------------------------------------------
 
     @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
-    def test_producer_exception(self, transport, ordered):
+    def test_producer_exception(self, transport: TransportArg, ordered: bool) -> None:
         # The healthy worker is slow, so in ordered mode the failing worker's
         # batches queue up behind its turns: they must still be delivered.
         pipe = self.pipe(transport, [Raiser(3, only_worker=1, delay=0.3)] * 2, ordered=ordered)
@@ -185,7 +199,7 @@ class TransportConformance:
         assert [s for w, s in seen if w == 1] == [0, 1, 2], "batches yielded before the error were lost"
         assert pipe.closed
 
-    def test_producer_death(self, transport):
+    def test_producer_death(self, transport: TransportArg) -> None:
         with pytest.raises(shmpipe.WorkerDiedError) as info:
             with self.pipe(transport, [Killer(2, signal.SIGKILL, only_worker=0)] * 2) as pipe:
                 for _ in pipe:
@@ -195,7 +209,7 @@ class TransportConformance:
 
     # -- clean-up --------------------------------------------------------------
 
-    def test_close_leaves_nothing_behind_and_keeps_delivered_batches(self, transport):
+    def test_close_leaves_nothing_behind_and_keeps_delivered_batches(self, transport: TransportArg) -> None:
         before = _our_segments()
         pipe = self.pipe(transport, [Counter(100, shape=(1000,))] * 2, capacity=6)
         it = iter(pipe)
@@ -214,20 +228,20 @@ class TransportConformance:
 
     # -- what the capabilities claim -----------------------------------------
 
-    def test_zero_copy_reads(self, transport):
+    def test_zero_copy_reads(self, transport: TransportArg) -> None:
         caps = self.caps(transport)
         if not caps.zero_copy_reads:
             pytest.skip("the transport does not claim zero-copy reads")
         n = max(256, caps.zero_copy_min_bytes // 4 + 1)  # float32 elements
         with self.pipe(transport, [Counter(5, shape=(n,))] * 2) as pipe:
             for b in pipe:
-                ranges = pipe.channel.memory_ranges()
+                ranges = _channel(pipe).memory_ranges()
                 assert ranges, "zero_copy_reads but memory_ranges() is empty"
                 for arr in _arrays(b):
                     assert _in_ranges(arr, ranges), "a delivered array is not in the transport's memory"
                     assert not arr.flags.writeable
 
-    def test_owned_memory_stays_the_same_for_the_pipelines_life(self, transport):
+    def test_owned_memory_stays_the_same_for_the_pipelines_life(self, transport: TransportArg) -> None:
         # owns_memory lets to_torch(pin_memory=True) page-lock memory_ranges()
         # once, at the first batch, and unlock them at close: they must hold
         # every batch, and must not move, for as long as the pipeline lives.
@@ -237,7 +251,7 @@ class TransportConformance:
             if not getattr(pipe.channel, "owns_memory", False):
                 pytest.skip("the transport's memory is not its own (owns_memory is False)")
             assert self.caps(transport).zero_copy_reads, "owns_memory needs zero_copy_reads"
-            ranges = pipe.channel.memory_ranges()
+            ranges = _channel(pipe).memory_ranges()
             assert ranges, "owns_memory but memory_ranges() is empty"
             assert all(_in_ranges(arr, ranges) for arr in _arrays(first))
             del first
@@ -245,13 +259,14 @@ class TransportConformance:
                 for b in batches:
                     for arr in _arrays(b):
                         assert _in_ranges(arr, ranges), "a batch lies outside the ranges of the first"
-            assert pipe.channel.memory_ranges() == ranges
+            assert _channel(pipe).memory_ranges() == ranges
 
-    def test_alignment(self, transport):
+    def test_alignment(self, transport: TransportArg) -> None:
         caps = self.caps(transport)
         align = caps.alignment
         if not align:
             pytest.skip("the transport promises no alignment")
+        source: Source
         if caps.zero_copy_min_bytes:
             # every batch of the matrix, with enough bytes beside it
             filler = np.zeros(caps.zero_copy_min_bytes + 1, np.uint8)
@@ -264,10 +279,10 @@ class TransportConformance:
                     if arr.nbytes:
                         assert arr.__array_interface__["data"][0] % align == 0
 
-    def test_in_place_writes(self, transport):
+    def test_in_place_writes(self, transport: TransportArg) -> None:
         if not self.caps(transport).in_place_writes:
             pytest.skip("the transport does not claim in-place writes")
         with self.pipe(transport, [Reserver(6, shape=(512,))] * 2) as pipe:
             for b in pipe:
-                assert _in_ranges(b["data"], pipe.channel.memory_ranges())
+                assert _in_ranges(b["data"], _channel(pipe).memory_ranges())
                 assert np.all(b["data"] == b["seq"] + 1000 * b["worker"])

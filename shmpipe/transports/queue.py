@@ -53,10 +53,10 @@ class QueueTransport(Transport):
     name = "queue"
     capabilities = Capabilities(serializes="pickle (through a pipe)")
 
-    def open(self, spec: ChannelSpec) -> "QueueConsumer":
+    def open(self, spec: ChannelSpec) -> QueueConsumer:
         return QueueConsumer(spec)
 
-    def attach(self, handle: QueueHandle, worker: int, control: ProducerControl) -> "QueueProducer":
+    def attach(self, handle: QueueHandle, worker: int, control: ProducerControl) -> QueueProducer:
         return QueueProducer(handle, worker, control)
 
 

@@ -108,7 +108,7 @@ class RayTransport(Transport):
 
     def launch(
         self, sources: Sequence[Callable[[], Iterable[Any]]], spec: ChannelSpec, seed: int
-    ) -> "RayLauncher":
+    ) -> RayLauncher:
         return RayLauncher(self, sources, spec)
 
 
@@ -227,7 +227,7 @@ class RayLauncher(Launcher):
             a.run_pass.options(
                 num_returns="streaming", _generator_backpressure_num_objects=self.backpressure
             ).remote(pass_no, seed)
-            for a, seed in zip(self.actors, seeds)
+            for a, seed in zip(self.actors, seeds, strict=True)
         ]
         self.consumer.begin_pass(pass_no)
 
@@ -269,10 +269,8 @@ class RayLauncher(Launcher):
 def _shadowing_checkout() -> bool:
     """Whether ./shmpipe is a directory other than the shmpipe imported here:
     a source checkout that Ray's workers would import instead."""
-    import shmpipe
-
     here = os.path.realpath(os.path.join(os.getcwd(), "shmpipe"))
-    installed = os.path.realpath(os.path.dirname(shmpipe.__file__))
+    installed = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # shmpipe/transports/ray.py
     return os.path.isdir(here) and here != installed
 
 

@@ -39,10 +39,10 @@ class PipeTransport(Transport):
     name = "example-pipe"
     capabilities = Capabilities(serializes="pickle (protocol 5) through a pipe per producer")
 
-    def open(self, spec: ChannelSpec) -> "PipeConsumer":
+    def open(self, spec: ChannelSpec) -> PipeConsumer:
         return PipeConsumer(spec)
 
-    def attach(self, handle: PipeHandle, worker: int, control: ProducerControl) -> "PipeProducer":
+    def attach(self, handle: PipeHandle, worker: int, control: ProducerControl) -> PipeProducer:
         return PipeProducer(handle.conns[worker], handle.credits, control)
 
 

@@ -1,0 +1,127 @@
+"""Which way the imports go (docs/design.md, "Where things live").
+
+Read from the source, not by importing it: function-level imports count,
+imports only for type checkers (under ``if TYPE_CHECKING:``) do not.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "shmpipe"
+
+#: The generic core: it knows the transport contract and nothing below it.
+CORE = ["_pipeline", "_launch", "_worker", "_stats", "_options", "transport", "registry"]
+#: The ring engine, and the transports (all of them, the default too).
+ENGINE = {"shmpipe._ring", "shmpipe._codec", "shmpipe._segments"}
+
+_CIMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+)?c?import\s+([\w., ]+)", re.M)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*")) if p.suffix in (".py", ".pyx")}
+
+
+def _target(name: str, modules: dict[str, Path]) -> str | None:
+    """The module of ours that importing `name` runs, if any."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _from_import(base: str, names: list[str], modules: dict[str, Path]) -> set[str]:
+    """``from base import names``: the submodules named, and base itself
+    for names that are not modules. (Importing a submodule runs its parent
+    package's __init__ first, but that is already running or done whenever
+    a circle could close: only edges to what is named count here.)"""
+    subs = {f"{base}.{n}" for n in names if f"{base}.{n}" in modules}
+    return subs | ({base} if len(subs) < len(names) else set())
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    text = path.read_text()
+    found: set[str] = set()
+    if path.suffix == ".pyx":  # Cython: read the import lines themselves
+        for source, names in _CIMPORT.findall(text):
+            if source:
+                found.update(_from_import(source, [n.strip() for n in names.split(",") if n.strip()], modules))
+            else:
+                found.update(n.strip().split(" ")[0] for n in names.split(","))
+    else:
+        tree = ast.parse(text)
+        skip = _type_checking_lines(tree)
+        package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                found.update(_from_import(base, [alias.name for alias in node.names], modules))
+    return {t for t in (_target(name, modules) for name in found if name.startswith("shmpipe")) if t}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def test_the_reader_of_imports_sees_what_is_there():
+    graph = _graph()
+    assert "shmpipe.transports.shm" in graph and "shmpipe._ring" in graph
+    assert "shmpipe._ring" in graph["shmpipe.transports.shm"]
+    assert "shmpipe._codec" in graph["shmpipe._ring"]  # a cimport
+    assert "shmpipe._launch" in graph["shmpipe._pipeline"]
+    assert "shmpipe._tf" in graph["shmpipe._pipeline"]  # a function-level import counts
+    assert "shmpipe._torch" in graph["shmpipe._pipeline"]  # ... from to_torch, not from TYPE_CHECKING
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_the_core_knows_only_the_contract(core):
+    graph = _graph()
+    forbidden = {m for m in graph[f"shmpipe.{core}"] if m in ENGINE or m.startswith("shmpipe.transports")}
+    assert not forbidden, f"shmpipe.{core} imports {sorted(forbidden)}"
+
+
+def test_no_import_circles():
+    graph = _graph()
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
