@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from shmpipe import _control
 from shmpipe._process import owner_identity
 from shmpipe._worker import producer_main
 from shmpipe.errors import WorkerDiedError, WorkerError
@@ -62,6 +63,8 @@ class ProcessLauncher(Launcher):
         ctx = self.spec.mp_context
         method = ctx.get_start_method()
         owner_pid, owner_start = owner_identity()
+        # A channel opened before the producers goes with their arguments: some
+        # handles (multiprocessing queues) can only travel that way.
         handle = self.channel.handle if self.channel is not None else None
         # Ctrl-C reaches every process of the terminal's process group, and a
         # producer still starting up would print a KeyboardInterrupt
@@ -96,6 +99,12 @@ class ProcessLauncher(Launcher):
             if ignore:
                 signal.signal(signal.SIGINT, old)
 
+    def _send_all(self, message: tuple[Any, ...]) -> None:
+        """The same message to every producer (the channel's handle goes
+        through the control connections, descriptors and all: _control)."""
+        for conn in self.conns:
+            _control.send(conn, message)
+
     @property
     def pids(self) -> list[int | None]:
         return [p.pid for p in self.processes]
@@ -107,15 +116,14 @@ class ProcessLauncher(Launcher):
             if self._need is not None:
                 spec = dataclasses.replace(self.spec, slot_size=self.transport.slot_size_for(self._need))
                 self.channel = self.transport.open(spec)
-                for conn in self.conns:
-                    conn.send(("attach", self.channel.handle))
+                self._send_all(("attach", self.channel.handle))
         return self.channel
 
     def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
         for conn, seed in zip(self.conns, seeds, strict=True):
-            conn.send(("pass", pass_no, seed))
+            _control.send(conn, ("pass", pass_no, seed))
 
     def wait_for_event(self, timeout: float) -> None:
         multiprocessing.connection.wait(self.conns + [p.sentinel for p in self.processes], timeout)
@@ -136,7 +144,7 @@ class ProcessLauncher(Launcher):
         for worker, conn in enumerate(self.conns):
             try:
                 while conn.poll():
-                    self._on_message(worker, conn.recv())
+                    self._on_message(worker, _control.recv(conn))
             except (EOFError, OSError):
                 pass  # it died; its exit code says how
 
@@ -158,7 +166,7 @@ class ProcessLauncher(Launcher):
     def halt(self) -> None:
         for conn in self.conns:
             try:
-                conn.send(("stop",))
+                _control.send(conn, ("stop",))
             except (OSError, ValueError):
                 pass
 
@@ -171,7 +179,7 @@ class ProcessLauncher(Launcher):
             channel.close()  # producers waiting for room return at once
         for conn in self.conns:
             try:
-                conn.send(("stop",))
+                _control.send(conn, ("stop",))
             except (OSError, ValueError):
                 pass
         if channel is not None:

@@ -114,6 +114,16 @@ cdef extern from "<sys/stat.h>" nogil:
         long st_size
     int fstat(int fd, stat *buf)
 
+# Anonymous, sealable memory (Linux 3.17+; glibc declares it with _GNU_SOURCE,
+# which Python.h defines).
+cdef extern from "<sys/mman.h>" nogil:
+    int memfd_create(const char *name, unsigned int flags)
+    unsigned int MFD_CLOEXEC, MFD_ALLOW_SEALING
+
+cdef extern from "<fcntl.h>" nogil:
+    int fcntl(int fd, int cmd, ...)
+    int F_ADD_SEALS, F_GET_SEALS, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW
+
 
 cdef object _UINT8 = np.dtype(np.uint8)
 
@@ -164,28 +174,102 @@ def header_size(uint32_t nslots, uint32_t nworkers) -> int:
 
 
 cdef class Segment:
-    """A POSIX shared-memory segment mapped into this process.
+    """Shared memory mapped into this process: anonymous (memfd_create, the
+    default) or a named POSIX segment (shm_open).
 
-    unlink() destroys the name (no one can attach any more); the mapping
-    itself goes away when this object is freed, that is when nothing refers
-    to it (see the module docstring).
+    Anonymous memory is in no file system: /dev/shm's size does not limit
+    it, nothing can open it by name, and it is freed when the last
+    descriptor and mapping of it are gone, however its processes end. It is
+    sealed against shrinking and growing before anyone else sees it, so no
+    process can truncate it under a reader (which would be a SIGBUS). Its
+    descriptor travels to producers over the control connection.
+
+    unlink() makes the memory unreachable for new attachers (removes the
+    name, or closes this process's descriptor); the mapping itself goes away
+    when this object is freed, that is when nothing refers to it (see the
+    module docstring).
     """
-    cdef readonly str name
+    cdef readonly str name   # the POSIX name; "" for anonymous memory
     cdef unsigned char *addr
     cdef readonly Py_ssize_t size
+    cdef int _fd             # anonymous memory: our descriptor until unlink()
 
     def __cinit__(self):
         self.addr = NULL
+        self._fd = -1
+        self.name = ""
 
     def __dealloc__(self):
         if self.addr != NULL:
             munmap(self.addr, self.size)
             self.addr = NULL
+        if self._fd >= 0:
+            close(self._fd)
+            self._fd = -1
+
+    @staticmethod
+    def create_anonymous(str label, Py_ssize_t size):
+        """New anonymous memory of `size` bytes (memfd_create), reserved,
+        sealed against resizing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+        and mapped with its pages touched. `label` shows in /proc/*/maps."""
+        cdef bytes blabel = label.encode()
+        cdef const char *clabel = blabel
+        cdef int fd, rc
+        cdef Segment seg = Segment.__new__(Segment)
+        if size <= 0:
+            raise ValueError("segment size must be positive")
+        with nogil:
+            fd = memfd_create(clabel, MFD_CLOEXEC | MFD_ALLOW_SEALING)
+        if fd < 0:
+            raise OSError(errno, f"memfd_create({label!r}): {strerror(errno).decode()}")
+        try:
+            with nogil:
+                rc = ftruncate(fd, size)
+            if rc != 0:
+                raise OSError(errno, f"ftruncate(memfd, {size}): {strerror(errno).decode()}")
+            # Reserve the memory now: no room is an error here, not a SIGBUS
+            # at the first write to an unbacked page.
+            with nogil:
+                rc = posix_fallocate(fd, 0, size)
+            if rc != 0:
+                raise OSError(rc, f"posix_fallocate(memfd, {size}): {strerror(rc).decode()}")
+            # Sealed before any other process can have it: its size is fixed
+            # for good, and the seals themselves cannot be undone.
+            if fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0:
+                raise OSError(errno, f"sealing the ring's memory: {strerror(errno).decode()}")
+            seg._map(fd, size, "")
+        except BaseException:
+            close(fd)
+            raise
+        seg._fd = fd
+        return seg
+
+    @staticmethod
+    def attach_fd(int fd):
+        """Maps the anonymous memory `fd` refers to (its whole size), after
+        checking it cannot be resized. The caller keeps `fd` (and closes it:
+        the mapping does not need it)."""
+        cdef stat st
+        cdef int seals
+        cdef Segment seg = Segment.__new__(Segment)
+        seals = fcntl(fd, F_GET_SEALS)
+        if seals < 0:
+            raise CorruptSegmentError(f"the ring's descriptor is not sealable memory: {strerror(errno).decode()}")
+        if (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW):
+            raise CorruptSegmentError("the ring's memory is not sealed against resizing; refusing to map it")
+        if fstat(fd, &st) != 0:
+            raise OSError(errno, f"fstat(memfd): {strerror(errno).decode()}")
+        if st.st_size <= 0:
+            raise CorruptSegmentError("the ring's memory is empty")
+        seg._map(fd, st.st_size, "")
+        return seg
 
     @staticmethod
     def create(str name, Py_ssize_t size):
-        """Creates `name` exclusively (mode 0600), reserves `size` bytes of
-        memory for it and maps it with its pages touched."""
+        """Creates the named POSIX segment `name` exclusively (mode 0600),
+        reserves `size` bytes of memory for it and maps it with its pages
+        touched. Any process of this user can open it by name (and resize
+        it: anonymous memory is the default for that reason)."""
         cdef bytes bname = name.encode()
         cdef const char *cname = bname
         cdef int fd, rc
@@ -217,7 +301,7 @@ cdef class Segment:
 
     @staticmethod
     def attach(str name):
-        """Maps the existing segment `name` (its whole size)."""
+        """Maps the existing named segment `name` (its whole size)."""
         cdef bytes bname = name.encode()
         cdef const char *cname = bname
         cdef int fd
@@ -244,15 +328,31 @@ cdef class Segment:
             # the first write to a slot does not pay the page faults.
             addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0)
         if addr == MAP_FAILED:
-            raise OSError(errno, f"mmap({name!r}, {size}): {strerror(errno).decode()}")
+            raise OSError(errno, f"mmap({name or 'memfd'!r}, {size}): {strerror(errno).decode()}")
         self.addr = <unsigned char *>addr
         self.size = size
         self.name = name
         return 0
 
+    @property
+    def anonymous(self) -> bool:
+        return not self.name
+
+    @property
+    def fd(self) -> int:
+        """This process's descriptor of anonymous memory it created; -1
+        after unlink() (and for named or attached segments)."""
+        return self._fd
+
     def unlink(self):
-        """Removes the segment's name. Idempotent; the mapping stays."""
-        unlink_segment(self.name)
+        """No one can attach any more: removes the name (named), or closes
+        this process's descriptor (anonymous). Idempotent; the mapping
+        stays."""
+        if self.name:
+            unlink_segment(self.name)
+        elif self._fd >= 0:
+            close(self._fd)
+            self._fd = -1
 
     @property
     def address(self) -> int:
@@ -263,7 +363,8 @@ cdef class Segment:
         return _root_array(self.addr, self.size, self, False)
 
     def __repr__(self):
-        return f"<shmpipe Segment {self.name!r} {self.size} bytes>"
+        what = repr(self.name) if self.name else "anonymous"
+        return f"<shmpipe Segment {what} {self.size} bytes>"
 
 
 def unlink_segment(str name) -> bool:

@@ -3,7 +3,8 @@ the pipeline's channel (through the transport's ProducerEnd).
 
 Control protocol (small pickled tuples on one duplex pipe per worker):
 
-    consumer -> producer   ("attach", handle)       the channel exists now
+    consumer -> producer   ("attach", handle)       the channel exists now (the
+                                                    handle's descriptors ride along)
                            ("pass", pass_no, seed)  run the source (again)
                            ("stop",)                exit
     producer -> consumer   ("need_channel", nbytes) a first batch is ready (and
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from shmpipe import _producer_context
+from shmpipe import _control, _producer_context
 from shmpipe._process import owner_alive, process_start_time
 from shmpipe._spec import new_arrays
 from shmpipe.errors import ShmpipeError
@@ -57,7 +58,7 @@ class _Producer(ProducerControl):
         if self.pending:
             return self.pending.popleft()
         try:
-            msg: tuple[Any, ...] = self.conn.recv()
+            msg: tuple[Any, ...] = _control.recv(self.conn)
         except (EOFError, OSError):
             raise Closed("the consumer is gone") from None
         return msg
@@ -76,7 +77,7 @@ class _Producer(ProducerControl):
         """ProducerControl: raises if the consumer moved on."""
         try:
             while self.conn.poll():
-                msg = self.conn.recv()
+                msg = _control.recv(self.conn)
                 if msg[0] == "stop":
                     raise Closed("the pipeline is closing")
                 self.pending.append(msg)
@@ -87,7 +88,7 @@ class _Producer(ProducerControl):
 
     def _wait_for_channel(self, nbytes: int) -> ProducerEnd:
         """Asks the consumer for a channel sized for a first batch of nbytes."""
-        self.conn.send(("need_channel", nbytes))
+        _control.send(self.conn, ("need_channel", nbytes))
         while self.end is None:
             msg = self._recv()
             if msg[0] == "attach":
@@ -156,10 +157,10 @@ class _Producer(ProducerControl):
         # themselves, so the consumer can raise the same type.
         own = exc if isinstance(exc, ShmpipeError) else None
         try:
-            self.conn.send(("error", exc_type, str(exc), tb, own))
+            _control.send(self.conn, ("error", exc_type, str(exc), tb, own))
         except Exception:
             try:
-                self.conn.send(("error", exc_type, str(exc), tb, None))
+                _control.send(self.conn, ("error", exc_type, str(exc), tb, None))
             except (OSError, ValueError):
                 return
         try:
@@ -216,7 +217,7 @@ def producer_main(
     producer = _Producer(worker, num_workers, conn, transport)
     _Watchdog(owner_pid, owner_start, producer.orphaned).start()
     try:
-        if handle is not None:
+        if handle is not None:  # the channel was opened before this process started
             producer.attach(handle)
         _producer_context.set_reserver(producer)
         producer.run(source)

@@ -96,15 +96,20 @@ class CorruptSegmentError(ShmpipeValueError):
 
 
 class SharedMemoryFullError(ShmpipeError, OSError):
-    """The shared-memory file system has no room for the ring."""
+    """There is no room for the ring: in /dev/shm (named segments), or in
+    the memory that backs anonymous shared memory (RAM and the cgroup's
+    limit). The message names the bytes needed and free, and what to change."""
 
     def __init__(self, needed: int, available: int, where: str = "/dev/shm") -> None:
+        if where == "/dev/shm" or where.startswith("/"):
+            fix = "free space there, or enlarge it (docker run --shm-size=...)"
+        else:
+            fix = "or give the process more memory (its cgroup's memory.max, docker run --memory=...)"
         OSError.__init__(
             self,
             _errno.ENOSPC,
             f"the ring needs {needed:,} bytes of shared memory but {where} has {available:,} "
-            "bytes free; lower capacity or slot_size, free space there, or enlarge it "
-            "(docker run --shm-size=...)",
+            f"bytes free; lower capacity or slot_size, {fix}",
         )
         self.needed = needed
         self.available = available

@@ -1,9 +1,11 @@
 """Every test runs under a guard: it fails if it leaves a shmpipe segment in
-/dev/shm or a child process behind."""
+/dev/shm, a descriptor of a ring's anonymous memory, or a child process
+behind."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import time
@@ -46,10 +48,25 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
+def _ring_descriptors() -> set[int]:
+    """This process's descriptors of anonymous ring memory (memfd)."""
+    fds = set()
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:shmpipe"):
+                fds.add(int(entry))
+        except OSError:
+            pass
+    return fds
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     before = _our_segments()
+    before_fds = _ring_descriptors()
     yield
+    gc.collect()  # a pipeline a test forgot is closed when it is collected
+    left_fds = _ring_descriptors() - before_fds
     # Clean-up that happens in other processes (a producer removing the
     # segment of a consumer that died) may take a moment.
     deadline = time.monotonic() + 5.0
@@ -68,6 +85,7 @@ def no_leaks():
         child.kill()
         child.join(5)
     assert not left, f"the test left shared-memory segments behind: {sorted(left)}"
+    assert not left_fds, f"the test left descriptors of ring memory open: {sorted(left_fds)}"
     assert not children, f"the test left child processes behind: {children}"
 
 

@@ -114,6 +114,7 @@ CONSUMER = textwrap.dedent(
     import json, sys, time
     import shmpipe
     from shmpipe.testing.sources import Counter, Sleeper
+    from shmpipe.transports.shm import ShmTransport
 
     if __name__ == "__main__":
         if sys.argv[2] == "busy":
@@ -122,7 +123,9 @@ CONSUMER = textwrap.dedent(
         else:
             # both sit in user code: the consumer waits inside the ring's futex
             sources = [Sleeper(60.0), Sleeper(60.0)]
-        pipe = shmpipe.from_iterators(sources, capacity=4, start_method=sys.argv[1], timeout=30)
+        # a named segment, to see it go (anonymous memory has no name to look for)
+        posix = ShmTransport(backing="posix")
+        pipe = shmpipe.from_iterators(sources, transport=posix, capacity=4, start_method=sys.argv[1], timeout=30)
         try:
             with pipe:
                 if sys.argv[2] == "early":  # producers may still be starting up
@@ -198,8 +201,10 @@ def test_no_resource_tracker_noise_or_unlinking(tmp_path, start_method):
             import os, sys
             import shmpipe
             from shmpipe.testing.sources import Counter
+            from shmpipe.transports.shm import ShmTransport
             if __name__ == "__main__":
-                with shmpipe.from_iterators([Counter(50)] * 2, start_method=sys.argv[1], timeout=30) as pipe:
+                posix = ShmTransport(backing="posix")
+                with shmpipe.from_iterators([Counter(50)] * 2, transport=posix, start_method=sys.argv[1], timeout=30) as pipe:
                     for i, b in enumerate(pipe):
                         if i == 10:
                             name = pipe.channel.segment.name
@@ -229,8 +234,10 @@ def test_a_script_that_never_closes_its_pipeline(tmp_path):
             """
             import shmpipe
             from shmpipe.testing.sources import Counter, Sleeper
+            from shmpipe.transports.shm import ShmTransport
             if __name__ == "__main__":
-                pipe = shmpipe.from_iterators([Counter(10**6), Sleeper(60.0)], timeout=30)
+                posix = ShmTransport(backing="posix")
+                pipe = shmpipe.from_iterators([Counter(10**6), Sleeper(60.0)], transport=posix, timeout=30)
                 it = iter(pipe)
                 batch = next(it)
                 print(pipe.channel.segment.name, *pipe.pids, flush=True)

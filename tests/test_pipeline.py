@@ -15,8 +15,21 @@ import shmpipe
 from shmpipe import _pipeline, _process, _producer_context, _ring, _segments
 from shmpipe.testing.batches import matrix
 from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
+from shmpipe.transports.shm import ShmTransport
 
 T = 30.0  # no single batch may take longer than this in these tests
+
+
+def ring_descriptors() -> set[int]:
+    """This process's descriptors of anonymous ring memory."""
+    fds = set()
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:shmpipe-ring"):
+                fds.add(int(entry))
+        except OSError:
+            pass
+    return fds
 
 
 def segment_of(pipe):
@@ -287,14 +300,22 @@ def test_stats():
     assert "60 batches" in text and "stall fraction" in text and "p99" in text
 
 
-def test_close_while_arrays_are_alive():
-    pipe = shmpipe.from_iterators([Counter(5, shape=(1000,))], capacity=8, timeout=T)
+@pytest.mark.parametrize("backing", ["memfd", "posix"])
+def test_close_while_arrays_are_alive(backing):
+    pipe = shmpipe.from_iterators(
+        [Counter(5, shape=(1000,))], transport=ShmTransport(backing=backing), capacity=8, timeout=T
+    )
     kept = [b["data"] for b in pipe]
-    name = segment_of(pipe).name
+    segment = segment_of(pipe)
+    name, fd = segment.name, segment.fd
+    assert (name == "") == (backing == "memfd") and (fd >= 0) == (backing == "memfd")
     pipe.close()
     pipe.close()  # idempotent
     assert pipe.closed
-    assert not os.path.exists(_segments.SHM_DIR + name), "close() must destroy the segment's name"
+    if backing == "posix":
+        assert not os.path.exists(_segments.SHM_DIR + name), "close() must destroy the segment's name"
+    else:
+        assert segment.fd == -1 and fd not in ring_descriptors(), "close() must close the ring's descriptor"
     for seq, arr in enumerate(kept):  # still mapped, still intact
         np.testing.assert_array_equal(arr, payload_for(0, seq, (1000,)))
     del pipe
@@ -422,7 +443,7 @@ def test_close_hooks_run_while_the_channel_memory_still_exists(how):
     # to_torch's CUDA registration is undone in such a hook: it must run
     # before the segment is destroyed, on close() and when a forgotten
     # pipeline is collected.
-    pipe = shmpipe.from_iterators([Counter(2)], timeout=T)
+    pipe = shmpipe.from_iterators([Counter(2)], transport=ShmTransport(backing="posix"), timeout=T)
     next(iter(pipe))
     path = "/dev/shm" + pipe.channel.segment.name
     seen = []

@@ -26,9 +26,12 @@ WAIT = 2.0  # seconds any single wait in these tests may take
 def make_ring():
     made = []
 
-    def make(num_workers=1, capacity=4, slot_size=8192, ordered=False):
+    # Named segments by default here, so tests can reach them from outside
+    # by name; the anonymous backing has tests of its own below.
+    def make(num_workers=1, capacity=4, slot_size=8192, ordered=False, backing="posix"):
         c = ShmConsumer(
-            ChannelSpec(num_workers=num_workers, capacity=capacity, slot_size=slot_size, ordered=ordered, first_pass=0)
+            ChannelSpec(num_workers=num_workers, capacity=capacity, slot_size=slot_size, ordered=ordered, first_pass=0),
+            backing=backing,
         )
         made.append(c)
         writers = [attach_writer(c.handle, w) for w in range(num_workers)]
@@ -322,7 +325,7 @@ def test_space_is_reserved_up_front():
 def test_too_small_dev_shm_is_a_clear_error():
     free = os.statvfs(_segments.SHM_DIR).f_bavail * os.statvfs(_segments.SHM_DIR).f_frsize
     with pytest.raises(SharedMemoryFullError) as info:
-        ShmConsumer(ChannelSpec(num_workers=1, capacity=2, slot_size=free, ordered=False, first_pass=0))
+        ShmConsumer(ChannelSpec(num_workers=1, capacity=2, slot_size=free, ordered=False, first_pass=0), backing="posix")
     err = info.value
     assert isinstance(err, OSError) and err.errno == errno.ENOSPC
     assert err.needed > err.available
@@ -357,7 +360,7 @@ def test_corrupted_header_is_an_error(make_ring, offset, data, words):
 def test_a_segment_of_someone_else_is_refused(make_ring):
     c, _ = make_ring()
     with pytest.raises(CorruptSegmentError, match="belongs to pid"):
-        attach_writer(ShmHandle(c.handle.name, 1, 1), 0)
+        attach_writer(ShmHandle(c.handle.name, c.handle.fd, 1, 1), 0)
 
 
 def test_a_forked_child_does_not_release_the_parents_slots(tmp_path):

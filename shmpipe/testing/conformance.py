@@ -57,11 +57,21 @@ __all__ = ["TransportConformance"]
 TransportArg = str | type[Transport] | Transport
 
 
-def _our_segments() -> set[str]:
+def _our_memory() -> set[str]:
+    """shmpipe's named segments in /dev/shm, and this process's descriptors
+    of anonymous ring memory."""
     try:
-        return {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(_segments.PREFIX)}
+        found = {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(_segments.PREFIX)}
     except FileNotFoundError:
-        return set()
+        found = set()
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:shmpipe"):
+            found.add(f"fd {entry} -> {target}")
+    return found
 
 
 def _in_ranges(arr: np.ndarray, ranges: list[tuple[int, int]]) -> bool:
@@ -210,7 +220,7 @@ class TransportConformance:
     # -- clean-up --------------------------------------------------------------
 
     def test_close_leaves_nothing_behind_and_keeps_delivered_batches(self, transport: TransportArg) -> None:
-        before = _our_segments()
+        before = _our_memory()
         pipe = self.pipe(transport, [Counter(100, shape=(1000,))] * 2, capacity=6)
         it = iter(pipe)
         kept = [next(it) for _ in range(3)]
@@ -222,7 +232,7 @@ class TransportConformance:
             while any(_process.process_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert all(_process.process_start_time(p) is None for p in pids), "producers outlived close()"
-        assert _our_segments() - before == set(), "close() left shared memory behind"
+        assert _our_memory() - before == set(), "close() left shared memory behind"
         for b in kept:  # batches delivered before close stay valid
             np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], (1000,)))
 

@@ -47,7 +47,7 @@ import numpy as np
 from shmpipe import _codec, _ring, _tree
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ProducerControl, ProducerEnd, require
-from shmpipe.transports.shm import ShmConsumer, ShmHandle, ShmTransport, attach_writer
+from shmpipe.transports.shm import ShmConsumer, ShmHandle, ShmTransport, attach_writer_once
 
 pa = require("pyarrow", transport="arrow", extra="arrow")
 
@@ -207,10 +207,10 @@ class ArrowTransport(ShmTransport):
     )
 
     def _consumer(self, spec: ChannelSpec) -> ShmConsumer:
-        return ArrowConsumer(spec)
+        return ArrowConsumer(spec, backing=self.backing)
 
     def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
-        return ArrowProducer(attach_writer(handle, worker))
+        return ArrowProducer(attach_writer_once(handle, worker))
 
     def batch_nbytes(self, batch: Any) -> int:
         return encoded_size(batch)

@@ -1,0 +1,236 @@
+"""Batches larger than a slot: each in sealed anonymous memory of its own.
+
+Part of the ring engine. A ring's slots have one size (the first batch's
+plus 25%, or what the user asked for). A batch that does not fit travels
+beside the ring instead of failing, still without a copy on the consumer's
+side:
+
+1. The producer claims a slot as for any batch (so the ring's capacity
+   bounds these batches too: no more than ``capacity`` are ever in flight
+   or held, whatever their size).
+2. It writes the batch into new anonymous memory of the batch's size
+   (memfd_create), unmaps it, and seals it against resizing and writing
+   (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL: nobody, the
+   producer included, can change or truncate it any more).
+3. It sends the descriptor to the consumer on the ring's *outbox*, a
+   SOCK_SEQPACKET socket every producer of the pipeline shares, as one
+   datagram tagged (pass, worker, wseq), and only then publishes the slot
+   with a 32-byte *record* in place of a payload::
+
+       0   u32 magic "SPX1"
+       4   u32 pass
+       8   u64 nbytes   (the payload's size in the external memory)
+       16  u32 worker
+       20  u32 zero
+       24  u64 wseq
+
+   The datagram is in the consumer's socket queue before the slot can be
+   seen READY (sendmsg returns after queueing; the publish comes after it).
+4. The consumer, taking a slot whose payload is a record, receives the
+   descriptor with that tag (datagrams of other batches wait in a stash),
+   checks the seals and the size, maps it read-only and decodes the batch
+   from it. The batch's root holds the mapping *and* the slot: the slot goes
+   back, and the memory is unmapped (and freed: no one else holds it), when
+   the last array of the batch is gone.
+
+A reservation (``reserve`` of a template larger than a slot) is made the
+same way, except that the producer keeps its mapping while the arrays it
+handed out live, so the memory is sealed against resizing but not writing
+(the arrays are made read-only when the batch is published, as a slot's
+are).
+
+Memory bound: the ring, plus at most ``capacity`` external batches (each
+the size its producer made it) -- those in flight and those the consumer
+holds. Each is given back as soon as its batch is released. Datagrams of
+batches the consumer will never take (a pass that was cancelled) are
+closed when the next pass begins, when the next external batch is taken,
+and when the pipeline closes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+
+from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
+
+__all__ = ["RECORD", "ExternalMemory", "Inbox", "Outbox", "new_external", "outbox_pair", "read_record", "write_record"]
+
+MAGIC = b"SPX1"
+RECORD = struct.Struct("<4sIQIIQ")  # magic, pass, nbytes, worker, zero, wseq
+_TAG = struct.Struct("<IIQ")  # pass, worker, wseq
+_RESIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+#: How many datagrams of batches not yet asked for the consumer keeps before
+#: it closes the oldest (they can only be stale: each live one holds a slot).
+STASH_LIMIT = 8192
+
+
+def write_record(slot: np.ndarray, pass_no: int, worker: int, wseq: int, nbytes: int) -> int:
+    """Writes the record of an external batch into a claimed slot; returns
+    its size (what the slot is published with)."""
+    RECORD.pack_into(slot, 0, MAGIC, pass_no, nbytes, worker, 0, wseq)
+    return RECORD.size
+
+
+def read_record(payload: np.ndarray) -> tuple[int, int, int, int]:
+    """(pass, worker, wseq, nbytes) of a record; CorruptSegmentError if it
+    is not one."""
+    if payload.nbytes != RECORD.size:
+        raise CorruptSegmentError(f"an external batch's record has {payload.nbytes} bytes, not {RECORD.size}")
+    magic, pass_no, nbytes, worker, zero, wseq = RECORD.unpack(payload)
+    if magic != MAGIC or zero != 0:
+        raise CorruptSegmentError("a slot holds neither a batch nor an external batch's record")
+    return pass_no, worker, wseq, nbytes
+
+
+class ExternalMemory:
+    """A mapping of one external batch's memory, for as long as its arrays
+    live: the base of the batch's root array (through
+    ``__array_interface__``), which keeps this object, so the mapping and
+    the slot (`lease`, the record's root) alive."""
+
+    __slots__ = ("_interface", "lease", "mm")
+
+    def __init__(self, mm: mmap.mmap, nbytes: int, writeable: bool, lease: Any) -> None:
+        self.mm = mm
+        self.lease = lease
+        probe = np.frombuffer(mm, np.uint8, count=nbytes) if nbytes else np.zeros(0, np.uint8)
+        address = probe.ctypes.data
+        del probe  # no buffer export may outlive this call: the mapping closes with us
+        self._interface = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, not writeable),
+            "version": 3,
+        }
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return self._interface
+
+    def root(self) -> np.ndarray:
+        """The payload as a uint8 array whose base is this object."""
+        return np.asarray(self)
+
+
+def new_external(nbytes: int) -> tuple[int, mmap.mmap]:
+    """New anonymous memory for a payload of `nbytes`: (descriptor, writable
+    mapping). Reserved up front, so no room is an error here, not a SIGBUS."""
+    fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            raise SharedMemoryFullError(nbytes, 0, "memory for a batch larger than a slot") from exc
+        return fd, mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def seal(fd: int, *, writes: bool) -> None:
+    """No resizing from now on (nor writing, with `writes`), for anyone."""
+    seals = _RESIZE_SEALS | fcntl.F_SEAL_SEAL | (fcntl.F_SEAL_WRITE if writes else 0)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+
+
+def outbox_pair() -> tuple[socket.socket, socket.socket]:
+    """(consumer's end, producers' end) of a pipeline's outbox."""
+    inbox, outbox = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    inbox.setblocking(False)
+    return inbox, outbox
+
+
+class Outbox:
+    """A producer's end: sends an external batch's descriptor, tagged."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, fd: int, pass_no: int, worker: int, wseq: int) -> None:
+        socket.send_fds(self.sock, [_TAG.pack(pass_no, worker, wseq)], [fd])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Inbox:
+    """The consumer's end: the descriptor of the external batch asked for,
+    from the datagrams received so far (and those waiting in the socket)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.stash: dict[tuple[int, int, int], int] = {}
+        self.pass_no = 0
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.sock, _TAG.size, 4)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not msg and not fds:
+                return  # every producer's end is closed
+            if len(msg) != _TAG.size or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise CorruptSegmentError("a malformed message on the external batches' socket")
+            tag = _TAG.unpack(msg)
+            if tag[0] < self.pass_no or tag in self.stash:
+                os.close(fds[0])  # a batch of a pass no one reads any more (or a duplicate)
+                continue
+            if len(self.stash) >= STASH_LIMIT:
+                os.close(self.stash.pop(min(self.stash)))
+            self.stash[tag] = fds[0]
+
+    def take(self, pass_no: int, worker: int, wseq: int) -> int:
+        """The descriptor of that batch, which the caller now owns."""
+        key = (pass_no, worker, wseq)
+        if key not in self.stash:
+            self._receive_all()
+        fd = self.stash.pop(key, None)
+        if fd is None:
+            raise CorruptSegmentError(
+                f"the memory of batch {wseq} of worker {worker} (pass {pass_no}) never came, "
+                "though its slot says it was sent"
+            )
+        return fd
+
+    def begin_pass(self, pass_no: int) -> None:
+        """Closes what older passes sent (no one will take it)."""
+        self.pass_no = pass_no
+        self._receive_all()
+        for key in [k for k in self.stash if k[0] < pass_no]:
+            os.close(self.stash.pop(key))
+
+    def close(self) -> None:
+        for fd in self.stash.values():
+            os.close(fd)
+        self.stash.clear()
+        self.sock.close()
+
+
+def map_external(fd: int, nbytes: int, lease: Any) -> np.ndarray:
+    """Maps the external batch `fd` read-only after checking it cannot be
+    resized and holds `nbytes`; returns its root array (which keeps the
+    mapping and `lease`). The caller keeps (and closes) `fd`."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise CorruptSegmentError(f"an external batch's descriptor is not sealable memory: {exc}") from None
+    if seals & _RESIZE_SEALS != _RESIZE_SEALS:
+        raise CorruptSegmentError("an external batch's memory is not sealed against resizing; refusing to map it")
+    size = os.fstat(fd).st_size
+    if nbytes > size:
+        raise CorruptSegmentError(f"an external batch claims {nbytes:,} bytes in memory of {size:,}")
+    if nbytes == 0:
+        return ExternalMemory(mmap.mmap(-1, 1), 0, False, lease).root()
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    return ExternalMemory(mm, nbytes, False, lease).root()

@@ -1,0 +1,238 @@
+"""Where the ring's memory lives (issue: the ring in sealed anonymous memory).
+
+Anonymous memory (memfd_create) is the default: sealed against resizing
+before any producer sees it, in no file system, passed to producers as a
+descriptor, and freed by the kernel with the last process that holds it.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import _ring
+from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
+from shmpipe.testing.sources import Counter, payload_for
+from shmpipe.transport import ChannelSpec
+from shmpipe.transports.shm import ShmConsumer, ShmTransport
+
+T = 60.0
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def run_script(tmp_path, text, *args, timeout=120, prefix=()):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [*prefix, sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def test_the_default_ring_is_sealed_anonymous_memory_in_no_file_system():
+    before = shm_names()
+    with shmpipe.from_iterators([Counter(4)], timeout=T) as pipe:
+        assert [b["seq"] for b in pipe] == [0, 1, 2, 3]
+        segment = pipe.channel.segment
+        assert segment.anonymous and pipe.channel.name is None
+        assert fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+        assert os.readlink(f"/proc/self/fd/{segment.fd}").startswith("/memfd:shmpipe-ring")
+        assert shm_names() == before, "the default ring must not appear in /dev/shm"
+        for size in (4096, segment.size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(segment.fd, size)
+
+
+def test_the_named_backing_is_still_there_on_request():
+    with shmpipe.from_iterators([Counter(3)], transport=ShmTransport(backing="posix"), timeout=T) as pipe:
+        assert [b["seq"] for b in pipe] == [0, 1, 2]
+        name = pipe.channel.name
+        assert name is not None and name.startswith("/shmpipe-") and os.path.exists("/dev/shm" + name)
+    assert not os.path.exists("/dev/shm" + name)
+    with pytest.raises(shmpipe.ShmpipeValueError, match="backing must be one of"):
+        ShmTransport(backing="tmpfs")
+
+
+def test_memory_that_could_be_resized_is_refused():
+    fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 1 << 16)
+        with pytest.raises(CorruptSegmentError, match="not sealed"):
+            _ring.Segment.attach_fd(fd)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # shrinking alone is not enough
+        with pytest.raises(CorruptSegmentError, match="not sealed"):
+            _ring.Segment.attach_fd(fd)
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(CorruptSegmentError, match="not sealable"):
+            _ring.Segment.attach_fd(r)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_no_room_in_memory_is_a_clear_error_before_anything_is_allocated():
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    spec = ChannelSpec(num_workers=1, capacity=2, ordered=False, slot_size=available)
+    with pytest.raises(SharedMemoryFullError) as info:
+        ShmConsumer(spec)
+    err = info.value
+    assert err.errno == errno.ENOSPC and err.needed > err.available
+    assert "MemAvailable" in str(err) or "memory.max" in str(err)
+    assert "--shm-size" not in str(err), "the default ring does not live in /dev/shm"
+
+
+CHANGE_FROM_OUTSIDE = """
+import os, sys
+pid, fd, size = (int(a) for a in sys.argv[1:4])
+results = []
+with open(f"/proc/{pid}/fd/{fd}", "r+b") as f:
+    for new in (4096, size + (1 << 20)):
+        try:
+            os.ftruncate(f.fileno(), new)
+            results.append("resized")
+        except PermissionError:
+            results.append("refused")
+print(" ".join(results))
+"""
+
+
+def test_another_process_cannot_truncate_or_grow_the_ring(tmp_path):
+    with shmpipe.from_iterators([Counter(40, shape=(4096,))] * 2, capacity=4, timeout=T) as pipe:
+        it = iter(pipe)
+        first = next(it)
+        segment = pipe.channel.segment
+        out = run_script(tmp_path, CHANGE_FROM_OUTSIDE, str(os.getpid()), str(segment.fd), str(segment.size))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["refused", "refused"]
+        seen = [(first["worker"], first["seq"])]
+        del first
+        for b in it:  # and the pipeline goes on
+            np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], (4096,)))
+            seen.append((b["worker"], b["seq"]))
+        assert sorted(seen) == [(w, s) for w in range(2) for s in range(40)]
+
+
+RING_LARGER_THAN_DEV_SHM = """
+import os, sys
+import numpy as np
+import shmpipe
+from shmpipe.testing.sources import Fixed
+from shmpipe.transports.shm import ShmTransport
+
+if __name__ == "__main__":
+    st = os.statvfs("/dev/shm")
+    print("dev_shm_bytes", st.f_blocks * st.f_frsize, flush=True)
+    batch = {"image": np.ones((32, 224, 224, 3), np.float32)}  # 19 MB: capacity 8 needs 192 MB
+    with shmpipe.from_iterators([Fixed([batch] * 6)] * 2, capacity=8, timeout=60) as pipe:
+        n = 0
+        for b in pipe:
+            assert b["image"].shape == (32, 224, 224, 3) and float(b["image"][-1, -1, -1, -1]) == 1.0
+            n += 1
+        print("ring_bytes", pipe.channel.segment.size, "batches", n, flush=True)
+    try:
+        with shmpipe.from_iterators([Fixed([batch])], transport=ShmTransport(backing="posix"), capacity=8, timeout=60) as pipe:
+            list(pipe)
+        print("posix ran", flush=True)
+    except shmpipe.SharedMemoryFullError as exc:
+        print("posix refused:", exc, flush=True)
+"""
+
+
+def test_a_ring_larger_than_a_64_mb_dev_shm_runs(tmp_path):
+    # Docker's default /dev/shm, made for real: a mount namespace of our own
+    # with a 64 MB tmpfs on /dev/shm.
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, text=True, timeout=30
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here (unshare -m: {probe.stderr.strip()})")
+    mount = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$@\""
+    out = run_script(
+        tmp_path,
+        RING_LARGER_THAN_DEV_SHM,
+        prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"),
+    )
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert int(lines["dev_shm_bytes"]) == 64 << 20
+    ring_bytes, _, batches = lines["ring_bytes"].split()
+    assert int(ring_bytes) > 64 << 20 and int(batches) == 12
+    # the named backing, in the same namespace, is refused with the reason
+    assert lines.get("posix") is not None and lines["posix"].startswith("refused:")
+    assert "/dev/shm" in lines["posix"] and "--shm-size" in lines["posix"]
+
+
+EVERYONE_KILLED = """
+import json, os, sys, time
+import numpy as np
+import shmpipe
+from shmpipe.testing.sources import Counter
+
+if __name__ == "__main__":
+    pipe = shmpipe.from_iterators([Counter(10**6, shape=(1 << 20,))] * 2, capacity=16, slot_size=32 << 20, timeout=60)
+    it = iter(pipe)
+    held = [next(it) for _ in range(3)]
+    print(json.dumps({"pids": pipe.pids, "ring": pipe.channel.segment.size}), flush=True)
+    time.sleep(600)
+"""
+
+
+def shmem_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Shmem:"))
+
+
+def test_sigkill_of_every_process_at_once_returns_all_memory(tmp_path):
+    script = tmp_path / "everyone.py"
+    script.write_text(textwrap.dedent(EVERYONE_KILLED))
+    baseline = shmem_bytes()
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # consumer, forkserver and producers: one process group
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        info = json.loads(line)
+        ring = info["ring"]
+        assert ring >= 512 << 20
+        assert shmem_bytes() - baseline > 0.9 * ring, "the ring's memory should show as Shmem while it runs"
+        # Consumer, forkserver and producers together: frozen first, so no
+        # watchdog can tidy up between one death and the next.
+        os.killpg(proc.pid, signal.SIGSTOP)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while shmem_bytes() - baseline > 0.1 * ring and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert shmem_bytes() - baseline <= 0.1 * ring, (
+            f"Shmem is {(shmem_bytes() - baseline) / 2**20:.0f} MiB above its baseline after everyone died"
+        )
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
