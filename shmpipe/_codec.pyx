@@ -112,14 +112,32 @@ def _dtype_spec(dt):
 def _dtype_from_spec(bytes spec):
     text = spec.decode()
     if text.startswith("#"):
-        return _npy_format.descr_to_dtype(ast.literal_eval(text[1:]))
-    if text.startswith("@"):
+        dt = _npy_format.descr_to_dtype(ast.literal_eval(text[1:]))
+    elif text.startswith("@"):
         module, _, qualname = text[1:].partition(":")
         obj = sys.modules.get(module) or importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-        return np.dtype(obj)
-    return np.dtype(text)
+        dt = np.dtype(obj)
+    else:
+        dt = np.dtype(text)
+    _refuse_references(dt, text)
+    return dt
+
+
+cdef int _refuse_references(object dt, str text) except -1:
+    # An array of a dtype that holds references is an array of PyObject
+    # pointers: made over bytes another process wrote, each element is an
+    # address it chose, and reading one dereferences it (the consumer
+    # crashes, or worse). No such dtype is ever made from shared memory,
+    # whichever way the payload spells it: "|O8", or a structured dtype with
+    # an object field somewhere inside.
+    if dt.hasobject:
+        raise CorruptSegmentError(
+            f"payload names dtype {text!r}, which holds Python objects and is never made "
+            "from shared memory"
+        )
+    return 0
 
 
 cdef class Encoder:
@@ -537,6 +555,8 @@ cdef class _Reader:
         if dt is None:
             try:
                 dt = _dtype_from_spec(spec)
+            except CorruptSegmentError:
+                raise
             except Exception as exc:
                 raise CorruptSegmentError(f"a slot names a dtype that cannot be read: {spec!r}") from exc
             self.dtypes[spec] = dt

@@ -131,3 +131,35 @@ def test_corrupted_array_header_raises():
     payload[dim_at : dim_at + 8] = 0xFF
     with pytest.raises(CorruptSegmentError):
         _codec.decode(payload)
+
+
+# -- what a hostile payload may not do (issue 11) ----------------------------
+
+
+def _replace(payload, old: bytes, new: bytes) -> None:
+    """Rewrites `old` (found once in the payload's structure) to `new`, same length."""
+    assert len(old) == len(new)
+    raw = payload.tobytes()
+    at = raw.index(old)
+    assert raw.find(old, at + 1) == -1
+    payload[at : at + len(new)] = np.frombuffer(new, np.uint8)
+
+
+@pytest.mark.parametrize(
+    "batch, old, new",
+    [
+        ({"x": np.arange(4, dtype="<u8")}, b"<u8", b"|O8"),  # an array
+        ({"x": np.arange(4, dtype="<u8")}, b"<u8", b"<O8"),
+        ({"x": np.uint64(7)}, b"<u8", b"|O8"),  # a NumPy scalar
+        # a structured dtype with an object field
+        ({"x": np.zeros(2, [("a", "<u8"), ("b", "u1")])}, b"'<u8'", b"'|O8'"),
+    ],
+)
+def test_object_dtype_is_never_made_from_a_payload(batch, old, new):
+    # An object array over shared memory is an array of pointers another
+    # process chose: decoding one used to hand the consumer an object array
+    # whose first read crashed it.
+    payload = _codec.encode(batch)
+    _replace(payload, old, new)
+    with pytest.raises(CorruptSegmentError, match="holds Python objects"):
+        _codec.decode(payload)
