@@ -23,14 +23,17 @@ Meta nodes (one tag byte, then the node's fields)::
     dtype: u16 n, n bytes of spec: a dtype.str ("<f4", "|S3"); "#" + the
            repr of numpy.lib.format.dtype_to_descr for structured dtypes;
            "@module:qualname" of the scalar type for registered user dtypes
-           (ml_dtypes.bfloat16, for instance)
+           (ml_dtypes.bfloat16, for instance). The decoder looks these up
+           in a closed table (see _dtype_from_spec): it never imports,
+           evaluates or gets an attribute by a name it read, and never
+           makes a dtype that holds Python objects.
 
 The decoder checks every length and offset against the payload, so a
 corrupted or hostile slot gives CorruptSegmentError, never a crash.
 """
 
 import ast
-import importlib
+import re
 import sys
 
 import numpy as np
@@ -40,7 +43,9 @@ cimport numpy as cnp
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.module cimport PyModule_Check, PyModule_GetDict
 from cpython.ref cimport Py_INCREF, PyObject, PyTypeObject
+from cpython.type cimport PyType_IsSubtype
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
@@ -74,6 +79,7 @@ cdef uint32_t PAYLOAD_MAGIC = 0x31425053  # b"SPB1"
 
 cdef type _ndarray = np.ndarray
 cdef type _generic = np.generic
+cdef type _void = np.void
 
 
 cdef inline Py_ssize_t _round_up(Py_ssize_t n, Py_ssize_t to) noexcept nogil:
@@ -109,23 +115,288 @@ def _dtype_spec(dt):
     return spec
 
 
+# -- dtype names: a closed table ------------------------------------------------
+#
+# A payload names its dtypes in text another process wrote, so the text is
+# looked up, never executed: no import, no getattr, no eval. A name is one of
+#
+#   * a NumPy built-in, exactly as dtype.str spells it ("<f4", "|S5",
+#     "<M8[10s]"): byte order, a kind from _PLAIN_KINDS, a size that kind has;
+#   * "#" + the repr of numpy.lib.format.dtype_to_descr of a structured dtype
+#     whose leaves are such built-ins (parsed as a literal, checked field by
+#     field, nesting and sizes bounded);
+#   * "@module:qualname" of an extension dtype (ml_dtypes.bfloat16): found
+#     only in a table this process builds from modules it has imported itself
+#     (sys.modules), never by importing or by getting an attribute by name.
+#
+# Whatever is built must also spell its own name back exactly, so a name has
+# one meaning, the one the encoder gave it.
+
+_PLAIN_SPEC = re.compile(rb"([<>|])([A-Za-z?])([0-9]{1,10})(?:\[([0-9]{0,10})([A-Za-z]{1,7})\])?")
+_DATETIME_UNITS = frozenset([b"Y", b"M", b"W", b"D", b"h", b"m", b"s", b"ms", b"us", b"ns",
+                             b"ps", b"fs", b"as"])
+_LONGDOUBLE_SIZE = np.dtype(np.longdouble).itemsize
+_PLAIN_KINDS = {  # kind: the item sizes it comes in (None: any, up to _MAX_ITEMSIZE)
+    ord("b"): (1,),
+    ord("i"): (1, 2, 4, 8),
+    ord("u"): (1, 2, 4, 8),
+    ord("f"): (2, 4, 8, _LONGDOUBLE_SIZE),
+    ord("c"): (8, 16, 2 * _LONGDOUBLE_SIZE),
+    ord("M"): (8,),
+    ord("m"): (8,),
+    ord("S"): None,
+    ord("U"): None,
+    ord("V"): None,
+}
+_MAX_ITEMSIZE = 0x7FFFFFFF   # NumPy keeps an item's size in a C int
+_MAX_STRUCT_DEPTH = 16       # structured dtypes inside structured dtypes
+_MAX_SUBARRAY_NDIM = 32      # a field's subarray shape
+_SPEC_CACHE_MAX = 1024       # names remembered (hostile payloads can name many)
+
+# name -> dtype of NumPy's own dtypes already checked (names of extension
+# dtypes are not kept: see _dtype_from_spec); bounded.
+cdef dict _spec_cache = {}
+# module name -> (module, len(its dict), {qualname: dtype}) of extension dtypes.
+cdef dict _extension_tables = {}
+
+
+cdef str _shown(bytes spec):
+    """The name as an error message shows it: text where it is text, and not
+    all of it where it is long (a hostile one may be 64 KiB)."""
+    cdef bytes head = spec[:80]
+    try:
+        shown = repr(head.decode("utf-8"))
+    except UnicodeDecodeError:
+        shown = repr(head)
+    return shown + ("..." if len(spec) > 80 else "")
+
+
 def _dtype_from_spec(bytes spec):
-    text = spec.decode()
-    if text.startswith("#"):
-        dt = _npy_format.descr_to_dtype(ast.literal_eval(text[1:]))
-    elif text.startswith("@"):
-        module, _, qualname = text[1:].partition(":")
-        obj = sys.modules.get(module) or importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        dt = np.dtype(obj)
+    """The dtype `spec` names; CorruptSegmentError if it names none shmpipe
+    makes from shared memory. Runs no code the name chooses."""
+    dt = _spec_cache.get(spec)
+    if dt is not None:
+        return dt
+    if spec[:1] == b"@":
+        # Not cached here: whether this process has imported the module is
+        # asked again by every Decoder (each keeps what it found).
+        dt = _extension_dtype(spec)
+        _refuse_references(dt, _shown(spec))
+        return dt
+    if spec[:1] == b"#":
+        dt = _structured_dtype(spec)
     else:
-        dt = np.dtype(text)
-    _refuse_references(dt, text)
+        dt = _plain_dtype(spec, spec)
+    _refuse_references(dt, _shown(spec))
+    if len(_spec_cache) >= _SPEC_CACHE_MAX:
+        _spec_cache.clear()
+    _spec_cache[spec] = dt
     return dt
 
 
-cdef int _refuse_references(object dt, str text) except -1:
+cdef object _plain_dtype(bytes name, bytes spec):
+    """A NumPy built-in dtype, from its dtype.str (`name`, inside `spec`)."""
+    m = _PLAIN_SPEC.fullmatch(name)
+    if m is None:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not a NumPy "
+                                  "dtype shmpipe carries")
+    order, kind, size, multiple, unit = m.groups()
+    if kind == b"O":
+        # Refused here already, before any dtype is made (see _refuse_references).
+        raise CorruptSegmentError(f"payload names dtype {_shown(name)}, which holds Python "
+                                  "objects and is never made from shared memory")
+    sizes = _PLAIN_KINDS.get(kind[0], False)
+    if sizes is False:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose kind "
+                                  f"{kind.decode()!r} is not one shmpipe carries")
+    n = int(size)
+    if (n not in sizes) if sizes is not None else (n * (4 if kind == b"U" else 1) > _MAX_ITEMSIZE):
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size is "
+                                  "impossible for its kind")
+    if unit is not None and (kind not in (b"M", b"m") or unit not in _DATETIME_UNITS):
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose time unit is "
+                                  "not one of NumPy's")
+    try:
+        # The name is now one of the forms above: NumPy parses it as a
+        # built-in type code, nothing else.
+        dt = np.dtype(name.decode("ascii"))
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+                                  f"not accept: {exc}") from None
+    if dt.num >= 256 or dt.str.encode("ascii") != name:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not spelled "
+                                  "as shmpipe spells it")
+    return dt
+
+
+cdef object _structured_dtype(bytes spec):
+    """A structured dtype from "#" + repr(dtype_to_descr(dt))."""
+    try:
+        text = spec[1:].decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptSegmentError(f"payload names a structured dtype that is not UTF-8 text: "
+                                  f"{spec!r}") from None
+    try:
+        # A literal only (lists, tuples, str, int): literal_eval runs no code.
+        # Its own limits (nesting, digits) raise, and so does anything else
+        # odd about the text: every one of those is a corrupt name.
+        descr = ast.literal_eval(text)
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names a structured dtype that cannot be read: "
+                                  f"{_shown(spec)} ({type(exc).__name__})") from None
+    if type(descr) is not list:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not a "
+                                  "structured dtype")
+    dt = _descr_dtype(descr, spec, 0)
+    try:
+        same = repr(_npy_format.dtype_to_descr(dt)).encode("utf-8") == spec[1:]
+    except Exception:
+        same = False
+    if not same:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not spelled "
+                                  "as shmpipe spells it")
+    return dt
+
+
+cdef object _descr_dtype(object descr, bytes spec, int depth):
+    """numpy.lib.format.descr_to_dtype for a checked descr: every leaf a
+    built-in, names str, shapes small tuples of ints, sizes bounded."""
+    cdef Py_ssize_t offset = 0
+    if depth > _MAX_STRUCT_DEPTH:
+        raise CorruptSegmentError(f"payload names a structured dtype nested more than "
+                                  f"{_MAX_STRUCT_DEPTH} levels deep")
+    if type(descr) is str:
+        try:
+            leaf = (<str>descr).encode("ascii")
+        except UnicodeEncodeError:
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose field "
+                                      f"type {descr!r} is not a NumPy dtype shmpipe carries") from None
+        return _plain_dtype(leaf, spec)
+    if type(descr) is not list:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose fields are "
+                                  "not a list")
+    names = []
+    formats = []
+    titles = []
+    offsets = []
+    for field in <list>descr:
+        if type(field) is not tuple or not (2 <= len(<tuple>field) <= 3):
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose fields "
+                                      "are not (name, type[, shape])")
+        name = field[0]
+        if type(name) is tuple and len(<tuple>name) == 2:
+            title, name = name
+            if type(title) is not str:
+                raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a "
+                                          "field title that is not text")
+        else:
+            title = None
+        if type(name) is not str:
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field "
+                                      "name that is not text")
+        dt = _descr_dtype(field[1], spec, depth + 1)
+        if len(<tuple>field) == 3:
+            dt = _subarray(dt, field[2], spec)
+        # Unnamed void fields are the padding dtype_to_descr writes out, as
+        # numpy.lib.format.descr_to_dtype reads them.
+        if not (name == "" and dt.type is np.void and dt.names is None):
+            names.append(name)
+            formats.append(dt)
+            titles.append(title)
+            offsets.append(offset)
+        offset += dt.itemsize
+        if offset > _MAX_ITEMSIZE:
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size "
+                                      "is impossible")
+    try:
+        return np.dtype({"names": names, "formats": formats, "titles": titles,
+                         "offsets": offsets, "itemsize": offset})
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+                                  f"not accept: {exc}") from None
+
+
+cdef object _subarray(object dt, object shape, bytes spec):
+    """`dt` with a subarray `shape` (a field "('c', '<i4', (2, 3))")."""
+    cdef Py_ssize_t itemsize = dt.itemsize
+    if type(shape) is not tuple or len(<tuple>shape) > _MAX_SUBARRAY_NDIM:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field shape "
+                                  "that is not a short tuple")
+    for dim in <tuple>shape:
+        if type(dim) is not int or not (0 <= dim <= _MAX_ITEMSIZE):
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field "
+                                      "shape that is not sizes")
+        itemsize = itemsize * dim if itemsize * dim <= _MAX_ITEMSIZE else _MAX_ITEMSIZE + 1
+    if itemsize > _MAX_ITEMSIZE:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size is "
+                                  "impossible")
+    try:
+        return np.dtype((dt, shape))
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+                                  f"not accept: {exc}") from None
+
+
+cdef object _extension_dtype(bytes spec):
+    """An extension dtype ("@ml_dtypes:bfloat16") of a module this process has
+    imported itself; the name only selects from what that module defines."""
+    try:
+        module, sep, qualname = spec[1:].decode("utf-8").partition(":")
+    except UnicodeDecodeError:
+        raise CorruptSegmentError(f"payload names an extension dtype that is not UTF-8 text: "
+                                  f"{spec!r}") from None
+    if not sep:
+        raise CorruptSegmentError(f"payload names extension dtype {_shown(spec)} without "
+                                  "module:name")
+    mod = sys.modules.get(module)
+    if mod is None:
+        # Importing it would run code the payload chose (a module's import
+        # is its code: "@this:s" printed the Zen of Python).
+        raise CorruptSegmentError(
+            f"payload names dtype {_shown(spec)} from module {module!r}, which this process "
+            "has not imported; shmpipe never imports a module named in shared memory (import "
+            "it in the consumer first)"
+        )
+    dt = _extension_table(module, mod).get(qualname)
+    if dt is None:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, but module {module!r} "
+                                  f"defines no NumPy extension dtype {qualname!r}")
+    return dt
+
+
+cdef dict _extension_table(str module, object mod):
+    """{qualname: dtype} of the extension dtypes `mod` defines: the scalar
+    types in its namespace that NumPy has registered (dtype.num >= 256),
+    named as _dtype_spec names them. Built by walking the module's dict,
+    not by looking names up, and reading only what runs no Python code:
+    types whose metaclass is `type` itself."""
+    cdef dict d
+    cached = _extension_tables.get(module)
+    if not PyModule_Check(mod):
+        return {}
+    d = <dict>PyModule_GetDict(mod)
+    if cached is not None and cached[0] is mod and cached[1] == len(d):
+        return cached[2]
+    table = {}
+    for value in list(d.values()):
+        if type(value) is not type or not PyType_IsSubtype(<type>value, _generic):
+            continue
+        if PyType_IsSubtype(<type>value, _void):
+            # NumPy asks a void subclass for a .dtype attribute: not ours to run.
+            continue
+        try:
+            if value.__module__ != module:
+                continue
+            dt = np.dtype(value)
+            if dt.num >= 256 and not dt.hasobject and dt.type is value:
+                table[value.__qualname__] = dt
+        except Exception:
+            continue
+    _extension_tables[module] = (mod, len(d), table)
+    return table
+
+
+cdef int _refuse_references(object dt, str shown) except -1:
     # An array of a dtype that holds references is an array of PyObject
     # pointers: made over bytes another process wrote, each element is an
     # address it chose, and reading one dereferences it (the consumer
@@ -134,7 +405,7 @@ cdef int _refuse_references(object dt, str text) except -1:
     # an object field somewhere inside.
     if dt.hasobject:
         raise CorruptSegmentError(
-            f"payload names dtype {text!r}, which holds Python objects and is never made "
+            f"payload names dtype {shown}, which holds Python objects and is never made "
             "from shared memory"
         )
     return 0
@@ -558,7 +829,10 @@ cdef class _Reader:
             except CorruptSegmentError:
                 raise
             except Exception as exc:
-                raise CorruptSegmentError(f"a slot names a dtype that cannot be read: {spec!r}") from exc
+                raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which cannot be "
+                                          f"read: {exc}") from exc
+            if len(self.dtypes) >= 256:  # a hostile producer may name many
+                self.dtypes.clear()
             self.dtypes[spec] = dt
         return dt
 

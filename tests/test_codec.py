@@ -4,6 +4,10 @@ errors a bad batch or a corrupted payload gives."""
 from __future__ import annotations
 
 import collections
+import re
+import struct
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -14,6 +18,11 @@ from shmpipe.errors import BatchTypeError, CorruptSegmentError
 
 from shmpipe.testing.batches import SCALARS, matrix, non_contiguous
 from conftest import assert_same
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
 
 MATRIX = list(matrix())
 
@@ -162,4 +171,74 @@ def test_object_dtype_is_never_made_from_a_payload(batch, old, new):
     payload = _codec.encode(batch)
     _replace(payload, old, new)
     with pytest.raises(CorruptSegmentError, match="holds Python objects"):
+        _codec.decode(payload)
+
+
+def _array_payload(spec: bytes, shape=(3,), offset=0):
+    """A payload by hand: one array leaf whose dtype is named `spec`."""
+    meta = b"a" + struct.pack("<H", len(spec)) + spec + struct.pack("<B", len(shape))
+    meta += b"".join(struct.pack("<Q", d) for d in shape) + struct.pack("<Q", offset)
+    data_at = -(-(16 + len(meta)) // 64) * 64
+    total = data_at + 256
+    payload = _codec._aligned_empty(total)
+    payload[:] = 0
+    payload[:16] = np.frombuffer(b"SPB1" + struct.pack("<IQ", len(meta), total), np.uint8)
+    payload[16 : 16 + len(meta)] = np.frombuffer(meta, np.uint8)
+    return payload
+
+
+def test_a_payload_never_imports_a_module(monkeypatch, capsys):
+    # "@this:s" used to make the consumer import `this` (which prints the Zen
+    # of Python): a payload chose code for the consumer to run.
+    monkeypatch.delitem(sys.modules, "this", raising=False)
+    with pytest.raises(CorruptSegmentError, match="has not imported"):
+        _codec.decode(_array_payload(b"@this:s"))
+    assert "this" not in sys.modules
+    assert capsys.readouterr().out == ""
+
+
+def test_a_payload_never_gets_an_attribute_by_name(monkeypatch):
+    # A module already imported is no license to look names up in it: a
+    # module's __getattr__ (PEP 562) is code, and so is a property.
+    asked = []
+    mod = types.ModuleType("shmpipe_test_lazy")
+    mod.__getattr__ = lambda name: asked.append(name) or np.float64
+    mod.real = np.float32
+    monkeypatch.setitem(sys.modules, "shmpipe_test_lazy", mod)
+    for spec in (b"@shmpipe_test_lazy:anything", b"@shmpipe_test_lazy:real",
+                 b"@shmpipe_test_lazy:__getattr__", b"@numpy:testing"):
+        with pytest.raises(CorruptSegmentError, match="defines no NumPy extension dtype"):
+            _codec.decode(_array_payload(spec))
+    assert asked == []
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (b"float32", "not a NumPy dtype shmpipe carries"),  # NumPy would accept it
+        (b"|f4", "not spelled as shmpipe spells it"),  # non-canonical
+        (b"<u3", "item size"),
+        (b"<M8[xx]", "time unit"),
+        (b"|T16", "kind 'T'"),
+        (b"\xff\xfe", "not a NumPy dtype"),
+        (b"#[('a', '<f8', (1 << 40,))]", "cannot be read"),  # an expression, not a literal
+        (b"#[('a', '<f8', (99999999, 99999999))]", "item size"),
+        (b"#" + b"[('a', " * 40 + b"'<f4'" + b")]" * 40, "nested"),
+        (b"#__import__('os')", "cannot be read"),
+        (b"#('<f4', (2,))", "not a structured dtype"),
+    ],
+)
+def test_dtype_names_come_from_a_closed_table(spec, words):
+    with pytest.raises(CorruptSegmentError, match=re.escape(words)):
+        _codec.decode(_array_payload(spec))
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes")
+def test_extension_dtypes_only_from_modules_the_consumer_imported(monkeypatch):
+    batch = {"x": np.arange(3).astype(ml_dtypes.bfloat16), "y": ml_dtypes.float8_e4m3fn(2)}
+    payload = _codec.encode(batch)
+    assert b"@ml_dtypes:bfloat16" in payload.tobytes()
+    assert_same(_codec.decode(payload), batch)
+    monkeypatch.delitem(sys.modules, "ml_dtypes")
+    with pytest.raises(CorruptSegmentError, match="'ml_dtypes', which this process has not imported"):
         _codec.decode(payload)
