@@ -148,6 +148,15 @@ _PLAIN_KINDS = {  # kind: the item sizes it comes in (None: any, up to _MAX_ITEM
     ord("U"): None,
     ord("V"): None,
 }
+# What repr() of a descr is made of: brackets, commas, spaces, decimal ints
+# and quoted str with the escapes repr() writes. Text of anything else is
+# refused before ast.literal_eval sees it, so a hostile name cannot make the
+# compiler warn (SyntaxWarning on stderr) either. Unambiguous, so no
+# backtracking: each token is told apart by its first character.
+_STR_BODY = r"(?:[^{q}\\\n\r\x00]|\\(?:[\\'\"abfnrtv]|x[0-9a-fA-F]{{2}}|u[0-9a-fA-F]{{4}}|U[0-9a-fA-F]{{8}}))*"
+_DESCR_TEXT = re.compile(
+    r"(?:[\[\](), ]|[0-9]+(?![0-9])|'" + _STR_BODY.format(q="'") + "'|\"" + _STR_BODY.format(q='"') + "\")*"
+)
 _MAX_ITEMSIZE = 0x7FFFFFFF   # NumPy keeps an item's size in a C int
 _MAX_STRUCT_DEPTH = 16       # structured dtypes inside structured dtypes
 _MAX_SUBARRAY_NDIM = 32      # a field's subarray shape
@@ -236,6 +245,9 @@ cdef object _structured_dtype(bytes spec):
     except UnicodeDecodeError:
         raise CorruptSegmentError(f"payload names a structured dtype that is not UTF-8 text: "
                                   f"{spec!r}") from None
+    if _DESCR_TEXT.fullmatch(text) is None:
+        raise CorruptSegmentError(f"payload names a structured dtype that is not a dtype "
+                                  f"description: {_shown(spec)}")
     try:
         # A literal only (lists, tuples, str, int): literal_eval runs no code.
         # Its own limits (nesting, digits) raise, and so does anything else
@@ -643,11 +655,18 @@ cdef class Encoder:
         return 0
 
     cdef int _scalar(self, object obj) except -1:
+        cdef Py_ssize_t n
         dt = obj.dtype
         self._tag(b"g")
         self._dtype(dt)
         raw = obj.tobytes()
-        return self._put(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw))
+        # Exactly the dtype's item size, which is what the decoder reads: an
+        # empty np.bytes_ ("|S0") gives one byte from tobytes(), np.str_("")
+        # four.
+        n = (<cnp.dtype>dt).itemsize
+        if PyBytes_GET_SIZE(raw) < n:
+            self._fail(f"NumPy scalar of dtype {dt!r} gave fewer bytes than its item size")
+        return self._put(PyBytes_AS_STRING(raw), n)
 
     # -- writing --------------------------------------------------------------
 
@@ -756,7 +775,9 @@ cdef class Decoder:
         if magic != PAYLOAD_MAGIC:
             raise CorruptSegmentError("a slot does not start with the payload magic")
         if total != <uint64_t>nbytes or <uint64_t>data_start(meta_len) > total:
-            raise CorruptSegmentError("a slot's sizes disagree with its header")
+            raise CorruptSegmentError(
+                f"a slot's sizes disagree with its header (payload of {nbytes} bytes, header "
+                f"says {total}, with {meta_len} bytes of structure)")
         r.pos = payload + PAYLOAD_PREFIX
         r.end = r.pos + meta_len
         r.data = payload + data_start(meta_len)
@@ -800,10 +821,14 @@ cdef class _Reader:
         self.pos += 8
         return v
 
-    cdef str text(self):
+    cdef str text(self, str what):
         cdef uint32_t n = self.u32()
         self.need(n)
-        s = PyUnicode_DecodeUTF8(<const char *>self.pos, n, NULL)
+        try:
+            s = PyUnicode_DecodeUTF8(<const char *>self.pos, n, NULL)
+        except UnicodeDecodeError as exc:
+            raise CorruptSegmentError(f"a slot's structure holds {what} that is not UTF-8 "
+                                      f"({exc.reason} at byte {exc.start})") from None
         self.pos += n
         return s
 
@@ -850,15 +875,24 @@ cdef class _Reader:
             return self.array()
         if tag == b"{":
             n = self.u32()
+            # Each entry takes at least 5 bytes (key length, value tag).
+            if n > <uint32_t>((self.end - self.pos) // 5):
+                raise CorruptSegmentError(f"a slot's structure claims a dict of {n} entries, "
+                                          "more than it has room for")
             d = {}
             for i in range(n):
-                key = self.text()
+                key = self.text("a dict key")
+                if key in d:
+                    # The encoder writes a dict's keys once each: a repeat
+                    # is a corrupt structure, not a batch with fewer keys.
+                    raise CorruptSegmentError(f"a slot's structure repeats the dict key {key!r}")
                 d[key] = self.node(depth + 1)
             return d
         if tag == b"(" or tag == b"[":
             n = self.u32()
             if n > <uint32_t>(self.end - self.pos):  # each item takes at least one byte
-                raise CorruptSegmentError("a slot's structure runs past its end")
+                raise CorruptSegmentError(f"a slot's structure claims a {'tuple' if tag == b'(' else 'list'} "
+                                          f"of {n} items, more than it has room for")
             items = [self.node(depth + 1) for i in range(n)]
             return tuple(items) if tag == b"(" else items
         if tag == b"N":
@@ -880,7 +914,7 @@ cdef class _Reader:
             self.pos += 8
             return fv
         if tag == b"s":
-            return self.text()
+            return self.text("a str")
         if tag == b"b":
             return self.blob()
         if tag == b"g":
@@ -889,30 +923,44 @@ cdef class _Reader:
             self.need(n)
             raw = PyBytes_FromStringAndSize(<const char *>self.pos, n)
             self.pos += n
-            return np.frombuffer(raw, dtype=dt, count=1)[0]
-        raise CorruptSegmentError(f"a slot's structure has an unknown tag {tag!r}")
+            # A scalar owns its bytes (copied out of the slot). Not
+            # np.frombuffer: it refuses an item size of 0, and np.bytes_(b"")
+            # is a "|S0" scalar the encoder writes.
+            return np.ndarray((), dtype=dt, buffer=raw)[()]
+        raise CorruptSegmentError(f"a slot's structure has an unknown tag {bytes([<uint8_t>tag])!r}")
 
     cdef object array(self):
         cdef cnp.npy_intp dims[MAX_NDIM]
         cdef uint8_t ndim
         cdef int d
-        cdef uint64_t nbytes, dim, off
+        cdef uint64_t nbytes, dim, off, numpy_size
         dt = self.dtype()
         self.need(1)
         ndim = self.pos[0]
         self.pos += 1
         if ndim > MAX_NDIM:
-            raise CorruptSegmentError("a slot holds an array with too many dimensions")
+            raise CorruptSegmentError(f"a slot holds an array of {ndim} dimensions, more than "
+                                      f"NumPy's {MAX_NDIM}")
         nbytes = <uint64_t>(<cnp.dtype>dt).itemsize
+        # NumPy's own check (PyArray_NewFromDescr): the product of the
+        # non-zero dims times max(itemsize, 1) must fit in an npy_intp, even
+        # when a zero dim makes the array empty ("array is too big" otherwise).
+        numpy_size = nbytes if nbytes else 1
         for d in range(ndim):
             dim = self.u64()
-            if dim > <uint64_t>0x7FFFFFFFFFFFFFFF or shmp_mul_overflow(nbytes, dim, &nbytes):
-                raise CorruptSegmentError("a slot holds an array of impossible size")
+            if (dim > <uint64_t>0x7FFFFFFFFFFFFFFF or shmp_mul_overflow(nbytes, dim, &nbytes)
+                    or (dim != 0 and shmp_mul_overflow(numpy_size, dim, &numpy_size))
+                    or numpy_size > <uint64_t>0x7FFFFFFFFFFFFFFF):
+                raise CorruptSegmentError(f"a slot holds an array of impossible size (dim {d} "
+                                          f"is {dim})")
             dims[d] = <cnp.npy_intp>dim
         off = self.u64()
         if (off % ARRAY_ALIGN != 0 or off > <uint64_t>(self.data_end - self.data)
                 or nbytes > <uint64_t>(self.data_end - self.data) - off):
-            raise CorruptSegmentError("a slot holds an array outside its payload")
+            raise CorruptSegmentError(
+                f"a slot holds an array outside its payload ({nbytes} bytes at offset {off} "
+                f"of a data region of {self.data_end - self.data} bytes, arrays "
+                f"{ARRAY_ALIGN}-byte aligned)")
         arr = new_array(dt, ndim, dims, self.data + off, self.writeable, self.root)
         if self.collect is not None:
             self.collect.append(arr)
@@ -962,7 +1010,8 @@ def decode(buf, *, writeable=False):
     """The batch held in `buf` (a uint8 array from encode()), as views of it."""
     cdef Decoder dec = Decoder()
     cdef cnp.ndarray arr = np.ascontiguousarray(buf, dtype=np.uint8)
-    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
+    # (An empty buffer's address means nothing: it is too short, not unaligned.)
+    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN and arr.nbytes >= PAYLOAD_PREFIX:
         raise ValueError("decode() needs a 64-byte aligned buffer")
     return dec.decode(<unsigned char *>cnp.PyArray_DATA(arr), arr.nbytes, arr, writeable)
 

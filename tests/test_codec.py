@@ -11,13 +11,12 @@ import types
 
 import numpy as np
 import pytest
+from conftest import assert_same
 
 import shmpipe
 from shmpipe import _codec
 from shmpipe.errors import BatchTypeError, CorruptSegmentError
-
 from shmpipe.testing.batches import SCALARS, matrix, non_contiguous
-from conftest import assert_same
 
 try:
     import ml_dtypes
@@ -205,8 +204,12 @@ def test_a_payload_never_gets_an_attribute_by_name(monkeypatch):
     mod.__getattr__ = lambda name: asked.append(name) or np.float64
     mod.real = np.float32
     monkeypatch.setitem(sys.modules, "shmpipe_test_lazy", mod)
-    for spec in (b"@shmpipe_test_lazy:anything", b"@shmpipe_test_lazy:real",
-                 b"@shmpipe_test_lazy:__getattr__", b"@numpy:testing"):
+    for spec in (
+        b"@shmpipe_test_lazy:anything",
+        b"@shmpipe_test_lazy:real",
+        b"@shmpipe_test_lazy:__getattr__",
+        b"@numpy:testing",
+    ):
         with pytest.raises(CorruptSegmentError, match="defines no NumPy extension dtype"):
             _codec.decode(_array_payload(spec))
     assert asked == []
@@ -221,10 +224,11 @@ def test_a_payload_never_gets_an_attribute_by_name(monkeypatch):
         (b"<M8[xx]", "time unit"),
         (b"|T16", "kind 'T'"),
         (b"\xff\xfe", "not a NumPy dtype"),
-        (b"#[('a', '<f8', (1 << 40,))]", "cannot be read"),  # an expression, not a literal
+        (b"#[('a', '<f8', (1 << 40,))]", "not a dtype description"),  # an expression
+        (b"#[('a', '<f8', (1 2,))]", "cannot be read"),  # not even Python
         (b"#[('a', '<f8', (99999999, 99999999))]", "item size"),
         (b"#" + b"[('a', " * 40 + b"'<f4'" + b")]" * 40, "nested"),
-        (b"#__import__('os')", "cannot be read"),
+        (b"#__import__('os')", "not a dtype description"),
         (b"#('<f4', (2,))", "not a structured dtype"),
     ],
 )
@@ -242,3 +246,70 @@ def test_extension_dtypes_only_from_modules_the_consumer_imported(monkeypatch):
     monkeypatch.delitem(sys.modules, "ml_dtypes")
     with pytest.raises(CorruptSegmentError, match="'ml_dtypes', which this process has not imported"):
         _codec.decode(payload)
+
+
+def _set_u64(payload, at: int, value: int) -> None:
+    payload[at : at + 8] = np.frombuffer(struct.pack("<Q", value), np.uint8)
+
+
+# An array leaf at the top: prefix(16) 'a' u16 len "<f8" u8 ndim, then the dims.
+_DIMS_AT = 16 + 1 + 2 + 3 + 1
+
+
+@pytest.mark.parametrize(
+    "batch, corrupt, words",
+    [
+        # Bytes that are not UTF-8 where text is: a plain UnicodeDecodeError before.
+        ({"x": "text"}, lambda p: _replace(p, b"text", b"\xfftex"), "str that is not UTF-8"),
+        ({"key": 1}, lambda p: _replace(p, b"key", b"k\xc3y"), "dict key that is not UTF-8"),
+        # A zero dim beside a huge one: an empty array by our count, but NumPy
+        # refuses it ("array is too big", a ValueError) before.
+        (np.zeros((0, 3)), lambda p: _set_u64(p, _DIMS_AT + 8, 1 << 62), "impossible size"),
+        (np.zeros((3, 0)), lambda p: _set_u64(p, _DIMS_AT, 1 << 61), "impossible size"),
+        # Keys repeated: a dict of one key came out before.
+        (
+            {"a": 1, "b": 2},
+            lambda p: _replace(p, b"\x01\x00\x00\x00b", b"\x01\x00\x00\x00a"),
+            "repeats the dict key 'a'",
+        ),
+        # A count no payload has room for.
+        ({"a": 1}, lambda p: p.__setitem__(slice(17, 21), 255), "dict of 4294967295 entries"),
+        ([1, 2], lambda p: p.__setitem__(slice(17, 21), 255), "list of 4294967295 items"),
+        # Array outside the data region; a misaligned offset.
+        (np.zeros(3), lambda p: _set_u64(p, _DIMS_AT + 8, 1 << 63), "outside its payload"),
+        (np.zeros(3), lambda p: _set_u64(p, _DIMS_AT + 8, 8), "outside its payload"),
+        (np.zeros(3), lambda p: p.__setitem__(_DIMS_AT - 1, 65), "65 dimensions"),
+    ],
+)
+def test_malformed_payloads_say_what_is_wrong(batch, corrupt, words):
+    payload = _codec.encode(batch)
+    corrupt(payload)
+    with pytest.raises(CorruptSegmentError, match=re.escape(words)):
+        _codec.decode(payload)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15])
+def test_a_short_buffer_is_corrupt_not_unaligned(n):
+    # An empty buffer has no meaningful address: it used to be refused as
+    # "not 64-byte aligned", a ValueError, depending on where NumPy put it.
+    buf = _codec._aligned_empty(64)[1 : 1 + n]
+    with pytest.raises(CorruptSegmentError, match="too short"):
+        _codec.decode(buf)
+
+
+def test_deep_nesting_is_corrupt_not_a_recursion_error():
+    meta = b"[\x01\x00\x00\x00" * 10_000 + b"N"
+    payload = _codec._aligned_empty(-(-(16 + len(meta)) // 64) * 64)
+    payload[:] = 0
+    payload[:16] = np.frombuffer(b"SPB1" + struct.pack("<IQ", len(meta), len(payload)), np.uint8)
+    payload[16 : 16 + len(meta)] = np.frombuffer(meta, np.uint8)
+    with pytest.raises(CorruptSegmentError, match="nested too deep"):
+        _codec.decode(payload)
+
+
+@pytest.mark.parametrize("value", [np.bytes_(b""), np.str_(""), np.void(b"")])
+def test_empty_numpy_scalars_round_trip(value):
+    # Their dtypes have an item size of 0 ("|S0"): np.frombuffer refused to
+    # decode what the encoder wrote (a ValueError).
+    out = _codec.decode(_codec.encode({"v": value}))
+    assert type(out["v"]) is type(value) and out["v"] == value
