@@ -48,7 +48,7 @@ from cpython.ref cimport Py_INCREF, PyObject, PyTypeObject
 from cpython.type cimport PyType_IsSubtype
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 from shmpipe._spec import ArraySpec
 from shmpipe.errors import BatchTypeError, CorruptSegmentError
@@ -671,10 +671,19 @@ cdef class Encoder:
     # -- writing --------------------------------------------------------------
 
     cdef int write(self, unsigned char *payload, Py_ssize_t capacity) except -1:
-        """Writes the planned batch into `payload` (capacity bytes)."""
+        """Writes the planned batch into `payload` (capacity bytes).
+
+        Every byte of the payload is defined: the padding between the
+        structure and the data, between arrays and after the last one is
+        zeroed (only those bytes: this is put()'s hot path, and the rest of
+        the slot is not the payload). Otherwise whatever the memory held
+        before (an earlier batch, the producer's scratch) would reach the
+        consumer, and the same batch would not give the same bytes twice.
+        Arrays of a template (reserve) are left as they are, uninitialised
+        by design like numpy.empty."""
         cdef uint32_t u32
         cdef uint64_t u64
-        cdef Py_ssize_t i, nbytes
+        cdef Py_ssize_t i, nbytes, start, cursor
         cdef unsigned char *data
         cdef unsigned char *dst
         cdef const unsigned char *src
@@ -688,8 +697,15 @@ cdef class Encoder:
         u64 = <uint64_t>self.nbytes
         memcpy(payload + 8, &u64, 8)
         memcpy(payload + PAYLOAD_PREFIX, self.meta, self.meta_len)
-        data = payload + data_start(self.meta_len)
+        start = data_start(self.meta_len)
+        memset(payload + PAYLOAD_PREFIX + self.meta_len, 0, start - PAYLOAD_PREFIX - self.meta_len)
+        data = payload + start
+        cursor = 0  # end of the last array, from data
         for i in range(self.n_arrays):
+            # Arrays are laid out in order, each at a multiple of ARRAY_ALIGN.
+            if self.offsets[i] > cursor:
+                memset(data + cursor, 0, self.offsets[i] - cursor)
+            cursor = self.offsets[i] + self.sizes[i]
             obj = self.arrays[i]
             nbytes = self.sizes[i]
             if obj is None or nbytes == 0:
@@ -707,9 +723,15 @@ cdef class Encoder:
                     memcpy(dst, src, nbytes)
             else:
                 # Strided or Fortran-ordered: NumPy copies it into C order.
-                view = new_array(<object>cnp.PyArray_DESCR(arr), cnp.PyArray_NDIM(arr),
-                                 cnp.PyArray_DIMS(arr), dst, True, None)
+                dt = <object>cnp.PyArray_DESCR(arr)
+                if dt.names is not None:
+                    # NumPy copies a structured dtype field by field: the
+                    # bytes between fields would be left as they were.
+                    memset(dst, 0, nbytes)
+                view = new_array(dt, cnp.PyArray_NDIM(arr), cnp.PyArray_DIMS(arr), dst, True, None)
                 cnp.PyArray_CopyInto(<cnp.ndarray>view, arr)
+        if self.data_len > cursor:  # after trailing empty arrays
+            memset(data + cursor, 0, self.data_len - cursor)
         return 0
 
     cdef bint same_meta(self, const unsigned char *payload) noexcept:

@@ -313,3 +313,142 @@ def test_empty_numpy_scalars_round_trip(value):
     # decode what the encoder wrote (a ValueError).
     out = _codec.decode(_codec.encode({"v": value}))
     assert type(out["v"]) is type(value) and out["v"] == value
+
+
+# -- every byte written is defined (issue 11, point 10) ------------------------
+
+_PADDED = np.dtype({"names": ["x", "y"], "formats": ["u1", "<f4"], "offsets": [0, 8], "itemsize": 16})
+
+
+def _padded_batch():
+    """Gaps everywhere: structure to data, between arrays of odd sizes, after
+    trailing empty arrays, and a strided structured array with padding."""
+    rng = np.random.default_rng(5)
+    padded = np.frombuffer(rng.integers(0, 256, 16 * 14, dtype=np.uint8).tobytes(), _PADDED)
+    return {
+        "odd": np.arange(3, dtype=np.uint8),
+        "s": "x",
+        "f": np.arange(5, dtype=np.float32),
+        "strided_struct": padded[::2],
+        "scalar": np.float64(2.5),
+        "c": np.ones((3, 7), np.int16),
+        "empty_last": [np.zeros(0), np.zeros((2, 0))],
+    }
+
+
+def _padding_ranges(payload) -> list[tuple[int, int]]:
+    """The byte ranges of `payload` that belong to no field and no array."""
+    raw = payload.tobytes()
+    meta_len = struct.unpack_from("<I", raw, 4)[0]
+    taken = [(0, 16 + meta_len)]
+    stack = [_codec.decode(payload)]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, np.ndarray) and x.nbytes:
+            at = x.ctypes.data - payload.ctypes.data
+            taken.append((at, at + x.nbytes))
+    gaps, pos = [], 0
+    for lo, hi in sorted(taken):
+        if lo > pos:
+            gaps.append((pos, lo))
+        pos = max(pos, hi)
+    if pos < len(raw):
+        gaps.append((pos, len(raw)))
+    return gaps
+
+
+def _assert_padding_zero(payload):
+    gaps = _padding_ranges(payload)
+    assert gaps, "the batch was meant to have padding"
+    raw = payload.tobytes()
+    for lo, hi in gaps:
+        assert raw[lo:hi] == bytes(hi - lo), f"bytes {lo}:{hi} of the payload are not zero"
+
+
+def test_encode_into_defines_every_byte():
+    # Whatever the destination held before (a slot's last batch, a
+    # producer's scratch) must not reach the payload: the same batch gives
+    # the same bytes, run after run.
+    batch = _padded_batch()
+    n = _codec.encoded_size(batch)
+    outs = []
+    for fill in (0xAA, 0x55):
+        buf = _codec._aligned_empty(n + 256)
+        buf[:] = fill
+        assert _codec.encode_into(batch, buf) == n
+        outs.append(buf[:n])
+        assert buf[n:].tobytes() == bytes([fill]) * 256, "wrote past the payload"
+    assert outs[0].tobytes() == outs[1].tobytes()
+    _assert_padding_zero(outs[0])
+    # The strided structured array's padding bytes are zero too (NumPy copies
+    # it field by field); a contiguous one keeps the user's bytes as they are.
+    st = outs[0].tobytes()
+    at = _codec.decode(outs[0])["strided_struct"].ctypes.data - outs[0].ctypes.data
+    for i in range(7):
+        assert st[at + 16 * i + 1 : at + 16 * i + 8] == bytes(7)
+    contiguous = {"c": np.frombuffer(bytes(range(32)), _PADDED)}
+    out = _codec.encode(contiguous)
+    assert_same(_codec.decode(out), contiguous)
+    arr = _codec.decode(out)["c"]
+    assert arr.view(np.uint8).tobytes() == bytes(range(32))
+
+
+def _dirty_ring(rings):
+    """A ring whose slots all held 0xAA-filled batches before."""
+    from shmpipe._shm import ShmConsumer, attach_producer
+
+    c = ShmConsumer(num_workers=1, capacity=2, slot_size=1 << 14, ordered=False, first_pass=0)
+    rings.append(c)
+    w = attach_producer(c.handle, 0)
+    w.start_pass(0)
+    dirty = {"x": np.full((1 << 14) - 256, 0xAA, np.uint8)}
+    w.put(dirty)
+    w.put(dirty)
+    for _ in range(2):
+        root = c.reader.take_raw(0, -1, 0, 2.0)
+        assert root.tobytes().count(b"\xaa") > 16000
+        del root
+    return c, w
+
+
+@pytest.fixture
+def rings():
+    made = []
+    yield made
+    for c in made:
+        c.close()
+        c.destroy()
+
+
+def test_ring_put_defines_every_byte(rings):
+    c, w = _dirty_ring(rings)
+    batch = _padded_batch()
+    w.put(batch)
+    payload = c.reader.take_raw(0, -1, 0, 2.0)
+    assert payload.tobytes() == _codec.encode(batch).tobytes()
+    _assert_padding_zero(payload)
+
+
+def test_ring_reserve_defines_every_byte_but_the_arrays(rings):
+    from shmpipe._spec import ArraySpec
+
+    c, w = _dirty_ring(rings)
+    template = {"a": ArraySpec((3,), "u1"), "t": "tag", "b": ArraySpec((5, 3), "<f4"), "z": ArraySpec((0,), "f8")}
+    r = w.reserve(template)
+    # The arrays are uninitialised (like numpy.empty): here, the old batch's bytes.
+    assert r["b"].view(np.uint8).tobytes() == b"\xaa" * 60
+    r["a"][:] = 1
+    r["b"][:] = 2
+    w.put(r)
+    payload = c.reader.take_raw(0, -1, 0, 2.0)
+    _assert_padding_zero(payload)
+    assert (
+        payload.tobytes()
+        == _codec.encode(
+            {"a": np.ones(3, "u1"), "t": "tag", "b": np.full((5, 3), 2, "<f4"), "z": np.zeros(0)}
+        ).tobytes()
+    )
