@@ -133,6 +133,8 @@ def _dtype_spec(dt):
 # one meaning, the one the encoder gave it.
 
 _PLAIN_SPEC = re.compile(rb"([<>|])([A-Za-z?])([0-9]{1,10})(?:\[([0-9]{0,10})([A-Za-z]{1,7})\])?")
+# NumPy's spellings of the object dtype, told apart for a clearer message.
+_OBJECT_SPEC = re.compile(rb"[<>|=]?(?:O[0-9]{0,10}|object|object_)")
 _DATETIME_UNITS = frozenset([b"Y", b"M", b"W", b"D", b"h", b"m", b"s", b"ms", b"us", b"ns",
                              b"ps", b"fs", b"as"])
 _LONGDOUBLE_SIZE = np.dtype(np.longdouble).itemsize
@@ -205,15 +207,15 @@ def _dtype_from_spec(bytes spec):
 
 cdef object _plain_dtype(bytes name, bytes spec):
     """A NumPy built-in dtype, from its dtype.str (`name`, inside `spec`)."""
+    if _OBJECT_SPEC.fullmatch(name) is not None:
+        # Refused here already, before any dtype is made (see _refuse_references).
+        raise CorruptSegmentError(f"payload names dtype {_shown(name)}, which holds Python "
+                                  "objects and is never made from shared memory")
     m = _PLAIN_SPEC.fullmatch(name)
     if m is None:
         raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not a NumPy "
                                   "dtype shmpipe carries")
-    order, kind, size, multiple, unit = m.groups()
-    if kind == b"O":
-        # Refused here already, before any dtype is made (see _refuse_references).
-        raise CorruptSegmentError(f"payload names dtype {_shown(name)}, which holds Python "
-                                  "objects and is never made from shared memory")
+    _, kind, size, _, unit = m.groups()
     sizes = _PLAIN_KINDS.get(kind[0], False)
     if sizes is False:
         raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose kind "
@@ -397,7 +399,9 @@ cdef dict _extension_table(str module, object mod):
             # NumPy asks a void subclass for a .dtype attribute: not ours to run.
             continue
         try:
-            if value.__module__ != module:
+            # type's own getters: they read the type's fields, run nothing.
+            modname = value.__module__
+            if type(modname) is not str or modname != module:
                 continue
             dt = np.dtype(value)
             if dt.num >= 256 and not dt.hasobject and dt.type is value:

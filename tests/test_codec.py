@@ -219,6 +219,8 @@ def test_a_payload_never_gets_an_attribute_by_name(monkeypatch):
     "spec, words",
     [
         (b"float32", "not a NumPy dtype shmpipe carries"),  # NumPy would accept it
+        (b"|O", "holds Python objects"),
+        (b"object", "holds Python objects"),
         (b"|f4", "not spelled as shmpipe spells it"),  # non-canonical
         (b"<u3", "item size"),
         (b"<M8[xx]", "time unit"),
