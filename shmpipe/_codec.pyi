@@ -17,4 +17,8 @@ def _dtype_spec(dt: np.dtype) -> bytes | None:
     """The bytes that name dtype `dt` in a payload, or None if it cannot travel."""
     ...
 
-def _dtype_from_spec(spec: bytes) -> np.dtype: ...
+def _dtype_from_spec(spec: bytes) -> np.dtype:
+    """The dtype `spec` names, looked up in a closed table (NumPy's own
+    dtypes, and extension dtypes of modules this process has imported);
+    CorruptSegmentError for any other name, or one that holds objects."""
+    ...

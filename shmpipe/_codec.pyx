@@ -23,14 +23,17 @@ Meta nodes (one tag byte, then the node's fields)::
     dtype: u16 n, n bytes of spec: a dtype.str ("<f4", "|S3"); "#" + the
            repr of numpy.lib.format.dtype_to_descr for structured dtypes;
            "@module:qualname" of the scalar type for registered user dtypes
-           (ml_dtypes.bfloat16, for instance)
+           (ml_dtypes.bfloat16, for instance). The decoder looks these up
+           in a closed table (see _dtype_from_spec): it never imports,
+           evaluates or gets an attribute by a name it read, and never
+           makes a dtype that holds Python objects.
 
 The decoder checks every length and offset against the payload, so a
 corrupted or hostile slot gives CorruptSegmentError, never a crash.
 """
 
 import ast
-import importlib
+import re
 import sys
 
 import numpy as np
@@ -40,10 +43,12 @@ cimport numpy as cnp
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.module cimport PyModule_Check, PyModule_GetDict
 from cpython.ref cimport Py_INCREF, PyObject, PyTypeObject
+from cpython.type cimport PyType_IsSubtype
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.string cimport memcmp, memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 from shmpipe._spec import ArraySpec
 from shmpipe.errors import BatchTypeError, CorruptSegmentError
@@ -74,6 +79,7 @@ cdef uint32_t PAYLOAD_MAGIC = 0x31425053  # b"SPB1"
 
 cdef type _ndarray = np.ndarray
 cdef type _generic = np.generic
+cdef type _void = np.void
 
 
 cdef inline Py_ssize_t _round_up(Py_ssize_t n, Py_ssize_t to) noexcept nogil:
@@ -109,17 +115,316 @@ def _dtype_spec(dt):
     return spec
 
 
+# -- dtype names: a closed table ------------------------------------------------
+#
+# A payload names its dtypes in text another process wrote, so the text is
+# looked up, never executed: no import, no getattr, no eval. A name is one of
+#
+#   * a NumPy built-in, exactly as dtype.str spells it ("<f4", "|S5",
+#     "<M8[10s]"): byte order, a kind from _PLAIN_KINDS, a size that kind has;
+#   * "#" + the repr of numpy.lib.format.dtype_to_descr of a structured dtype
+#     whose leaves are such built-ins (parsed as a literal, checked field by
+#     field, nesting and sizes bounded);
+#   * "@module:qualname" of an extension dtype (ml_dtypes.bfloat16): found
+#     only in a table this process builds from modules it has imported itself
+#     (sys.modules), never by importing or by getting an attribute by name.
+#
+# Whatever is built must also spell its own name back exactly, so a name has
+# one meaning, the one the encoder gave it.
+
+_PLAIN_SPEC = re.compile(rb"([<>|])([A-Za-z?])([0-9]{1,10})(?:\[([0-9]{0,10})([A-Za-z]{1,7})\])?")
+# NumPy's spellings of the object dtype, told apart for a clearer message.
+_OBJECT_SPEC = re.compile(rb"[<>|=]?(?:O[0-9]{0,10}|object|object_)")
+_DATETIME_UNITS = frozenset([b"Y", b"M", b"W", b"D", b"h", b"m", b"s", b"ms", b"us", b"ns",
+                             b"ps", b"fs", b"as"])
+_LONGDOUBLE_SIZE = np.dtype(np.longdouble).itemsize
+_PLAIN_KINDS = {  # kind: the item sizes it comes in (None: any, up to _MAX_ITEMSIZE)
+    ord("b"): (1,),
+    ord("i"): (1, 2, 4, 8),
+    ord("u"): (1, 2, 4, 8),
+    ord("f"): (2, 4, 8, _LONGDOUBLE_SIZE),
+    ord("c"): (8, 16, 2 * _LONGDOUBLE_SIZE),
+    ord("M"): (8,),
+    ord("m"): (8,),
+    ord("S"): None,
+    ord("U"): None,
+    ord("V"): None,
+}
+# What repr() of a descr is made of: brackets, commas, spaces, decimal ints
+# and quoted str with the escapes repr() writes. Text of anything else is
+# refused before ast.literal_eval sees it, so a hostile name cannot make the
+# compiler warn (SyntaxWarning on stderr) either. Unambiguous, so no
+# backtracking: each token is told apart by its first character.
+_STR_BODY = r"(?:[^{q}\\\n\r\x00]|\\(?:[\\'\"abfnrtv]|x[0-9a-fA-F]{{2}}|u[0-9a-fA-F]{{4}}|U[0-9a-fA-F]{{8}}))*"
+_DESCR_TEXT = re.compile(
+    r"(?:[\[\](), ]|[0-9]+(?![0-9])|'" + _STR_BODY.format(q="'") + "'|\"" + _STR_BODY.format(q='"') + "\")*"
+)
+_MAX_ITEMSIZE = 0x7FFFFFFF   # NumPy keeps an item's size in a C int
+_MAX_STRUCT_DEPTH = 16       # structured dtypes inside structured dtypes
+_MAX_SUBARRAY_NDIM = 32      # a field's subarray shape
+_SPEC_CACHE_MAX = 1024       # names remembered (hostile payloads can name many)
+
+# name -> dtype of NumPy's own dtypes already checked (names of extension
+# dtypes are not kept: see _dtype_from_spec); bounded.
+cdef dict _spec_cache = {}
+# module name -> (module, len(its dict), {qualname: dtype}) of extension dtypes.
+cdef dict _extension_tables = {}
+
+
+cdef str _shown(bytes spec):
+    """The name as an error message shows it: text where it is text, and not
+    all of it where it is long (a hostile one may be 64 KiB)."""
+    cdef bytes head = spec[:80]
+    try:
+        shown = repr(head.decode("utf-8"))
+    except UnicodeDecodeError:
+        shown = repr(head)
+    return shown + ("..." if len(spec) > 80 else "")
+
+
 def _dtype_from_spec(bytes spec):
-    text = spec.decode()
-    if text.startswith("#"):
-        return _npy_format.descr_to_dtype(ast.literal_eval(text[1:]))
-    if text.startswith("@"):
-        module, _, qualname = text[1:].partition(":")
-        obj = sys.modules.get(module) or importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        return np.dtype(obj)
-    return np.dtype(text)
+    """The dtype `spec` names; CorruptSegmentError if it names none shmpipe
+    makes from shared memory. Runs no code the name chooses."""
+    dt = _spec_cache.get(spec)
+    if dt is not None:
+        return dt
+    if spec[:1] == b"@":
+        # Not cached here: whether this process has imported the module is
+        # asked again by every Decoder (each keeps what it found).
+        dt = _extension_dtype(spec)
+        _refuse_references(dt, _shown(spec))
+        return dt
+    if spec[:1] == b"#":
+        dt = _structured_dtype(spec)
+    else:
+        dt = _plain_dtype(spec, spec)
+    _refuse_references(dt, _shown(spec))
+    if len(_spec_cache) >= _SPEC_CACHE_MAX:
+        _spec_cache.clear()
+    _spec_cache[spec] = dt
+    return dt
+
+
+cdef object _plain_dtype(bytes name, bytes spec):
+    """A NumPy built-in dtype, from its dtype.str (`name`, inside `spec`)."""
+    if _OBJECT_SPEC.fullmatch(name) is not None:
+        # Refused here already, before any dtype is made (see _refuse_references).
+        raise CorruptSegmentError(f"payload names dtype {_shown(name)}, which holds Python "
+                                  "objects and is never made from shared memory")
+    m = _PLAIN_SPEC.fullmatch(name)
+    if m is None:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not a NumPy "
+                                  "dtype shmpipe carries")
+    _, kind, size, _, unit = m.groups()
+    sizes = _PLAIN_KINDS.get(kind[0], False)
+    if sizes is False:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose kind "
+                                  f"{kind.decode()!r} is not one shmpipe carries")
+    n = int(size)
+    if (n not in sizes) if sizes is not None else (n * (4 if kind == b"U" else 1) > _MAX_ITEMSIZE):
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size is "
+                                  "impossible for its kind")
+    if unit is not None and (kind not in (b"M", b"m") or unit not in _DATETIME_UNITS):
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose time unit is "
+                                  "not one of NumPy's")
+    try:
+        # The name is now one of the forms above: NumPy parses it as a
+        # built-in type code, nothing else.
+        dt = np.dtype(name.decode("ascii"))
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+                                  f"not accept: {exc}") from None
+    if dt.num >= 256 or dt.str.encode("ascii") != name:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not spelled "
+                                  "as shmpipe spells it")
+    return dt
+
+
+cdef object _structured_dtype(bytes spec):
+    """A structured dtype from "#" + repr(dtype_to_descr(dt))."""
+    try:
+        text = spec[1:].decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptSegmentError(f"payload names a structured dtype that is not UTF-8 text: "
+                                  f"{spec!r}") from None
+    if _DESCR_TEXT.fullmatch(text) is None:
+        raise CorruptSegmentError(f"payload names a structured dtype that is not a dtype "
+                                  f"description: {_shown(spec)}")
+    try:
+        # A literal only (lists, tuples, str, int): literal_eval runs no code.
+        # Its own limits (nesting, digits) raise, and so does anything else
+        # odd about the text: every one of those is a corrupt name.
+        descr = ast.literal_eval(text)
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names a structured dtype that cannot be read: "
+                                  f"{_shown(spec)} ({type(exc).__name__})") from None
+    if type(descr) is not list:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not a "
+                                  "structured dtype")
+    dt = _descr_dtype(descr, spec, 0)
+    try:
+        same = repr(_npy_format.dtype_to_descr(dt)).encode("utf-8") == spec[1:]
+    except Exception:
+        same = False
+    if not same:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not spelled "
+                                  "as shmpipe spells it")
+    return dt
+
+
+cdef object _descr_dtype(object descr, bytes spec, int depth):
+    """numpy.lib.format.descr_to_dtype for a checked descr: every leaf a
+    built-in, names str, shapes small tuples of ints, sizes bounded."""
+    cdef Py_ssize_t offset = 0
+    if depth > _MAX_STRUCT_DEPTH:
+        raise CorruptSegmentError(f"payload names a structured dtype nested more than "
+                                  f"{_MAX_STRUCT_DEPTH} levels deep")
+    if type(descr) is str:
+        try:
+            leaf = (<str>descr).encode("ascii")
+        except UnicodeEncodeError:
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose field "
+                                      f"type {descr!r} is not a NumPy dtype shmpipe carries") from None
+        return _plain_dtype(leaf, spec)
+    if type(descr) is not list:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose fields are "
+                                  "not a list")
+    names = []
+    formats = []
+    titles = []
+    offsets = []
+    for field in <list>descr:
+        if type(field) is not tuple or not (2 <= len(<tuple>field) <= 3):
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose fields "
+                                      "are not (name, type[, shape])")
+        name = field[0]
+        if type(name) is tuple and len(<tuple>name) == 2:
+            title, name = name
+            if type(title) is not str:
+                raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a "
+                                          "field title that is not text")
+        else:
+            title = None
+        if type(name) is not str:
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field "
+                                      "name that is not text")
+        dt = _descr_dtype(field[1], spec, depth + 1)
+        if len(<tuple>field) == 3:
+            dt = _subarray(dt, field[2], spec)
+        # Unnamed void fields are the padding dtype_to_descr writes out, as
+        # numpy.lib.format.descr_to_dtype reads them.
+        if not (name == "" and dt.type is np.void and dt.names is None):
+            names.append(name)
+            formats.append(dt)
+            titles.append(title)
+            offsets.append(offset)
+        offset += dt.itemsize
+        if offset > _MAX_ITEMSIZE:
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size "
+                                      "is impossible")
+    try:
+        return np.dtype({"names": names, "formats": formats, "titles": titles,
+                         "offsets": offsets, "itemsize": offset})
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+                                  f"not accept: {exc}") from None
+
+
+cdef object _subarray(object dt, object shape, bytes spec):
+    """`dt` with a subarray `shape` (a field "('c', '<i4', (2, 3))")."""
+    cdef Py_ssize_t itemsize = dt.itemsize
+    if type(shape) is not tuple or len(<tuple>shape) > _MAX_SUBARRAY_NDIM:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field shape "
+                                  "that is not a short tuple")
+    for dim in <tuple>shape:
+        if type(dim) is not int or not (0 <= dim <= _MAX_ITEMSIZE):
+            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field "
+                                      "shape that is not sizes")
+        itemsize = itemsize * dim if itemsize * dim <= _MAX_ITEMSIZE else _MAX_ITEMSIZE + 1
+    if itemsize > _MAX_ITEMSIZE:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size is "
+                                  "impossible")
+    try:
+        return np.dtype((dt, shape))
+    except Exception as exc:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+                                  f"not accept: {exc}") from None
+
+
+cdef object _extension_dtype(bytes spec):
+    """An extension dtype ("@ml_dtypes:bfloat16") of a module this process has
+    imported itself; the name only selects from what that module defines."""
+    try:
+        module, sep, qualname = spec[1:].decode("utf-8").partition(":")
+    except UnicodeDecodeError:
+        raise CorruptSegmentError(f"payload names an extension dtype that is not UTF-8 text: "
+                                  f"{spec!r}") from None
+    if not sep:
+        raise CorruptSegmentError(f"payload names extension dtype {_shown(spec)} without "
+                                  "module:name")
+    mod = sys.modules.get(module)
+    if mod is None:
+        # Importing it would run code the payload chose (a module's import
+        # is its code: "@this:s" printed the Zen of Python).
+        raise CorruptSegmentError(
+            f"payload names dtype {_shown(spec)} from module {module!r}, which this process "
+            "has not imported; shmpipe never imports a module named in shared memory (import "
+            "it in the consumer first)"
+        )
+    dt = _extension_table(module, mod).get(qualname)
+    if dt is None:
+        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, but module {module!r} "
+                                  f"defines no NumPy extension dtype {qualname!r}")
+    return dt
+
+
+cdef dict _extension_table(str module, object mod):
+    """{qualname: dtype} of the extension dtypes `mod` defines: the scalar
+    types in its namespace that NumPy has registered (dtype.num >= 256),
+    named as _dtype_spec names them. Built by walking the module's dict,
+    not by looking names up, and reading only what runs no Python code:
+    types whose metaclass is `type` itself."""
+    cdef dict d
+    cached = _extension_tables.get(module)
+    if not PyModule_Check(mod):
+        return {}
+    d = <dict>PyModule_GetDict(mod)
+    if cached is not None and cached[0] is mod and cached[1] == len(d):
+        return cached[2]
+    table = {}
+    for value in list(d.values()):
+        if type(value) is not type or not PyType_IsSubtype(<type>value, _generic):
+            continue
+        if PyType_IsSubtype(<type>value, _void):
+            # NumPy asks a void subclass for a .dtype attribute: not ours to run.
+            continue
+        try:
+            # type's own getters: they read the type's fields, run nothing.
+            modname = value.__module__
+            if type(modname) is not str or modname != module:
+                continue
+            dt = np.dtype(value)
+            if dt.num >= 256 and not dt.hasobject and dt.type is value:
+                table[value.__qualname__] = dt
+        except Exception:
+            continue
+    _extension_tables[module] = (mod, len(d), table)
+    return table
+
+
+cdef int _refuse_references(object dt, str shown) except -1:
+    # An array of a dtype that holds references is an array of PyObject
+    # pointers: made over bytes another process wrote, each element is an
+    # address it chose, and reading one dereferences it (the consumer
+    # crashes, or worse). No such dtype is ever made from shared memory,
+    # whichever way the payload spells it: "|O8", or a structured dtype with
+    # an object field somewhere inside.
+    if dt.hasobject:
+        raise CorruptSegmentError(
+            f"payload names dtype {shown}, which holds Python objects and is never made "
+            "from shared memory"
+        )
+    return 0
 
 
 cdef class Encoder:
@@ -354,19 +659,35 @@ cdef class Encoder:
         return 0
 
     cdef int _scalar(self, object obj) except -1:
+        cdef Py_ssize_t n
         dt = obj.dtype
         self._tag(b"g")
         self._dtype(dt)
         raw = obj.tobytes()
-        return self._put(PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw))
+        # Exactly the dtype's item size, which is what the decoder reads: an
+        # empty np.bytes_ ("|S0") gives one byte from tobytes(), np.str_("")
+        # four.
+        n = (<cnp.dtype>dt).itemsize
+        if PyBytes_GET_SIZE(raw) < n:
+            self._fail(f"NumPy scalar of dtype {dt!r} gave fewer bytes than its item size")
+        return self._put(PyBytes_AS_STRING(raw), n)
 
     # -- writing --------------------------------------------------------------
 
     cdef int write(self, unsigned char *payload, Py_ssize_t capacity) except -1:
-        """Writes the planned batch into `payload` (capacity bytes)."""
+        """Writes the planned batch into `payload` (capacity bytes).
+
+        Every byte of the payload is defined: the padding between the
+        structure and the data, between arrays and after the last one is
+        zeroed (only those bytes: this is put()'s hot path, and the rest of
+        the slot is not the payload). Otherwise whatever the memory held
+        before (an earlier batch, the producer's scratch) would reach the
+        consumer, and the same batch would not give the same bytes twice.
+        Arrays of a template (reserve) are left as they are, uninitialised
+        by design like numpy.empty."""
         cdef uint32_t u32
         cdef uint64_t u64
-        cdef Py_ssize_t i, nbytes
+        cdef Py_ssize_t i, nbytes, start, cursor
         cdef unsigned char *data
         cdef unsigned char *dst
         cdef const unsigned char *src
@@ -380,8 +701,15 @@ cdef class Encoder:
         u64 = <uint64_t>self.nbytes
         memcpy(payload + 8, &u64, 8)
         memcpy(payload + PAYLOAD_PREFIX, self.meta, self.meta_len)
-        data = payload + data_start(self.meta_len)
+        start = data_start(self.meta_len)
+        memset(payload + PAYLOAD_PREFIX + self.meta_len, 0, start - PAYLOAD_PREFIX - self.meta_len)
+        data = payload + start
+        cursor = 0  # end of the last array, from data
         for i in range(self.n_arrays):
+            # Arrays are laid out in order, each at a multiple of ARRAY_ALIGN.
+            if self.offsets[i] > cursor:
+                memset(data + cursor, 0, self.offsets[i] - cursor)
+            cursor = self.offsets[i] + self.sizes[i]
             obj = self.arrays[i]
             nbytes = self.sizes[i]
             if obj is None or nbytes == 0:
@@ -399,9 +727,15 @@ cdef class Encoder:
                     memcpy(dst, src, nbytes)
             else:
                 # Strided or Fortran-ordered: NumPy copies it into C order.
-                view = new_array(<object>cnp.PyArray_DESCR(arr), cnp.PyArray_NDIM(arr),
-                                 cnp.PyArray_DIMS(arr), dst, True, None)
+                dt = <object>cnp.PyArray_DESCR(arr)
+                if dt.names is not None:
+                    # NumPy copies a structured dtype field by field: the
+                    # bytes between fields would be left as they were.
+                    memset(dst, 0, nbytes)
+                view = new_array(dt, cnp.PyArray_NDIM(arr), cnp.PyArray_DIMS(arr), dst, True, None)
                 cnp.PyArray_CopyInto(<cnp.ndarray>view, arr)
+        if self.data_len > cursor:  # after trailing empty arrays
+            memset(data + cursor, 0, self.data_len - cursor)
         return 0
 
     cdef bint same_meta(self, const unsigned char *payload) noexcept:
@@ -467,7 +801,9 @@ cdef class Decoder:
         if magic != PAYLOAD_MAGIC:
             raise CorruptSegmentError("a slot does not start with the payload magic")
         if total != <uint64_t>nbytes or <uint64_t>data_start(meta_len) > total:
-            raise CorruptSegmentError("a slot's sizes disagree with its header")
+            raise CorruptSegmentError(
+                f"a slot's sizes disagree with its header (payload of {nbytes} bytes, header "
+                f"says {total}, with {meta_len} bytes of structure)")
         r.pos = payload + PAYLOAD_PREFIX
         r.end = r.pos + meta_len
         r.data = payload + data_start(meta_len)
@@ -511,10 +847,14 @@ cdef class _Reader:
         self.pos += 8
         return v
 
-    cdef str text(self):
+    cdef str text(self, str what):
         cdef uint32_t n = self.u32()
         self.need(n)
-        s = PyUnicode_DecodeUTF8(<const char *>self.pos, n, NULL)
+        try:
+            s = PyUnicode_DecodeUTF8(<const char *>self.pos, n, NULL)
+        except UnicodeDecodeError as exc:
+            raise CorruptSegmentError(f"a slot's structure holds {what} that is not UTF-8 "
+                                      f"({exc.reason} at byte {exc.start})") from None
         self.pos += n
         return s
 
@@ -537,8 +877,13 @@ cdef class _Reader:
         if dt is None:
             try:
                 dt = _dtype_from_spec(spec)
+            except CorruptSegmentError:
+                raise
             except Exception as exc:
-                raise CorruptSegmentError(f"a slot names a dtype that cannot be read: {spec!r}") from exc
+                raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which cannot be "
+                                          f"read: {exc}") from exc
+            if len(self.dtypes) >= 256:  # a hostile producer may name many
+                self.dtypes.clear()
             self.dtypes[spec] = dt
         return dt
 
@@ -556,15 +901,24 @@ cdef class _Reader:
             return self.array()
         if tag == b"{":
             n = self.u32()
+            # Each entry takes at least 5 bytes (key length, value tag).
+            if n > <uint32_t>((self.end - self.pos) // 5):
+                raise CorruptSegmentError(f"a slot's structure claims a dict of {n} entries, "
+                                          "more than it has room for")
             d = {}
             for i in range(n):
-                key = self.text()
+                key = self.text("a dict key")
+                if key in d:
+                    # The encoder writes a dict's keys once each: a repeat
+                    # is a corrupt structure, not a batch with fewer keys.
+                    raise CorruptSegmentError(f"a slot's structure repeats the dict key {key!r}")
                 d[key] = self.node(depth + 1)
             return d
         if tag == b"(" or tag == b"[":
             n = self.u32()
             if n > <uint32_t>(self.end - self.pos):  # each item takes at least one byte
-                raise CorruptSegmentError("a slot's structure runs past its end")
+                raise CorruptSegmentError(f"a slot's structure claims a {'tuple' if tag == b'(' else 'list'} "
+                                          f"of {n} items, more than it has room for")
             items = [self.node(depth + 1) for i in range(n)]
             return tuple(items) if tag == b"(" else items
         if tag == b"N":
@@ -586,7 +940,7 @@ cdef class _Reader:
             self.pos += 8
             return fv
         if tag == b"s":
-            return self.text()
+            return self.text("a str")
         if tag == b"b":
             return self.blob()
         if tag == b"g":
@@ -595,30 +949,44 @@ cdef class _Reader:
             self.need(n)
             raw = PyBytes_FromStringAndSize(<const char *>self.pos, n)
             self.pos += n
-            return np.frombuffer(raw, dtype=dt, count=1)[0]
-        raise CorruptSegmentError(f"a slot's structure has an unknown tag {tag!r}")
+            # A scalar owns its bytes (copied out of the slot). Not
+            # np.frombuffer: it refuses an item size of 0, and np.bytes_(b"")
+            # is a "|S0" scalar the encoder writes.
+            return np.ndarray((), dtype=dt, buffer=raw)[()]
+        raise CorruptSegmentError(f"a slot's structure has an unknown tag {bytes([<uint8_t>tag])!r}")
 
     cdef object array(self):
         cdef cnp.npy_intp dims[MAX_NDIM]
         cdef uint8_t ndim
         cdef int d
-        cdef uint64_t nbytes, dim, off
+        cdef uint64_t nbytes, dim, off, numpy_size
         dt = self.dtype()
         self.need(1)
         ndim = self.pos[0]
         self.pos += 1
         if ndim > MAX_NDIM:
-            raise CorruptSegmentError("a slot holds an array with too many dimensions")
+            raise CorruptSegmentError(f"a slot holds an array of {ndim} dimensions, more than "
+                                      f"NumPy's {MAX_NDIM}")
         nbytes = <uint64_t>(<cnp.dtype>dt).itemsize
+        # NumPy's own check (PyArray_NewFromDescr): the product of the
+        # non-zero dims times max(itemsize, 1) must fit in an npy_intp, even
+        # when a zero dim makes the array empty ("array is too big" otherwise).
+        numpy_size = nbytes if nbytes else 1
         for d in range(ndim):
             dim = self.u64()
-            if dim > <uint64_t>0x7FFFFFFFFFFFFFFF or shmp_mul_overflow(nbytes, dim, &nbytes):
-                raise CorruptSegmentError("a slot holds an array of impossible size")
+            if (dim > <uint64_t>0x7FFFFFFFFFFFFFFF or shmp_mul_overflow(nbytes, dim, &nbytes)
+                    or (dim != 0 and shmp_mul_overflow(numpy_size, dim, &numpy_size))
+                    or numpy_size > <uint64_t>0x7FFFFFFFFFFFFFFF):
+                raise CorruptSegmentError(f"a slot holds an array of impossible size (dim {d} "
+                                          f"is {dim})")
             dims[d] = <cnp.npy_intp>dim
         off = self.u64()
         if (off % ARRAY_ALIGN != 0 or off > <uint64_t>(self.data_end - self.data)
                 or nbytes > <uint64_t>(self.data_end - self.data) - off):
-            raise CorruptSegmentError("a slot holds an array outside its payload")
+            raise CorruptSegmentError(
+                f"a slot holds an array outside its payload ({nbytes} bytes at offset {off} "
+                f"of a data region of {self.data_end - self.data} bytes, arrays "
+                f"{ARRAY_ALIGN}-byte aligned)")
         arr = new_array(dt, ndim, dims, self.data + off, self.writeable, self.root)
         if self.collect is not None:
             self.collect.append(arr)
@@ -668,7 +1036,8 @@ def decode(buf, *, writeable=False):
     """The batch held in `buf` (a uint8 array from encode()), as views of it."""
     cdef Decoder dec = Decoder()
     cdef cnp.ndarray arr = np.ascontiguousarray(buf, dtype=np.uint8)
-    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
+    # (An empty buffer's address means nothing: it is too short, not unaligned.)
+    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN and arr.nbytes >= PAYLOAD_PREFIX:
         raise ValueError("decode() needs a 64-byte aligned buffer")
     return dec.decode(<unsigned char *>cnp.PyArray_DATA(arr), arr.nbytes, arr, writeable)
 
