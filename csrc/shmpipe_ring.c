@@ -18,6 +18,18 @@
  *    that look and the sleep changes it.
  *  - The futexes are process-shared (plain FUTEX_WAIT/FUTEX_WAKE, never the
  *    _PRIVATE variants): producers and consumer are different processes.
+ *
+ * Trust: every process of the user can write the segment, so nothing read
+ * from it is trusted. The geometry (shmp_ring, see shmpipe_ring.h) is read
+ * once at attach, checked, and kept in private memory; every function here
+ * takes that private copy and locates the tables and payloads from it
+ * alone. The live shared words are read once each (LOAD_ONCE or an atomic
+ * load) and checked before they index anything. What is not atomic: a slot
+ * record's worker/pass/wseq/ticket/nbytes are plain words (written by the
+ * owning producer while WRITING, published by the release store of READY);
+ * a worker's quota check and its inflight increment are two steps (safe
+ * because only that worker's process increments); the geometry read at
+ * attach is field by field, not one snapshot (checked as a whole).
  */
 #define _GNU_SOURCE
 #include "shmpipe_ring.h"
@@ -32,7 +44,9 @@
 #include <unistd.h>
 
 typedef struct {
-    /* cache line 0: written once by shmp_ring_init, read-only afterwards */
+    /* cache line 0: the geometry. Written once by shmp_ring_init, read once
+     * by shmp_ring_attach into the process's private shmp_ring, and never
+     * read again: another process may rewrite these bytes at any time. */
     _Atomic uint64_t magic;    /*   0  stored last, with release */
     uint32_t layout_version;   /*   8 */
     uint32_t flags;            /*  12  SHMP_FLAG_* */
@@ -93,16 +107,22 @@ _Static_assert(offsetof(shmp_header, ready_seq) == 128, "header layout");
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2, "lock-free 32-bit atomics");
 _Static_assert(ATOMIC_LLONG_LOCK_FREE == 2, "lock-free 64-bit atomics");
 
-#define HDR(base) ((shmp_header *)(base))
-#define CHDR(base) ((const shmp_header *)(base))
+#define HDR(ring) ((shmp_header *)(ring)->base)
 
-static inline shmp_worker *workers_of(void *base) {
-    return (shmp_worker *)((char *)base + SHMP_HEADER_BYTES);
+/* The tables, located from the private geometry only. */
+static inline shmp_worker *workers_of(const shmp_ring *r) {
+    return (shmp_worker *)((char *)r->base + SHMP_HEADER_BYTES);
 }
-static inline shmp_slot *slots_of(void *base) {
-    return (shmp_slot *)((char *)base + SHMP_HEADER_BYTES +
-                         (size_t)HDR(base)->nworkers * SHMP_WORKER_BYTES);
+static inline shmp_slot *slots_of(const shmp_ring *r) {
+    return (shmp_slot *)((char *)r->base + SHMP_HEADER_BYTES +
+                         (size_t)r->nworkers * SHMP_WORKER_BYTES);
 }
+
+/* One read of a plain (non-_Atomic) shared field. Relaxed atomic loads, so
+ * the compiler reads the word exactly once: a value checked against the
+ * private geometry is the value used, even if another process rewrites the
+ * word between the check and the use (a plain load could be repeated). */
+#define LOAD_ONCE(field) __atomic_load_n(&(field), __ATOMIC_RELAXED)
 
 static inline uint64_t round_up(uint64_t n, uint64_t to) {
     return (n + to - 1) / to * to;
@@ -147,26 +167,59 @@ static inline void notify_producers(shmp_header *h) {
     notify(&h->space_seq, &h->producers_waiting);
 }
 
+/* inflight - 1, but never below 0: the word is shared, and a process that
+ * rewrote it (to 0, say) must not make it wrap to 2^32 - 1, which would
+ * hold the worker at its quota for good. Returns the value before. The
+ * compare-and-swap loop costs what a fetch_sub costs when nobody competes;
+ * the only competitor is the worker's own acquire (an increment). */
+static inline uint32_t inflight_dec(_Atomic uint32_t *inflight) {
+    uint32_t v = atomic_load_explicit(inflight, memory_order_relaxed);
+    while (v != 0 && !atomic_compare_exchange_weak_explicit(inflight, &v, v - 1,
+                                                            memory_order_relaxed,
+                                                            memory_order_relaxed)) {
+    }
+    return v;
+}
+
 uint64_t shmp_header_size(uint32_t nslots, uint32_t nworkers) {
     return round_up((uint64_t)SHMP_HEADER_BYTES + (uint64_t)nworkers * SHMP_WORKER_BYTES +
                         (uint64_t)nslots * SHMP_SLOT_BYTES,
                     SHMP_PAGE);
 }
 
-int shmp_ring_init(void *base, uint64_t total_size, uint32_t nslots, uint32_t nworkers,
-                   uint64_t slot_size, uint32_t quota, uint32_t flags, int32_t owner_pid,
-                   uint64_t owner_start, uint32_t first_pass) {
-    if (base == NULL || nslots == 0 || nslots > SHMP_MAX_SLOTS || nworkers == 0 ||
-        nworkers > SHMP_MAX_WORKERS || slot_size == 0 || slot_size % SHMP_PAGE != 0)
-        return SHMP_E_ARG;
-    uint64_t header_size = shmp_header_size(nslots, nworkers);
-    if (slot_size > (UINT64_MAX - header_size) / nslots ||
-        total_size != header_size + (uint64_t)nslots * slot_size)
+/* The checks every geometry must pass, wherever it comes from: counts in
+ * range, page-sized slots, a header of exactly the size the counts need,
+ * and a total that is the mapping's length. Overflow-safe. */
+static int check_geometry(uint64_t total_size, uint64_t header_size, uint64_t slot_size,
+                          uint64_t claimed_total, uint32_t nslots, uint32_t nworkers,
+                          uint32_t quota, uint32_t flags) {
+    if (nslots == 0 || nslots > SHMP_MAX_SLOTS || nworkers == 0 ||
+        nworkers > SHMP_MAX_WORKERS || slot_size == 0 || slot_size % SHMP_PAGE != 0 ||
+        quota > nslots || (flags & ~SHMP_FLAG_ORDERED) != 0)
+        return SHMP_E_LAYOUT;
+    const uint64_t need = shmp_header_size(nslots, nworkers);
+    if (header_size != need) return SHMP_E_LAYOUT;
+    if (slot_size > (UINT64_MAX - need) / nslots) return SHMP_E_LAYOUT;
+    if (claimed_total != need + (uint64_t)nslots * slot_size || claimed_total != total_size)
+        return SHMP_E_LAYOUT;
+    return SHMP_OK;
+}
+
+int shmp_ring_init(shmp_ring *ring, void *base, uint64_t total_size, uint32_t nslots,
+                   uint32_t nworkers, uint64_t slot_size, uint32_t quota, uint32_t flags,
+                   int32_t owner_pid, uint64_t owner_start, uint32_t first_pass) {
+    if (ring == NULL) return SHMP_E_ARG;
+    memset(ring, 0, sizeof *ring);
+    if (base == NULL) return SHMP_E_ARG;
+    /* 64-bit arithmetic: no overflow for any 32-bit counts. */
+    const uint64_t header_size = shmp_header_size(nslots, nworkers);
+    if (check_geometry(total_size, header_size, slot_size, total_size, nslots, nworkers, quota,
+                       flags) != SHMP_OK)
         return SHMP_E_ARG;
     /* The segment is fresh (zero-filled); zero the tables again anyway so a
      * reused mapping starts clean. Nobody else has the name yet. */
     memset(base, 0, (size_t)header_size);
-    shmp_header *h = HDR(base);
+    shmp_header *h = (shmp_header *)base;
     h->layout_version = SHMP_LAYOUT_VERSION;
     h->flags = flags;
     h->header_size = header_size;
@@ -179,51 +232,71 @@ int shmp_ring_init(void *base, uint64_t total_size, uint32_t nslots, uint32_t nw
     h->owner_start = owner_start;
     atomic_store_explicit(&h->pass_no, first_pass, memory_order_relaxed);
     atomic_store_explicit(&h->magic, SHMP_MAGIC, memory_order_release);
+    /* The private copy comes from the arguments, not from the header. */
+    ring->base = base;
+    ring->total_size = total_size;
+    ring->header_size = header_size;
+    ring->slot_size = slot_size;
+    ring->nslots = nslots;
+    ring->nworkers = nworkers;
+    ring->quota = quota;
+    ring->flags = flags;
+    ring->owner_pid = owner_pid;
+    ring->owner_start = owner_start;
     return SHMP_OK;
 }
 
-int shmp_ring_validate(const void *base, uint64_t total_size) {
+int shmp_ring_attach(shmp_ring *ring, void *base, uint64_t total_size) {
+    if (ring == NULL) return SHMP_E_ARG;
+    memset(ring, 0, sizeof *ring);
     if (base == NULL || total_size < SHMP_HEADER_BYTES) return SHMP_E_LAYOUT;
-    const shmp_header *h = CHDR(base);
-    if (atomic_load_explicit((_Atomic uint64_t *)&h->magic, memory_order_acquire) != SHMP_MAGIC)
-        return SHMP_E_MAGIC;
-    if (h->layout_version != SHMP_LAYOUT_VERSION) return SHMP_E_VERSION;
-    if (h->nslots == 0 || h->nslots > SHMP_MAX_SLOTS || h->nworkers == 0 ||
-        h->nworkers > SHMP_MAX_WORKERS || h->slot_size == 0 || h->slot_size % SHMP_PAGE != 0 ||
-        h->quota > h->nslots)
-        return SHMP_E_LAYOUT;
-    uint64_t header_size = shmp_header_size(h->nslots, h->nworkers);
-    if (h->header_size != header_size) return SHMP_E_LAYOUT;
-    if (h->slot_size > (UINT64_MAX - header_size) / h->nslots) return SHMP_E_LAYOUT;
-    if (h->total_size != header_size + (uint64_t)h->nslots * h->slot_size ||
-        h->total_size != total_size)
-        return SHMP_E_LAYOUT;
+    shmp_header *h = (shmp_header *)base;
+    if (atomic_load_explicit(&h->magic, memory_order_acquire) != SHMP_MAGIC) return SHMP_E_MAGIC;
+    if (LOAD_ONCE(h->layout_version) != SHMP_LAYOUT_VERSION) return SHMP_E_VERSION;
+    /* Each field is read exactly once into a local; the locals are checked
+     * and then copied, so a field rewritten while we look can at worst make
+     * the check fail, never make us keep a value we did not check. The
+     * reads are not one atomic snapshot: a header rewritten meanwhile may
+     * give a mix of old and new fields, which is kept only if the mix, as a
+     * whole, passes every check against this mapping's length (so it still
+     * locates nothing outside the mapping). */
+    const uint32_t flags = LOAD_ONCE(h->flags);
+    const uint64_t header_size = LOAD_ONCE(h->header_size);
+    const uint64_t slot_size = LOAD_ONCE(h->slot_size);
+    const uint64_t claimed_total = LOAD_ONCE(h->total_size);
+    const uint32_t nslots = LOAD_ONCE(h->nslots);
+    const uint32_t nworkers = LOAD_ONCE(h->nworkers);
+    const uint32_t quota = LOAD_ONCE(h->quota);
+    const int32_t owner_pid = LOAD_ONCE(h->owner_pid);
+    const uint64_t owner_start = LOAD_ONCE(h->owner_start);
+    int rc = check_geometry(total_size, header_size, slot_size, claimed_total, nslots, nworkers,
+                            quota, flags);
+    if (rc != SHMP_OK) return rc;
+    ring->base = base;
+    ring->total_size = total_size;
+    ring->header_size = header_size;
+    ring->slot_size = slot_size;
+    ring->nslots = nslots;
+    ring->nworkers = nworkers;
+    ring->quota = quota;
+    ring->flags = flags;
+    ring->owner_pid = owner_pid;
+    ring->owner_start = owner_start;
     return SHMP_OK;
-}
-
-uint32_t shmp_nslots(const void *base) { return CHDR(base)->nslots; }
-uint32_t shmp_nworkers(const void *base) { return CHDR(base)->nworkers; }
-uint64_t shmp_slot_size(const void *base) { return CHDR(base)->slot_size; }
-uint32_t shmp_quota(const void *base) { return CHDR(base)->quota; }
-uint32_t shmp_flags(const void *base) { return CHDR(base)->flags; }
-int32_t shmp_owner_pid(const void *base) { return CHDR(base)->owner_pid; }
-uint64_t shmp_owner_start(const void *base) { return CHDR(base)->owner_start; }
-uint64_t shmp_payload_offset(const void *base, uint32_t slot) {
-    return CHDR(base)->header_size + (uint64_t)slot * CHDR(base)->slot_size;
 }
 
 /* ---- producer side ---------------------------------------------------- */
 
-int shmp_acquire(void *base, uint32_t worker, uint32_t pass, int64_t wait_ns,
+int shmp_acquire(const shmp_ring *r, uint32_t worker, uint32_t pass, int64_t wait_ns,
                  uint32_t *slot_out) {
-    shmp_header *h = HDR(base);
-    const uint32_t n = h->nslots;
-    if (worker >= h->nworkers) return SHMP_E_ARG;
-    shmp_worker *w = &workers_of(base)[worker];
-    shmp_slot *s = slots_of(base);
+    shmp_header *h = HDR(r);
+    const uint32_t n = r->nslots, quota = r->quota;
+    if (worker >= r->nworkers) return SHMP_E_ARG;
+    shmp_worker *w = &workers_of(r)[worker];
+    shmp_slot *s = slots_of(r);
     /* Workers start their search at different slots so they rarely compete
      * for the same CAS. */
-    const uint32_t start = (uint32_t)(((uint64_t)worker * n) / h->nworkers);
+    const uint32_t start = (uint32_t)(((uint64_t)worker * n) / r->nworkers);
 
     for (int waited = 0;; waited = 1) {
         /* After a fault nothing more is produced: the consumer delivers what
@@ -236,9 +309,17 @@ int shmp_acquire(void *base, uint32_t worker, uint32_t pass, int64_t wait_ns,
         /* Read before looking, so a release after the look changes it. */
         const uint32_t seq = atomic_load_explicit(&h->space_seq, memory_order_seq_cst);
         /* Only this worker's process raises inflight, so checking then
-         * claiming cannot overshoot the quota. */
-        if (h->quota == 0 ||
-            atomic_load_explicit(&w->inflight, memory_order_relaxed) < h->quota) {
+         * claiming cannot overshoot the quota. The check and the increment
+         * below are two operations, not one atomic step: that is safe only
+         * because no other process increments this word. inflight counts
+         * distinct slots, so more than nslots means someone else wrote it. */
+        int room = 1;
+        if (quota != 0) {
+            const uint32_t inflight = atomic_load_explicit(&w->inflight, memory_order_relaxed);
+            if (inflight > n) return SHMP_E_STATE;
+            room = inflight < quota;
+        }
+        if (room) {
             for (uint32_t i = 0; i < n; i++) {
                 uint32_t k = start + i;
                 if (k >= n) k -= n;
@@ -264,18 +345,18 @@ int shmp_acquire(void *base, uint32_t worker, uint32_t pass, int64_t wait_ns,
     }
 }
 
-int shmp_publish(void *base, uint32_t slot, uint32_t worker, uint32_t pass, uint64_t wseq,
-                 uint64_t nbytes) {
-    shmp_header *h = HDR(base);
-    if (slot >= h->nslots || worker >= h->nworkers || nbytes > h->slot_size) return SHMP_E_ARG;
-    shmp_slot *s = &slots_of(base)[slot];
+int shmp_publish(const shmp_ring *r, uint32_t slot, uint32_t worker, uint32_t pass,
+                 uint64_t wseq, uint64_t nbytes) {
+    shmp_header *h = HDR(r);
+    if (slot >= r->nslots || worker >= r->nworkers || nbytes > r->slot_size) return SHMP_E_ARG;
+    shmp_slot *s = &slots_of(r)[slot];
     if (atomic_load_explicit(&s->state, memory_order_relaxed) != SHMP_WRITING) return SHMP_E_ARG;
     s->worker = worker;
     s->pass = pass;
     s->wseq = wseq;
     s->nbytes = nbytes;
     s->ticket = atomic_fetch_add_explicit(&h->publish_ticket, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&workers_of(base)[worker].published, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&workers_of(r)[worker].published, 1, memory_order_relaxed);
     /* Release: the payload and the fields above are visible to whoever
      * loads READY with acquire. */
     atomic_store_explicit(&s->state, SHMP_READY, memory_order_release);
@@ -283,49 +364,48 @@ int shmp_publish(void *base, uint32_t slot, uint32_t worker, uint32_t pass, uint
     return SHMP_OK;
 }
 
-int shmp_abandon(void *base, uint32_t slot, uint32_t worker) {
-    shmp_header *h = HDR(base);
-    if (slot >= h->nslots || worker >= h->nworkers) return SHMP_E_ARG;
-    shmp_slot *s = &slots_of(base)[slot];
+int shmp_abandon(const shmp_ring *r, uint32_t slot, uint32_t worker) {
+    if (slot >= r->nslots || worker >= r->nworkers) return SHMP_E_ARG;
+    shmp_slot *s = &slots_of(r)[slot];
     uint32_t expected = SHMP_WRITING;
     if (!atomic_compare_exchange_strong_explicit(&s->state, &expected, SHMP_FREE,
                                                  memory_order_release, memory_order_relaxed))
         return SHMP_E_ARG;
-    atomic_fetch_sub_explicit(&workers_of(base)[worker].inflight, 1, memory_order_relaxed);
-    notify_producers(h);
+    inflight_dec(&workers_of(r)[worker].inflight);
+    notify_producers(HDR(r));
     return SHMP_OK;
 }
 
-int shmp_finish_pass(void *base, uint32_t worker, uint32_t pass, uint64_t produced) {
-    shmp_header *h = HDR(base);
-    if (worker >= h->nworkers) return SHMP_E_ARG;
-    shmp_worker *w = &workers_of(base)[worker];
+int shmp_finish_pass(const shmp_ring *r, uint32_t worker, uint32_t pass, uint64_t produced) {
+    if (worker >= r->nworkers) return SHMP_E_ARG;
+    shmp_worker *w = &workers_of(r)[worker];
     atomic_store_explicit(&w->produced, produced, memory_order_relaxed);
     /* Release: every publish of the pass (and `produced`) is visible to a
      * consumer that loads done_pass with acquire. */
     atomic_store_explicit(&w->done_pass, pass + 1, memory_order_release);
-    notify_consumer(h);
+    notify_consumer(HDR(r));
     return SHMP_OK;
 }
 
 /* ---- consumer side ---------------------------------------------------- */
 
-/* READY -> FREE for a batch of a pass the consumer no longer reads. */
-static void discard(shmp_header *h, shmp_slot *s) {
-    uint32_t worker = s->worker;
+/* READY -> FREE for a batch of a pass the consumer no longer reads. The
+ * slot's worker is a shared word: read once, used only if it names one of
+ * our workers. */
+static void discard(const shmp_ring *r, shmp_slot *s) {
+    const uint32_t worker = LOAD_ONCE(s->worker);
     atomic_store_explicit(&s->state, SHMP_FREE, memory_order_release);
-    if (worker < h->nworkers)
-        atomic_fetch_sub_explicit(&workers_of(h)[worker].inflight, 1, memory_order_relaxed);
-    notify_producers(h);
+    if (worker < r->nworkers) inflight_dec(&workers_of(r)[worker].inflight);
+    notify_producers(HDR(r));
 }
 
-int shmp_take(void *base, int32_t worker, uint32_t pass, uint64_t wseq, int64_t wait_ns,
+int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, int64_t wait_ns,
               uint32_t *slot_out) {
-    shmp_header *h = HDR(base);
-    const uint32_t n = h->nslots, nw = h->nworkers;
+    shmp_header *h = HDR(r);
+    const uint32_t n = r->nslots, nw = r->nworkers, quota = r->quota;
     if (worker >= (int32_t)nw) return SHMP_E_ARG;
-    shmp_worker *w = workers_of(base);
-    shmp_slot *s = slots_of(base);
+    shmp_worker *w = workers_of(r);
+    shmp_slot *s = slots_of(r);
 
     for (int waited = 0;; waited = 1) {
         const uint32_t seq = atomic_load_explicit(&h->ready_seq, memory_order_seq_cst);
@@ -340,22 +420,27 @@ int shmp_take(void *base, int32_t worker, uint32_t pass, uint64_t wseq, int64_t 
             for (uint32_t i = 0; i < nw && done; i++)
                 done = atomic_load_explicit(&w[i].done_pass, memory_order_acquire) == pass + 1;
         }
+        /* The slot records' pass/worker/wseq/ticket are shared words, used
+         * here only in comparisons (never as an index or a size). */
         int64_t best = -1;
         uint64_t best_ticket = UINT64_MAX;
         for (uint32_t k = 0; k < n; k++) {
             if (atomic_load_explicit(&s[k].state, memory_order_acquire) != SHMP_READY) continue;
-            if (s[k].pass != pass) {
-                discard(h, &s[k]);
+            if (LOAD_ONCE(s[k].pass) != pass) {
+                discard(r, &s[k]);
                 continue;
             }
             if (worker >= 0) {
-                if (s[k].worker == (uint32_t)worker && s[k].wseq == wseq) {
+                if (LOAD_ONCE(s[k].worker) == (uint32_t)worker && LOAD_ONCE(s[k].wseq) == wseq) {
                     best = k;
                     break;
                 }
-            } else if (s[k].ticket < best_ticket) {
-                best = k;
-                best_ticket = s[k].ticket;
+            } else {
+                const uint64_t ticket = LOAD_ONCE(s[k].ticket);
+                if (ticket < best_ticket) {
+                    best = k;
+                    best_ticket = ticket;
+                }
             }
         }
         if (best >= 0) {
@@ -363,10 +448,10 @@ int shmp_take(void *base, int32_t worker, uint32_t pass, uint64_t wseq, int64_t 
             /* Only the consumer leaves READY; producers look for FREE only,
              * so HELD needs no ordering of its own. */
             atomic_store_explicit(&b->state, SHMP_HELD, memory_order_relaxed);
-            if (b->worker < nw &&
-                atomic_fetch_sub_explicit(&w[b->worker].inflight, 1, memory_order_relaxed) ==
-                    h->quota &&
-                h->quota != 0)
+            /* The worker word is read once and indexes the worker table only
+             * if it is one of ours (the caller reports a bad one). */
+            const uint32_t bw = LOAD_ONCE(b->worker);
+            if (bw < nw && inflight_dec(&w[bw].inflight) == quota && quota != 0)
                 notify_producers(h); /* that worker may be waiting on its quota */
             *slot_out = (uint32_t)best;
             return SHMP_OK;
@@ -381,33 +466,31 @@ int shmp_take(void *base, int32_t worker, uint32_t pass, uint64_t wseq, int64_t 
     }
 }
 
-int shmp_release(void *base, uint32_t slot) {
-    shmp_header *h = HDR(base);
-    if (slot >= h->nslots) return SHMP_E_ARG;
+int shmp_release(const shmp_ring *r, uint32_t slot) {
+    if (slot >= r->nslots) return SHMP_E_ARG;
     uint32_t expected = SHMP_HELD;
     /* Release: our reads of the payload happen before the next producer's
      * writes (it claims the slot with an acquire CAS). */
-    if (!atomic_compare_exchange_strong_explicit(&slots_of(base)[slot].state, &expected,
-                                                 SHMP_FREE, memory_order_release,
-                                                 memory_order_relaxed))
+    if (!atomic_compare_exchange_strong_explicit(&slots_of(r)[slot].state, &expected, SHMP_FREE,
+                                                 memory_order_release, memory_order_relaxed))
         return SHMP_E_ARG;
-    notify_producers(h);
+    notify_producers(HDR(r));
     return SHMP_OK;
 }
 
-uint32_t shmp_begin_pass(void *base) {
-    shmp_header *h = HDR(base);
+uint32_t shmp_begin_pass(const shmp_ring *r) {
+    shmp_header *h = HDR(r);
     uint32_t pass = atomic_fetch_add_explicit(&h->pass_no, 1, memory_order_acq_rel) + 1;
     notify_producers(h);
     return pass;
 }
 
-uint32_t shmp_current_pass(const void *base) {
-    return atomic_load_explicit(&((shmp_header *)base)->pass_no, memory_order_acquire);
+uint32_t shmp_current_pass(const shmp_ring *r) {
+    return atomic_load_explicit(&HDR(r)->pass_no, memory_order_acquire);
 }
 
-void shmp_close(void *base) {
-    shmp_header *h = HDR(base);
+void shmp_close(const shmp_ring *r) {
+    shmp_header *h = HDR(r);
     atomic_store_explicit(&h->closed, 1, memory_order_release);
     atomic_fetch_add_explicit(&h->space_seq, 1, memory_order_seq_cst);
     futex_wake_all(&h->space_seq);
@@ -415,34 +498,39 @@ void shmp_close(void *base) {
     futex_wake_all(&h->ready_seq);
 }
 
-int shmp_is_closed(const void *base) {
-    return (int)atomic_load_explicit(&((shmp_header *)base)->closed, memory_order_acquire);
+int shmp_is_closed(const shmp_ring *r) {
+    return (int)atomic_load_explicit(&HDR(r)->closed, memory_order_acquire);
 }
 
-void shmp_report_fault(void *base) {
-    shmp_header *h = HDR(base);
+void shmp_report_fault(const shmp_ring *r) {
+    shmp_header *h = HDR(r);
     atomic_fetch_add_explicit(&h->faults, 1, memory_order_release);
     notify_consumer(h);
 }
 
 /* ---- observation ------------------------------------------------------ */
 
-static inline const shmp_slot *cslot(const void *base, uint32_t slot) {
-    return &slots_of((void *)base)[slot];
+uint32_t shmp_slot_state(const shmp_ring *r, uint32_t slot) {
+    if (slot >= r->nslots) return 0;
+    return atomic_load_explicit(&slots_of(r)[slot].state, memory_order_relaxed);
 }
-
-uint32_t shmp_slot_state(const void *base, uint32_t slot) {
-    return atomic_load_explicit(&((shmp_slot *)cslot(base, slot))->state, memory_order_relaxed);
+uint32_t shmp_slot_worker(const shmp_ring *r, uint32_t slot) {
+    return slot < r->nslots ? LOAD_ONCE(slots_of(r)[slot].worker) : UINT32_MAX;
 }
-uint32_t shmp_slot_worker(const void *base, uint32_t slot) { return cslot(base, slot)->worker; }
-uint32_t shmp_slot_pass(const void *base, uint32_t slot) { return cslot(base, slot)->pass; }
-uint64_t shmp_slot_wseq(const void *base, uint32_t slot) { return cslot(base, slot)->wseq; }
-uint64_t shmp_slot_nbytes(const void *base, uint32_t slot) { return cslot(base, slot)->nbytes; }
-uint64_t shmp_worker_blocked_ns(const void *base, uint32_t worker) {
-    return atomic_load_explicit(&workers_of((void *)base)[worker].blocked_ns,
-                                memory_order_relaxed);
+uint32_t shmp_slot_pass(const shmp_ring *r, uint32_t slot) {
+    return slot < r->nslots ? LOAD_ONCE(slots_of(r)[slot].pass) : 0;
 }
-uint64_t shmp_worker_published(const void *base, uint32_t worker) {
-    return atomic_load_explicit(&workers_of((void *)base)[worker].published,
-                                memory_order_relaxed);
+uint64_t shmp_slot_wseq(const shmp_ring *r, uint32_t slot) {
+    return slot < r->nslots ? LOAD_ONCE(slots_of(r)[slot].wseq) : 0;
+}
+uint64_t shmp_slot_nbytes(const shmp_ring *r, uint32_t slot) {
+    return slot < r->nslots ? LOAD_ONCE(slots_of(r)[slot].nbytes) : 0;
+}
+uint64_t shmp_worker_blocked_ns(const shmp_ring *r, uint32_t worker) {
+    if (worker >= r->nworkers) return 0;
+    return atomic_load_explicit(&workers_of(r)[worker].blocked_ns, memory_order_relaxed);
+}
+uint64_t shmp_worker_published(const shmp_ring *r, uint32_t worker) {
+    if (worker >= r->nworkers) return 0;
+    return atomic_load_explicit(&workers_of(r)[worker].published, memory_order_relaxed);
 }

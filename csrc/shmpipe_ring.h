@@ -20,6 +20,11 @@
  *   header_size            slot 0 payload  (header_size is a multiple of 4096)
  *   header_size + k*slot_size  slot k payload  (slot_size is a multiple of 4096)
  *   total_size = header_size + nslots*slot_size
+ *
+ * The geometry fields of the header (flags, header_size, slot_size,
+ * total_size, nslots, nworkers, quota, owner) are written once by the
+ * consumer and read once by each process when it attaches: see shmp_ring
+ * below for why every other function uses a private copy of them.
  */
 #ifndef SHMPIPE_RING_H
 #define SHMPIPE_RING_H
@@ -50,7 +55,9 @@ enum {
     SHMP_E_VERSION = -2,  /* a shmpipe segment of another layout version */
     SHMP_E_LAYOUT = -3,   /* header fields inconsistent with each other or the size */
     SHMP_E_ARG = -4,      /* an argument out of range */
-    SHMP_E_SYS = -5       /* a system call failed; errno says why */
+    SHMP_E_SYS = -5,      /* a system call failed; errno says why */
+    SHMP_E_STATE = -6     /* a live shared word holds a value no valid ring can
+                           * have (another process wrote it) */
 };
 
 /* Slot states. Who may move a slot out of each state is part of the protocol:
@@ -75,52 +82,96 @@ enum { SHMP_FREE = 0, SHMP_WRITING = 1, SHMP_READY = 2, SHMP_HELD = 3 };
 /* Bytes from the start of the segment to slot 0's payload. */
 uint64_t shmp_header_size(uint32_t nslots, uint32_t nworkers);
 
+/* ---- the private geometry -------------------------------------------- */
+
+/* One process's view of a ring: where its mapping is and the ring's shape.
+ *
+ * Why private: the segment is writable by every process of the same user,
+ * so its bytes are untrusted input. The header keeps the geometry fields
+ * (nslots, nworkers, slot_size, header_size, total_size, quota, flags,
+ * owner) so that a process can check them when it attaches, but they are
+ * read exactly once, by shmp_ring_init (which writes them) or
+ * shmp_ring_attach (which checks them against the mapping's real length),
+ * and copied here. From then on nothing reads them from shared memory again:
+ * every offset, count and bound below comes from this struct, which lives in
+ * the process's own memory, where no other process can change it. Rewriting
+ * the shared header of a live ring changes nothing for processes already
+ * attached; a process attaching afterwards refuses it or, if the new values
+ * are consistent with each other and the mapping, works inside its own
+ * mapping with them.
+ *
+ * What stays shared and live: the words that must change while the ring runs
+ * (slot states, pass, closed, faults, the futex and waiting words, tickets,
+ * the worker records' counters and the slot records' worker/pass/wseq/
+ * ticket/nbytes). Any of them that could index or size memory is checked
+ * against this struct before use (a slot's worker against nworkers, its
+ * nbytes against slot_size, a worker's inflight against nslots) and is read
+ * once into a local, so a value changed between the check and the use is
+ * never seen.
+ *
+ * Filled by shmp_ring_init or shmp_ring_attach; plain data (the caller owns
+ * it, e.g. by value inside a Python object); never written afterwards, so
+ * any thread may use it without locks. */
+typedef struct {
+    void *base;           /* start of this process's mapping */
+    uint64_t total_size;  /* bytes mapped (= the header's total_size at attach) */
+    uint64_t header_size; /* offset of slot 0's payload */
+    uint64_t slot_size;   /* bytes per slot payload */
+    uint32_t nslots;
+    uint32_t nworkers;
+    uint32_t quota;       /* max WRITING+READY slots per worker; 0: none */
+    uint32_t flags;       /* SHMP_FLAG_* */
+    int32_t owner_pid;    /* the consumer that created the ring */
+    uint32_t reserved;
+    uint64_t owner_start;
+} shmp_ring;
+
 /* Consumer, once, before the segment's name is given to anyone: writes the
- * header (magic last, with release ordering). `quota` is the most slots one
- * worker may have WRITING or READY at once (0: no limit); ordered pipelines
- * need it so that one worker cannot fill the ring while the consumer waits
- * for another. */
-int shmp_ring_init(void *base, uint64_t total_size, uint32_t nslots,
+ * header (magic last, with release ordering) and fills *ring. `quota` is the
+ * most slots one worker may have WRITING or READY at once (0: no limit);
+ * ordered pipelines need it so that one worker cannot fill the ring while
+ * the consumer waits for another. */
+int shmp_ring_init(shmp_ring *ring, void *base, uint64_t total_size, uint32_t nslots,
                    uint32_t nworkers, uint64_t slot_size, uint32_t quota,
                    uint32_t flags, int32_t owner_pid, uint64_t owner_start,
                    uint32_t first_pass);
 
-/* Anyone, before trusting a segment: checks magic, version and that every
- * size and offset in the header agrees with `total_size` (the mapping's
- * length). */
-int shmp_ring_validate(const void *base, uint64_t total_size);
+/* Anyone else, once, before trusting a segment: reads the header's geometry
+ * once, checks magic, version, flags and that every size and offset agrees
+ * with the others and with `total_size` (the mapping's real length), and
+ * copies it into *ring. On an error *ring is zeroed (base NULL). */
+int shmp_ring_attach(shmp_ring *ring, void *base, uint64_t total_size);
 
-/* Read-only accessors of the immutable header fields (valid after validate). */
-uint32_t shmp_nslots(const void *base);
-uint32_t shmp_nworkers(const void *base);
-uint64_t shmp_slot_size(const void *base);
-uint64_t shmp_payload_offset(const void *base, uint32_t slot);
-uint32_t shmp_quota(const void *base);
-uint32_t shmp_flags(const void *base);
-int32_t shmp_owner_pid(const void *base);
-uint64_t shmp_owner_start(const void *base);
+/* Where slot `slot`'s payload starts, from the private geometry only. The
+ * caller passes a slot index it got from shmp_acquire/shmp_take (or checked
+ * against ring->nslots): then the payload lies inside the mapping, because
+ * attach checked header_size + nslots * slot_size == total_size. */
+static inline unsigned char *shmp_payload(const shmp_ring *ring, uint32_t slot) {
+    return (unsigned char *)ring->base + ring->header_size + (uint64_t)slot * ring->slot_size;
+}
 
 /* ---- producer side ---------------------------------------------------- */
 
 /* Claims a FREE slot for `worker` working on `pass`. Returns SHMP_OK with
  * *slot set, SHMP_AGAIN after waiting up to wait_ns, SHMP_INTERRUPTED,
  * SHMP_CANCELLED if `pass` is no longer current, SHMP_CLOSED (also once a
- * fault was reported: production stops at a fault). Time spent
- * waiting is added to the worker's blocked_ns. */
-int shmp_acquire(void *base, uint32_t worker, uint32_t pass, int64_t wait_ns,
+ * fault was reported: production stops at a fault), SHMP_E_STATE if the
+ * worker's shared in-flight count is impossible (another process wrote it).
+ * Time spent waiting is added to the worker's blocked_ns. */
+int shmp_acquire(const shmp_ring *ring, uint32_t worker, uint32_t pass, int64_t wait_ns,
                  uint32_t *slot);
 
 /* Makes a WRITING slot READY. The payload must be complete before the call:
  * the state is stored with release ordering. */
-int shmp_publish(void *base, uint32_t slot, uint32_t worker, uint32_t pass,
+int shmp_publish(const shmp_ring *ring, uint32_t slot, uint32_t worker, uint32_t pass,
                  uint64_t wseq, uint64_t nbytes);
 
 /* Gives a WRITING slot back without publishing it. */
-int shmp_abandon(void *base, uint32_t slot, uint32_t worker);
+int shmp_abandon(const shmp_ring *ring, uint32_t slot, uint32_t worker);
 
 /* Marks `worker`'s part of `pass` complete after `produced` batches. Every
  * publish of the pass must come before this call. */
-int shmp_finish_pass(void *base, uint32_t worker, uint32_t pass,
+int shmp_finish_pass(const shmp_ring *ring, uint32_t worker, uint32_t pass,
                      uint64_t produced);
 
 /* ---- consumer side ---------------------------------------------------- */
@@ -132,35 +183,40 @@ int shmp_finish_pass(void *base, uint32_t worker, uint32_t pass,
  * (or that worker's part of it) has no more batches, SHMP_FAULT when a fault
  * was reported and no batch it looks for is READY (so everything published
  * before a fault is delivered first), SHMP_AGAIN after waiting up to wait_ns,
- * or SHMP_INTERRUPTED. */
-int shmp_take(void *base, int32_t worker, uint32_t pass, uint64_t wseq,
+ * or SHMP_INTERRUPTED. The slot's worker and nbytes are shared words: the
+ * caller reads each once (shmp_slot_worker, shmp_slot_nbytes) and checks it
+ * against the private geometry before using it. */
+int shmp_take(const shmp_ring *ring, int32_t worker, uint32_t pass, uint64_t wseq,
               int64_t wait_ns, uint32_t *slot);
 
 /* Gives a HELD slot back to the producers. Thread-safe; never blocks. */
-int shmp_release(void *base, uint32_t slot);
+int shmp_release(const shmp_ring *ring, uint32_t slot);
 
 /* Starts a new pass and returns its number; producers still working on the
  * old one see SHMP_CANCELLED. */
-uint32_t shmp_begin_pass(void *base);
-uint32_t shmp_current_pass(const void *base);
+uint32_t shmp_begin_pass(const shmp_ring *ring);
+uint32_t shmp_current_pass(const shmp_ring *ring);
 
 /* Producers see SHMP_CLOSED from now on; every waiter is woken. */
-void shmp_close(void *base);
-int shmp_is_closed(const void *base);
+void shmp_close(const shmp_ring *ring);
+int shmp_is_closed(const shmp_ring *ring);
 
 /* A producer failed (it has sent the details through another channel) or the
  * consumer saw one die: producers stop claiming slots (SHMP_CLOSED), and
  * shmp_take returns SHMP_FAULT once what is READY has been taken. */
-void shmp_report_fault(void *base);
+void shmp_report_fault(const shmp_ring *ring);
 
 /* ---- observation (relaxed reads, for stats and diagnostics) ----------- */
-uint32_t shmp_slot_state(const void *base, uint32_t slot);
-uint32_t shmp_slot_worker(const void *base, uint32_t slot);
-uint32_t shmp_slot_pass(const void *base, uint32_t slot);
-uint64_t shmp_slot_wseq(const void *base, uint32_t slot);
-uint64_t shmp_slot_nbytes(const void *base, uint32_t slot);
-uint64_t shmp_worker_blocked_ns(const void *base, uint32_t worker);
-uint64_t shmp_worker_published(const void *base, uint32_t worker);
+/* Each reads one shared word once. An index out of the private geometry's
+ * range reads nothing and gives 0 (UINT32_MAX for a slot's worker, which no
+ * valid worker has). */
+uint32_t shmp_slot_state(const shmp_ring *ring, uint32_t slot);
+uint32_t shmp_slot_worker(const shmp_ring *ring, uint32_t slot);
+uint32_t shmp_slot_pass(const shmp_ring *ring, uint32_t slot);
+uint64_t shmp_slot_wseq(const shmp_ring *ring, uint32_t slot);
+uint64_t shmp_slot_nbytes(const shmp_ring *ring, uint32_t slot);
+uint64_t shmp_worker_blocked_ns(const shmp_ring *ring, uint32_t worker);
+uint64_t shmp_worker_published(const shmp_ring *ring, uint32_t worker);
 
 #ifdef __cplusplus
 }

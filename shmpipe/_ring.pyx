@@ -49,6 +49,7 @@ cdef extern from "shmpipe_ring.h" nogil:
         SHMP_E_LAYOUT
         SHMP_E_ARG
         SHMP_E_SYS
+        SHMP_E_STATE
         SHMP_FREE
         SHMP_WRITING
         SHMP_READY
@@ -59,38 +60,46 @@ cdef extern from "shmpipe_ring.h" nogil:
         SHMP_MAX_WORKERS
         SHMP_LAYOUT_VERSION
     uint64_t shmp_header_size(uint32_t nslots, uint32_t nworkers)
-    int shmp_ring_init(void *base, uint64_t total_size, uint32_t nslots, uint32_t nworkers,
-                       uint64_t slot_size, uint32_t quota, uint32_t flags, int32_t owner_pid,
-                       uint64_t owner_start, uint32_t first_pass)
-    int shmp_ring_validate(const void *base, uint64_t total_size)
-    uint32_t shmp_nslots(const void *base)
-    uint32_t shmp_nworkers(const void *base)
-    uint64_t shmp_slot_size(const void *base)
-    uint64_t shmp_payload_offset(const void *base, uint32_t slot)
-    uint32_t shmp_quota(const void *base)
-    uint32_t shmp_flags(const void *base)
-    int32_t shmp_owner_pid(const void *base)
-    uint64_t shmp_owner_start(const void *base)
-    int shmp_acquire(void *base, uint32_t worker, uint32_t pass_, int64_t wait_ns, uint32_t *slot)
-    int shmp_publish(void *base, uint32_t slot, uint32_t worker, uint32_t pass_, uint64_t wseq,
-                     uint64_t nbytes)
-    int shmp_abandon(void *base, uint32_t slot, uint32_t worker)
-    int shmp_finish_pass(void *base, uint32_t worker, uint32_t pass_, uint64_t produced)
-    int shmp_take(void *base, int32_t worker, uint32_t pass_, uint64_t wseq, int64_t wait_ns,
-                  uint32_t *slot)
-    int shmp_release(void *base, uint32_t slot)
-    uint32_t shmp_begin_pass(void *base)
-    uint32_t shmp_current_pass(const void *base)
-    void shmp_close(void *base)
-    int shmp_is_closed(const void *base)
-    void shmp_report_fault(void *base)
-    uint32_t shmp_slot_state(const void *base, uint32_t slot)
-    uint32_t shmp_slot_worker(const void *base, uint32_t slot)
-    uint32_t shmp_slot_pass(const void *base, uint32_t slot)
-    uint64_t shmp_slot_wseq(const void *base, uint32_t slot)
-    uint64_t shmp_slot_nbytes(const void *base, uint32_t slot)
-    uint64_t shmp_worker_blocked_ns(const void *base, uint32_t worker)
-    uint64_t shmp_worker_published(const void *base, uint32_t worker)
+    # The private geometry (see the comment above shmp_ring in the header):
+    # read from the shared header once, when the ring is created or
+    # attached, then never again. Ring holds it by value.
+    ctypedef struct shmp_ring:
+        void *base
+        uint64_t total_size
+        uint64_t header_size
+        uint64_t slot_size
+        uint32_t nslots
+        uint32_t nworkers
+        uint32_t quota
+        uint32_t flags
+        int32_t owner_pid
+        uint64_t owner_start
+    int shmp_ring_init(shmp_ring *ring, void *base, uint64_t total_size, uint32_t nslots,
+                       uint32_t nworkers, uint64_t slot_size, uint32_t quota, uint32_t flags,
+                       int32_t owner_pid, uint64_t owner_start, uint32_t first_pass)
+    int shmp_ring_attach(shmp_ring *ring, void *base, uint64_t total_size)
+    unsigned char *shmp_payload(const shmp_ring *ring, uint32_t slot)
+    int shmp_acquire(const shmp_ring *ring, uint32_t worker, uint32_t pass_, int64_t wait_ns,
+                     uint32_t *slot)
+    int shmp_publish(const shmp_ring *ring, uint32_t slot, uint32_t worker, uint32_t pass_,
+                     uint64_t wseq, uint64_t nbytes)
+    int shmp_abandon(const shmp_ring *ring, uint32_t slot, uint32_t worker)
+    int shmp_finish_pass(const shmp_ring *ring, uint32_t worker, uint32_t pass_, uint64_t produced)
+    int shmp_take(const shmp_ring *ring, int32_t worker, uint32_t pass_, uint64_t wseq,
+                  int64_t wait_ns, uint32_t *slot)
+    int shmp_release(const shmp_ring *ring, uint32_t slot)
+    uint32_t shmp_begin_pass(const shmp_ring *ring)
+    uint32_t shmp_current_pass(const shmp_ring *ring)
+    void shmp_close(const shmp_ring *ring)
+    int shmp_is_closed(const shmp_ring *ring)
+    void shmp_report_fault(const shmp_ring *ring)
+    uint32_t shmp_slot_state(const shmp_ring *ring, uint32_t slot)
+    uint32_t shmp_slot_worker(const shmp_ring *ring, uint32_t slot)
+    uint32_t shmp_slot_pass(const shmp_ring *ring, uint32_t slot)
+    uint64_t shmp_slot_wseq(const shmp_ring *ring, uint32_t slot)
+    uint64_t shmp_slot_nbytes(const shmp_ring *ring, uint32_t slot)
+    uint64_t shmp_worker_blocked_ns(const shmp_ring *ring, uint32_t worker)
+    uint64_t shmp_worker_published(const shmp_ring *ring, uint32_t worker)
 
 cdef extern from "<sys/mman.h>" nogil:
     int shm_open(const char *name, int oflag, int mode)
@@ -145,6 +154,7 @@ _STATUS_MESSAGES = {
     SHMP_E_MAGIC: "not a shmpipe segment (bad magic)",
     SHMP_E_VERSION: "a shmpipe segment of another layout version",
     SHMP_E_LAYOUT: "a shmpipe segment whose header is inconsistent",
+    SHMP_E_STATE: "a shared counter of the ring holds an impossible value (another process wrote into the segment)",
 }
 
 
@@ -378,14 +388,16 @@ def unlink_segment(str name) -> bool:
 
 
 cdef class Ring:
-    """The slot protocol over a Segment (see csrc/shmpipe_ring.h)."""
+    """The slot protocol over a Segment (see csrc/shmpipe_ring.h).
+
+    The ring's geometry (slot count and size, worker count, quota, flags,
+    offsets) lives in `r`, this process's private copy, read from the shared
+    header once by create() or attach() and never again: the segment is
+    writable by other processes, so everything that sizes or locates memory
+    comes from here. Only the changing words (slot states, pass, closed,
+    counters) are read from shared memory, by the C functions."""
     cdef readonly Segment segment
-    cdef void *base
-    cdef readonly uint32_t nslots
-    cdef readonly uint32_t nworkers
-    cdef readonly uint64_t slot_size
-    cdef readonly uint32_t quota
-    cdef readonly bint ordered
+    cdef shmp_ring r  # the private geometry; &r goes to every C call
     cdef int pid  # leases release slots only in this process
 
     @staticmethod
@@ -393,9 +405,9 @@ cdef class Ring:
                uint32_t quota, bint ordered, int32_t owner_pid, uint64_t owner_start,
                uint32_t first_pass=0):
         cdef Ring ring = Ring.__new__(Ring)
-        cdef int rc = shmp_ring_init(segment.addr, segment.size, nslots, nworkers, slot_size,
-                                     quota, SHMP_FLAG_ORDERED if ordered else 0, owner_pid,
-                                     owner_start, first_pass)
+        cdef int rc = shmp_ring_init(&ring.r, segment.addr, segment.size, nslots, nworkers,
+                                     slot_size, quota, SHMP_FLAG_ORDERED if ordered else 0,
+                                     owner_pid, owner_start, first_pass)
         _raise_status(rc, f"initialising ring in {segment.name!r}")
         ring._bind(segment)
         return ring
@@ -403,84 +415,101 @@ cdef class Ring:
     @staticmethod
     def attach(Segment segment):
         cdef Ring ring = Ring.__new__(Ring)
-        cdef int rc = shmp_ring_validate(segment.addr, segment.size)
+        cdef int rc = shmp_ring_attach(&ring.r, segment.addr, segment.size)
         _raise_status(rc, f"attaching to {segment.name!r}")
         ring._bind(segment)
         return ring
 
     cdef _bind(self, Segment segment):
+        # The segment keeps the mapping that r.base points into alive.
         self.segment = segment
-        self.base = segment.addr
-        self.nslots = shmp_nslots(self.base)
-        self.nworkers = shmp_nworkers(self.base)
-        self.slot_size = shmp_slot_size(self.base)
-        self.quota = shmp_quota(self.base)
-        self.ordered = (shmp_flags(self.base) & SHMP_FLAG_ORDERED) != 0
         self.pid = getpid()
 
     cdef inline unsigned char *payload(self, uint32_t slot) noexcept nogil:
-        return <unsigned char *>self.base + shmp_payload_offset(self.base, slot)
+        # slot comes from shmp_acquire/shmp_take or is checked by the caller.
+        return shmp_payload(&self.r, slot)
+
+    @property
+    def nslots(self) -> int:
+        return self.r.nslots
+
+    @property
+    def nworkers(self) -> int:
+        return self.r.nworkers
+
+    @property
+    def slot_size(self) -> int:
+        return self.r.slot_size
+
+    @property
+    def quota(self) -> int:
+        return self.r.quota
+
+    @property
+    def ordered(self) -> bool:
+        return (self.r.flags & SHMP_FLAG_ORDERED) != 0
 
     @property
     def owner_pid(self) -> int:
-        return shmp_owner_pid(self.base)
+        return self.r.owner_pid
 
     @property
     def owner_start(self) -> int:
-        return shmp_owner_start(self.base)
+        return self.r.owner_start
 
     @property
     def closed(self) -> bool:
-        return shmp_is_closed(self.base) != 0
+        return shmp_is_closed(&self.r) != 0
 
     @property
     def current_pass(self) -> int:
-        return shmp_current_pass(self.base)
+        return shmp_current_pass(&self.r)
 
     def begin_pass(self) -> int:
-        return shmp_begin_pass(self.base)
+        return shmp_begin_pass(&self.r)
 
     def close(self) -> None:
         """Tells every producer to stop and wakes every waiter."""
-        shmp_close(self.base)
+        shmp_close(&self.r)
 
     def report_fault(self) -> None:
         """Producer side: make the consumer look at the control channel now."""
-        shmp_report_fault(self.base)
+        shmp_report_fault(&self.r)
 
     def held_count(self) -> int:
         """Slots HELD: delivered batches still referenced somewhere."""
         cdef uint32_t i, n = 0
-        for i in range(self.nslots):
-            n += shmp_slot_state(self.base, i) == SHMP_HELD
+        for i in range(self.r.nslots):
+            n += shmp_slot_state(&self.r, i) == SHMP_HELD
         return n
 
     def slot_states(self) -> list:
         """Each slot's state (FREE/WRITING/READY/HELD), read without ordering."""
-        return [shmp_slot_state(self.base, i) for i in range(self.nslots)]
+        cdef uint32_t i
+        return [shmp_slot_state(&self.r, i) for i in range(self.r.nslots)]
 
     def slot_info(self, uint32_t slot) -> tuple:
         """(state, worker, pass, wseq, nbytes) of a slot, read without ordering."""
-        if slot >= self.nslots:
+        if slot >= self.r.nslots:
             raise IndexError(slot)
-        return (shmp_slot_state(self.base, slot), shmp_slot_worker(self.base, slot),
-                shmp_slot_pass(self.base, slot), shmp_slot_wseq(self.base, slot),
-                shmp_slot_nbytes(self.base, slot))
+        return (shmp_slot_state(&self.r, slot), shmp_slot_worker(&self.r, slot),
+                shmp_slot_pass(&self.r, slot), shmp_slot_wseq(&self.r, slot),
+                shmp_slot_nbytes(&self.r, slot))
 
     def payload_address(self, uint32_t slot) -> int:
-        if slot >= self.nslots:
+        if slot >= self.r.nslots:
             raise IndexError(slot)
         return <size_t>self.payload(slot)
 
     def worker_blocked_ns(self, uint32_t worker) -> int:
-        if worker >= self.nworkers:
+        if worker >= self.r.nworkers:
             raise IndexError(worker)
-        return shmp_worker_blocked_ns(self.base, worker)
+        return shmp_worker_blocked_ns(&self.r, worker)
 
     def worker_published(self, uint32_t worker) -> int:
-        if worker >= self.nworkers:
+        if worker >= self.r.nworkers:
             raise IndexError(worker)
-        return shmp_worker_published(self.base, worker)
+        return shmp_worker_published(&self.r, worker)
 
 
 cdef class SlotLease:
@@ -498,7 +527,7 @@ cdef class SlotLease:
         # Runs in whichever thread drops the last reference (a TF thread,
         # say), with the GIL: shmp_release is a CAS and maybe a FUTEX_WAKE.
         if self.release_on_free and self.ring is not None and getpid() == self.ring.pid:
-            shmp_release(self.ring.base, self.slot)
+            shmp_release(&self.ring.r, self.slot)
 
     @property
     def slot(self) -> int:
@@ -539,8 +568,8 @@ cdef class RingWriter:
     cdef int64_t wait_ns
 
     def __cinit__(self, Ring ring, uint32_t worker):
-        if worker >= ring.nworkers:
-            raise ValueError(f"worker {worker} out of range for a ring of {ring.nworkers}")
+        if worker >= ring.r.nworkers:
+            raise ValueError(f"worker {worker} out of range for a ring of {ring.r.nworkers}")
         self.ring = ring
         self.worker = worker
         self.enc = Encoder()
@@ -556,7 +585,7 @@ cdef class RingWriter:
     def finish_pass(self):
         """Every batch of this pass is published: tell the consumer."""
         self._drop_reservation()
-        _raise_status(shmp_finish_pass(self.ring.base, self.worker, self.pass_no, self.wseq),
+        _raise_status(shmp_finish_pass(&self.ring.r, self.worker, self.pass_no, self.wseq),
                       "finishing a pass")
 
     cdef uint32_t _acquire(self) except? 0xFFFFFFFF:
@@ -564,15 +593,15 @@ cdef class RingWriter:
         cdef int rc
         while True:
             with nogil:
-                rc = shmp_acquire(self.ring.base, self.worker, self.pass_no, self.wait_ns, &slot)
+                rc = shmp_acquire(&self.ring.r, self.worker, self.pass_no, self.wait_ns, &slot)
             if rc == SHMP_OK:
                 return slot
             if rc != SHMP_AGAIN:
                 _raise_status(rc, "waiting for a free slot")
 
     cdef int _check_size(self, Py_ssize_t nbytes) except -1:
-        if <uint64_t>nbytes > self.ring.slot_size:
-            raise BatchTooLargeError(nbytes, self.ring.slot_size)
+        if <uint64_t>nbytes > self.ring.r.slot_size:
+            raise BatchTooLargeError(nbytes, self.ring.r.slot_size)
         return 0
 
     def put(self, batch):
@@ -590,16 +619,16 @@ cdef class RingWriter:
         self._check_size(nbytes)
         slot = self._acquire()
         try:
-            self.enc.write(self.ring.payload(slot), <Py_ssize_t>self.ring.slot_size)
+            self.enc.write(self.ring.payload(slot), <Py_ssize_t>self.ring.r.slot_size)
         except BaseException:
-            shmp_abandon(self.ring.base, slot, self.worker)
+            shmp_abandon(&self.ring.r, slot, self.worker)
             raise
         self._publish(slot, nbytes)
         # A reservation that was not yielded as is has now been copied out.
         self._drop_reservation()
 
     cdef int _publish(self, uint32_t slot, Py_ssize_t nbytes) except -1:
-        _raise_status(shmp_publish(self.ring.base, slot, self.worker, self.pass_no, self.wseq,
+        _raise_status(shmp_publish(&self.ring.r, slot, self.worker, self.pass_no, self.wseq,
                                    nbytes), "publishing a batch")
         self.wseq += 1
         return 0
@@ -610,18 +639,18 @@ cdef class RingWriter:
         the whole slot). Then publish_claimed() or abandon()."""
         cdef uint32_t slot = self._acquire()
         cdef unsigned char *payload = self.ring.payload(slot)
-        return slot, _root_array(payload, <Py_ssize_t>self.ring.slot_size,
+        return slot, _root_array(payload, <Py_ssize_t>self.ring.r.slot_size,
                                  _lease(self.ring, slot, False), True)
 
     def publish_claimed(self, uint32_t slot, uint64_t nbytes):
         """Publishes a claimed slot whose first `nbytes` bytes are written."""
-        if nbytes > self.ring.slot_size:
-            raise BatchTooLargeError(nbytes, self.ring.slot_size)
+        if nbytes > self.ring.r.slot_size:
+            raise BatchTooLargeError(nbytes, self.ring.r.slot_size)
         self._publish(slot, nbytes)
 
     def abandon(self, uint32_t slot):
         """Gives a claimed slot back unpublished."""
-        _raise_status(shmp_abandon(self.ring.base, slot, self.worker), "abandoning a slot")
+        _raise_status(shmp_abandon(&self.ring.r, slot, self.worker), "abandoning a slot")
 
     def reserve(self, template):
         """Claims a slot and returns `template`'s structure with writable
@@ -640,12 +669,12 @@ cdef class RingWriter:
         slot = self._acquire()
         payload = self.ring.payload(slot)
         try:
-            self.enc.write(payload, <Py_ssize_t>self.ring.slot_size)
+            self.enc.write(payload, <Py_ssize_t>self.ring.r.slot_size)
             arrays = []
             root = _root_array(payload, nbytes, _lease(self.ring, slot, False), True)
             batch = self.dec.decode(payload, nbytes, root, True, arrays)
         except BaseException:
-            shmp_abandon(self.ring.base, slot, self.worker)
+            shmp_abandon(&self.ring.r, slot, self.worker)
             raise
         self.has_reserved = True
         self.reserved_slot = slot
@@ -666,7 +695,7 @@ cdef class RingWriter:
             # by whoever holds them, so they become read-only too.
             slot = self.reserved_slot
             self._seal_reservation()
-            shmp_abandon(self.ring.base, slot, self.worker)
+            shmp_abandon(&self.ring.r, slot, self.worker)
 
 
 cdef class RingReader:
@@ -700,21 +729,30 @@ cdef class RingReader:
 
     cdef object _take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
         cdef uint32_t slot = 0
+        cdef uint32_t from_worker
         cdef uint64_t nbytes
         cdef int rc
         cdef int64_t wait_ns = <int64_t>(wait * 1e9) if wait > 0 else 0
         cdef Ring ring = self.ring
         with nogil:
-            rc = shmp_take(ring.base, worker, pass_no, wseq, wait_ns, &slot)
+            rc = shmp_take(&ring.r, worker, pass_no, wseq, wait_ns, &slot)
         if rc == SHMP_OK:
-            nbytes = shmp_slot_nbytes(ring.base, slot)
-            self.last_worker = <int>shmp_slot_worker(ring.base, slot)
-            self.last_nbytes = nbytes
+            # The slot record's worker and nbytes are shared words another
+            # process may have written: read each once into a local, check
+            # it against the private geometry, and use only the local.
+            nbytes = shmp_slot_nbytes(&ring.r, slot)
+            from_worker = shmp_slot_worker(&ring.r, slot)
             # The lease exists from here on, so whatever happens the slot is
             # released: on error, the root is dropped and the lease with it.
             lease = _lease(ring, slot, True)
-            if nbytes > ring.slot_size:
-                raise CorruptSegmentError(f"slot {slot} claims {nbytes} bytes, more than a slot holds")
+            if nbytes > ring.r.slot_size:
+                raise CorruptSegmentError(
+                    f"slot {slot} claims {nbytes} bytes, more than a slot holds ({ring.r.slot_size})")
+            if from_worker >= ring.r.nworkers:
+                raise CorruptSegmentError(
+                    f"slot {slot} names worker {from_worker}, but the ring has {ring.r.nworkers} workers")
+            self.last_worker = <int>from_worker
+            self.last_nbytes = nbytes
             return _root_array(ring.payload(slot), <Py_ssize_t>nbytes, lease, False)
         if rc == SHMP_END:
             return END

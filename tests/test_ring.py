@@ -390,3 +390,303 @@ def test_a_forked_child_does_not_release_the_parents_slots(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True"]
+
+
+# -- another process rewrites the live ring ----------------------------------
+#
+# The segment is writable by every process of the user, so its bytes are
+# untrusted input. The geometry is read once at attach and kept private; the
+# live words that could index or size memory are checked before use. Each
+# scenario runs in its own Python process so that a crash (SIGSEGV, SIGBUS)
+# is a failed test, not a dead test runner, and every blocking call in it is
+# bounded (`bounded` below; a watchdog alarm kills anything else that hangs).
+
+# Byte offsets (csrc/shmpipe_ring.c: shmp_header, shmp_worker, shmp_slot).
+HEADER_FIELDS = {  # name: (offset, width)
+    "flags": (12, 4),
+    "header_size": (16, 8),
+    "slot_size": (24, 8),
+    "total_size": (32, 8),
+    "nslots": (40, 4),
+    "nworkers": (44, 4),
+    "quota": (48, 4),
+}
+#: What another process writes into each: values no valid ring has.
+HOSTILE_HEADER = {
+    "header_size": 1 << 40,  # the old code: SIGSEGV
+    "slot_size": 1 << 30,  # the old code: SIGSEGV
+    "total_size": 1 << 50,
+    "nslots": 0xFFFFFFFF,
+    "nworkers": 0xFFFFFFFF,
+    "quota": 0xFFFFFFFF,
+    "flags": 0xFFFFFFFF,
+}
+WORKER_TABLE, WORKER_BYTES, SLOT_BYTES = 256, 64, 64
+SLOT_FIELDS = {"worker": (4, 4), "pass": (8, 4), "wseq": (16, 8), "ticket": (24, 8), "nbytes": (32, 8)}
+
+_HOSTILE_PRELUDE = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    import numpy as np
+    signal.alarm(60)  # a hang nothing else catches kills the process (SIGALRM)
+    from shmpipe import _ring, _segments
+    from shmpipe.errors import CorruptSegmentError
+    from shmpipe.transport import ChannelSpec
+    from shmpipe.transports.shm import ShmConsumer, attach_writer
+
+    WAIT = 2.0
+
+    def bounded(fn, *args, timeout=5.0):
+        # fn(*args) in a thread: its result, its exception, or HANG and exit 3.
+        out = []
+        def run():
+            try:
+                out.append((True, fn(*args)))
+            except BaseException as exc:
+                out.append((False, exc))
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            print("HANG", getattr(fn, "__name__", fn), flush=True)
+            os._exit(3)
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def poke(name, offset, width, value):
+        fd = os.open(_segments.SHM_DIR + name, os.O_RDWR)
+        try:
+            os.pwrite(fd, (value % (1 << (8 * width))).to_bytes(width, "little"), offset)
+        finally:
+            os.close(fd)
+
+    def ring(num_workers=2, capacity=4, ordered=False):
+        c = ShmConsumer(ChannelSpec(num_workers=num_workers, capacity=capacity,
+                                    slot_size=8192, ordered=ordered, first_pass=0))
+        ws = [attach_writer(c.handle, w) for w in range(num_workers)]
+        for w in ws:
+            w.start_pass(0)
+        return c, ws
+
+    def batch(i):
+        return {"i": i, "x": np.full(500, i, np.int64)}
+
+    def check(b, i):
+        assert b["i"] == i and b["x"].shape == (500,) and (b["x"] == i).all(), (i, b)
+
+    def run(c, ws, first, count, ordered=False, keep=2):
+        # Produce and consume `count` batches, each checked byte for byte,
+        # keeping the last `keep` alive so producers go round the ring.
+        kept = []
+        nw = len(ws)
+        for i in range(first, first + count):
+            bounded(ws[i % nw].put, batch(i))
+            if ordered:
+                b = c.get(0, i % nw, i // nw, WAIT)
+            else:
+                b = c.get(0, -1, 0, WAIT)
+            assert b is not _ring.AGAIN, f"batch {i} did not come within {WAIT}s"
+            check(b, i)
+            kept.append(b)
+            del kept[:-keep]
+            del b
+    """
+)
+
+
+def _run_hostile(tmp_path, body, timeout=90):
+    """Runs a scenario in a fresh interpreter; its stdout lines, after
+    checking it exited normally (a signal is a crash, 3 a hang)."""
+    script = _HOSTILE_PRELUDE + textwrap.dedent(body) + "\nprint('EXIT OK')\n"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=tmp_path
+        )
+    finally:
+        _segments.sweep()  # a scenario that died cannot remove its segment
+    lines = out.stdout.split("\n")
+    if out.returncode < 0:
+        import signal
+
+        how = signal.Signals(-out.returncode).name
+        pytest.fail(f"the scenario died of {how}; stdout {lines}, stderr {out.stderr[-2000:]}")
+    assert out.returncode == 0, f"exit {out.returncode}; stdout {lines}; stderr {out.stderr[-3000:]}"
+    assert "EXIT OK" in lines
+    return lines
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+@pytest.mark.parametrize(
+    "field, value",
+    list(HOSTILE_HEADER.items()),
+)
+def test_live_geometry_rewrite_changes_nothing(tmp_path, field, value, ordered):
+    # A ring in use keeps working from its private geometry, both ends,
+    # while the header says something else; a process attaching afterwards
+    # refuses the header.
+    offset, width = HEADER_FIELDS[field]
+    lines = _run_hostile(
+        tmp_path,
+        f"""
+        ordered = {ordered}
+        c, ws = ring(num_workers=2, capacity=4 if not ordered else 3, ordered=ordered)
+        run(c, ws, 0, 40, ordered)
+        poke(c.handle.name, {offset}, {width}, {value})
+        run(c, ws, 40, 200, ordered)
+        print("delivered", 240)
+        assert (c.ring.nslots, c.ring.nworkers, c.ring.slot_size) == (c.capacity, 2, 8192)
+        assert ws[0].ring.slot_size == 8192 and ws[1].ring.nslots == c.capacity
+        try:
+            attach_writer(c.handle, 0)
+        except CorruptSegmentError as exc:
+            print("attach refused:", exc)
+        c.close(); c.destroy()
+        """,
+    )
+    assert "delivered 240" in lines
+    assert any(line.startswith("attach refused:") and "inconsistent" in line for line in lines), lines
+
+
+def test_live_quota_rewrite_keeps_the_private_quota(tmp_path):
+    # Ordered, 2 workers, 3 slots: quota 1 per worker. Writing quota = 0 (no
+    # limit) into the live header must not let worker 1 fill the ring.
+    lines = _run_hostile(
+        tmp_path,
+        """
+        c, ws = ring(num_workers=2, capacity=3, ordered=True)
+        poke(c.handle.name, 48, 4, 0)
+        ws[1].put(batch(1))
+        t = threading.Thread(target=ws[1].put, args=(batch(3),), daemon=True)
+        t.start()
+        t.join(0.5)
+        print("second put blocked:", t.is_alive())
+        bounded(ws[0].put, batch(0))
+        check(c.get(0, 0, 0, WAIT), 0)
+        check(c.get(0, 1, 0, WAIT), 1)  # frees worker 1's quota
+        t.join(WAIT)
+        check(c.get(0, 1, 1, WAIT), 3)
+        print("done")
+        c.close(); c.destroy()
+        """,
+    )
+    assert "second put blocked: True" in lines and "done" in lines
+
+
+def _slot_record(nworkers, slot, field):
+    off, width = SLOT_FIELDS[field]
+    return WORKER_TABLE + WORKER_BYTES * nworkers + SLOT_BYTES * slot + off, width
+
+
+@pytest.mark.parametrize(
+    "field, value, ordered, outcome",
+    [
+        ("worker", 0xFFFFFFFF, False, "error: slot .* names worker 4294967295"),
+        ("worker", 7, False, "error: slot .* names worker 7"),
+        ("nbytes", 1 << 40, False, "error: slot .* claims 1099511627776 bytes"),
+        ("nbytes", 8, False, "error: a slot payload of 8 bytes is too short"),
+        ("wseq", 1 << 63, False, "delivered$"),
+        ("wseq", 1 << 63, True, "nothing$"),  # the batch it waits for never comes: a timeout
+        ("pass", 12345, False, "nothing$"),  # a batch of another pass: dropped
+        ("ticket", 1 << 63, False, "delivered$"),
+    ],
+)
+def test_garbage_in_a_ready_slots_record(tmp_path, field, value, ordered, outcome):
+    # A READY slot's record is rewritten before the consumer takes it; the
+    # ring then goes on carrying batches.
+    import re
+
+    lines = _run_hostile(
+        tmp_path,
+        f"""
+        import re
+        c, ws = ring(num_workers=2, capacity=4, ordered={ordered})
+        run(c, ws, 0, 10, {ordered})
+        ws[0].put(batch(10))
+        slot = c.ring.slot_states().index(_ring.READY)
+        base = 256 + 64 * 2 + 64 * slot
+        poke(c.handle.name, base + {SLOT_FIELDS[field][0]}, {SLOT_FIELDS[field][1]}, {value})
+        try:
+            b = c.get(0, 0 if {ordered} else -1, 5, 0.5)
+        except CorruptSegmentError as exc:
+            print("error:", exc)
+        else:
+            if b is _ring.AGAIN:
+                print("nothing")
+            else:
+                check(b, 10)
+                print("delivered")
+            del b
+        if not {ordered}:
+            # The ring goes on: every slot can still be claimed and read.
+            run(c, ws, 11, 60)
+            print("went on")
+        c.close(); c.destroy()
+        """,
+    )
+    assert any(re.match(outcome, line) for line in lines), lines
+    assert ordered or "went on" in lines
+
+
+def test_garbage_in_a_workers_inflight_count(tmp_path):
+    # Ordered: 2 workers, 3 slots, quota 1. (a) A count set to 0 while a
+    # batch is in flight must not wrap below 0 when the consumer takes it
+    # (that would hold the worker at its quota for good); (b) an impossible
+    # count is a CorruptSegmentError for the producer, not a wait forever.
+    lines = _run_hostile(
+        tmp_path,
+        """
+        c, ws = ring(num_workers=2, capacity=3, ordered=True)
+        name = c.handle.name
+        for i in range(6):  # w0: 0, w1: 0, w0: 1, ...
+            bounded(ws[i % 2].put, batch(i))
+            if i % 2 == 0:
+                poke(name, 256 + 0, 4, 0)  # worker 0's inflight: 1 -> 0
+            check(c.get(0, i % 2, i // 2, WAIT), i)
+        print("no underflow")
+        poke(name, 256 + 64, 4, 0xFFFFFFFF)  # worker 1's inflight
+        try:
+            bounded(ws[1].put, batch(7))
+        except CorruptSegmentError as exc:
+            print("error:", exc)
+        poke(name, 256 + 64, 4, 0)
+        bounded(ws[1].put, batch(7))
+        check(c.get(0, 1, 3, WAIT), 7)
+        print("recovered")
+        c.close(); c.destroy()
+        """,
+    )
+    assert "no underflow" in lines and "recovered" in lines
+    assert any(line.startswith("error:") and "impossible value" in line for line in lines), lines
+
+
+def test_live_pipeline_survives_its_header_being_rewritten(tmp_path):
+    # A whole pipeline (producer processes) whose ring header is rewritten
+    # field by field while batches flow delivers every batch, bit-exact.
+    fields = ", ".join(repr(HEADER_FIELDS[f] + (v,)) for f, v in HOSTILE_HEADER.items())
+    lines = _run_hostile(
+        tmp_path,
+        f"""
+        import shmpipe
+        from shmpipe.testing.sources import Counter, payload_for
+        n, per = 2, 300
+        seen = set()
+        pokes = [{fields}]
+        with shmpipe.from_iterators([Counter(per, shape=(256,))] * n, timeout=20) as pipe:
+            for b in pipe:
+                want = payload_for(b["worker"], b["seq"], (256,), np.float32)
+                assert (b["data"] == want).all()
+                seen.add((b["worker"], b["seq"]))
+                # Once every producer has attached (a batch from each came),
+                # one field per batch; a producer attaching after this would
+                # refuse the segment (CorruptSegmentError), tested above.
+                if pokes and len({{w for w, _ in seen}}) == n:
+                    poke(pipe.channel.segment.name, *pokes.pop())
+        assert not pokes
+        assert len(seen) == n * per, len(seen)
+        print("delivered", len(seen))
+        """,
+        timeout=120,
+    )
+    assert f"delivered {2 * 300}" in lines
