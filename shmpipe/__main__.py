@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--min-batches", type=_positive(int), default=20, help="at least this many batches per row")
     t.add_argument("--workers", type=int, default=2, help="producer processes (default 2)")
     t.add_argument("--paths", nargs="+", metavar="PATH",
-                   help="memcpy, mp.Queue, 'shm ring', 'shm reserve', transport:<name> (default: all)")
+                   help="memcpy, mp.Queue, 'shm ring', 'shm reserve', 'shm varying', transport:<name> (default: all)")
     t.add_argument("--json", metavar="FILE")
     t.add_argument("--plot", metavar="FILE.png", help="draw GB/s against batch size")
 

@@ -24,7 +24,7 @@ Meta nodes (one tag byte, then the node's fields)::
            repr of numpy.lib.format.dtype_to_descr for structured dtypes;
            "@module:qualname" of the scalar type for registered user dtypes
            (ml_dtypes.bfloat16, for instance). The decoder looks these up
-           in a closed table (see _dtype_from_spec): it never imports,
+           in a closed table (see dtype_from_name): it never imports,
            evaluates or gets an attribute by a name it read, and never
            makes a dtype that holds Python objects.
 
@@ -97,7 +97,7 @@ def _format_path(list path):
     return "".join(out)
 
 
-def _dtype_spec(dt):
+def dtype_name(dt):
     """The bytes that name dtype `dt` in a payload, or None if it cannot travel."""
     if dt.hasobject or dt.kind in "OT":
         return None
@@ -108,7 +108,7 @@ def _dtype_spec(dt):
     else:
         spec = dt.str.encode()
     try:
-        if _dtype_from_spec(spec) != dt:
+        if dtype_from_name(spec) != dt:
             return None
     except Exception:
         return None
@@ -165,7 +165,7 @@ _MAX_SUBARRAY_NDIM = 32      # a field's subarray shape
 _SPEC_CACHE_MAX = 1024       # names remembered (hostile payloads can name many)
 
 # name -> dtype of NumPy's own dtypes already checked (names of extension
-# dtypes are not kept: see _dtype_from_spec); bounded.
+# dtypes are not kept: see dtype_from_name); bounded.
 cdef dict _spec_cache = {}
 # module name -> (module, len(its dict), {qualname: dtype}) of extension dtypes.
 cdef dict _extension_tables = {}
@@ -182,7 +182,7 @@ cdef str _shown(bytes spec):
     return shown + ("..." if len(spec) > 80 else "")
 
 
-def _dtype_from_spec(bytes spec):
+def dtype_from_name(bytes spec):
     """The dtype `spec` names; CorruptSegmentError if it names none shmpipe
     makes from shared memory. Runs no code the name chooses."""
     dt = _spec_cache.get(spec)
@@ -381,7 +381,7 @@ cdef object _extension_dtype(bytes spec):
 cdef dict _extension_table(str module, object mod):
     """{qualname: dtype} of the extension dtypes `mod` defines: the scalar
     types in its namespace that NumPy has registered (dtype.num >= 256),
-    named as _dtype_spec names them. Built by walking the module's dict,
+    named as dtype_name names them. Built by walking the module's dict,
     not by looking names up, and reading only what runs no Python code:
     types whose metaclass is `type` itself."""
     cdef dict d
@@ -591,7 +591,7 @@ cdef class Encoder:
     cdef bytes _spec_of(self, object dt):
         spec = self.dtype_specs.get(dt)
         if spec is None:
-            spec = _dtype_spec(dt)
+            spec = dtype_name(dt)
             if spec is None:
                 self._fail(
                     f"dtype {dt!r} cannot be carried: shmpipe carries fixed-size dtypes "
@@ -876,7 +876,7 @@ cdef class _Reader:
         dt = self.dtypes.get(spec)
         if dt is None:
             try:
-                dt = _dtype_from_spec(spec)
+                dt = dtype_from_name(spec)
             except CorruptSegmentError:
                 raise
             except Exception as exc:
@@ -1009,7 +1009,7 @@ def encode(batch):
     """
     cdef Encoder enc = Encoder()
     cdef Py_ssize_t n = enc.plan(batch, False)
-    buf = _aligned_empty(n)
+    buf = aligned_empty(n)
     enc.write(<unsigned char *>cnp.PyArray_DATA(<cnp.ndarray>buf), n)
     return buf
 
@@ -1042,7 +1042,35 @@ def decode(buf, *, writeable=False):
     return dec.decode(<unsigned char *>cnp.PyArray_DATA(arr), arr.nbytes, arr, writeable)
 
 
-def _aligned_empty(Py_ssize_t n):
+def template_size(template) -> int:
+    """Bytes the payload of a reserve() template takes (ArraySpec leaves
+    allowed; arrays stand for their shape and dtype)."""
+    cdef Encoder enc = Encoder()
+    return enc.plan(template, True)
+
+
+def reserve_into(template, buf):
+    """Lays out `template` in `buf` (a 64-byte aligned, writable uint8 array
+    of at least template_size(template) bytes) and returns its structure
+    with writable, uninitialised arrays inside `buf`: what reserve() does
+    in a slot, for memory of another kind (a batch larger than a slot)."""
+    cdef Encoder enc = Encoder()
+    cdef Decoder dec = Decoder()
+    cdef Py_ssize_t n = enc.plan(template, True)
+    cdef cnp.ndarray arr = buf
+    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError("reserve_into() needs a writable, contiguous uint8 array")
+    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
+        raise ValueError("reserve_into() needs a 64-byte aligned buffer")
+    if n > arr.shape[0]:
+        from shmpipe.errors import BatchTooLargeError
+
+        raise BatchTooLargeError(n, arr.shape[0])
+    enc.write(<unsigned char *>cnp.PyArray_DATA(arr), n)
+    return dec.decode(<unsigned char *>cnp.PyArray_DATA(arr), n, arr, True)
+
+
+def aligned_empty(Py_ssize_t n):
     raw = np.empty(n + ARRAY_ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ARRAY_ALIGN
     return raw[start:start + n]

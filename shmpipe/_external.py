@@ -74,7 +74,7 @@ STASH_LIMIT = 8192
 def write_record(slot: np.ndarray, pass_no: int, worker: int, wseq: int, nbytes: int) -> int:
     """Writes the record of an external batch into a claimed slot; returns
     its size (what the slot is published with)."""
-    RECORD.pack_into(slot, 0, MAGIC, pass_no, nbytes, worker, 0, wseq)
+    RECORD.pack_into(slot.data, 0, MAGIC, pass_no, nbytes, worker, 0, wseq)
     return RECORD.size
 
 
@@ -83,7 +83,7 @@ def read_record(payload: np.ndarray) -> tuple[int, int, int, int]:
     is not one."""
     if payload.nbytes != RECORD.size:
         raise CorruptSegmentError(f"an external batch's record has {payload.nbytes} bytes, not {RECORD.size}")
-    magic, pass_no, nbytes, worker, zero, wseq = RECORD.unpack(payload)
+    magic, pass_no, nbytes, worker, zero, wseq = RECORD.unpack(payload.data)
     if magic != MAGIC or zero != 0:
         raise CorruptSegmentError("a slot holds neither a batch nor an external batch's record")
     return pass_no, worker, wseq, nbytes

@@ -57,6 +57,7 @@ class PipelineOptions:
             ordered=self.ordered,
             first_pass=0,
             slot_size=self.slot_size,
+            slot_size_is_limit=self.slot_size is not None,
             mp_context=multiprocessing.get_context(self.start_method),
         )
 

@@ -26,7 +26,7 @@ cimport numpy as cnp
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport ENOENT, errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport strerror
+from libc.string cimport strerror, memcmp
 
 from shmpipe._codec cimport Decoder, Encoder, new_array
 
@@ -681,6 +681,12 @@ cdef class RingWriter:
         self.reserved_arrays = arrays
         return batch
 
+    def drop_reservation(self):
+        """Gives the pending reservation's slot back, unpublished (its
+        arrays become read-only): the batch yielded instead was sent
+        another way."""
+        self._drop_reservation()
+
     cdef _seal_reservation(self):
         # The slot now belongs to the consumer: writes through the arrays we
         # handed out would change a published batch, so make them read-only.
@@ -698,13 +704,25 @@ cdef class RingWriter:
             shmp_abandon(&self.ring.r, slot, self.worker)
 
 
+# A slot whose payload is this many bytes starting with this magic holds the
+# record of a batch larger than a slot (shmpipe/_external.py), not a batch.
+cdef enum:
+    EXTERNAL_RECORD_BYTES = 32
+cdef const char *EXTERNAL_MAGIC = b"SPX1"
+
+
 cdef class RingReader:
     """The consumer's end of the ring: takes slots and decodes them into
-    read-only views whose root owns the slot (see the module docstring)."""
+    read-only views whose root owns the slot (see the module docstring).
+
+    A slot holding an external batch's record is handed, with its lease,
+    to `on_external(record, decode)`, which returns (the batch, or with
+    decode False its root; the payload's size)."""
     cdef readonly Ring ring
     cdef Decoder dec
     cdef readonly int last_worker
     cdef readonly uint64_t last_nbytes
+    cdef public object on_external
 
     def __cinit__(self, Ring ring):
         self.ring = ring
@@ -720,12 +738,29 @@ cdef class RingReader:
         if root is END or root is AGAIN or root is FAULT:
             return root
         cdef cnp.ndarray r = <cnp.ndarray>root
-        return self.dec.decode(<unsigned char *>cnp.PyArray_DATA(r), cnp.PyArray_DIM(r, 0), root, False)
+        cdef Py_ssize_t n = cnp.PyArray_DIM(r, 0)
+        cdef unsigned char *data = <unsigned char *>cnp.PyArray_DATA(r)
+        if n == EXTERNAL_RECORD_BYTES and memcmp(data, EXTERNAL_MAGIC, 4) == 0:
+            return self._external(root, True)
+        return self.dec.decode(data, n, root, False)
+
+    cdef object _external(self, object record, bint decode):
+        if self.on_external is None:
+            raise CorruptSegmentError("a slot holds the record of a batch larger than a slot, which this ring cannot take")
+        batch, nbytes = self.on_external(record, decode)
+        self.last_nbytes = nbytes
+        return batch
 
     def take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
         """Like take(), but returns the payload itself: a read-only uint8
         array whose lifetime holds the slot (the Arrow transport decodes it)."""
-        return self._take_raw(pass_no, worker, wseq, wait)
+        root = self._take_raw(pass_no, worker, wseq, wait)
+        if root is END or root is AGAIN or root is FAULT:
+            return root
+        cdef cnp.ndarray r = <cnp.ndarray>root
+        if cnp.PyArray_DIM(r, 0) == EXTERNAL_RECORD_BYTES and memcmp(cnp.PyArray_DATA(r), EXTERNAL_MAGIC, 4) == 0:
+            return self._external(root, False)
+        return root
 
     cdef object _take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
         cdef uint32_t slot = 0

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmpipe._codec import _aligned_empty
+from shmpipe._codec import aligned_empty
 from shmpipe._tree import leaves_with_paths, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
 
@@ -237,7 +237,7 @@ def copy_for_tensorflow(batch: Any) -> Any:
             return leaf
         if leaf.dtype.hasobject:
             return leaf.copy()  # Python objects: TensorFlow converts them anyway
-        out = _aligned_empty(leaf.nbytes).view(leaf.dtype).reshape(leaf.shape)
+        out = aligned_empty(leaf.nbytes).view(leaf.dtype).reshape(leaf.shape)
         out[...] = leaf
         return out
 

@@ -212,6 +212,9 @@ class ChannelSpec:
     ordered: bool
     first_pass: int = 0
     slot_size: int | None = None
+    #: Whether the user set ``slot_size`` (a limit a batch may not exceed)
+    #: rather than shmpipe (a starting size: larger batches still travel).
+    slot_size_is_limit: bool = False
     #: The multiprocessing context producers start with: queues and locks
     #: meant for them must come from it.
     mp_context: Any = field(default=None, compare=False)

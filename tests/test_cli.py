@@ -72,7 +72,7 @@ def test_seed_skips_what_cannot_run_here_and_refuses_unknown_recipes(capsys):
 
 
 def test_throughput_every_option(tmp_path, capsys):
-    paths = ["memcpy", "mp.Queue", "shm ring", "shm reserve", "transport:arrow", "transport:queue", "transport:example-pipe"]
+    paths = ["memcpy", "mp.Queue", "shm ring", "shm reserve", "shm varying", "transport:arrow", "transport:queue", "transport:example-pipe"]
     rc = main([
         "bench", "throughput", "--sizes", "4KiB", "8KiB", "--seconds", "0.02", "--min-batches", "2", "--workers", "1",
         "--paths", *paths, "--json", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png"),
@@ -91,7 +91,7 @@ def test_throughput_default_paths_cover_every_transport():
     from shmpipe.bench.throughput import default_paths
 
     paths = default_paths()
-    assert paths[:4] == ["memcpy", "mp.Queue", "shm ring", "shm reserve"]
+    assert paths[:5] == ["memcpy", "mp.Queue", "shm ring", "shm reserve", "shm varying"]
     assert {f"transport:{t}" for t in shmpipe.available_transports() if t != "shm"} <= set(paths)
 
 

@@ -179,7 +179,7 @@ def _array_payload(spec: bytes, shape=(3,), offset=0):
     meta += b"".join(struct.pack("<Q", d) for d in shape) + struct.pack("<Q", offset)
     data_at = -(-(16 + len(meta)) // 64) * 64
     total = data_at + 256
-    payload = _codec._aligned_empty(total)
+    payload = _codec.aligned_empty(total)
     payload[:] = 0
     payload[:16] = np.frombuffer(b"SPB1" + struct.pack("<IQ", len(meta), total), np.uint8)
     payload[16 : 16 + len(meta)] = np.frombuffer(meta, np.uint8)
@@ -294,14 +294,14 @@ def test_malformed_payloads_say_what_is_wrong(batch, corrupt, words):
 def test_a_short_buffer_is_corrupt_not_unaligned(n):
     # An empty buffer has no meaningful address: it used to be refused as
     # "not 64-byte aligned", a ValueError, depending on where NumPy put it.
-    buf = _codec._aligned_empty(64)[1 : 1 + n]
+    buf = _codec.aligned_empty(64)[1 : 1 + n]
     with pytest.raises(CorruptSegmentError, match="too short"):
         _codec.decode(buf)
 
 
 def test_deep_nesting_is_corrupt_not_a_recursion_error():
     meta = b"[\x01\x00\x00\x00" * 10_000 + b"N"
-    payload = _codec._aligned_empty(-(-(16 + len(meta)) // 64) * 64)
+    payload = _codec.aligned_empty(-(-(16 + len(meta)) // 64) * 64)
     payload[:] = 0
     payload[:16] = np.frombuffer(b"SPB1" + struct.pack("<IQ", len(meta), len(payload)), np.uint8)
     payload[16 : 16 + len(meta)] = np.frombuffer(meta, np.uint8)
@@ -379,7 +379,7 @@ def test_encode_into_defines_every_byte():
     n = _codec.encoded_size(batch)
     outs = []
     for fill in (0xAA, 0x55):
-        buf = _codec._aligned_empty(n + 256)
+        buf = _codec.aligned_empty(n + 256)
         buf[:] = fill
         assert _codec.encode_into(batch, buf) == n
         outs.append(buf[:n])
@@ -401,11 +401,12 @@ def test_encode_into_defines_every_byte():
 
 def _dirty_ring(rings):
     """A ring whose slots all held 0xAA-filled batches before."""
-    from shmpipe._shm import ShmConsumer, attach_producer
+    from shmpipe.transport import ChannelSpec
+    from shmpipe.transports.shm import ShmConsumer, attach_writer
 
-    c = ShmConsumer(num_workers=1, capacity=2, slot_size=1 << 14, ordered=False, first_pass=0)
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=2, slot_size=1 << 14, ordered=False, first_pass=0))
     rings.append(c)
-    w = attach_producer(c.handle, 0)
+    w = attach_writer(c.handle, 0)
     w.start_pass(0)
     dirty = {"x": np.full((1 << 14) - 256, 0xAA, np.uint8)}
     w.put(dirty)

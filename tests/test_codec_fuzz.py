@@ -104,7 +104,7 @@ def fields(payload: bytes) -> list[tuple[str, int, int]]:
         out.append(("dtype", pos, n))
         spec = payload[pos : pos + n]
         pos += n
-        return _codec._dtype_from_spec(spec).itemsize
+        return _codec.dtype_from_name(spec).itemsize
 
     def node() -> None:
         nonlocal pos
@@ -345,7 +345,7 @@ def framed_random(draw) -> bytes:
 
 
 def check_decode(payload: bytes) -> None:
-    buf = _codec._aligned_empty(len(payload))
+    buf = _codec.aligned_empty(len(payload))
     buf[:] = np.frombuffer(payload, np.uint8)
     modules = set(sys.modules)
     try:

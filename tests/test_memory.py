@@ -21,7 +21,7 @@ import pytest
 import shmpipe
 from shmpipe import _ring
 from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
-from shmpipe.testing.sources import Counter, payload_for
+from shmpipe.testing.sources import ChangedReservation, Counter, Shapes, crc_of, payload_for
 from shmpipe.transport import ChannelSpec
 from shmpipe.transports.shm import ShmConsumer, ShmTransport
 
@@ -236,3 +236,115 @@ def test_sigkill_of_every_process_at_once_returns_all_memory(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=10)
+
+
+# -- batches of any size ------------------------------------------------------
+
+
+def mapping_of(arr: np.ndarray) -> str:
+    """The path of the mapping `arr`'s data lies in ("" if anonymous)."""
+    address = arr.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return rest[4].strip() if len(rest) == 5 else ""
+    return "?"
+
+
+def check_delivered(b, zero_copy=True):
+    x = b["x"]
+    assert crc_of(x) == int(b["crc"]), f"batch {b['worker']}/{b['seq']} differs"
+    assert not x.flags.writeable
+    if x.nbytes:
+        assert x.__array_interface__["data"][0] % 64 == 0
+    if zero_copy and x.nbytes:
+        where = mapping_of(x)
+        assert where.startswith("/memfd:shmpipe"), f"{x.nbytes:,} bytes not in shared memory but in {where!r}"
+
+
+TOKEN_COLUMNS = [16, 64, 256, 1024, 4096, 8192, 16, 2048, 32, 8192]
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_token_batches_of_any_width(transport, ordered):
+    shapes = [(32, n) for n in TOKEN_COLUMNS]
+    source = Shapes(shapes, np.int32)
+    with shmpipe.from_iterators([source] * 2, transport=transport, ordered=ordered, capacity=6, timeout=T) as pipe:
+        got = []
+        for b in pipe:
+            check_delivered(b)
+            assert b["x"].shape == shapes[b["seq"]]
+            got.append((b["worker"], b["seq"]))
+        assert pipe.slot_size < 32 * 8192 * 4  # sized from the first (16-column) batches
+    if ordered:
+        assert got == [(w, s) for s in range(len(shapes)) for w in range(2)]
+    else:
+        assert sorted(got) == [(w, s) for w in range(2) for s in range(len(shapes))]
+
+
+@pytest.mark.parametrize(
+    "transport, reserve", [("shm", False), ("shm", True), ("arrow", False)], ids=["shm-put", "shm-reserve", "arrow"]
+)
+def test_images_of_random_shapes(transport, reserve):
+    rng = np.random.default_rng(7)
+    shapes = [(int(rng.integers(1, 9)), int(rng.integers(8, 700)), int(rng.integers(8, 700)), 3) for _ in range(12)]
+    source = Shapes(shapes, np.uint8, reserve=reserve)
+    with shmpipe.from_iterators([source] * 2, transport=transport, capacity=6, timeout=T) as pipe:
+        n = 0
+        for b in pipe:
+            check_delivered(b)
+            assert b["x"].shape == shapes[b["seq"]]
+            n += 1
+    assert n == 24
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+def test_one_gib_batch_among_small_ones(transport):
+    shapes = [(64 << 10,)] * 3 + [(1 << 30,)] + [(64 << 10,)] * 3  # uint8: 64 KiB, 1 GiB
+    with shmpipe.from_iterators([Shapes(shapes, np.uint8)], transport=transport, capacity=4, timeout=120) as pipe:
+        sizes = []
+        for b in pipe:
+            check_delivered(b)
+            sizes.append(b["x"].nbytes)
+            del b
+    assert sizes == [64 << 10] * 3 + [1 << 30] + [64 << 10] * 3
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+def test_memory_of_big_batches_is_given_back_after_the_burst(transport):
+    grow_then_shrink = [(64 << 10,)] * 2 + [(32 << 20,), (64 << 20,), (128 << 20,), (64 << 20,)] + [(64 << 10,)] * 4
+    baseline = shmem_bytes()
+    source = Shapes(grow_then_shrink, np.uint8)
+    with shmpipe.from_iterators([source], transport=transport, capacity=4, timeout=T) as pipe:
+        it = iter(pipe)
+        peak = 0
+        for b in it:
+            check_delivered(b)
+            peak = max(peak, shmem_bytes() - baseline)
+            last = b["seq"]
+            del b  # each batch is let go before the next (the pipeline stays open)
+            if last == len(grow_then_shrink) - 1:
+                break
+        after = shmem_bytes() - baseline
+        ring = pipe.channel.segment.size
+    assert peak >= 128 << 20, "the 128 MiB batch should have shown as shared memory while it was held"
+    assert after <= ring + (16 << 20), (
+        f"{after / 2**20:.0f} MiB of shared memory still in use after the burst (the ring is {ring / 2**20:.1f} MiB)"
+    )
+
+
+def test_an_explicit_slot_size_is_a_limit():
+    with shmpipe.from_iterators([Shapes([(1000,), (100_000,)], np.uint8)], slot_size=16384, timeout=T) as pipe:
+        it = iter(pipe)
+        check_delivered(next(it))
+        with pytest.raises(shmpipe.BatchTooLargeError, match="slot_size="):
+            next(it)
+
+
+def test_a_reservation_changed_before_it_is_yielded_is_copied():
+    with shmpipe.from_iterators([ChangedReservation()], timeout=T) as pipe:
+        got = [b for b in pipe]
+    assert got[1]["x"].nbytes == 4 << 20 and np.all(got[1]["x"] == 7) and got[1]["extra"] == 1

@@ -251,9 +251,17 @@ def test_slot_size_from_first_batch_with_headroom():
         assert pipe.slot_size >= 1.25 * 100_000 and pipe.slot_size % 4096 == 0
 
 
-def test_batch_too_large_is_a_clear_error():
-    batches = [np.zeros(1000, np.uint8), np.zeros(1_000_000, np.uint8)]
+def test_a_batch_larger_than_the_first_arrives_all_the_same():
+    batches = [np.zeros(1000, np.uint8), np.arange(1_000_000, dtype=np.int64) % 251]
     with shmpipe.from_iterators([Fixed(batches)], timeout=T) as pipe:
+        got = list(pipe)
+    assert [b.nbytes for b in got] == [1000, 8_000_000] and pipe.slot_size < 8_000_000
+    np.testing.assert_array_equal(got[1], batches[1])
+
+
+def test_batch_too_large_for_an_explicit_slot_size_is_a_clear_error():
+    batches = [np.zeros(1000, np.uint8), np.zeros(1_000_000, np.uint8)]
+    with shmpipe.from_iterators([Fixed(batches)], slot_size=8192, timeout=T) as pipe:
         it = iter(pipe)
         next(it)
         with pytest.raises(shmpipe.BatchTooLargeError, match="slot_size=") as info:

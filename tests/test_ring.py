@@ -463,8 +463,9 @@ _HOSTILE_PRELUDE = textwrap.dedent(
             os.close(fd)
 
     def ring(num_workers=2, capacity=4, ordered=False):
+        # the named backing: the one any process of the user can open and edit
         c = ShmConsumer(ChannelSpec(num_workers=num_workers, capacity=capacity,
-                                    slot_size=8192, ordered=ordered, first_pass=0))
+                                    slot_size=8192, ordered=ordered, first_pass=0), backing="posix")
         ws = [attach_writer(c.handle, w) for w in range(num_workers)]
         for w in ws:
             w.start_pass(0)
@@ -673,7 +674,9 @@ def test_live_pipeline_survives_its_header_being_rewritten(tmp_path):
         n, per = 2, 300
         seen = set()
         pokes = [{fields}]
-        with shmpipe.from_iterators([Counter(per, shape=(256,))] * n, timeout=20) as pipe:
+        from shmpipe.transports.shm import ShmTransport
+        posix = ShmTransport(backing="posix")
+        with shmpipe.from_iterators([Counter(per, shape=(256,))] * n, transport=posix, timeout=20) as pipe:
             for b in pipe:
                 want = payload_for(b["worker"], b["seq"], (256,), np.float32)
                 assert (b["data"] == want).all()

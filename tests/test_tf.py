@@ -191,7 +191,7 @@ def test_an_ordered_pipeline_never_lends_tensorflow_the_slots_its_producers_need
                 for i, _element in enumerate(ds):
                     if i == 2:
                         break
-                del e
+                del _element  # the pass is abandoned while an element is still held, then let go
                 got = [(int(e["worker"]), int(e["seq"])) for e in list(ds)]
     assert got == expected
 

@@ -165,7 +165,7 @@ def _ray() -> tuple[Encode, Decode]:
 def _shmpipe(nbytes: int) -> tuple[Encode, Decode]:
     from shmpipe import _codec
 
-    slot = _codec._aligned_empty(_codec.encoded_size(make_batch(nbytes)))
+    slot = _codec.aligned_empty(_codec.encoded_size(make_batch(nbytes)))
     slot[:] = 0  # touched once, as a ring's slots are
 
     def enc(b: dict[str, Any]) -> np.ndarray:

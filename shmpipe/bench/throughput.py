@@ -12,6 +12,9 @@ Paths:
   mp.Queue      multiprocessing.Queue: pickle through a pipe (the article's recipe)
   shm ring      shmpipe.from_iterators, producers yield arrays (one copy into a slot)
   shm reserve   shmpipe producers fill slots in place with shmpipe.reserve (no copy)
+  shm varying   the shm ring with batches of 1/2, 1/2, 1 and 2 times the size in turn
+                (the size on average): the slots are sized from the first (1/2),
+                so half the batches travel in memory of their own
   transport:X   the same pipeline as "shm ring" over transport X (arrow, queue, ray)
 """
 
@@ -90,6 +93,24 @@ class ReservedArrays:
         i = 0
         while True:
             a = shmpipe.reserve(spec)
+            a[0] = i
+            yield a
+            i += 1
+
+
+class VaryingArrays:
+    """Yields float32 arrays of 1/2, 1/2, 1 and 2 times `nbytes` in turn,
+    changed each time: the mean is `nbytes`, the first sizes the slots."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self) -> Iterator[np.ndarray]:
+        n = max(2, self.nbytes // 4)
+        arrays = [np.ones(k, dtype=np.float32) for k in (n // 2, n // 2, n, 2 * n)]
+        i = 0
+        while True:
+            a = arrays[i % 4]
             a[0] = i
             yield a
             i += 1
@@ -180,17 +201,23 @@ def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, cap
 def bench_pipeline(
     path: str, nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int
 ) -> Result:
-    """A shmpipe pipeline: "shm ring", "shm reserve", or "transport:<name>"."""
-    reserve = path == "shm reserve"
+    """A shmpipe pipeline: "shm ring", "shm reserve", "shm varying" or
+    "transport:<name>"."""
     transport = path.split(":", 1)[1] if path.startswith("transport:") else "shm"
-    source = ReservedArrays(nbytes) if reserve else FreshArrays(nbytes)
+    source: Callable[[], Iterator[np.ndarray]]
+    if path == "shm reserve":
+        source = ReservedArrays(nbytes)
+    elif path == "shm varying":
+        source = VaryingArrays(nbytes)
+    else:
+        source = FreshArrays(nbytes)
     with shmpipe.from_iterators([source] * workers, capacity=capacity, transport=transport, timeout=120) as pipe:
         it = iter(pipe)
         n, wall, cpu = _timed(lambda: next(it), seconds, min_batches, warmup=capacity)
     return Result(path, nbytes, n, wall, cpu)
 
 
-PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve")
+PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve", "shm varying")
 
 
 def default_paths() -> list[str]:
@@ -231,7 +258,7 @@ def run(
                 r = bench_memcpy(nbytes, seconds, min_batches)
             elif path == "mp.Queue":
                 r = bench_queue(nbytes, seconds, min_batches, workers, capacity)
-            elif path in ("shm ring", "shm reserve") or path.startswith("transport:"):
+            elif path in ("shm ring", "shm reserve", "shm varying") or path.startswith("transport:"):
                 r = bench_pipeline(path, nbytes, seconds, min_batches, workers, capacity)
             else:
                 raise shmpipe.ShmpipeValueError(

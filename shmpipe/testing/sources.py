@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,10 @@ __all__ = [
     "LinearXY",
     "HalfWriter",
     "Sleeper",
+    "ChangedReservation",
+    "Shapes",
+    "crc_of",
+    "fill_pattern",
     "payload_for",
 ]
 
@@ -313,3 +318,68 @@ class LinearXY:
         for _ in range(self.n):
             x = rng.standard_normal((self.batch, self.features)).astype(np.float32)
             yield x, (x @ w)[:, None]
+
+
+def crc_of(arr: np.ndarray) -> int:
+    """CRC-32 of an array's bytes (C order), without a copy."""
+    return zlib.crc32(arr.reshape(-1).view(np.uint8).data)
+
+
+def fill_pattern(arr: np.ndarray, worker: int, seq: int) -> None:
+    """Fills `arr` (C-contiguous) with bytes that depend on (worker, seq),
+    in place and in O(n) without temporaries (a 1 GiB batch stays 1 GiB)."""
+    flat = arr.reshape(-1).view(np.uint8)
+    n = flat.size
+    if n == 0:
+        return
+    seed = (np.arange(min(n, 4093), dtype=np.uint32) * 31 + worker * 7919 + seq * 104729).astype(np.uint8)
+    flat[: seed.size] = seed
+    done = seed.size
+    while done < n:  # doubling copies: the pattern repeats every 4093 bytes
+        step = min(done, n - done)
+        flat[done : done + step] = flat[:step]
+        done += step
+
+
+class Shapes:
+    """Yields one batch per shape, each {"worker", "seq", "x", "crc"} with
+    "x" an array of that shape and dtype filled by fill_pattern and "crc"
+    the CRC-32 of its bytes (so the consumer checks any size cheaply).
+    With `reserve`, the batches are filled in place (shmpipe.reserve)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: Any = np.float32, reserve: bool = False) -> None:
+        self.shapes, self.dtype, self.reserve = [tuple(s) for s in shapes], np.dtype(dtype), reserve
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
+        for seq, shape in enumerate(self.shapes):
+            if self.reserve:
+                # The CRC is an array of the reservation too: a reservation is
+                # published in place only if its structure comes back as it went.
+                template = {
+                    "worker": worker,
+                    "seq": seq,
+                    "x": shmpipe.ArraySpec(shape, self.dtype),
+                    "crc": shmpipe.ArraySpec((), np.uint32),
+                }
+                batch = shmpipe.reserve(template)
+                fill_pattern(batch["x"], worker, seq)
+                batch["crc"][()] = crc_of(batch["x"])
+                yield batch
+            else:
+                x = np.empty(shape, self.dtype)
+                fill_pattern(x, worker, seq)
+                yield {"worker": worker, "seq": seq, "x": x, "crc": crc_of(x)}
+
+
+class ChangedReservation:
+    """Reserves 4 MiB (larger than the slots its first small batch sized),
+    fills it, then adds a key before yielding: the reservation cannot be
+    published in place, so it is copied."""
+
+    def __call__(self) -> Iterator[Any]:
+        yield {"x": np.zeros(16, np.uint8), "extra": 0}
+        batch = shmpipe.reserve({"x": shmpipe.ArraySpec((4 << 20,), np.uint8)})
+        batch["x"][...] = 7
+        batch["extra"] = 1
+        yield batch

@@ -44,10 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from shmpipe import _codec, _ring, _tree
+from shmpipe import _codec, _tree
+from shmpipe._spec import new_arrays
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ProducerControl, ProducerEnd, require
-from shmpipe.transports.shm import ShmConsumer, ShmHandle, ShmTransport, attach_writer_once
+from shmpipe.transports.shm import ShmConsumer, ShmHandle, ShmProducer, ShmTransport, attach_writer_once, outbox_of
 
 pa = require("pyarrow", transport="arrow", extra="arrow")
 
@@ -109,7 +110,7 @@ class _Plan:
             return node
         raw = arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, np.uint8)
         self.tensors.append(pa.Tensor.from_numpy(raw))
-        name = _codec._dtype_spec(dt)  # not None: the codec accepted the batch
+        name = _codec.dtype_name(dt)  # not None: the codec accepted the batch
         assert name is not None
         node["dtype"] = name.decode()
         return node
@@ -144,7 +145,7 @@ def encoded_size(batch: Any) -> int:
 def encode(batch: Any) -> np.ndarray:
     """The payload of `batch` in a new 64-byte aligned buffer (tests)."""
     plan = _Plan(batch)
-    buf = _codec._aligned_empty(plan.nbytes)
+    buf = _codec.aligned_empty(plan.nbytes)
     plan.write(buf)
     return buf
 
@@ -186,7 +187,7 @@ def _leaf(node: Any, arrays: list[np.ndarray]) -> Any:
         arr = arrays[node["a"] if "a" in node else node["g"]]
         shape = tuple(node["shape"])
         if "dtype" in node:
-            dt = _codec._dtype_from_spec(node["dtype"].encode())
+            dt = _codec.dtype_from_name(node["dtype"].encode())
             arr = arr.view(dt) if arr.size else np.zeros(0, dt)
         if arr.shape != shape:  # raw bytes, or a 0-d tensor (Arrow gives shape (1,))
             arr = arr.reshape(shape)
@@ -210,7 +211,7 @@ class ArrowTransport(ShmTransport):
         return ArrowConsumer(spec, backing=self.backing)
 
     def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
-        return ArrowProducer(attach_writer_once(handle, worker))
+        return ArrowProducer(attach_writer_once(handle, worker), outbox_of(handle))
 
     def batch_nbytes(self, batch: Any) -> int:
         return encoded_size(batch)
@@ -226,26 +227,25 @@ class ArrowConsumer(ShmConsumer):
         return decode(root)
 
 
-class ArrowProducer(ProducerEnd):
-    """A producer's end of the ring, writing Arrow payloads into claimed slots."""
-
-    def __init__(self, writer: _ring.RingWriter) -> None:
-        self.writer = writer
-
-    def start_pass(self, pass_no: int) -> None:
-        self.writer.start_pass(pass_no)
+class ArrowProducer(ShmProducer):
+    """A producer's end of the ring, writing Arrow payloads into claimed
+    slots, or into memory of their own when larger than a slot."""
 
     def put(self, batch: Any) -> None:
         plan = _Plan(batch)
-        if plan.nbytes > self.writer.ring.slot_size:
-            raise BatchTooLargeError(plan.nbytes, self.writer.ring.slot_size)
-        slot, buf = self.writer.claim()
+        writer = self.writer
+        if plan.nbytes > writer.ring.slot_size:
+            if self.outbox is None:
+                raise BatchTooLargeError(plan.nbytes, writer.ring.slot_size)
+            self.put_external(plan.nbytes, plan.write)
+            return
+        slot, buf = writer.claim()
         try:
             nbytes = plan.write(buf)
         except BaseException:
-            self.writer.abandon(slot)
+            writer.abandon(slot)
             raise
-        self.writer.publish_claimed(slot, nbytes)
+        writer.publish_claimed(slot, nbytes)
 
-    def end_pass(self) -> None:
-        self.writer.finish_pass()
+    def reserve(self, template: Any) -> Any:
+        return new_arrays(template)  # Arrow payloads are not filled in place

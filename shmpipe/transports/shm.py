@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shmpipe import _codec, _ring, _segments
+import numpy as np
+
+from shmpipe import _codec, _external, _ring, _segments, _tree
 from shmpipe._control import PassFd
 from shmpipe._process import owner_identity
-from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
+from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
 from shmpipe.transport import (
     Capabilities,
     ChannelSpec,
@@ -53,12 +57,15 @@ BACKINGS = ("memfd", "posix")
 @dataclass(frozen=True)
 class ShmHandle:
     """What a producer needs to attach: the ring's descriptor (anonymous
-    memory; it travels beside the control message) or its name."""
+    memory; it travels beside the control message) or its name, and the
+    outbox for batches larger than a slot (None where slot_size is a limit
+    the user set)."""
 
     name: str | None
     fd: PassFd | None
     owner_pid: int
     owner_start: int
+    outbox: PassFd | None = None
 
 
 def _free_bytes(path: str) -> int:
@@ -153,7 +160,7 @@ class ShmTransport(Transport):
         return ShmConsumer(spec, backing=self.backing)
 
     def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
-        return ShmProducer(attach_writer_once(handle, worker))
+        return ShmProducer(attach_writer_once(handle, worker), outbox_of(handle))
 
     def batch_nbytes(self, batch: Any) -> int:
         return _codec.encoded_size(batch)
@@ -177,22 +184,155 @@ class ShmTransport(Transport):
 
 
 class ShmProducer(ProducerEnd):
-    """A producer's end of the ring (RingWriter does the work)."""
+    """A producer's end of the ring: RingWriter does the work for batches
+    that fit in a slot; larger ones go to memory of their own (_external),
+    announced through a slot, where the pipeline allows them."""
 
-    def __init__(self, writer: _ring.RingWriter) -> None:
+    def __init__(self, writer: _ring.RingWriter, outbox: _external.Outbox | None = None) -> None:
         self.writer = writer
+        self.outbox = outbox
+        self._reserved: _ExternalReservation | None = None
 
     def start_pass(self, pass_no: int) -> None:
+        self._drop_external_reservation()
         self.writer.start_pass(pass_no)
 
     def put(self, batch: Any) -> None:
-        self.writer.put(batch)
+        reserved = self._reserved
+        if reserved is not None:
+            if batch is reserved.batch and reserved.unchanged():
+                self._publish_external_reservation(reserved)
+                return
+            self._drop_external_reservation()  # something else was yielded: it is copied below
+        try:
+            self.writer.put(batch)
+        except BatchTooLargeError:
+            if self.outbox is None:
+                raise  # the user's slot_size is a limit
+            self.put_external(_codec.encoded_size(batch), lambda buf: _codec.encode_into(batch, buf))
+            self.writer.drop_reservation()  # a reservation yielded as something else is copied out
 
     def reserve(self, template: Any) -> Any:
-        return self.writer.reserve(template)
+        if self._reserved is not None:
+            raise ShmpipeValueError(
+                "reserve() was called again before the structure it returned last time "
+                "was yielded; yield each reservation before making the next"
+            )
+        try:
+            return self.writer.reserve(template)
+        except BatchTooLargeError:
+            if self.outbox is None:
+                raise
+            return self._reserve_external(template)
 
     def end_pass(self) -> None:
+        self._drop_external_reservation()
         self.writer.finish_pass()
+
+    def close(self) -> None:
+        self._drop_external_reservation()
+        if self.outbox is not None:
+            self.outbox.close()
+
+    # -- batches larger than a slot (see _external.py) -------------------------
+
+    def put_external(self, nbytes: int, write: Callable[[np.ndarray], Any]) -> None:
+        """Publishes a payload of `nbytes` that `write(buffer)` writes, in
+        memory of its own, announced by a record in a slot."""
+        assert self.outbox is not None
+        writer = self.writer
+        slot, record = writer.claim()  # the ring's capacity bounds these batches too
+        try:
+            fd, mm = _external.new_external(nbytes)
+            try:
+                view = np.frombuffer(mm, np.uint8)
+                try:
+                    write(view)
+                finally:
+                    del view
+                mm.close()  # no writable mapping is left: the memory can be sealed against writes
+                _external.seal(fd, writes=True)
+                self.outbox.send(fd, writer.pass_no, writer.worker, writer.wseq)
+            finally:
+                os.close(fd)
+            size = _external.write_record(record, writer.pass_no, writer.worker, writer.wseq, nbytes)
+        except BaseException:
+            writer.abandon(slot)
+            raise
+        writer.publish_claimed(slot, size)
+
+    def _reserve_external(self, template: Any) -> Any:
+        nbytes = _codec.template_size(template)
+        slot, record = self.writer.claim()
+        try:
+            fd, mm = _external.new_external(nbytes)
+            try:
+                batch = _codec.reserve_into(template, _external.ExternalMemory(mm, nbytes, True, None).root())
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            self.writer.abandon(slot)
+            raise
+        self._reserved = _ExternalReservation(slot, record, fd, nbytes, batch)
+        return batch
+
+    def _publish_external_reservation(self, reserved: _ExternalReservation) -> None:
+        writer = self.writer
+        self._reserved = None
+        try:
+            # The arrays handed out still map it writable: sealed against
+            # resizing only (the arrays become read-only below, as a slot's).
+            _external.seal(reserved.fd, writes=False)
+            self.outbox.send(reserved.fd, writer.pass_no, writer.worker, writer.wseq)  # type: ignore[union-attr]
+            size = _external.write_record(reserved.record, writer.pass_no, writer.worker, writer.wseq, reserved.nbytes)
+        except BaseException:
+            reserved.give_back(writer)
+            raise
+        os.close(reserved.fd)
+        writer.publish_claimed(reserved.slot, size)
+        reserved.seal_arrays()
+
+    def _drop_external_reservation(self) -> None:
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None:
+            reserved.give_back(self.writer)
+
+
+class _ExternalReservation:
+    """A reserve() larger than a slot, until its structure is yielded."""
+
+    __slots__ = ("batch", "fd", "leaves", "nbytes", "record", "slot", "structure")
+
+    def __init__(self, slot: int, record: np.ndarray, fd: int, nbytes: int, batch: Any) -> None:
+        self.slot, self.record, self.fd, self.nbytes, self.batch = slot, record, fd, nbytes, batch
+        self.structure, self.leaves = _tree.flatten(batch)
+
+    def unchanged(self) -> bool:
+        """Whether the structure yielded is still the one handed out: same
+        nesting, the very same arrays, the same other leaves."""
+        structure, leaves = _tree.flatten(self.batch)
+        return structure == self.structure and all(
+            a is b or (not isinstance(a, np.ndarray) and type(a) is type(b) and a == b)
+            for a, b in zip(leaves, self.leaves, strict=True)
+        )
+
+    def seal_arrays(self) -> None:
+        # Published: writes through the arrays would change a delivered batch.
+        for leaf in self.leaves:
+            if isinstance(leaf, np.ndarray):
+                leaf.flags.writeable = False
+
+    def give_back(self, writer: _ring.RingWriter) -> None:
+        self.seal_arrays()
+        os.close(self.fd)
+        writer.abandon(self.slot)
+
+
+def outbox_of(handle: ShmHandle) -> _external.Outbox | None:
+    if handle.outbox is None:
+        return None
+    return _external.Outbox(socket.socket(fileno=handle.outbox.take()))
 
 
 class ShmConsumer(ConsumerEnd):
@@ -221,10 +361,22 @@ class ShmConsumer(ConsumerEnd):
             segment.unlink()
             raise
         self.segment = segment
+        # Batches larger than a slot travel in memory of their own, unless
+        # the user's slot_size is a limit (_external.py).
+        self.inbox: _external.Inbox | None = None
+        self._outbox: socket.socket | None = None
+        if not spec.slot_size_is_limit:
+            inbox, self._outbox = _external.outbox_pair()
+            self.inbox = _external.Inbox(inbox)
         self.handle = ShmHandle(
-            segment.name or None, None if segment.name else PassFd(segment.fd), pid, start
+            segment.name or None,
+            None if segment.name else PassFd(segment.fd),
+            pid,
+            start,
+            None if self._outbox is None else PassFd(self._outbox.fileno()),
         )
         self.reader = _ring.RingReader(self.ring)
+        self.reader.on_external = self._external
         self.slot_size = slot_size
         self.capacity = spec.capacity
 
@@ -241,7 +393,25 @@ class ShmConsumer(ConsumerEnd):
     def last_nbytes(self) -> int:  # type: ignore[override]
         return self.reader.last_nbytes
 
+    def _external(self, record: np.ndarray, decode: bool) -> tuple[Any, int]:
+        """The batch (or with `decode` False its root) whose record `record`
+        is (the reader calls this for a slot that holds a record), and its
+        payload's size."""
+        pass_no, worker, wseq, nbytes = _external.read_record(record)
+        if self.inbox is None:
+            raise CorruptSegmentError("a slot announces a batch larger than a slot, which this pipeline forbids")
+        if worker != self.reader.last_worker:
+            raise CorruptSegmentError(f"a slot of worker {self.reader.last_worker} holds a record of worker {worker}")
+        fd = self.inbox.take(pass_no, worker, wseq)
+        try:
+            root = _external.map_external(fd, nbytes, record)
+        finally:
+            os.close(fd)
+        return (_codec.decode(root) if decode else root), nbytes
+
     def begin_pass(self, pass_no: int) -> None:
+        if self.inbox is not None:
+            self.inbox.begin_pass(pass_no)
         if pass_no == self.ring.current_pass:
             return  # the pass the ring was created at
         started = self.ring.begin_pass()
@@ -261,6 +431,14 @@ class ShmConsumer(ConsumerEnd):
         self.segment.unlink()
         if self.handle.fd is not None:
             self.handle.fd.forget()  # that number may soon be another file's
+        if self.inbox is not None:
+            self.inbox.close()
+            self.inbox = None
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
+            if self.handle.outbox is not None:
+                self.handle.outbox.forget()
 
     @property
     def name(self) -> str | None:
