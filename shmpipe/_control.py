@@ -97,6 +97,8 @@ class _Unpickler(pickle.Unpickler):
         self.fds = fds
 
     def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is not int or not 0 <= pid < len(self.fds):
+            raise OSError("a control message names a descriptor it did not carry")
         return PassFd(self.fds[pid])
 
 
@@ -124,7 +126,7 @@ def recv(conn: Connection) -> Any:
     fds: list[int] = []
     if count:
         if count > MAX_FDS:
-            raise ValueError(f"a control message claims {count} descriptors")
+            raise OSError(f"a control message claims {count} descriptors (the peer is broken)")
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             _, fds, _, _ = socket.recv_fds(sock, 1, count)
         for fd in fds:

@@ -52,13 +52,14 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import resource
 import socket
 import struct
 from typing import Any
 
 import numpy as np
 
-from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
+from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError, ShmpipeError
 
 __all__ = ["RECORD", "ExternalMemory", "Inbox", "Outbox", "new_external", "outbox_pair", "read_record", "write_record"]
 
@@ -170,12 +171,28 @@ class Inbox:
         self.stash: dict[tuple[int, int, int], int] = {}
         self.pass_no = 0
 
+    def pump(self) -> None:
+        """Takes every descriptor waiting on the socket into the stash (the
+        consumer calls this while it waits, so producers never block
+        sending one)."""
+        self._receive_all()
+
     def _receive_all(self) -> None:
         while True:
             try:
-                msg, fds, _, _ = socket.recv_fds(self.sock, _TAG.size, 4)
+                msg, fds, flags, _ = socket.recv_fds(self.sock, _TAG.size, 4)
             except (BlockingIOError, InterruptedError):
                 return
+            if flags & socket.MSG_CTRUNC:
+                # The kernel dropped a descriptor it could not install here.
+                for fd in fds:
+                    os.close(fd)
+                soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                raise ShmpipeError(
+                    f"this process ran out of file descriptors (ulimit -n is {soft}) while receiving a batch larger "
+                    f"than a slot ({len(self.stash)} are waiting to be taken); raise the limit (ulimit -n), "
+                    "lower capacity, or give slot_size= so batches fit in slots"
+                )
             if not msg and not fds:
                 return  # every producer's end is closed
             if len(msg) != _TAG.size or len(fds) != 1:

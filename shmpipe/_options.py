@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
+
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import ChannelSpec, Transport
@@ -82,6 +84,8 @@ def check_options(
         capacity = 2 * n + 2
     if not _is_int(capacity) or capacity < 1:
         raise ShmpipeValueError(f"capacity must be a positive int, got {capacity!r}")
+    if not isinstance(ordered, (bool, np.bool_)):
+        raise ShmpipeTypeError(f"ordered must be True or False, got {ordered!r}")
     if ordered and capacity < n + 1:
         raise ShmpipeValueError(
             f"ordered=True with {n} workers needs capacity >= {n + 1} (one slot per worker "
@@ -102,7 +106,7 @@ def check_options(
         )
     if method != "fork" and not resolved.capabilities.own_producers:
         _check_picklable(checked, method)
-    return PipelineOptions(
+    options = PipelineOptions(
         sources=tuple(checked),
         transport=resolved,
         capacity=capacity,
@@ -112,6 +116,8 @@ def check_options(
         slot_size=slot_size,
         seed=seed,
     )
+    resolved.check_spec(options.channel_spec())  # what only the transport knows it cannot do
+    return options
 
 
 def _is_int(value: object) -> bool:

@@ -10,6 +10,8 @@ transport's (transport.py).
 
 from __future__ import annotations
 
+import multiprocessing.process
+import os
 import threading
 import time
 import warnings
@@ -160,7 +162,10 @@ class Pipeline:
         self._close_hooks: list[Callable[[], None]] = []
         # The launcher, not this object, owns the processes and the channel,
         # so a forgotten pipeline is shut down when it is collected.
-        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher)
+        self._owner_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher, self._owner_pid)
+        self._forked_from: int | None = None  # set in a child forked from this process
+        _live.add(self)
         self._channel = self._launcher.channel  # None while it waits for a first batch
         self._launcher.begin_pass(0, self._seeds(0))
         self._closed = False
@@ -212,6 +217,8 @@ class Pipeline:
         Idempotent. Batches you still hold stay valid (their memory is freed
         when the last array goes); the pipeline cannot be iterated again.
         """
+        if self._forked_from is not None:
+            return  # a forked child's copy: the pipeline is its parent's to close
         if not self._closed:
             self._blocked_s = self._producer_blocked()
         self._closed = True
@@ -247,7 +254,7 @@ class Pipeline:
 
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
-            raise PipelineClosedError("this pipeline is closed")
+            self._raise_closed()
         with self._consumer_lock:  # waits for a get() of the old pass in another thread
             if self._first_iter:
                 self._first_iter = False
@@ -261,7 +268,7 @@ class Pipeline:
         if it.finished:
             raise StopIteration
         if self._closed:
-            raise PipelineClosedError("this pipeline is closed")
+            self._raise_closed()
         if it.pass_no != self._pass_no:
             raise PipelineClosedError(
                 "this iterator belongs to an earlier pass; iterating the pipeline again started a new one"
@@ -431,6 +438,14 @@ class Pipeline:
             stacklevel=6,  # the caller's next() or for loop
         )
 
+    def _raise_closed(self) -> NoReturn:
+        if self._forked_from is not None:
+            raise PipelineClosedError(
+                f"this pipeline belongs to process {self._forked_from}; a process forked from it cannot use "
+                "it (its batches and slots are the parent's): make a pipeline of its own in the child"
+            )
+        raise PipelineClosedError("this pipeline is closed")
+
     def _close_and_raise(self, exc: BaseException) -> NoReturn:
         """Stop everything, then raise."""
         self.close()
@@ -523,12 +538,37 @@ class Pipeline:
         )
 
 
-def _shut_down(close_hooks: list[Callable[[], None]], launcher: Launcher) -> None:
+def _shut_down(close_hooks: list[Callable[[], None]], launcher: Launcher, owner_pid: int) -> None:
     """A pipeline's end: its close hooks, then its producers and channel.
     A function, not a method: the finalizer must not keep the pipeline
-    alive."""
+    alive. In a process forked from the owner (where finalizers run at exit
+    too) it does nothing: the producers and the memory are the parent's."""
+    if os.getpid() != owner_pid:
+        return
     try:
         while close_hooks:
             close_hooks.pop()()
     finally:
         launcher.shutdown()
+
+
+#: Every pipeline of this process, for the fork handler below.
+_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked (os.fork) from a process with pipelines: each one
+    becomes unusable here and is never stopped from here. multiprocessing
+    would otherwise, at the child's exit, SIGTERM the parent's daemon
+    producers it still lists as children (its own children reset that list
+    themselves; a bare os.fork does not), so they are taken off it."""
+    # The set multiprocessing's exit handler walks (not in its stubs).
+    children: set[Any] = getattr(multiprocessing.process, "_children", set())
+    for pipe in list(_live):
+        pipe._forked_from = pipe._owner_pid
+        pipe._closed = True
+        for process in getattr(pipe._launcher, "processes", ()):
+            children.discard(process)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

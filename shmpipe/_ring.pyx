@@ -687,6 +687,19 @@ cdef class RingWriter:
         another way."""
         self._drop_reservation()
 
+    def claim_reserved(self):
+        """The pending reservation's slot as a claim (like claim(), without
+        waiting for another slot), or None when nothing is reserved. Its
+        arrays become read-only; their bytes stay until the claim is
+        published or abandoned. (Claiming a second slot while holding this
+        one could wait forever on an ordered pipeline's quota.)"""
+        if not self.has_reserved:
+            return None
+        cdef uint32_t slot = self.reserved_slot
+        self._seal_reservation()
+        return slot, _root_array(self.ring.payload(slot), <Py_ssize_t>self.ring.r.slot_size,
+                                 _lease(self.ring, slot, False), True)
+
     cdef _seal_reservation(self):
         # The slot now belongs to the consumer: writes through the arrays we
         # handed out would change a published batch, so make them read-only.

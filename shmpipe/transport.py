@@ -395,6 +395,12 @@ class Transport(abc.ABC):
     def open(self, spec: ChannelSpec) -> ConsumerEnd:
         """Consumer side: create the channel."""
 
+    def check_spec(self, spec: ChannelSpec) -> None:
+        """Consumer side, before any process starts or any memory is made:
+        raise ShmpipeValueError for a ChannelSpec this transport cannot
+        serve (more slots or workers than it has room for, say). Default:
+        every spec is fine."""
+
     def attach(self, handle: Any, worker: int, control: ProducerControl) -> ProducerEnd:
         """Producer side: join the channel `handle` names as `worker`."""
         raise NotImplementedError(f"{type(self).__name__} does not attach producers")

@@ -302,3 +302,50 @@ def test_a_new_pipeline_sweeps_dead_owners_segments():
     with shmpipe.from_iterators([Counter(1)], timeout=T) as pipe:
         assert list(b["seq"] for b in pipe) == [0]
     assert not os.path.exists(_segments.SHM_DIR + name)
+
+
+FORKED_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    import shmpipe
+    from shmpipe.testing.sources import Counter
+
+    if __name__ == "__main__":
+        with shmpipe.from_iterators([Counter(60, delay=0.002)] * 2, capacity=4, timeout=30) as pipe:
+            it = iter(pipe)
+            seen = [(b["worker"], b["seq"]) for b in [next(it)]]
+            pid = os.fork()
+            if pid == 0:
+                # The child: the parent's pipeline is not its to use or stop.
+                try:
+                    next(it)
+                    code = 10  # it took one of the parent's batches
+                except shmpipe.PipelineClosedError as exc:
+                    code = 0 if "forked" in str(exc) else 11
+                try:
+                    iter(pipe)
+                    code = 12
+                except shmpipe.PipelineClosedError:
+                    pass
+                pipe.close()  # does nothing to the parent's pipeline
+                sys.exit(code)  # runs the exit handlers, multiprocessing's included
+            _, status = os.waitpid(pid, 0)
+            print("child", os.waitstatus_to_exitcode(status), flush=True)
+            seen += [(b["worker"], b["seq"]) for b in it]
+            print("parent", len(seen), len(set(seen)), flush=True)
+    """
+)
+
+
+def test_a_forked_child_never_touches_the_parents_pipeline(tmp_path):
+    script = tmp_path / "forker.py"
+    script.write_text(FORKED_CHILD)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["child", "0", "parent", "120", "120"], out.stdout + out.stderr

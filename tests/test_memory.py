@@ -21,7 +21,7 @@ import pytest
 import shmpipe
 from shmpipe import _ring
 from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
-from shmpipe.testing.sources import ChangedReservation, Counter, Shapes, crc_of, payload_for
+from shmpipe.testing.sources import ChangedReservation, Counter, ReserveThenOther, Shapes, crc_of, payload_for
 from shmpipe.transport import ChannelSpec
 from shmpipe.transports.shm import ShmConsumer, ShmTransport
 
@@ -348,3 +348,23 @@ def test_a_reservation_changed_before_it_is_yielded_is_copied():
     with shmpipe.from_iterators([ChangedReservation()], timeout=T) as pipe:
         got = [b for b in pipe]
     assert got[1]["x"].nbytes == 4 << 20 and np.all(got[1]["x"] == 7) and got[1]["extra"] == 1
+
+
+def test_an_ordered_pipeline_never_waits_on_a_full_outbox():
+    # Worker 0 pauses; worker 1 fills its quota of a big ring with batches
+    # larger than a slot, whose descriptors wait on the outbox: more than a
+    # socket buffer holds. Worker 0 must still be able to send its own.
+    shapes = [(100,)] + [(20_000,)] * 400
+    source = Shapes(shapes, np.uint8, pause=(0, 1, 1.0))
+    with shmpipe.from_iterators([source] * 2, ordered=True, capacity=700, timeout=30) as pipe:
+        got = [(b["worker"], b["seq"]) for b in pipe]
+    assert got == [(w, s) for s in range(len(shapes)) for w in range(2)]
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_a_reservation_yielded_as_a_larger_batch_takes_no_second_slot(ordered):
+    # capacity 3 with 2 workers: an ordered worker may hold one slot; the
+    # reservation's slot must carry the larger batch's record.
+    with shmpipe.from_iterators([ReserveThenOther(1_000_000)] * 2, ordered=ordered, capacity=3, timeout=30) as pipe:
+        got = sorted((int(b["worker"]), b["x"].nbytes) for b in pipe)
+    assert got == [(0, 100), (0, 100), (0, 1_000_000), (1, 100), (1, 100)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import pickle
 import time
@@ -369,6 +370,8 @@ def test_unpicklable_source_is_a_clear_error():
         (dict(transport="carrier-pigeon"), ValueError, "known transports: arrow, example-pipe, queue, ray, shm"),
         (dict(timeout=-1), ValueError, "timeout"),
         (dict(slot_size=0), ValueError, "slot_size"),
+        (dict(ordered="yes"), TypeError, "ordered must be True or False"),
+        (dict(capacity=5000), ValueError, "capacity must be at most 4096"),
         (dict(seed=-3), ValueError, "seed"),
         (dict(start_method="teleport"), ValueError, "start_method"),
     ],
@@ -377,6 +380,7 @@ def test_bad_arguments(kwargs, error, words):
     with pytest.raises(error, match=words) as info:
         shmpipe.from_iterators([Counter(1)] * 2, **kwargs)
     assert isinstance(info.value, shmpipe.ShmpipeError)
+    assert multiprocessing.active_children() == [], "refused only after producers started"
 
 
 @pytest.mark.parametrize(

@@ -140,3 +140,16 @@ def test_how_many_places_the_consumer_may_hold():
     assert may_hold(3, 8, True) == 3  # quota 2: 8 - 1 - 2 * 2
     assert may_hold(3, 31, True) == 10  # quota 10: 31 - 1 - 2 * 10
     assert may_hold(2, 3, True) == 1  # quota 1: 3 - 1 - 1
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+def test_delivered_arrays_cannot_be_made_writable(transport):
+    # A write would change a slot (or a batch's own memory) under the producers.
+    from shmpipe.testing.sources import Shapes
+
+    with shmpipe.from_iterators([Shapes([(64,), (1 << 20,)], np.float32)], transport=transport, timeout=60) as pipe:
+        for b in pipe:  # the second is larger than a slot: memory of its own
+            for arr in (b["x"], b["x"][1:], b["x"].reshape(-1, 2)):
+                with pytest.raises(ValueError):
+                    arr.flags.writeable = True
+            assert not b["x"].flags.writeable

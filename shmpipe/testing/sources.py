@@ -35,6 +35,7 @@ __all__ = [
     "HalfWriter",
     "Sleeper",
     "ChangedReservation",
+    "ReserveThenOther",
     "Shapes",
     "crc_of",
     "fill_pattern",
@@ -347,12 +348,21 @@ class Shapes:
     the CRC-32 of its bytes (so the consumer checks any size cheaply).
     With `reserve`, the batches are filled in place (shmpipe.reserve)."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtype: Any = np.float32, reserve: bool = False) -> None:
+    def __init__(
+        self,
+        shapes: list[tuple[int, ...]],
+        dtype: Any = np.float32,
+        reserve: bool = False,
+        pause: tuple[int, int, float] | None = None,
+    ) -> None:
         self.shapes, self.dtype, self.reserve = [tuple(s) for s in shapes], np.dtype(dtype), reserve
+        self.pause = pause  # (worker, seq, seconds): that worker sleeps before that batch
 
     def __call__(self) -> Iterator[dict[str, Any]]:
         worker = _worker_info().id
         for seq, shape in enumerate(self.shapes):
+            if self.pause is not None and self.pause[:2] == (worker, seq):
+                time.sleep(self.pause[2])
             if self.reserve:
                 # The CRC is an array of the reservation too: a reservation is
                 # published in place only if its structure comes back as it went.
@@ -383,3 +393,20 @@ class ChangedReservation:
         batch["x"][...] = 7
         batch["extra"] = 1
         yield batch
+
+
+class ReserveThenOther:
+    """Worker 0 reserves a slot, then yields another batch instead: one of
+    `nbytes` (larger than a slot when big), then a last small one. Other
+    workers yield three small batches."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self) -> Iterator[Any]:
+        worker = _worker_info().id
+        yield {"x": np.zeros(100, np.uint8), "worker": worker}
+        if worker == 0:
+            shmpipe.reserve({"x": shmpipe.ArraySpec((100,), np.uint8), "worker": worker})
+            yield {"x": np.ones(self.nbytes, np.uint8), "worker": worker}
+        yield {"x": np.full(100, 2, np.uint8), "worker": worker}

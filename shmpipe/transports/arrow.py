@@ -166,20 +166,32 @@ def decode(root: np.ndarray) -> Any:
         raise CorruptSegmentError(f"an arrow payload's header cannot be read: {exc}") from None
     buf = pa.foreign_buffer(root.ctypes.data, n, base=root)
     try:
-        arrays = [_read_tensor(buf, span, n) for span in spans]
+        arrays = [_read_tensor(root, buf, span) for span in spans]
         leaves = [_leaf(node, arrays) for node in described]
         return _tree.unflatten(tree, leaves)
     except (ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as exc:
         raise CorruptSegmentError(f"an arrow payload's header is malformed: {exc}") from None
 
 
-def _read_tensor(buf: Any, span: Any, n: int) -> np.ndarray:
+def _read_tensor(root: np.ndarray, buf: Any, span: Any) -> np.ndarray:
+    """The tensor at `span` as a read-only view of `root` itself. (Arrow's
+    own to_numpy() array has a pyarrow buffer for base, through which NumPy
+    lets anyone make it writable again: a write would change the slot under
+    the producers.)"""
+    n = root.nbytes
     off, size = span
     if not (type(off) is int and type(size) is int and 0 <= off and off % ALIGN == 0 and 0 <= size <= n - off):
         raise CorruptSegmentError("an arrow payload's tensor lies outside it")
-    arr = pa.ipc.read_tensor(pa.BufferReader(buf.slice(off, size))).to_numpy()
-    arr.flags.writeable = False
-    return arr
+    parsed = pa.ipc.read_tensor(pa.BufferReader(buf.slice(off, size))).to_numpy()
+    if parsed.nbytes == 0:
+        empty = np.empty(parsed.shape, parsed.dtype)
+        empty.flags.writeable = False
+        return empty
+    start = parsed.ctypes.data - root.ctypes.data
+    if not (parsed.flags.c_contiguous and off <= start and start + parsed.nbytes <= off + size):
+        raise CorruptSegmentError("an arrow payload's tensor body is not where its message says")
+    view = root[start : start + parsed.nbytes].view(parsed.dtype).reshape(parsed.shape)
+    return view  # root is read-only and owns no buffer NumPy could make writable: nor can this be
 
 
 def _leaf(node: Any, arrays: list[np.ndarray]) -> Any:
@@ -211,7 +223,13 @@ class ArrowTransport(ShmTransport):
         return ArrowConsumer(spec, backing=self.backing)
 
     def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
-        return ArrowProducer(attach_writer_once(handle, worker), outbox_of(handle))
+        outbox = outbox_of(handle)
+        try:
+            return ArrowProducer(attach_writer_once(handle, worker), outbox)
+        except BaseException:
+            if outbox is not None:
+                outbox.close()
+            raise
 
     def batch_nbytes(self, batch: Any) -> int:
         return encoded_size(batch)
@@ -222,6 +240,8 @@ class ArrowConsumer(ShmConsumer):
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         root = self.reader.take_raw(pass_no, worker, wseq, wait)
+        if root is AGAIN and self.inbox is not None:
+            self.inbox.pump()  # see ShmConsumer.get
         if root is AGAIN or root is END or root is FAULT:
             return root
         return decode(root)

@@ -31,6 +31,7 @@ from shmpipe._control import PassFd
 from shmpipe._process import owner_identity
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
 from shmpipe.transport import (
+    AGAIN,
     Capabilities,
     ChannelSpec,
     ConsumerEnd,
@@ -150,6 +151,16 @@ class ShmTransport(Transport):
             raise ShmpipeValueError(f"backing must be one of {', '.join(map(repr, BACKINGS))}, got {backing!r}")
         self.backing = backing
 
+    def check_spec(self, spec: ChannelSpec) -> None:
+        if spec.capacity > _ring.MAX_SLOTS:
+            raise ShmpipeValueError(
+                f"capacity must be at most {_ring.MAX_SLOTS} with the {self.name!r} transport, got {spec.capacity}"
+            )
+        if spec.num_workers > _ring.MAX_WORKERS:
+            raise ShmpipeValueError(
+                f"the {self.name!r} transport takes at most {_ring.MAX_WORKERS} sources, got {spec.num_workers}"
+            )
+
     def open(self, spec: ChannelSpec) -> ShmConsumer:
         _segments.sweep()  # named segments of pipelines whose process died
         return self._consumer(spec)
@@ -160,7 +171,13 @@ class ShmTransport(Transport):
         return ShmConsumer(spec, backing=self.backing)
 
     def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
-        return ShmProducer(attach_writer_once(handle, worker), outbox_of(handle))
+        outbox = outbox_of(handle)
+        try:
+            return ShmProducer(attach_writer_once(handle, worker), outbox)
+        except BaseException:
+            if outbox is not None:
+                outbox.close()
+            raise
 
     def batch_nbytes(self, batch: Any) -> int:
         return _codec.encoded_size(batch)
@@ -209,8 +226,12 @@ class ShmProducer(ProducerEnd):
         except BatchTooLargeError:
             if self.outbox is None:
                 raise  # the user's slot_size is a limit
-            self.put_external(_codec.encoded_size(batch), lambda buf: _codec.encode_into(batch, buf))
-            self.writer.drop_reservation()  # a reservation yielded as something else is copied out
+            # A pending reservation yielded as something else: its slot
+            # carries the record (the batch may hold its arrays: they are
+            # copied out before the record is written over its start).
+            self.put_external(
+                _codec.encoded_size(batch), lambda buf: _codec.encode_into(batch, buf), self.writer.claim_reserved()
+            )
 
     def reserve(self, template: Any) -> Any:
         if self._reserved is not None:
@@ -236,12 +257,15 @@ class ShmProducer(ProducerEnd):
 
     # -- batches larger than a slot (see _external.py) -------------------------
 
-    def put_external(self, nbytes: int, write: Callable[[np.ndarray], Any]) -> None:
+    def put_external(
+        self, nbytes: int, write: Callable[[np.ndarray], Any], claimed: tuple[int, np.ndarray] | None = None
+    ) -> None:
         """Publishes a payload of `nbytes` that `write(buffer)` writes, in
-        memory of its own, announced by a record in a slot."""
+        memory of its own, announced by a record in a slot (`claimed`, or
+        one claimed now: the ring's capacity bounds these batches too)."""
         assert self.outbox is not None
         writer = self.writer
-        slot, record = writer.claim()  # the ring's capacity bounds these batches too
+        slot, record = claimed if claimed is not None else writer.claim()
         try:
             fd, mm = _external.new_external(nbytes)
             try:
@@ -302,19 +326,21 @@ class ShmProducer(ProducerEnd):
 class _ExternalReservation:
     """A reserve() larger than a slot, until its structure is yielded."""
 
-    __slots__ = ("batch", "fd", "leaves", "nbytes", "record", "slot", "structure")
+    __slots__ = ("batch", "fd", "layouts", "leaves", "nbytes", "record", "slot", "structure")
 
     def __init__(self, slot: int, record: np.ndarray, fd: int, nbytes: int, batch: Any) -> None:
         self.slot, self.record, self.fd, self.nbytes, self.batch = slot, record, fd, nbytes, batch
         self.structure, self.leaves = _tree.flatten(batch)
+        self.layouts = [_layout(leaf) for leaf in self.leaves]
 
     def unchanged(self) -> bool:
         """Whether the structure yielded is still the one handed out: same
-        nesting, the very same arrays, the same other leaves."""
+        nesting, the very same arrays with the same shape and dtype (an
+        array's shape can be changed in place), the same other leaves."""
         structure, leaves = _tree.flatten(self.batch)
         return structure == self.structure and all(
-            a is b or (not isinstance(a, np.ndarray) and type(a) is type(b) and a == b)
-            for a, b in zip(leaves, self.leaves, strict=True)
+            (a is b and _layout(a) == layout) or (not isinstance(a, np.ndarray) and type(a) is type(b) and a == b)
+            for a, b, layout in zip(leaves, self.leaves, self.layouts, strict=True)
         )
 
     def seal_arrays(self) -> None:
@@ -327,6 +353,12 @@ class _ExternalReservation:
         self.seal_arrays()
         os.close(self.fd)
         writer.abandon(self.slot)
+
+
+def _layout(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return (leaf.shape, leaf.strides, leaf.dtype, leaf.__array_interface__["data"][0])
+    return None
 
 
 def outbox_of(handle: ShmHandle) -> _external.Outbox | None:
@@ -381,7 +413,13 @@ class ShmConsumer(ConsumerEnd):
         self.capacity = spec.capacity
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
-        return self.reader.take(pass_no, worker, wseq, wait)
+        batch = self.reader.take(pass_no, worker, wseq, wait)
+        if batch is AGAIN and self.inbox is not None:
+            # Waiting (for one worker, in ordered mode) while others may fill
+            # the outbox: take their descriptors off it so no producer blocks
+            # sending one while it holds the slot waited for.
+            self.inbox.pump()
+        return batch
 
     # Properties where the contract has plain attributes: read from the
     # reader only when asked, so get() copies nothing.
