@@ -354,15 +354,19 @@ class Shapes:
         dtype: Any = np.float32,
         reserve: bool = False,
         pause: tuple[int, int, float] | None = None,
+        delay: float = 0.0,
     ) -> None:
         self.shapes, self.dtype, self.reserve = [tuple(s) for s in shapes], np.dtype(dtype), reserve
         self.pause = pause  # (worker, seq, seconds): that worker sleeps before that batch
+        self.delay = delay  # seconds every worker sleeps before each batch
 
     def __call__(self) -> Iterator[dict[str, Any]]:
         worker = _worker_info().id
         for seq, shape in enumerate(self.shapes):
             if self.pause is not None and self.pause[:2] == (worker, seq):
                 time.sleep(self.pause[2])
+            if self.delay:
+                time.sleep(self.delay)
             if self.reserve:
                 # The CRC is an array of the reservation too: a reservation is
                 # published in place only if its structure comes back as it went.
