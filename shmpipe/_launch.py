@@ -51,11 +51,11 @@ class ProcessLauncher(Launcher):
         self._failure: BaseException | None = None
         self._down = False
         lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
-        if not lazy:
-            self.channel = transport.open(spec)
         try:
+            if not lazy:
+                self.channel = transport.open(spec)
             self._start(sources)
-        except BaseException:
+        except BaseException:  # a Ctrl-C too: what was made is destroyed before it propagates
             self.shutdown()
             raise
 
@@ -74,10 +74,12 @@ class ProcessLauncher(Launcher):
         # with SIGINT ignored: its children get the server's start-up
         # disposition. So SIGINT is ignored while the producers (and, the
         # first time, the forkserver) start; producer_main keeps it ignored.
-        # A forkserver started earlier by other code leaves a short window.
-        ignore = method in ("spawn", "forkserver") and (
-            threading.current_thread() is threading.main_thread()
-        )
+        # A Ctrl-C in that window is lost (blocking it instead does not
+        # help: NumPy's BLAS threads, which block nothing, would take it and
+        # ignore it); a second one stops everything, and whatever was
+        # started is shut down (__init__). A forkserver started earlier by
+        # other code leaves a short window the other way.
+        ignore = method in ("spawn", "forkserver") and threading.current_thread() is threading.main_thread()
         old = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
         try:
             for worker, source in enumerate(sources):

@@ -157,17 +157,21 @@ class Pipeline:
             self._launcher = transport.launch(options.sources, self._spec, options.seed)
         else:
             self._launcher = ProcessLauncher(transport, options.sources, self._spec)
-        # Called, last first, before the channel goes: what adapters did to
-        # its memory is undone there (to_torch's CUDA registration).
-        self._close_hooks: list[Callable[[], None]] = []
-        # The launcher, not this object, owns the processes and the channel,
-        # so a forgotten pipeline is shut down when it is collected.
-        self._owner_pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher, self._owner_pid)
-        self._forked_from: int | None = None  # set in a child forked from this process
-        _live.add(self)
-        self._channel = self._launcher.channel  # None while it waits for a first batch
-        self._launcher.begin_pass(0, self._seeds(0))
+        try:
+            # Called, last first, before the channel goes: what adapters did
+            # to its memory is undone there (to_torch's CUDA registration).
+            self._close_hooks: list[Callable[[], None]] = []
+            # The launcher, not this object, owns the processes and the
+            # channel, so a forgotten pipeline is shut down when collected.
+            self._owner_pid = os.getpid()
+            self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher, self._owner_pid)
+            self._forked_from: int | None = None  # set in a child forked from this process
+            _live.add(self)
+            self._channel = self._launcher.channel  # None while it waits for a first batch
+            self._launcher.begin_pass(0, self._seeds(0))
+        except BaseException:  # a Ctrl-C here too: nothing started may outlive the call
+            self._launcher.shutdown()
+            raise
         self._closed = False
 
     # -- configuration --------------------------------------------------------

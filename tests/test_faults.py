@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import subprocess
@@ -349,3 +350,63 @@ def test_a_forked_child_never_touches_the_parents_pipeline(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["child", "0", "parent", "120", "120"], out.stdout + out.stderr
+
+
+INTERRUPTED_WHILE_STARTING = textwrap.dedent(
+    """
+    import sys, time
+    import shmpipe
+    from shmpipe.testing.sources import Counter
+    from shmpipe.transports.shm import ShmTransport
+
+    if __name__ == "__main__":
+        posix = ShmTransport(backing="posix")  # a named segment: something to see left behind
+        print("starting", flush=True)
+        try:
+            with shmpipe.from_iterators([Counter(10**6, shape=(256,))] * 2, transport=posix, slot_size=1 << 16,
+                                        start_method=sys.argv[1], timeout=30) as pipe:
+                for b in pipe:
+                    time.sleep(0.001)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(130)
+        print("not interrupted", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ctrl_c_during_the_start_leaves_nothing_behind(tmp_path, start_method):
+    # Ctrl-C from 0-80 ms into from_iterators (producers and the forkserver
+    # starting), pressed again every 50 ms until the script ends, as a user
+    # would: one that lands while the producers start is lost (see
+    # _launch.py), a later one interrupts; nothing is printed by a producer,
+    # and nothing is left behind.
+    script = tmp_path / "starting.py"
+    script.write_text(INTERRUPTED_WHILE_STARTING)
+    rng = random.Random(start_method)
+    for run in range(8):
+        before = set(os.listdir("/dev/shm"))
+        proc = subprocess.Popen(
+            [sys.executable, str(script), start_method],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert proc.stdout.readline().strip() == "starting"
+        time.sleep(rng.uniform(0.0, 0.08))
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=30)
+        # (-SIGINT: a later press landed while the interpreter was exiting)
+        assert proc.returncode in (130, -signal.SIGINT), f"run {run}: {proc.returncode} {out!r} {err[-2000:]}"
+        assert "interrupted" in out, f"run {run}: {out!r} {err[-2000:]}"
+        assert err == "", f"run {run}: something printed to stderr:\\n{err}"
+        deadline = time.monotonic() + 5
+        while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(os.listdir("/dev/shm")) - before == set(), f"run {run}: a segment was left behind"
