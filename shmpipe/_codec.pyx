@@ -1014,21 +1014,27 @@ def encode(batch):
     return buf
 
 
+cdef unsigned char *_writable_room(object buf, Py_ssize_t n, str caller) except NULL:
+    """The start of `buf`, checked to be a 64-byte aligned, writable,
+    contiguous uint8 array of at least `n` bytes."""
+    cdef cnp.ndarray arr = buf
+    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise ValueError(f"{caller}() needs a writable, contiguous uint8 array")
+    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
+        raise ValueError(f"{caller}() needs a 64-byte aligned buffer")
+    if n > arr.shape[0]:
+        from shmpipe.errors import BatchTooLargeError
+
+        raise BatchTooLargeError(n, arr.shape[0])
+    return <unsigned char *>cnp.PyArray_DATA(arr)
+
+
 def encode_into(batch, buf) -> int:
     """Writes the payload of `batch` into `buf` (a 64-byte aligned, writable
     uint8 array, like a slot); returns its size in bytes."""
     cdef Encoder enc = Encoder()
     cdef Py_ssize_t n = enc.plan(batch, False)
-    cdef cnp.ndarray arr = buf
-    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous or not arr.flags.writeable:
-        raise ValueError("encode_into() needs a writable, contiguous uint8 array")
-    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
-        raise ValueError("encode_into() needs a 64-byte aligned buffer")
-    if n > arr.shape[0]:
-        from shmpipe.errors import BatchTooLargeError
-
-        raise BatchTooLargeError(n, arr.shape[0])
-    enc.write(<unsigned char *>cnp.PyArray_DATA(arr), n)
+    enc.write(_writable_room(buf, n, "encode_into"), n)
     return n
 
 
@@ -1057,17 +1063,9 @@ def reserve_into(template, buf):
     cdef Encoder enc = Encoder()
     cdef Decoder dec = Decoder()
     cdef Py_ssize_t n = enc.plan(template, True)
-    cdef cnp.ndarray arr = buf
-    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous or not arr.flags.writeable:
-        raise ValueError("reserve_into() needs a writable, contiguous uint8 array")
-    if (<size_t>cnp.PyArray_DATA(arr)) % ARRAY_ALIGN:
-        raise ValueError("reserve_into() needs a 64-byte aligned buffer")
-    if n > arr.shape[0]:
-        from shmpipe.errors import BatchTooLargeError
-
-        raise BatchTooLargeError(n, arr.shape[0])
-    enc.write(<unsigned char *>cnp.PyArray_DATA(arr), n)
-    return dec.decode(<unsigned char *>cnp.PyArray_DATA(arr), n, arr, True)
+    cdef unsigned char *data = _writable_room(buf, n, "reserve_into")
+    enc.write(data, n)
+    return dec.decode(data, n, buf, True)
 
 
 def aligned_empty(Py_ssize_t n):

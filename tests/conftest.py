@@ -14,6 +14,7 @@ import pytest
 
 from shmpipe import _process, _segments
 from shmpipe.testing.assertions import assert_same  # noqa: F401  (tests import it from here)
+from shmpipe.testing.memory import ring_descriptors
 
 
 def _our_segments() -> set[str]:
@@ -48,27 +49,15 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
-def _ring_descriptors() -> set[int]:
-    """This process's descriptors of anonymous ring memory (memfd)."""
-    fds = set()
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:shmpipe"):
-                fds.add(int(entry))
-        except OSError:
-            pass
-    return fds
-
-
 @pytest.fixture(autouse=True)
 def no_leaks():
     before = _our_segments()
-    before_fds = _ring_descriptors()
+    before_fds = set(ring_descriptors())
     yield
-    left_fds = _ring_descriptors() - before_fds
+    left_fds = set(ring_descriptors()) - before_fds
     if left_fds:  # a pipeline a test forgot is closed when it is collected (gc is slow: only then)
         gc.collect()
-        left_fds = _ring_descriptors() - before_fds
+        left_fds = set(ring_descriptors()) - before_fds
     # Clean-up that happens in other processes (a producer removing the
     # segment of a consumer that died) may take a moment.
     deadline = time.monotonic() + 5.0

@@ -26,21 +26,11 @@ import numpy as np
 import pytest
 
 import shmpipe
+from shmpipe.testing.memory import ring_descriptors
 from shmpipe.testing.sources import Exiter, Killer, Raiser, Shapes, crc_of
 
 CYCLES = int(os.environ.get("SHMPIPE_SOAK_CYCLES", "6"))
 T = 30.0
-
-
-def ring_descriptors() -> set[int]:
-    fds = set()
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:shmpipe"):
-                fds.add(int(entry))
-        except OSError:
-            pass
-    return fds
 
 
 def gone(pid: int) -> bool:

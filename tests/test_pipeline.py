@@ -15,22 +15,11 @@ from conftest import assert_same
 import shmpipe
 from shmpipe import _pipeline, _process, _producer_context, _ring, _segments
 from shmpipe.testing.batches import matrix
+from shmpipe.testing.memory import ring_descriptors
 from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
 from shmpipe.transports.shm import ShmTransport
 
 T = 30.0  # no single batch may take longer than this in these tests
-
-
-def ring_descriptors() -> set[int]:
-    """This process's descriptors of anonymous ring memory."""
-    fds = set()
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{entry}").startswith("/memfd:shmpipe-ring"):
-                fds.add(int(entry))
-        except OSError:
-            pass
-    return fds
 
 
 def segment_of(pipe):

@@ -20,7 +20,6 @@ test); there is no other way to opt out.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Sequence
@@ -31,12 +30,13 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _process, _segments
+from shmpipe import _process
 from shmpipe._options import Source
 from shmpipe._tree import leaves
 from shmpipe.registry import resolve_transport
 from shmpipe.testing.assertions import assert_same
 from shmpipe.testing.batches import matrix
+from shmpipe.testing.memory import named_segments, ring_descriptors
 from shmpipe.testing.sources import (
     Counter,
     Fixed,
@@ -60,18 +60,7 @@ TransportArg = str | type[Transport] | Transport
 def _our_memory() -> set[str]:
     """shmpipe's named segments in /dev/shm, and this process's descriptors
     of anonymous ring memory."""
-    try:
-        found = {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(_segments.PREFIX)}
-    except FileNotFoundError:
-        found = set()
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{entry}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:shmpipe"):
-            found.add(f"fd {entry} -> {target}")
-    return found
+    return named_segments() | {f"fd {fd} -> {target}" for fd, target in ring_descriptors().items()}
 
 
 def _in_ranges(arr: np.ndarray, ranges: list[tuple[int, int]]) -> bool:
