@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from shmpipe import _codec, _tree
+from shmpipe import _codec, _external, _ring, _tree
 from shmpipe._spec import new_arrays
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError
-from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ProducerControl, ProducerEnd, require
-from shmpipe.transports.shm import ShmConsumer, ShmHandle, ShmProducer, ShmTransport, attach_writer_once, outbox_of
+from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, require
+from shmpipe.transports.shm import ShmConsumer, ShmProducer, ShmTransport
 
 pa = require("pyarrow", transport="arrow", extra="arrow")
 
@@ -222,14 +222,8 @@ class ArrowTransport(ShmTransport):
     def _consumer(self, spec: ChannelSpec) -> ShmConsumer:
         return ArrowConsumer(spec, backing=self.backing)
 
-    def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
-        outbox = outbox_of(handle)
-        try:
-            return ArrowProducer(attach_writer_once(handle, worker), outbox)
-        except BaseException:
-            if outbox is not None:
-                outbox.close()
-            raise
+    def _producer(self, writer: _ring.RingWriter, outbox: _external.Outbox | None) -> ShmProducer:
+        return ArrowProducer(writer, outbox)
 
     def batch_nbytes(self, batch: Any) -> int:
         return encoded_size(batch)

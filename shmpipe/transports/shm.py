@@ -170,13 +170,17 @@ class ShmTransport(Transport):
         payload encoding, like "arrow", makes its own)."""
         return ShmConsumer(spec, backing=self.backing)
 
+    def _producer(self, writer: _ring.RingWriter, outbox: _external.Outbox | None) -> ShmProducer:
+        """The ProducerEnd attach() makes (arrow makes its own)."""
+        return ShmProducer(writer, outbox)
+
     def attach(self, handle: ShmHandle, worker: int, control: ProducerControl) -> ProducerEnd:
         outbox = outbox_of(handle)
         try:
-            return ShmProducer(attach_writer_once(handle, worker), outbox)
+            return self._producer(attach_writer_once(handle, worker), outbox)
         except BaseException:
             if outbox is not None:
-                outbox.close()
+                outbox.close()  # this producer will not send a batch larger than a slot
             raise
 
     def batch_nbytes(self, batch: Any) -> int:
