@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError, ShmpipeError
+from shmpipe.errors import CorruptSegmentError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
 
 __all__ = ["RECORD", "ExternalMemory", "Inbox", "Outbox", "new_external", "outbox_pair", "read_record", "write_record"]
 
@@ -170,12 +170,18 @@ class Inbox:
         self.sock = sock
         self.stash: dict[tuple[int, int, int], int] = {}
         self.pass_no = 0
+        self.closed = False
 
     def pump(self) -> None:
         """Takes every descriptor waiting on the socket into the stash (the
         consumer calls this while it waits, so producers never block
-        sending one)."""
-        self._receive_all()
+        sending one). Does nothing once the pipeline closed, which another
+        thread may do at any moment (the socket is then gone)."""
+        try:
+            self._receive_all()
+        except OSError:
+            if not self.closed:
+                raise
 
     def _receive_all(self) -> None:
         while True:
@@ -211,7 +217,12 @@ class Inbox:
         """The descriptor of that batch, which the caller now owns."""
         key = (pass_no, worker, wseq)
         if key not in self.stash:
-            self._receive_all()
+            try:
+                self._receive_all()
+            except OSError:
+                if not self.closed:
+                    raise
+                raise PipelineClosedError("the pipeline was closed while a batch larger than a slot arrived") from None
         fd = self.stash.pop(key, None)
         if fd is None:
             raise CorruptSegmentError(
@@ -228,6 +239,7 @@ class Inbox:
             os.close(self.stash.pop(key))
 
     def close(self) -> None:
+        self.closed = True  # first: a thread still receiving knows the socket's end is no error
         for fd in self.stash.values():
             os.close(fd)
         self.stash.clear()

@@ -234,8 +234,9 @@ class ArrowConsumer(ShmConsumer):
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         root = self.reader.take_raw(pass_no, worker, wseq, wait)
-        if root is AGAIN and self.inbox is not None:
-            self.inbox.pump()  # see ShmConsumer.get
+        inbox = self.inbox
+        if root is AGAIN and inbox is not None:
+            inbox.pump()  # see ShmConsumer.get
         if root is AGAIN or root is END or root is FAULT:
             return root
         return decode(root)

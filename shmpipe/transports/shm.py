@@ -418,11 +418,12 @@ class ShmConsumer(ConsumerEnd):
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         batch = self.reader.take(pass_no, worker, wseq, wait)
-        if batch is AGAIN and self.inbox is not None:
+        inbox = self.inbox  # (destroy() may drop it from another thread)
+        if batch is AGAIN and inbox is not None:
             # Waiting (for one worker, in ordered mode) while others may fill
             # the outbox: take their descriptors off it so no producer blocks
             # sending one while it holds the slot waited for.
-            self.inbox.pump()
+            inbox.pump()
         return batch
 
     # Properties where the contract has plain attributes: read from the
