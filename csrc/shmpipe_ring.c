@@ -205,6 +205,22 @@ static int check_geometry(uint64_t total_size, uint64_t header_size, uint64_t sl
     return SHMP_OK;
 }
 
+/* The process's private copy of a ring's geometry (from checked values only). */
+static void keep_geometry(shmp_ring *ring, void *base, uint64_t total_size, uint64_t header_size,
+                          uint64_t slot_size, uint32_t nslots, uint32_t nworkers, uint32_t quota,
+                          uint32_t flags, int32_t owner_pid, uint64_t owner_start) {
+    ring->base = base;
+    ring->total_size = total_size;
+    ring->header_size = header_size;
+    ring->slot_size = slot_size;
+    ring->nslots = nslots;
+    ring->nworkers = nworkers;
+    ring->quota = quota;
+    ring->flags = flags;
+    ring->owner_pid = owner_pid;
+    ring->owner_start = owner_start;
+}
+
 int shmp_ring_init(shmp_ring *ring, void *base, uint64_t total_size, uint32_t nslots,
                    uint32_t nworkers, uint64_t slot_size, uint32_t quota, uint32_t flags,
                    int32_t owner_pid, uint64_t owner_start, uint32_t first_pass) {
@@ -233,16 +249,8 @@ int shmp_ring_init(shmp_ring *ring, void *base, uint64_t total_size, uint32_t ns
     atomic_store_explicit(&h->pass_no, first_pass, memory_order_relaxed);
     atomic_store_explicit(&h->magic, SHMP_MAGIC, memory_order_release);
     /* The private copy comes from the arguments, not from the header. */
-    ring->base = base;
-    ring->total_size = total_size;
-    ring->header_size = header_size;
-    ring->slot_size = slot_size;
-    ring->nslots = nslots;
-    ring->nworkers = nworkers;
-    ring->quota = quota;
-    ring->flags = flags;
-    ring->owner_pid = owner_pid;
-    ring->owner_start = owner_start;
+    keep_geometry(ring, base, total_size, header_size, slot_size, nslots, nworkers, quota, flags, owner_pid,
+                  owner_start);
     return SHMP_OK;
 }
 
@@ -272,16 +280,8 @@ int shmp_ring_attach(shmp_ring *ring, void *base, uint64_t total_size) {
     int rc = check_geometry(total_size, header_size, slot_size, claimed_total, nslots, nworkers,
                             quota, flags);
     if (rc != SHMP_OK) return rc;
-    ring->base = base;
-    ring->total_size = total_size;
-    ring->header_size = header_size;
-    ring->slot_size = slot_size;
-    ring->nslots = nslots;
-    ring->nworkers = nworkers;
-    ring->quota = quota;
-    ring->flags = flags;
-    ring->owner_pid = owner_pid;
-    ring->owner_start = owner_start;
+    keep_geometry(ring, base, total_size, header_size, slot_size, nslots, nworkers, quota, flags, owner_pid,
+                  owner_start);
     return SHMP_OK;
 }
 
