@@ -9,12 +9,14 @@ of its first batch ("need_channel"), after which every producer is told to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing.connection
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -25,7 +27,7 @@ from shmpipe._worker import producer_main
 from shmpipe.errors import WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
-__all__ = ["GRACE_S", "ProcessLauncher"]
+__all__ = ["GRACE_S", "ProcessLauncher", "ctrl_c_held_back"]
 
 #: shutdown(): how long producers get to exit on their own before SIGTERM,
 #: and again before SIGKILL.
@@ -61,27 +63,11 @@ class ProcessLauncher(Launcher):
 
     def _start(self, sources: Sequence[Callable[[], Iterable[Any]]]) -> None:
         ctx = self.spec.mp_context
-        method = ctx.get_start_method()
         owner_pid, owner_start = owner_identity()
         # A channel opened before the producers goes with their arguments: some
         # handles (multiprocessing queues) can only travel that way.
         handle = self.channel.handle if self.channel is not None else None
-        # Ctrl-C reaches every process of the terminal's process group, and a
-        # producer still starting up would print a KeyboardInterrupt
-        # traceback. A spawned child inherits an ignored SIGINT from birth
-        # (Python installs its handler only over the default disposition),
-        # and so does a forkserver child when the forkserver itself started
-        # with SIGINT ignored: its children get the server's start-up
-        # disposition. So SIGINT is ignored while the producers (and, the
-        # first time, the forkserver) start; producer_main keeps it ignored.
-        # A Ctrl-C in that window is lost (blocking it instead does not
-        # help: NumPy's BLAS threads, which block nothing, would take it and
-        # ignore it); a second one stops everything, and whatever was
-        # started is shut down (__init__). A forkserver started earlier by
-        # other code leaves a short window the other way.
-        ignore = method in ("spawn", "forkserver") and threading.current_thread() is threading.main_thread()
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
-        try:
+        with _born_with_ctrl_c_blocked(ctx.get_start_method()) as block_again:
             for worker, source in enumerate(sources):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 self.conns.append(parent_end)
@@ -97,9 +83,7 @@ class ProcessLauncher(Launcher):
                 p.start()
                 self.processes.append(p)
                 child_end.close()
-        finally:
-            if ignore:
-                signal.signal(signal.SIGINT, old)
+                block_again()
 
     def _send_all(self, message: tuple[Any, ...]) -> None:
         """The same message to every producer (the channel's handle goes
@@ -197,6 +181,81 @@ class ProcessLauncher(Launcher):
     def leftovers(self) -> list[str]:
         """What is still running after shutdown (for tests): nothing, we hope."""
         return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
+
+
+@contextlib.contextmanager
+def ctrl_c_held_back() -> Iterator[None]:
+    """Holds a Ctrl-C back for the span of the block, and raises it after.
+
+    For the making of a pipeline: a KeyboardInterrupt raised in the middle of
+    it can leave a started process that nothing has recorded yet (so nothing
+    stops it), and code we call there can swallow one outright (the Cython
+    init of numpy.random, imported lazily for the first seeds, did: about 4
+    presses in 100 were lost that way). So for the span a handler only notes
+    a press, and at the end the old handler is put back and a noted press
+    raised again, so it acts as it would have: a KeyboardInterrupt by
+    default, out of this block, where the caller's clean-up sees it.
+
+    Handlers can only be set from the main thread; elsewhere this does
+    nothing (a Ctrl-C goes to the main thread anyway). A handler set from C
+    (getsignal gives None) could not be put back, so it is left alone too.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    pressed: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        pressed.append(signum)
+
+    old = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        # Code run in the block may have set a handler of its own: then it
+        # stays, and decides what the noted press does.
+        if signal.getsignal(signal.SIGINT) is note:
+            signal.signal(signal.SIGINT, old)
+        if pressed:
+            signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
+    """Processes started in the block are born with SIGINT blocked.
+
+    Ctrl-C reaches every process of the terminal's process group, and a
+    producer that takes it while it boots prints a KeyboardInterrupt
+    traceback. A child is forked (or forked and exec'd, for spawn and the
+    forkserver) with the forking thread's signal mask, and exec keeps the
+    mask, so a producer -- and a forkserver started now, and so its children
+    later -- born with SIGINT blocked keeps a press pending until
+    producer_main ignores SIGINT (which discards a pending one) and unblocks
+    it. Meanwhile this thread holds presses pending too (or another thread
+    takes them: NumPy's BLAS threads block nothing); at the end of the block
+    the mask comes back and a pending press is handled as usual (under
+    ctrl_c_held_back: noted, and raised at the end of that).
+
+    multiprocessing's resource tracker unblocks SIGINT in this thread each
+    time it starts itself. It is started first (spawn and the forkserver
+    need it anyway), and the caller calls what this yields after each
+    start, which blocks SIGINT again.
+
+    Left open: a forkserver that other code started earlier, with SIGINT
+    unblocked, forks producers that can take a press in the moment between
+    their birth and producer_main.
+    """
+    if start_method in ("spawn", "forkserver"):
+        resource_tracker.ensure_running()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def block_again() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    try:
+        yield block_again
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 def _reap(processes: list[BaseProcess]) -> None:

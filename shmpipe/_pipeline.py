@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from shmpipe._launch import ProcessLauncher
+from shmpipe._launch import ProcessLauncher, ctrl_c_held_back
 from shmpipe._options import PipelineOptions, Source, check_options
 from shmpipe._producer_context import seed_for
 from shmpipe._stats import Counters, PipelineStats
@@ -153,26 +153,35 @@ class Pipeline:
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
         transport = options.transport
         self._launcher: Launcher
-        if transport.capabilities.own_producers:
-            self._launcher = transport.launch(options.sources, self._spec, options.seed)
-        else:
-            self._launcher = ProcessLauncher(transport, options.sources, self._spec)
+        # A Ctrl-C while the pipeline is made is held back to the end of it
+        # (ctrl_c_held_back says why), and then shuts down what was started.
+        launcher: Launcher | None = None
         try:
-            # Called, last first, before the channel goes: what adapters did
-            # to its memory is undone there (to_torch's CUDA registration).
-            self._close_hooks: list[Callable[[], None]] = []
-            # The launcher, not this object, owns the processes and the
-            # channel, so a forgotten pipeline is shut down when collected.
-            self._owner_pid = os.getpid()
-            self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher, self._owner_pid)
-            self._forked_from: int | None = None  # set in a child forked from this process
-            _live.add(self)
-            self._channel = self._launcher.channel  # None while it waits for a first batch
-            self._launcher.begin_pass(0, self._seeds(0))
-        except BaseException:  # a Ctrl-C here too: nothing started may outlive the call
-            self._launcher.shutdown()
+            with ctrl_c_held_back():
+                if transport.capabilities.own_producers:
+                    launcher = transport.launch(options.sources, self._spec, options.seed)
+                else:
+                    launcher = ProcessLauncher(transport, options.sources, self._spec)
+                self._launcher = launcher
+                self._finish_making()
+        except BaseException:  # nothing started may outlive the call
+            if launcher is not None:
+                launcher.shutdown()
             raise
         self._closed = False
+
+    def _finish_making(self) -> None:
+        # Called, last first, before the channel goes: what adapters did
+        # to its memory is undone there (to_torch's CUDA registration).
+        self._close_hooks: list[Callable[[], None]] = []
+        # The launcher, not this object, owns the processes and the
+        # channel, so a forgotten pipeline is shut down when collected.
+        self._owner_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher, self._owner_pid)
+        self._forked_from: int | None = None  # set in a child forked from this process
+        _live.add(self)
+        self._channel = self._launcher.channel  # None while it waits for a first batch
+        self._launcher.begin_pass(0, self._seeds(0))
 
     # -- configuration --------------------------------------------------------
 

@@ -214,6 +214,10 @@ def producer_main(
     # Ctrl-C reaches the whole process group; the consumer decides what
     # happens (it stops us), so producers ignore it and print nothing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # We were born with SIGINT blocked (_launch._ctrl_c_deferred); ignoring
+    # it above discarded a press still pending, and what this process starts
+    # should not inherit the block.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     producer = _Producer(worker, num_workers, conn, transport)
     _Watchdog(owner_pid, owner_start, producer.orphaned).start()
     try:
