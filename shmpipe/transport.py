@@ -104,11 +104,13 @@ tuple, list and dict with str keys; NumPy arrays of fixed-size dtypes
 without Python objects, NumPy scalars, int, float, bool, str, bytes, None)
 and refuses the same ones, with a :class:`~shmpipe.BatchTypeError` that
 names the path (``batch['x'][2]``). shmpipe's producer checks each batch
-with :func:`check_batch` before ``put``, so a transport need not, unless
-it sets ``capabilities.checks_batches`` (it checks itself, and must raise
-what ``check_batch`` raises). The error reaches the consumer as any
-producer's error does, raised as itself, chained to the WorkerError that
-names the worker, after the batches the producer put before it.
+with :func:`check_batch` before ``put`` (and before ``batch_nbytes``), so a
+transport need not, unless it sets ``capabilities.checks_batches``: then
+its ``put`` and ``batch_nbytes`` refuse every batch ``check_batch`` refuses
+(they may refuse more), with the same error, before anything is sent. The
+error reaches the consumer as any producer's error does, after the batches
+the producer put before it: raised as itself, chained to the WorkerError
+that names the worker.
 
 Producers a transport runs itself
 ---------------------------------
