@@ -96,8 +96,8 @@ class _Refused(Exception):
 
 def check(batch: Any) -> None:
     """Raises BatchTypeError, naming the path, if `batch` breaks the
-    contract (see the module doc); returns None otherwise. One walk; it
-    allocates nothing for a good batch."""
+    contract (see the module doc); returns None otherwise. One walk; the
+    path is built only for a bad batch."""
     try:
         _check(batch, 0)
     except _Refused as refused:
