@@ -50,6 +50,8 @@ from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
 
+from shmpipe import _batch
+from shmpipe._batch import format_path
 from shmpipe._spec import ArraySpec
 from shmpipe.errors import BatchTypeError, CorruptSegmentError
 
@@ -72,7 +74,7 @@ cdef extern from *:
     bint shmp_mul_overflow(uint64_t a, uint64_t b, uint64_t *out) noexcept nogil
 
 cdef enum:
-    MAX_DEPTH = 64            # nesting levels in a batch
+    MAX_DEPTH = 64            # nesting levels in a batch (_tree.MAX_DEPTH: _batch.TOO_DEEP says it)
     MAX_NDIM = 64             # NumPy's own limit
     COPY_NOGIL_BYTES = 65536  # copies at least this large release the GIL
 cdef uint32_t PAYLOAD_MAGIC = 0x31425053  # b"SPB1"
@@ -88,13 +90,6 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t n, Py_ssize_t to) noexcept nogil:
 
 cdef inline Py_ssize_t data_start(Py_ssize_t meta_len) noexcept nogil:
     return _round_up(PAYLOAD_PREFIX + meta_len, ARRAY_ALIGN)
-
-
-def _format_path(list path):
-    out = ["batch"]
-    for key in path:
-        out.append(f"[{key!r}]")
-    return "".join(out)
 
 
 def dtype_name(dt):
@@ -489,7 +484,7 @@ cdef class Encoder:
         return self._put(data, n)
 
     cdef int _fail(self, str message) except -1:
-        raise BatchTypeError(message, _format_path(self.path))
+        raise BatchTypeError(message, format_path(self.path))
 
     # -- planning -------------------------------------------------------------
 
@@ -515,7 +510,7 @@ cdef class Encoder:
         cdef double fv
         cdef const char *utf8
         if depth > MAX_DEPTH:
-            self._fail(f"nested more than {MAX_DEPTH} levels deep (does it contain itself?)")
+            self._fail(_batch.TOO_DEEP)
         if t is _ndarray:
             return self._array(<cnp.ndarray>obj, None)
         if t is dict:
@@ -524,7 +519,7 @@ cdef class Encoder:
             for key, value in (<dict>obj).items():
                 if type(key) is not str:
                     self.path.append(key)
-                    self._fail(f"dict keys must be str, not {type(key).__name__}")
+                    self._fail(_batch.key_not_str(key))
                 utf8 = PyUnicode_AsUTF8AndSize(key, &n)
                 self._blob(utf8, n)
                 self.path.append(key)
@@ -570,21 +565,13 @@ cdef class Encoder:
         if self.template and t is ArraySpec:
             return self._array(None, obj)
         if isinstance(obj, (dict, tuple, list)):
-            self._fail(
-                f"{t.__name__} is a subclass of {_base_name(obj)}; shmpipe carries plain "
-                f"tuple, list and dict only (convert it with {_base_name(obj)}(...))"
-            )
-        self._fail(
-            f"unsupported type {t.__module__}.{t.__qualname__}; a batch holds NumPy arrays, "
-            "int, float, bool, str, bytes and None in tuples, lists and dicts with str keys"
-            + (" (convert it with numpy.asarray)" if hasattr(obj, "__array__") else "")
-        )
+            self._fail(_batch.container_subclass(obj))
+        self._fail(_batch.unsupported_type(obj))
 
     cdef int _array_subclass(self, object obj) except -1:
         ma = sys.modules.get("numpy.ma")
         if ma is not None and isinstance(obj, ma.MaskedArray):
-            self._fail("masked arrays cannot be carried (the mask would be lost); "
-                       "send .data and .mask as two arrays")
+            self._fail(_batch.MASKED_ARRAY)
         # Other subclasses (numpy.memmap, ...) travel as plain ndarrays.
         return self._array(<cnp.ndarray>obj, None)
 
@@ -593,10 +580,7 @@ cdef class Encoder:
         if spec is None:
             spec = dtype_name(dt)
             if spec is None:
-                self._fail(
-                    f"dtype {dt!r} cannot be carried: shmpipe carries fixed-size dtypes "
-                    "without Python objects"
-                )
+                self._fail(_batch.dtype_refused(dt))
             if len(<bytes>spec) > 0xFFFF:
                 self._fail(f"dtype {dt!r} is too complex to describe")
             self.dtype_specs[dt] = spec
@@ -758,13 +742,6 @@ cdef class Encoder:
             if self.sizes[i] and not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>obj):
                 return False
         return True
-
-
-def _base_name(obj):
-    for base in (dict, tuple, list):
-        if isinstance(obj, base):
-            return base.__name__
-    return type(obj).__name__
 
 
 cdef object new_array(object dt, int ndim, cnp.npy_intp *dims, void *data, bint writeable,

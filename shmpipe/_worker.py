@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from shmpipe import _control, _producer_context
+from shmpipe import _batch, _control, _producer_context
 from shmpipe._process import owner_alive, process_start_time
 from shmpipe._spec import new_arrays
 from shmpipe.errors import ShmpipeError
@@ -47,6 +47,10 @@ class _Producer(ProducerControl):
         # Transports that do not notice a new pass themselves get a look at
         # the control pipe between batches.
         self.check_between = not transport.capabilities.cancels_passes
+        # The batch contract holds on every transport: those that do not
+        # refuse a bad batch themselves (shm's encoder does, as it plans)
+        # get only batches checked here, before anything of them is sent.
+        self.check_batches = not transport.capabilities.checks_batches
         self.pending: deque[tuple[Any, ...]] = deque()  # commands read while doing something else
         self.pass_no = 0
         self.handle: Any = None
@@ -104,6 +108,8 @@ class _Producer(ProducerControl):
     # -- what sources call ----------------------------------------------------
 
     def put(self, batch: Any) -> None:
+        if self.check_batches:
+            _batch.check(batch)
         end = self.end if self.end is not None else self._wait_for_channel(self.transport.batch_nbytes(batch))
         end.put(batch)
 

@@ -96,6 +96,22 @@ Callers and tests ask for capabilities, never for names: see
 :class:`Capabilities`. A transport cannot opt out of a conformance test
 except by what its capabilities say.
 
+Who checks a batch
+------------------
+
+Every transport carries the same batches (the batch contract: nested
+tuple, list and dict with str keys; NumPy arrays of fixed-size dtypes
+without Python objects, NumPy scalars, int, float, bool, str, bytes, None)
+and refuses the same ones, with a :class:`~shmpipe.BatchTypeError` that
+names the path (``batch['x'][2]``). shmpipe's producer checks each batch
+with :func:`check_batch` before ``put`` (and before ``batch_nbytes``), so a
+transport need not, unless it sets ``capabilities.checks_batches``: then
+its ``put`` and ``batch_nbytes`` refuse every batch ``check_batch`` refuses
+(they may refuse more), with the same error, before anything is sent. The
+error reaches the consumer as any producer's error does, after the batches
+the producer put before it: raised as itself, chained to the WorkerError
+that names the worker.
+
 Producers a transport runs itself
 ---------------------------------
 
@@ -104,7 +120,9 @@ A transport whose producers must run elsewhere (Ray actors on a cluster) sets
 seed)`` returning a :class:`Launcher`; ``attach`` is then unused. Before it
 runs a source for a pass, its producer calls :func:`enter_pass` (so
 ``shmpipe.get_worker_info()`` and the seeds are what they are in shmpipe's
-own producers).
+own producers), and before it sends a batch, :func:`check_batch` (and sets
+``capabilities.checks_batches``); a BatchTypeError (any ShmpipeError) the
+producer raised reaches the consumer as itself, chained to a WorkerError.
 """
 
 from __future__ import annotations
@@ -118,6 +136,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from shmpipe import _tree
+from shmpipe._batch import check as check_batch
 from shmpipe._producer_context import enter_pass
 from shmpipe._spec import new_arrays
 from shmpipe.errors import ShmpipeError, TransportUnavailableError
@@ -135,6 +154,7 @@ __all__ = [
     "ProducerControl",
     "ProducerEnd",
     "Transport",
+    "check_batch",
     "enter_pass",
     "require",
 ]
@@ -189,6 +209,13 @@ class Capabilities:
         first batch" in the module doc).
     cancels_passes: ``put`` raises Cancelled by itself when a new pass
         starts; otherwise shmpipe checks between batches.
+    checks_batches: the transport refuses a batch that breaks the batch
+        contract by itself, with the BatchTypeError :func:`check_batch`
+        raises (same type, same path): ``put`` raises it before anything of
+        the batch is sent (shm and arrow: their encoder checks as it plans).
+        Otherwise shmpipe's producer calls ``check_batch`` before ``put``.
+        A transport with ``own_producers`` runs no shmpipe producer: it
+        checks in its own and sets this too (see "Who checks a batch").
     own_producers: the transport runs producers itself (see ``launch``).
     """
 
@@ -200,6 +227,7 @@ class Capabilities:
     serializes: str = "pickle"
     sized_by_first_batch: bool = False
     cancels_passes: bool = False
+    checks_batches: bool = False
     own_producers: bool = False
 
 

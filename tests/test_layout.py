@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "shmpipe"
 
 #: The generic core: it knows the transport contract and nothing below it.
-CORE = ["_pipeline", "_launch", "_worker", "_stats", "_options", "transport", "registry"]
+CORE = ["_pipeline", "_launch", "_worker", "_stats", "_options", "transport", "registry", "_batch"]
 #: The ring engine, and the transports (all of them, the default too).
 ENGINE = {"shmpipe._ring", "shmpipe._codec", "shmpipe._segments"}
 

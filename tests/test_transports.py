@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,29 @@ def test_capabilities_are_what_callers_ask():
     assert caps["arrow"].zero_copy_reads and not caps["arrow"].in_place_writes and caps["arrow"].alignment == 64
     assert caps["ray"].cross_host and caps["ray"].own_producers and caps["ray"].zero_copy_min_bytes > 0
     assert caps["queue"] == Capabilities(serializes=caps["queue"].serializes)  # promises nothing
+    # who checks the batch contract: the encoders of the rings and Ray's actors; for
+    # the queue (and any transport that does not say so), shmpipe's producer
+    assert caps["shm"].checks_batches and caps["arrow"].checks_batches and caps["ray"].checks_batches
+    assert not caps["queue"].checks_batches
+
+
+class TrustingQueue(QueueTransport):
+    """Claims to refuse bad batches itself, and does not."""
+
+    name = "trusting-queue"
+    capabilities = dataclasses.replace(QueueTransport.capabilities, checks_batches=True)
+
+
+def test_a_transport_that_checks_batches_itself_is_taken_at_its_word():
+    # The opt-out is real (shm and arrow's batches are walked once, by their
+    # encoder): shmpipe's producer does not check again. A transport that
+    # claims it and does not check fails the conformance suite.
+    bad = [{"s": {1, 2}}]
+    with shmpipe.from_iterators([Fixed(bad)], transport=TrustingQueue(), timeout=30) as pipe:
+        assert [b["s"] for b in pipe] == [{1, 2}]
+    with pytest.raises(BatchTypeError, match=r"^batch\['s'\]: unsupported type builtins.set"):
+        with shmpipe.from_iterators([Fixed(bad)], transport=QueueTransport(), timeout=30) as pipe:
+            list(pipe)
 
 
 def test_arrow_bad_batches_and_corrupt_payloads():

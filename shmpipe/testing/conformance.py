@@ -49,7 +49,7 @@ from shmpipe.testing.sources import (
     payload_for,
     produced,
 )
-from shmpipe.transport import Capabilities, ConsumerEnd, Transport
+from shmpipe.transport import Capabilities, ConsumerEnd, Transport, check_batch
 
 __all__ = ["TransportConformance"]
 
@@ -76,6 +76,22 @@ def _channel(pipe: shmpipe.Pipeline) -> ConsumerEnd:
 
 def _arrays(batch: Any) -> list[np.ndarray]:
     return [leaf for leaf in leaves(batch) if isinstance(leaf, np.ndarray)]
+
+
+class NotALeaf:
+    """A user's own object: no transport may carry it (at module level, so
+    a source holding one pickles to any producer)."""
+
+
+#: What a batch may not hold, put at ``batch['x'][2]``: (id, value, the path
+#: the error names, words of its message).
+BAD_LEAVES = [
+    ("set", {1, 2}, "batch['x'][2]", "unsupported type builtins.set"),
+    ("object", object(), "batch['x'][2]", "unsupported type builtins.object"),
+    ("object-array", np.array([1, None], dtype=object), "batch['x'][2]", "cannot be carried"),
+    ("int-key", {"ok": np.zeros(2), 7: np.zeros(2)}, "batch['x'][2][7]", "dict keys must be str, not int"),
+    ("custom-object", NotALeaf(), "batch['x'][2]", f"unsupported type {__name__}.NotALeaf"),
+]
 
 
 class TransportConformance:
@@ -197,6 +213,41 @@ class TransportConformance:
         assert "raise self.exc_type(self.message)" in err.remote_traceback
         assert [s for w, s in seen if w == 1] == [0, 1, 2], "batches yielded before the error were lost"
         assert pipe.closed
+
+    @pytest.mark.parametrize("bad", BAD_LEAVES, ids=[b[0] for b in BAD_LEAVES])
+    def test_a_bad_batch_is_refused_with_its_path(self, transport: TransportArg, bad: tuple[Any, ...]) -> None:
+        # The batch contract is every transport's: the same error, the same
+        # path, the same words, after the good batches put before it.
+        _, leaf, path, words = bad
+        good = {"x": [np.arange(6, dtype=np.int32), "two", np.ones(3, np.float32)], "y": 1.5}
+        batch = {"x": [np.arange(6, dtype=np.int32), "two", leaf], "y": 1.5}
+        with pytest.raises(shmpipe.BatchTypeError) as expected:
+            check_batch(batch)
+        pipe = self.pipe(transport, [Fixed([good, good, batch, good])], ordered=True)
+        delivered = 0
+        with pytest.raises(shmpipe.BatchTypeError) as info:
+            with pipe:
+                for b in pipe:
+                    assert_same(b, good)
+                    delivered += 1
+        err = info.value
+        assert delivered == 2, "the batches put before the bad one were not all delivered"
+        assert err.path == path and words in err.message
+        assert str(err) == str(expected.value), "not the error the batch contract gives"
+        cause = err.__cause__  # says which worker, as for any producer's error
+        assert isinstance(cause, shmpipe.WorkerError) and cause.worker_id == 0
+        assert cause.exc_type == "shmpipe.errors.BatchTypeError" and path in cause.message
+        assert pipe.closed
+
+    def test_a_bad_first_batch_is_refused_with_its_path(self, transport: TransportArg) -> None:
+        # Before any batch has gone through (a channel sized by its first
+        # batch does not exist yet).
+        with pytest.raises(shmpipe.BatchTypeError) as info:
+            with self.pipe(transport, [Fixed([(np.zeros(2), {1, 2})])]) as pipe:
+                for _ in pipe:
+                    pass
+        assert info.value.path == "batch[1]" and "builtins.set" in info.value.message
+        assert isinstance(info.value.__cause__, shmpipe.WorkerError)
 
     def test_producer_death(self, transport: TransportArg) -> None:
         with pytest.raises(shmpipe.WorkerDiedError) as info:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from shmpipe import _tree
-from shmpipe.errors import ShmpipeValueError, WorkerDiedError, WorkerError
+from shmpipe.errors import ShmpipeError, ShmpipeValueError, WorkerDiedError, WorkerError
 from shmpipe.transport import (
     AGAIN,
     END,
@@ -46,6 +46,7 @@ from shmpipe.transport import (
     ConsumerEnd,
     Launcher,
     Transport,
+    check_batch,
     enter_pass,
     require,
 )
@@ -88,6 +89,7 @@ class RayTransport(Transport):
         cross_host=True,
         serializes="pickle 5, arrays out of band into Ray's object store",
         own_producers=True,
+        checks_batches=True,  # the actors do (_Producer.run_pass)
     )
 
     def __init__(
@@ -134,6 +136,7 @@ class _Producer:
             for batch in iterator:
                 if pass_no < self.cancelled_below:
                     return
+                check_batch(batch)  # the contract of every transport (shmpipe runs no producer here)
                 yield batch
         finally:
             close = getattr(iterator, "close", None)
@@ -336,13 +339,20 @@ class RayConsumer(ConsumerEnd):
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, BaseException) else exc
             tb = getattr(exc, "traceback_str", "") or str(exc)
-            raise WorkerError(
+            error = WorkerError(
                 worker,
                 pid,
                 f"{type(cause).__module__}.{type(cause).__qualname__}",
                 str(cause),
                 _ANSI.sub("", tb),
-            ) from exc
+            )
+            if isinstance(cause, ShmpipeError):
+                # shmpipe's own error in the producer (BatchTypeError, ...):
+                # raised as itself, chained to the WorkerError that says
+                # which worker and where, as shmpipe's own producers report it.
+                error.__cause__ = exc
+                raise cause from error
+            raise error from exc
         except ray.exceptions.RayActorError as exc:
             raise WorkerDiedError(worker, pid, None, reason=f"its Ray actor died ({type(exc).__name__})") from exc
         self.last_worker = worker

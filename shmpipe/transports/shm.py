@@ -144,6 +144,7 @@ class ShmTransport(Transport):
         serializes="none (shmpipe's layout: structure plus raw array bytes)",
         sized_by_first_batch=True,
         cancels_passes=True,
+        checks_batches=True,  # the codec's plan refuses a bad batch before a slot is taken
     )
 
     def __init__(self, *, backing: str = "memfd") -> None:
