@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing.connection
+import multiprocessing.process
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +33,11 @@ __all__ = ["GRACE_S", "ProcessLauncher"]
 #: shutdown(): how long producers get to exit on their own before SIGTERM,
 #: and again before SIGKILL.
 GRACE_S = 1.0
+
+#: The exit status of a producer that was still importing the user's script
+#: (spawn and forkserver children run it again, as `__mp_main__`) when the
+#: script started a pipeline: see _refuse_while_bootstrapping.
+BOOTSTRAP_EXIT_CODE = 87
 
 
 class ProcessLauncher(Launcher):
@@ -50,6 +58,7 @@ class ProcessLauncher(Launcher):
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._failure: BaseException | None = None
         self._down = False
+        _refuse_while_bootstrapping()
         lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
         try:
             if not lazy:
@@ -137,6 +146,9 @@ class ProcessLauncher(Launcher):
         self._read_messages()
         if self._failure is None:
             for worker, p in enumerate(self.processes):
+                if p.exitcode == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
+                    self._failure = WorkerDiedError(worker, p.pid, p.exitcode, reason=_unguarded_script())
+                    break
                 if p.exitcode is not None:
                     self._failure = WorkerDiedError(worker, p.pid, p.exitcode)
                     break
@@ -197,6 +209,35 @@ class ProcessLauncher(Launcher):
     def leftovers(self) -> list[str]:
         """What is still running after shutdown (for tests): nothing, we hope."""
         return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
+
+
+def _main_script() -> str:
+    """The user's script, as a path when it has one."""
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+    return str(getattr(main, "__file__", None) or getattr(main, "__name__", "the main module"))
+
+
+def _unguarded_script() -> str:
+    script = _main_script()
+    return (
+        f"could not start: {script} starts a pipeline when it is imported, and a producer process "
+        f"imports it again. Put the code that starts the pipeline under `if __name__ == \"__main__\":` "
+        f"in {script}"
+    )
+
+
+def _refuse_while_bootstrapping() -> None:
+    """In a spawn or forkserver child still importing the user's script (the
+    stdlib's own test, multiprocessing.spawn._check_not_importing_main):
+    the script starts a pipeline at import, without a main guard. Starting
+    producers here would fail anyway, with a long RuntimeError traceback
+    from the standard library in every producer's output. Instead this
+    child exits at once, quietly, with BOOTSTRAP_EXIT_CODE, and the consumer
+    raises a WorkerDiedError that names the script and the fix (one message,
+    not one per producer). os._exit: the half-imported script must not go
+    on, and this process holds nothing to clean up."""
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        os._exit(BOOTSTRAP_EXIT_CODE)
 
 
 def _reap(processes: list[BaseProcess]) -> None:
