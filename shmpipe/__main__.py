@@ -135,8 +135,8 @@ def _bench_seed(args: argparse.Namespace) -> int:
         print(f"Ray started once, in {ray_start_s:.1f} s, for {' and '.join(sorted(ray_recipes))} "
               "(not in their first batch).")
     print(
-        "\nwait per batch: the mean wait after each producer's first batch (those carry the start-up: see first "
-        "batch); "
+        "\nwait per batch: the mean wait once every producer has delivered a batch (until then the waits carry "
+        "the start-up: see first batch); "
         "floor: the least wait the producers allow, if moving a batch cost nothing; "
         "trainer CPU per batch: CPU time of the training process (all its threads) per batch."
     )

@@ -48,8 +48,11 @@ def test_seed_every_option(tmp_path, capfd):
         assert len(got[name]["waits_s"]) == 4, name  # 2 producers x 2 batches
         assert got[name]["skipped"] is None
         # the floor of 2 producers at 12 ms a batch and a 2 ms step, after their first batches
-        assert got[name]["floor_s"] == pytest.approx((0.012 - 0.004 + 0.0) / 2), name
+        assert got[name]["floor_s"] == pytest.approx(0.012 / 2 - 0.002), name
         assert got[name]["cpu_per_batch_s"] > 0 and got[name]["wait_s"] > 0
+        # the steady state starts once both producers (2 processes, told apart by pid) have delivered
+        assert 2 <= got[name]["warm_up_batches"] <= 4, name
+    assert got["generator"]["warm_up_batches"] == got["tf.data"]["warm_up_batches"] == 1
     assert got["generator"]["floor_s"] == pytest.approx(0.012) and got["tf.data"]["floor_s"] == pytest.approx(0.010)
     for name in recipes:
         assert f"| {name} |" in text
@@ -60,7 +63,7 @@ def test_seed_every_option(tmp_path, capfd):
     bound = data["transport_bound"]
     assert bound["config"]["workers"] == 3 and bound["config"]["batches"] == 2
     assert [r["recipe"] for r in bound["results"]] == recipes[2:]
-    assert all(len(r["waits_s"]) == 6 for r in bound["results"])
+    assert all(len(r["waits_s"]) == 6 and r["warm_up_batches"] >= 3 for r in bound["results"])
     assert "Transport-bound: 3 producers, 2 batches each" in text
     assert "shmpipe waits" in text and "above the floor" in text  # the summary
     assert png(out_png)
@@ -74,11 +77,11 @@ def test_seed_every_option(tmp_path, capfd):
 def test_seed_floor():
     from shmpipe.bench.seed import SeedConfig, transport_bound, wait_floor
 
-    # 2 producers at 0.5 s a batch, a 0.1 s step: 0.5 s for the first two,
-    # then the pair ready every 0.5 s while the loop needs 0.2 s for two
-    assert wait_floor(2, 3, 0.5, 0.1) == pytest.approx([0.5, 0.0, 0.3, 0.0, 0.3, 0.0])
-    assert wait_floor(0, 3, 0.5, 0.1) == [0.5] * 3  # the loop makes them itself
-    assert sum(wait_floor(8, 10, 0.5, 0.1)[1:]) == pytest.approx(0.0)  # 8 producers outpace the step
+    # 2 producers at 0.5 s a batch: one every 0.25 s, of which the loop trains 0.1 s
+    assert wait_floor(2, 0.5, 0.1) == pytest.approx(0.15)
+    assert wait_floor(0, 0.5, 0.1) == 0.5  # the loop makes its batches itself
+    assert wait_floor(1, 0.5, 0.1) == pytest.approx(0.4)  # tf.data's one prefetching thread
+    assert wait_floor(8, 0.5, 0.1) == 0.0  # 8 producers outpace the step
     cfg = SeedConfig(workers=2)
     assert cfg.producer_bound and transport_bound(cfg).workers == 8
     assert not transport_bound(cfg).producer_bound and not SeedConfig(workers=8).producer_bound

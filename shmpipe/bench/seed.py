@@ -18,10 +18,12 @@ each batch. Recipes:
 Each recipe runs in this process, one after the other, so they compare on
 the same machine in the same minute.
 
-Per recipe it reports the wait per batch in the steady state (after each
-producer's first batch: those carry the start-up, shown apart), the floor
+Per recipe it reports the wait per batch in the steady state (once every
+producer has delivered a batch: until then the waits carry the start-up,
+shown apart), the floor
 that the producers allow (with N producers taking FETCH + COMPUTE seconds per
-batch and a TRAIN-second step, no transport can wait less; see wait_floor)
+batch and a TRAIN-second step, no transport can wait less on average; see
+wait_floor)
 and the wait above that floor (what the transport and the machine cost), and
 the CPU time the trainer's process spends per batch. With cpu_count()
 producers on a small machine every parallel recipe waits for its producers
@@ -84,24 +86,16 @@ class SeedConfig:
         return self.produce_s / max(self.workers, 1) > 0.8 * self.train_s
 
 
-def wait_floor(producers: int, batches: int, produce_s: float, train_s: float) -> list[float]:
-    """The least possible wait for each batch, if moving a batch cost nothing:
-    `producers` work in parallel from time 0, each making `batches` batches
-    one after the other at `produce_s` each (its k-th is ready at k *
-    produce_s), and the loop takes a `train_s` step after each batch.
-    producers == 0: the loop makes each batch itself (the plain generator).
-    Ignoring the queue's bound only lets producers run further ahead, so this
-    is a lower bound for any bounded queue too."""
+def wait_floor(producers: int, produce_s: float, train_s: float) -> float:
+    """The least mean wait per batch in the steady state, if moving a batch
+    cost nothing: `producers` working in parallel make a batch every
+    produce_s / producers seconds at best, and the loop spends train_s of
+    that in its step, so it waits the rest. producers == 0: the loop makes
+    each batch itself and waits all of produce_s. A long-run average: over a
+    few batches a recipe may come in slightly under it."""
     if producers == 0:
-        return [produce_s] * batches
-    waits: list[float] = []
-    now = 0.0
-    for k in range(1, producers * batches + 1):
-        ready = math.ceil(k / producers) * produce_s
-        wait = max(0.0, ready - now)
-        waits.append(wait)
-        now += wait + train_s
-    return waits
+        return produce_s
+    return max(0.0, produce_s / producers - train_s)
 
 
 def transport_bound(cfg: SeedConfig, batches: int = 4) -> SeedConfig:
@@ -125,32 +119,23 @@ class RecipeResult:
     #: CPU time of the trainer's process (all its threads: tf.data's
     #: generator runs there) from the first batch to the end
     cpu_s: float = 0.0
-    #: wait_floor() for these batches
-    floor_waits_s: list[float] = field(default_factory=list)
-
-    @property
-    def _warm_up(self) -> int:
-        """Batches of the start-up: each producer's first (one for the
-        generator and tf.data). Producers start one after the other, seconds
-        apart on a busy machine; until each has made its first batch, the
-        waits say how fast processes start, not how fast batches move."""
-        return max(self.producers, 1)
+    #: wait_floor() for this recipe and setting
+    floor_s: float = 0.0
+    #: batches delivered until every producer had delivered one (1 for the
+    #: generator and tf.data). Producers start one after the other, seconds
+    #: apart on a busy machine; until each has made its first batch, the
+    #: waits say how fast processes start, not how fast batches move.
+    warm_up_batches: int = 1
 
     @property
     def steady_waits_s(self) -> list[float]:
         """The waits after the start-up (see first_batch_s for that)."""
-        return self.waits_s[self._warm_up :]
+        return self.waits_s[self.warm_up_batches :]
 
     @property
     def wait_s(self) -> float:
-        """Mean wait per batch in the steady state (after each producer's first batch)."""
+        """Mean wait per batch in the steady state (once every producer has delivered a batch)."""
         w = self.steady_waits_s
-        return statistics.fmean(w) if w else float("nan")
-
-    @property
-    def floor_s(self) -> float:
-        """Mean of the floor over the same batches."""
-        w = self.floor_waits_s[self._warm_up : len(self.waits_s)]
         return statistics.fmean(w) if w else float("nan")
 
     @property
@@ -159,8 +144,8 @@ class RecipeResult:
 
     @property
     def cpu_per_batch_s(self) -> float:
-        n = len(self.steady_waits_s)
-        return self.cpu_s / n if n else float("nan")
+        n = len(self.waits_s) - 1  # cpu_s counts from the first batch on
+        return self.cpu_s / n if n > 0 else float("nan")
 
     @property
     def mean_s(self) -> float:
@@ -185,7 +170,7 @@ class RecipeResult:
         d = asdict(self)
         d.update(
             mean_s=self.mean_s, median_s=self.median_s, p99_s=self.p99_s, stall_fraction=self.stall_fraction,
-            wait_s=self.wait_s, floor_s=self.floor_s, above_floor_s=self.above_floor_s,
+            wait_s=self.wait_s, above_floor_s=self.above_floor_s,
             cpu_per_batch_s=self.cpu_per_batch_s,
         )
         return d
@@ -199,7 +184,10 @@ Recipe = Callable[[SeedConfig, OnBatch | None], RecipeResult]
 
 
 class DataGenerator:
-    """The article's data_generator, with its costs as parameters."""
+    """The article's data_generator, with its costs as parameters. The
+    target's first element carries the producing process's pid (exact in
+    float32: pids stay below 2**24), so the loop can tell when every
+    producer has delivered its first batch."""
 
     def __init__(self, cfg: SeedConfig, reserve: bool = False) -> None:
         self.cfg, self.reserve = cfg, reserve
@@ -218,12 +206,22 @@ class DataGenerator:
                 )
                 rng.random(out=sample, dtype=np.float32)  # drawn straight into the slot
                 rng.random(out=target, dtype=np.float32)
+                _sign(target)
                 yield batch
             else:
-                yield (
-                    rng.random(cfg.shape, dtype=np.float32),
-                    rng.random(cfg.target_shape, dtype=np.float32),
-                )
+                target = rng.random(cfg.target_shape, dtype=np.float32)
+                _sign(target)
+                yield rng.random(cfg.shape, dtype=np.float32), target
+
+
+def _sign(target: np.ndarray) -> None:
+    if target.size:
+        target.flat[0] = os.getpid()
+
+
+def _producer_of(batch: Any) -> int | None:
+    target = np.asarray(batch[1])
+    return int(target.flat[0]) if target.size else None
 
 
 def _article_producer(q: multiprocessing.Queue[Batch | str], cfg: SeedConfig) -> None:
@@ -246,6 +244,8 @@ def _measure(
     waits: list[float] = []
     first: float | None = None
     cpu_start = 0.0
+    seen: set[int | None] = set()
+    warm_up = 1
     st = time.perf_counter()
     for batch in it:
         en = time.perf_counter()
@@ -254,6 +254,10 @@ def _measure(
             first = en - t_start
             cpu_start = time.process_time()
         float(np.asarray(batch[0]).flat[0])  # look at the batch
+        producer = _producer_of(batch)
+        if producer not in seen:
+            seen.add(producer)
+            warm_up = len(waits)
         del batch
         if on_batch:
             on_batch()
@@ -261,9 +265,10 @@ def _measure(
         st = time.perf_counter()
     total = time.perf_counter() - t_start
     cpu = time.process_time() - cpu_start if first is not None else 0.0
-    per_producer = cfg.batches
-    floor = wait_floor(producers, per_producer, cfg.produce_s, cfg.train_s)
-    return RecipeResult(name, producers, waits, first or 0.0, total, cpu_s=cpu, floor_waits_s=floor)
+    floor = wait_floor(producers, cfg.produce_s, cfg.train_s)
+    return RecipeResult(
+        name, producers, waits, first or 0.0, total, cpu_s=cpu, floor_s=floor, warm_up_batches=warm_up
+    )
 
 
 def recipe_generator(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
@@ -345,7 +350,8 @@ def recipe_ray_util_iter(cfg: SeedConfig, on_batch: OnBatch | None = None) -> Re
     def make() -> Iterator[Any]:  # Ray's start-up counts towards the first batch, as the article's
         if started:
             with _away_from_a_checkout():
-                ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+                ray.init(address="local", num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=False)
         return iter(ray.util.iter.from_iterators([DataGenerator(cfg)] * n).gather_async())
 
     try:
@@ -440,24 +446,26 @@ def _fmt_s(s: float) -> str:
 def table(results: list[RecipeResult]) -> str:
     """Markdown: per recipe the steady-state wait per batch, the producers'
     floor and the wait above it, the median, the first batch, the trainer's
-    CPU per batch and the speed-up over the article's tf.data recipe."""
+    CPU per batch and (where tf.data ran) the speed-up over the article's
+    tf.data recipe."""
     base = next((r for r in results if r.recipe == "tf.data" and r.waits_s), None)
-    lines = [
-        "| recipe | producers | wait per batch | floor | above floor | median wait | first batch "
-        "| trainer CPU per batch | speed-up vs tf.data |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    head = ["recipe", "producers", "wait per batch", "floor", "above floor", "median wait", "first batch",
+            "trainer CPU per batch"] + (["speed-up vs tf.data"] if base else [])
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.recipe} | - | skipped: {r.skipped} | | | | | | |")
+            lines.append(f"| {r.recipe} | - | skipped: {r.skipped} |" + " |" * (len(head) - 3))
             continue
-        speedup = f"{base.wait_s / r.wait_s:.1f}x" if base and r.wait_s > 0 else "-"
-        producers = {0: "- (the loop)", 1: "1 (a thread)"}.get(r.producers, str(r.producers)) if r.recipe in (
-            "generator", "tf.data") else str(r.producers)
-        lines.append(
-            f"| {r.recipe} | {producers} | {_fmt_s(r.wait_s)} | {_fmt_s(r.floor_s)} | {_fmt_s(r.above_floor_s)} | "
-            f"{_fmt_s(r.median_s)} | {_fmt_s(r.first_batch_s)} | {_fmt_s(r.cpu_per_batch_s)} | {speedup} |"
-        )
+        producers = str(r.producers)
+        if r.recipe == "generator":
+            producers = "- (the loop)"
+        elif r.recipe == "tf.data":
+            producers = "1 (a thread)"
+        cells = [r.recipe, producers, _fmt_s(r.wait_s), _fmt_s(r.floor_s), _fmt_s(r.above_floor_s),
+                 _fmt_s(r.median_s), _fmt_s(r.first_batch_s), _fmt_s(r.cpu_per_batch_s)]
+        if base:
+            cells.append(f"{base.wait_s / r.wait_s:.1f}x" if r.wait_s > 0 else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -511,7 +519,12 @@ def one_ray(num_cpus: int, needed: bool) -> Iterator[float | None]:
         return
     t0 = time.perf_counter()
     with _away_from_a_checkout():
-        ray.init(num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+        # address="local": a Ray of our own, even where another local one
+        # runs (ray.init() would join it, and refuse num_cpus)
+        ray.init(
+            address="local", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
+            log_to_driver=False,
+        )
     try:
         yield time.perf_counter() - t0
     finally:
