@@ -540,6 +540,9 @@ def plot(results: list[RecipeResult], path: str, title: str, bound: list[RecipeR
     panels = [(results, title)] + ([(bound, bound_title)] if bound else [])
     rows = sum(len([r for r in res if not r.skipped]) for res, _ in panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.45 * rows + 1.8 * len(panels)), squeeze=False)
+    # One log scale for every panel, from 0.05 ms: bars of different runs
+    # compare by length, and a bar's length means the same in each.
+    longest = max((r.wait_s for res, _ in panels for r in res if r.waits_s and r.wait_s == r.wait_s), default=1.0)
     for ax, (res, name) in zip(axes[:, 0], panels, strict=True):
         done = [r for r in res if not r.skipped and r.waits_s]
         names = [r.recipe for r in done][::-1]
@@ -551,12 +554,13 @@ def plot(results: list[RecipeResult], path: str, title: str, bound: list[RecipeR
         if shown:
             ax.errorbar([f for f, _ in shown], [n for _, n in shown], fmt="|", color="black", markersize=14,
                         label="floor the producers allow")
-            ax.legend(loc="lower right", fontsize=8)
+            ax.legend(loc="best", fontsize=8)
         ax.set_xscale("log")
-        ax.set_xlabel("wait per batch after the first, ms (log scale)")
+        ax.set_xlim(0.05, longest * 1e3 * 4)
+        ax.set_xlabel("mean wait per batch once every producer has delivered, ms (log scale)")
         ax.set_title(name, fontsize=10)
         for y, m in enumerate(waits):
-            ax.text(m, y, f" {m:.2f} ms", va="center", fontsize=8)
+            ax.text(m, y, " " + _fmt_s(m / 1e3), va="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
