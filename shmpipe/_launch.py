@@ -146,11 +146,12 @@ class ProcessLauncher(Launcher):
         self._read_messages()
         if self._failure is None:
             for worker, p in enumerate(self.processes):
-                if p.exitcode == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
-                    self._failure = WorkerDiedError(worker, p.pid, p.exitcode, reason=_unguarded_script())
+                code = p.exitcode  # read once: each read polls the process
+                if code == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
+                    self._failure = WorkerDiedError(worker, p.pid, code, reason=_unguarded_script())
                     break
-                if p.exitcode is not None:
-                    self._failure = WorkerDiedError(worker, p.pid, p.exitcode)
+                if code is not None:
+                    self._failure = WorkerDiedError(worker, p.pid, code)
                     break
         return self._failure
 
