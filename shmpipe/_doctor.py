@@ -99,12 +99,14 @@ def check_dev_shm() -> Check:
 
 
 def check_memory() -> Check:
-    from shmpipe.transports.shm import _memory_available
+    from shmpipe.transports.shm import _cgroup_memory_free, _memory_available
 
     room, what = _memory_available()
+    cgroup = _cgroup_memory_free()
+    limit = "no cgroup memory limit" if cgroup is None else f"the cgroup may charge {_size(cgroup)} more"
     if room is None:
-        return Check("memory for rings", True, "unknown (no MemAvailable, no cgroup limit)")
-    value = f"{_size(room)}: {what}"
+        return Check("memory for rings", True, f"unknown (no MemAvailable); {limit}")
+    value = f"{_size(room)}: {what}; {limit}"
     if room < MEMORY_WARN_BYTES:
         return Check("memory for rings", False, value,
                      "the default ring (sealed memfd) is charged to this memory: give the container or "
