@@ -8,6 +8,9 @@ CPU per batch as a decoder or augmenter would. The trainer sees a tf.data
 dataset whose tensors alias those slots. TensorFlow is imported inside
 main(): producer processes import this file too, and need nothing from it
 but the source.
+
+Needs shmpipe and TensorFlow: `pip install ".[all]"` (or ".[tensorflow]")
+from the root of a clone.
 """
 
 import argparse
@@ -52,7 +55,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20, help="batches per worker per epoch")
     args = parser.parse_args()
 
-    import keras
+    try:
+        import keras
+    except ImportError:
+        raise SystemExit('examples/keras_fit.py needs TensorFlow: pip install ".[all]" (or ".[tensorflow]")') from None
 
     sources = [SyntheticImages(args.batches)] * args.workers
     with shmpipe.from_iterators(sources, capacity=2 * args.workers + 6, timeout=60) as pipe:

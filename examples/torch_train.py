@@ -8,6 +8,15 @@ loop gets torch tensors that are views of the shared-memory slots
 batch reaches it in one DMA from the page-locked ring
 (pipe.to_torch(device="cuda", pin_memory=True)). torch is imported inside
 main(), so producer processes do not import it.
+
+Needs shmpipe and torch. `pip install ".[all]"` does not bring torch: a
+plain `pip install torch` from PyPI is a multi-GB CUDA build on Linux. For
+the CPU build (about 200 MB):
+
+    pip install torch --index-url https://download.pytorch.org/whl/cpu
+
+On a GPU machine, `pip install ".[torch]"` (or PyTorch's own instructions
+for your CUDA version).
 """
 
 import argparse
@@ -24,7 +33,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20, help="batches per worker per epoch")
     args = parser.parse_args()
 
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit(
+            "examples/torch_train.py needs torch, which shmpipe[all] does not bring (a plain torch from PyPI is a "
+            "multi-GB CUDA build). The CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu"
+        ) from None
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else None

@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing.connection
+import multiprocessing.process
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,6 +36,11 @@ __all__ = ["GRACE_S", "ProcessLauncher", "ctrl_c_held_back"]
 #: and again before SIGKILL.
 GRACE_S = 1.0
 
+#: The exit status of a producer that was still importing the user's script
+#: (spawn and forkserver children run it again, as `__mp_main__`) when the
+#: script started a pipeline: see _refuse_while_bootstrapping.
+BOOTSTRAP_EXIT_CODE = 87
+
 
 class ProcessLauncher(Launcher):
     """Starts one local process per source, watches them through their
@@ -52,6 +60,7 @@ class ProcessLauncher(Launcher):
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._failure: BaseException | None = None
         self._down = False
+        _refuse_while_bootstrapping()
         lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
         try:
             if not lazy:
@@ -121,8 +130,12 @@ class ProcessLauncher(Launcher):
         self._read_messages()
         if self._failure is None:
             for worker, p in enumerate(self.processes):
-                if p.exitcode is not None:
-                    self._failure = WorkerDiedError(worker, p.pid, p.exitcode)
+                code = p.exitcode  # read once: each read polls the process
+                if code == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
+                    self._failure = WorkerDiedError(worker, p.pid, code, reason=_unguarded_script())
+                    break
+                if code is not None:
+                    self._failure = WorkerDiedError(worker, p.pid, code)
                     break
         return self._failure
 
@@ -256,6 +269,35 @@ def _born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]
         yield block_again
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _main_script() -> str:
+    """The user's script, as a path when it has one."""
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+    return str(getattr(main, "__file__", None) or getattr(main, "__name__", "the main module"))
+
+
+def _unguarded_script() -> str:
+    script = _main_script()
+    return (
+        f"could not start: {script} starts a pipeline when it is imported, and a producer process "
+        f"imports it again. Put the code that starts the pipeline under `if __name__ == \"__main__\":` "
+        f"in {script}"
+    )
+
+
+def _refuse_while_bootstrapping() -> None:
+    """In a spawn or forkserver child still importing the user's script (the
+    stdlib's own test, multiprocessing.spawn._check_not_importing_main):
+    the script starts a pipeline at import, without a main guard. Starting
+    producers here would fail anyway, with a long RuntimeError traceback
+    from the standard library in every producer's output. Instead this
+    child exits at once, quietly, with BOOTSTRAP_EXIT_CODE, and the consumer
+    raises a WorkerDiedError that names the script and the fix (one message,
+    not one per producer). os._exit: the half-imported script must not go
+    on, and this process holds nothing to clean up."""
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        os._exit(BOOTSTRAP_EXIT_CODE)
 
 
 def _reap(processes: list[BaseProcess]) -> None:

@@ -57,12 +57,15 @@ class WaitHistogram:
 
 @dataclass(frozen=True)
 class PipelineStats:
-    """A snapshot of a pipeline's counters (all passes so far).
+    """A snapshot of a pipeline's counters (all passes so far, the one in
+    progress included: read it at any moment of a training loop).
 
     Times are in seconds. ``wait_*`` is the consumer's wait for its next
-    batch (the time spent inside ``next()``); ``stall_fraction`` is the total
-    wait over the wall time spent iterating, the share of the training loop
-    that waited for input.
+    batch (the time spent inside ``next()``); ``wall_s`` is the time spent
+    iterating, from each pass's first request for a batch to its end (or, for
+    the pass in progress, to the snapshot); ``stall_fraction`` is the total
+    wait over that wall time, the share of the training loop that waited for
+    input.
     """
 
     batches: int
@@ -125,9 +128,16 @@ class PipelineStats:
 class Counters:
     """What the consumer counts as it delivers, and the arithmetic that
     turns it into PipelineStats. One thread updates it at a time (the one
-    iterating); a snapshot may be read from any thread."""
+    iterating); a snapshot may be read from any thread.
 
-    __slots__ = ("batches", "bytes", "created_ns", "first_batch_ns", "passes", "per_worker", "wall_ns", "waits")
+    The wall time counts the pass in progress too, up to the moment of the
+    snapshot: a training loop over endless sources never finishes a pass,
+    and its stats must still say how much of its time it waited."""
+
+    __slots__ = (
+        "batches", "bytes", "created_ns", "current_started_ns", "first_batch_ns", "passes", "per_worker",
+        "wall_ns", "waits",
+    )
 
     def __init__(self, num_workers: int) -> None:
         self.created_ns = time.perf_counter_ns()
@@ -136,17 +146,42 @@ class Counters:
         self.batches = 0
         self.bytes = 0
         self.per_worker = [0] * num_workers
-        self.wall_ns = 0  # of finished passes
+        self.wall_ns = 0  # of passes that ended
+        # when the pass in progress first asked for a batch (None: no pass
+        # in progress, or it has not asked yet)
+        self.current_started_ns: int | None = None
         self.passes = 0
 
     def pass_started(self) -> None:
+        # A pass left unfinished (the loop broke out, then iterated again)
+        # counts up to now: its last training step was time spent iterating.
+        self._end_current(time.perf_counter_ns())
         self.passes += 1
 
     def pass_finished(self, started_ns: int) -> None:
-        self.wall_ns += time.perf_counter_ns() - started_ns
+        now = time.perf_counter_ns()
+        if self.current_started_ns is None:  # a pass that ended at its first request
+            self.current_started_ns = started_ns
+        self._end_current(now)
+
+    def _end_current(self, now_ns: int) -> None:
+        started = self.current_started_ns
+        if started is not None:
+            self.wall_ns += now_ns - started
+            self.current_started_ns = None
+
+    def wall_now_ns(self) -> int:
+        """Time spent iterating: the ended passes, plus the one in progress
+        up to now. Read from any thread: `current_started_ns` is read once
+        (one attribute load, atomic under the GIL), so the sum is at worst
+        a moment stale, never torn."""
+        started = self.current_started_ns
+        return self.wall_ns + (time.perf_counter_ns() - started if started is not None else 0)
 
     def delivered(self, asked_ns: int, got_ns: int, nbytes: int, worker: int) -> None:
         """A batch asked for at `asked_ns` came at `got_ns`."""
+        if self.current_started_ns is None:
+            self.current_started_ns = asked_ns  # the pass's first request
         self.waits.add(got_ns - asked_ns)
         self.batches += 1
         self.bytes += nbytes
@@ -165,7 +200,7 @@ class Counters:
         w = self.waits
         n = w.count
         first = None if self.first_batch_ns is None else (self.first_batch_ns - self.created_ns) / 1e9
-        wall = self.wall_ns / 1e9
+        wall = self.wall_now_ns() / 1e9
         return PipelineStats(
             batches=self.batches,
             bytes=self.bytes,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -16,7 +17,9 @@ from shmpipe.__main__ import main
 from shmpipe.bench._report import parse_size
 from shmpipe.transports.queue import QueueTransport
 
-TINY_SEED = ["--workers", "2", "--batches", "2", "--shape", "2,100,3", "--fetch", "0.01", "--compute", "0.002", "--train", "0.002"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_SEED = ["--workers", "2", "--batches", "2", "--shape", "2,100,3", "--fetch", "0.01", "--compute", "0.002", "--train", "0.002",
+             "--transport-bound-workers", "0"]
 
 
 def png(path) -> bool:
@@ -24,14 +27,17 @@ def png(path) -> bool:
         return f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 5000
 
 
-def test_seed_every_option(tmp_path, capsys):
+def test_seed_every_option(tmp_path, capfd):
     out_json, out_png = tmp_path / "seed.json", tmp_path / "seed.png"
     recipes = ["generator", "tf.data", "mp.Queue", "shmpipe:shm", "shmpipe:shm+reserve", "shmpipe:arrow",
                "shmpipe:queue", "shmpipe:example-pipe"]
-    rc = main(["bench", "seed", *TINY_SEED, "--recipes", *recipes, "--json", str(out_json), "--plot", str(out_png)])
+    rc = main(["bench", "seed", *TINY_SEED[:-2], "--transport-bound-workers", "3", "--transport-bound-batches", "2",
+               "--recipes", *recipes, "--out", str(tmp_path / "out"), "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
-    text = capsys.readouterr().out
-    assert "2 producers, 2 batches each of (2, 100, 3)" in text and "fetch 0.01 s, compute 0.002 s, train step 0.002 s" in text
+    captured = capfd.readouterr()
+    text = captured.out
+    assert "2 producers (--workers), 2 batches each" in text
+    assert "fetch 0.01 s + compute 0.002 s per batch; train step 0.002 s" in text
     data = json.loads(out_json.read_text())
     assert data["benchmark"] == "seed" and data["config"]["shape"] == [2, 100, 3]
     assert "python" in data["environment"] and "numpy" in data["environment"]
@@ -41,17 +47,60 @@ def test_seed_every_option(tmp_path, capsys):
     for name in recipes[2:]:
         assert len(got[name]["waits_s"]) == 4, name  # 2 producers x 2 batches
         assert got[name]["skipped"] is None
+        # the floor of 2 producers at 12 ms a batch and a 2 ms step, after their first batches
+        assert got[name]["floor_s"] == pytest.approx(0.012 / 2 - 0.002), name
+        assert got[name]["cpu_per_batch_s"] > 0 and got[name]["wait_s"] > 0
+        # the steady state starts once both producers (2 processes, told apart by pid) have delivered
+        assert 2 <= got[name]["warm_up_batches"] <= 4, name
+    assert got["generator"]["warm_up_batches"] == got["tf.data"]["warm_up_batches"] == 1
+    assert got["generator"]["floor_s"] == pytest.approx(0.012) and got["tf.data"]["floor_s"] == pytest.approx(0.010)
     for name in recipes:
         assert f"| {name} |" in text
-    assert "speed-up vs tf.data" in text and "| tf.data | - |" in text
+    assert "| tf.data | 1 (a thread) |" in text and "| generator | - (the loop) |" in text
+    for column in ("wait per batch", "floor", "above floor", "trainer CPU per batch", "speed-up vs tf.data"):
+        assert column in text
+    # the second run: 3 producers, the recipes that have producer processes
+    bound = data["transport_bound"]
+    assert bound["config"]["workers"] == 3 and bound["config"]["batches"] == 2
+    assert [r["recipe"] for r in bound["results"]] == recipes[2:]
+    assert all(len(r["waits_s"]) == 6 and r["warm_up_batches"] >= 3 for r in bound["results"])
+    assert "Transport-bound: 3 producers, 2 batches each" in text
+    assert "shmpipe waits" in text and "above the floor" in text  # the summary
     assert png(out_png)
+    assert f"Results: {out_json}, {out_png}" in text
+    assert (tmp_path / "out" / "output.log").exists() and f"{tmp_path / 'out' / 'output.log'}" in text
+    # one progress line per recipe and run, none twice
+    progress = [line for line in captured.err.splitlines() if line.startswith("  bench seed: ")]
+    assert len(progress) == len(set(progress)) == len(recipes) + len(recipes) - 2, captured.err
 
 
-def test_seed_ray_recipes(tmp_path, capsys):
-    rc = main(["bench", "seed", *TINY_SEED, "--recipes", "ray.util.iter", "shmpipe:ray", "--json", str(tmp_path / "r.json")])
-    assert rc == 0
-    got = {r["recipe"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+def test_seed_floor():
+    from shmpipe.bench.seed import SeedConfig, transport_bound, wait_floor
+
+    # 2 producers at 0.5 s a batch: one every 0.25 s, of which the loop trains 0.1 s
+    assert wait_floor(2, 0.5, 0.1) == pytest.approx(0.15)
+    assert wait_floor(0, 0.5, 0.1) == 0.5  # the loop makes its batches itself
+    assert wait_floor(1, 0.5, 0.1) == pytest.approx(0.4)  # tf.data's one prefetching thread
+    assert wait_floor(8, 0.5, 0.1) == 0.0  # 8 producers outpace the step
+    cfg = SeedConfig(workers=2)
+    assert cfg.producer_bound and transport_bound(cfg).workers == 8
+    assert not transport_bound(cfg).producer_bound and not SeedConfig(workers=8).producer_bound
+
+
+def test_seed_ray_recipes(tmp_path):
+    # a child process, as a user runs it: Ray's logging holds the stderr of
+    # the process it started in
+    out = subprocess.run(
+        [sys.executable, "-m", "shmpipe", "bench", "seed", *TINY_SEED, "--recipes", "ray.util.iter", "shmpipe:ray",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert out.returncode == 0, out.stderr
+    got = {r["recipe"]: r for r in json.loads((tmp_path / "seed.json").read_text())["results"]}
     assert len(got["ray.util.iter"]["waits_s"]) == 4 and len(got["shmpipe:ray"]["waits_s"]) == 4
+    assert "Started a local Ray instance" not in out.stdout + out.stderr
+    assert "Started a local Ray instance" in (tmp_path / "output.log").read_text()
+    assert "Ray started once, in " in out.stdout  # for both recipes, not once each
 
 
 class Missing(QueueTransport):
@@ -59,15 +108,15 @@ class Missing(QueueTransport):
     extra = "demo"
 
 
-def test_seed_skips_what_cannot_run_here_and_refuses_unknown_recipes(capsys):
+def test_seed_skips_what_cannot_run_here_and_refuses_unknown_recipes(tmp_path, capsys):
     registry.register_transport("missing-dep", Missing)
     try:
-        rc = main(["bench", "seed", *TINY_SEED, "--recipes", "generator", "shmpipe:missing-dep"])
+        rc = main(["bench", "seed", *TINY_SEED, "--recipes", "generator", "shmpipe:missing-dep", "--out", str(tmp_path)])
     finally:
         registry._registered.pop("missing-dep")
     assert rc == 0
     assert 'skipped: the \'missing-dep\' transport needs a_module_nobody_installed_xyz' in capsys.readouterr().out
-    assert main(["bench", "seed", *TINY_SEED, "--recipes", "nope"]) == 2
+    assert main(["bench", "seed", *TINY_SEED, "--recipes", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown recipes ['nope']" in capsys.readouterr().err
 
 
@@ -80,6 +129,8 @@ def test_throughput_every_option(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "1 producers" in text
+    assert "MET" not in text.upper().replace("MEMCPY", "")  # no project-internal targets in user output
+    assert "targets" not in json.loads((tmp_path / "t.json").read_text())
     data = json.loads((tmp_path / "t.json").read_text())
     assert [(r["path"], r["nbytes"]) for r in data["results"]] == [(p, n) for n in (4096, 8192) for p in paths]
     assert all(r["batches"] >= 2 for r in data["results"])
@@ -126,8 +177,150 @@ def test_serialize_every_option(tmp_path, capsys):
 def test_the_console_script(tmp_path):
     out = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "seed", *TINY_SEED,
-         "--recipes", "generator", "shmpipe:shm"],
+         "--recipes", "tf.data", "shmpipe:shm"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr
     assert "| shmpipe:shm | 2 |" in out.stdout
+    # the results land in a folder it names; TensorFlow's start-up lines in its log, not on the screen
+    (folder,) = tmp_path.glob("shmpipe-bench-seed-*")
+    assert {p.name for p in folder.iterdir()} == {"seed.json", "seed.png", "output.log"}
+    assert f"Results: {folder.name}/seed.json, {folder.name}/seed.png" in out.stdout
+    log = (folder / "output.log").read_text().splitlines()
+    assert log, "TensorFlow says nothing when it starts?"
+    for line in log:
+        assert line not in out.stdout and line not in out.stderr
+    verbose = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "seed", *TINY_SEED,
+         "--recipes", "tf.data", "--out", "v", "--verbose"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert verbose.returncode == 0, verbose.stderr
+    assert not (tmp_path / "v" / "output.log").exists()
+    assert any(line in verbose.stderr for line in log if "tensorflow" in line.lower() or "oneDNN" in line), verbose.stderr
+
+
+def every_option(parser):
+    """(command, option action) for every option of every (sub)command."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for command, option in every_option(sub):
+                    yield f"{name} {command}".strip(), option
+        elif action.option_strings and action.dest != "help":
+            yield "", action
+
+
+def test_help_describes_every_option_with_its_default():
+    from shmpipe.__main__ import build_parser
+
+    options = list(every_option(build_parser()))
+    assert len(options) > 25
+    for command, action in options:
+        assert action.help and len(action.help) > 10, (command, action.option_strings)
+    seed_help = build_parser()._subparsers._group_actions[0].choices["bench"]._subparsers._group_actions[0].choices[
+        "seed"].format_help()
+    seed_help = " ".join(seed_help.split())
+    for text in ("--compute COMPUTE", "(default: 0.0)", "(default: 0.5)", "(default: 4,1000000,3)",
+                 "(default: 4)", "(default: ./shmpipe-bench-"):
+        assert text in seed_help, text
+    for kind in ("throughput", "serialize"):
+        out = subprocess.run([sys.executable, "-m", "shmpipe", "bench", kind, "--help"], capture_output=True,
+                             text=True, timeout=120)
+        words = " ".join(out.stdout.split())
+        assert out.returncode == 0 and "--json FILE also write the results as JSON to FILE (default: no file)" in words
+        assert "(default: 64KiB 1MiB 48MB)" in words
+
+
+# -- shmpipe doctor ----------------------------------------------------------------
+
+
+def doctor(*args, preexec_fn=None, prefix=()):
+    return subprocess.run([*prefix, sys.executable, "-m", "shmpipe", "doctor", *args], capture_output=True, text=True,
+                          timeout=120, preexec_fn=preexec_fn, env={**os.environ, "PYTHONPATH": REPO})
+
+
+
+def test_doctor_checks_this_machine():
+    out = doctor("--json")
+    report = json.loads(out.stdout)
+    names = [c["name"] for c in report["checks"]]
+    for name in ("/dev/shm", "memory for rings", "open files (ulimit -n)", "locked memory (ulimit -l)",
+                 "transparent huge pages", "start methods", "package numpy", "package pyarrow", "package ray",
+                 "package tensorflow", "package torch", "CUDA devices", "leftover segments"):
+        assert name in names
+    assert all(c["status"] in ("OK", "WARN") and c["value"] for c in report["checks"])
+    warned = [c for c in report["checks"] if c["status"] == "WARN"]
+    assert all(c["fix"] for c in warned)
+    assert out.returncode == (1 if warned else 0) and report["ok"] == (not warned)
+    # the versions come from the installed metadata, as the packages say
+    import numpy
+
+    assert next(c for c in report["checks"] if c["name"] == "package numpy")["value"] == numpy.__version__
+    text = doctor()
+    assert text.returncode == out.returncode
+    assert text.stdout.startswith("shmpipe doctor: ") and "  OK    package numpy" in text.stdout
+
+
+def test_doctor_imports_no_heavy_package():
+    code = ("import sys; from shmpipe import _doctor; _doctor.checks(); "
+            "print(sorted(m for m in ('torch', 'tensorflow', 'ray', 'pyarrow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_doctor_warns_about_few_open_files():
+    import resource
+
+    def few_files():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    out = doctor(preexec_fn=few_files)
+    assert out.returncode == 1, out.stdout
+    line = next(line for line in out.stdout.splitlines() if "open files" in line)
+    assert line.startswith("  WARN") and "256" in line
+    assert "fix: ulimit -n 4096" in out.stdout
+
+
+def test_doctor_warns_about_a_leftover_segment():
+    from shmpipe._process import process_start_time
+    from shmpipe._segments import SHM_DIR
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait(30)
+    name = f"shmpipe-{child.pid}-{start}-{'ab' * 12}"  # the name of a segment whose owner died
+    path = os.path.join(SHM_DIR, name)
+    for _ in range(5):
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.close(fd)
+        try:
+            out = doctor()
+        finally:
+            swept = not os.path.exists(path)  # a pipeline opened meanwhile sweeps dead owners' segments too
+            if not swept:
+                os.unlink(path)
+        if not swept:
+            break
+    assert out.returncode == 1, out.stdout
+    line = next(line for line in out.stdout.splitlines() if "leftover segments" in line)
+    assert line.startswith("  WARN") and name in line
+    assert "fix: shmpipe clean" in out.stdout
+
+
+def test_doctor_warns_about_a_64_mb_dev_shm():
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, text=True, timeout=30
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here (unshare -m: {probe.stderr.strip()})")
+    mount = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$@\""
+    out = doctor(prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = next(line for line in out.stdout.splitlines() if "/dev/shm" in line)
+    assert line.startswith("  WARN") and "64 MiB" in line
+    assert "--shm-size" in out.stdout

@@ -298,6 +298,69 @@ def test_stats():
     assert "60 batches" in text and "stall fraction" in text and "p99" in text
 
 
+def test_stats_are_live_during_an_unfinished_pass():
+    # A training loop over endless sources never finishes a pass: its stats
+    # must count the pass in progress (they said "0.0% of 0.000 s" before).
+    endless = Counter(10**9, delay=0.01)
+    with shmpipe.from_iterators([endless] * 2, timeout=T) as pipe:
+        it = iter(pipe)
+        for _ in range(20):
+            next(it)
+            time.sleep(0.005)  # the training step
+        s = pipe.stats()
+        time.sleep(0.05)
+        later = pipe.stats()
+    assert s.batches == 20 and s.passes == 1
+    assert s.wall_s >= 20 * 0.005 and s.wall_s >= s.wait_total_s > 0
+    assert 0 < s.stall_fraction < 1
+    assert later.wall_s >= s.wall_s + 0.05  # the pass goes on: its wall time grows
+    assert later.batches == 20
+    assert f"of {s.wall_s:.3f} s iterating" in str(s) and "of 0.000 s" not in str(s)
+
+
+def test_a_pass_left_unfinished_counts_up_to_the_next_one():
+    with shmpipe.from_iterators([Counter(10**9, delay=0.01)], timeout=T) as pipe:
+        for i, _ in enumerate(pipe):
+            time.sleep(0.01)
+            if i == 4:
+                break
+        first = pipe.stats()
+        for i, _ in enumerate(pipe):
+            if i == 4:
+                break
+        s = pipe.stats()
+    assert first.batches == 5 and first.wall_s >= 5 * 0.01
+    assert s.passes == 2 and s.batches == 10 and s.wall_s >= first.wall_s
+    assert s.wall_s >= s.wait_total_s
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path, start_method):
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import numpy as np\n"
+        "import shmpipe\n"
+        "def make_batches():\n"
+        "    for i in range(3):\n"
+        "        yield {'x': np.arange(10) + i}\n"
+        f"with shmpipe.from_iterators([make_batches] * 2, start_method={start_method!r}, timeout=60) as pipe:\n"
+        "    for batch in pipe:\n"
+        "        pass\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("shmpipe.errors.WorkerDiedError: worker "), out.stderr
+    assert f'under `if __name__ == "__main__":` in {script}' in last, last
+    # the producers print nothing: not the standard library's RuntimeError, once per producer
+    assert "bootstrapping phase" not in out.stderr, out.stderr
+    assert out.stderr.count("Traceback") == 1 and len(out.stderr.splitlines()) < 40, out.stderr
+
+
+
 @pytest.mark.parametrize("backing", ["memfd", "posix"])
 def test_close_while_arrays_are_alive(backing):
     pipe = shmpipe.from_iterators(

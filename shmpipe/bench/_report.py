@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 from shmpipe._options import default_start_method
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
@@ -78,22 +78,61 @@ def environment() -> dict[str, Any]:
     return env
 
 
+@contextmanager
+def output_captured(log_path: str | None) -> Iterator[IO[str]]:
+    """Runs the block with this process's stdout and stderr going to the
+    file `log_path`: the file descriptors, so that what C++ libraries
+    (TensorFlow's absl and oneDNN lines), Ray and child processes print is
+    caught too, and sys.stdout and sys.stderr, for Python code that holds
+    other stream objects (under pytest, say). Yields a stream to the
+    terminal's stderr, for the progress display. log_path None: nothing is
+    captured (--verbose)."""
+    if log_path is None:
+        yield sys.stderr
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    saved_streams = sys.stdout, sys.stderr
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    log = open(log_path, "a", buffering=1)
+    try:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = sys.stderr = log
+        try:
+            yield terminal
+        finally:
+            sys.stdout, sys.stderr = saved_streams
+            log.flush()
+            os.dup2(saved_fds[0], 1)
+            os.dup2(saved_fds[1], 2)
+    finally:
+        os.close(saved_fds[0])
+        os.close(saved_fds[1])
+        terminal.close()
+        log.close()
+
+
 class Progress:
     """A progress bar (rich) on a terminal; one line per step otherwise."""
 
-    def __init__(self, total: int, what: str) -> None:
+    def __init__(self, total: int, what: str, file: IO[str] | None = None) -> None:
         self.total, self.what = total, what
+        self.file = file if file is not None else sys.stderr
         self._bar: Any = None
         self._task: Any = None
+        self._last: str | None = None
         self.done = 0
-        if sys.stderr.isatty():
+        if self.file.isatty():
             try:
+                from rich.console import Console
                 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
                 from rich.progress import Progress as RichProgress
 
                 self._bar = RichProgress(
                     TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), transient=True,
+                    TimeElapsedColumn(), transient=True, console=Console(file=self.file),
                 )
             except ImportError:
                 self._bar = None
@@ -108,11 +147,14 @@ class Progress:
             yield self
 
     def step(self, label: str, advance: int = 1) -> None:
+        """`advance` more units done (0: step `label` starts). Without a
+        terminal: one line per step, the first time its label shows."""
         self.done += advance
         if self._bar is not None:
             self._bar.update(self._task, advance=advance, description=f"{self.what}: {label}")
-        elif advance == 0 or self.done == self.total:
-            print(f"  {self.what}: {label} ...", file=sys.stderr, flush=True)
+        elif label != self._last:
+            self._last = label
+            print(f"  {self.what}: {label} ...", file=self.file, flush=True)
 
 
 def line_plot(

@@ -17,16 +17,31 @@ each batch. Recipes:
 
 Each recipe runs in this process, one after the other, so they compare on
 the same machine in the same minute.
+
+Per recipe it reports the wait per batch in the steady state (once every
+producer has delivered a batch: until then the waits carry the start-up,
+shown apart), the floor
+that the producers allow (with N producers taking FETCH + COMPUTE seconds per
+batch and a TRAIN-second step, no transport can wait less on average; see
+wait_floor)
+and the wait above that floor (what the transport and the machine cost), and
+the CPU time the trainer's process spends per batch. With cpu_count()
+producers on a small machine every parallel recipe waits for its producers
+(the floor); a second, short run with enough producers to outpace the
+training step shows what the transport costs (transport_bound).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,7 +50,10 @@ import numpy as np
 import shmpipe
 from shmpipe.bench._report import process_context, pyplot
 
-__all__ = ["SeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot"]
+__all__ = [
+    "SeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot", "summary", "transport_bound",
+    "wait_floor", "one_ray",
+]
 
 #: A batch: (sample, target).
 Batch = tuple[np.ndarray, np.ndarray]
@@ -56,15 +74,78 @@ class SeedConfig:
     compute_s: float = 0.0  # busy loop, beside drawing the random arrays
     train_s: float = 0.1
 
+    @property
+    def produce_s(self) -> float:
+        """What one batch costs a producer, drawing the arrays aside."""
+        return self.fetch_s + self.compute_s
+
+    @property
+    def producer_bound(self) -> bool:
+        """Whether the producers, not the transport, set the pace: together
+        they make a batch no faster than (80% of) a training step."""
+        return self.produce_s / max(self.workers, 1) > 0.8 * self.train_s
+
+
+def wait_floor(producers: int, produce_s: float, train_s: float) -> float:
+    """The least mean wait per batch in the steady state, if moving a batch
+    cost nothing: `producers` working in parallel make a batch every
+    produce_s / producers seconds at best, and the loop spends train_s of
+    that in its step, so it waits the rest. producers == 0: the loop makes
+    each batch itself and waits all of produce_s. A long-run average: over a
+    few batches a recipe may come in slightly under it."""
+    if producers == 0:
+        return produce_s
+    return max(0.0, produce_s / producers - train_s)
+
+
+def transport_bound(cfg: SeedConfig, batches: int = 4) -> SeedConfig:
+    """`cfg` with enough producers that they make batches 1.5 times as fast as
+    the loop takes them (8 at the article's 0.5 s fetch and 0.1 s step):
+    every millisecond of wait above the floor is then the transport's."""
+    workers = math.ceil(1.5 * cfg.produce_s / cfg.train_s) if cfg.train_s > 0 else 2 * cfg.workers
+    return dataclasses.replace(cfg, workers=max(workers, cfg.workers, 2), batches=batches)
+
 
 @dataclass
 class RecipeResult:
     recipe: str
+    #: producers working in parallel with the loop (0: the loop makes its
+    #: batches itself; tf.data's prefetching thread counts as 1)
     producers: int
     waits_s: list[float]
     first_batch_s: float
     total_s: float
     skipped: str | None = None
+    #: CPU time of the trainer's process (all its threads: tf.data's
+    #: generator runs there) from the first batch to the end
+    cpu_s: float = 0.0
+    #: wait_floor() for this recipe and setting
+    floor_s: float = 0.0
+    #: batches delivered until every producer had delivered one (1 for the
+    #: generator and tf.data). Producers start one after the other, seconds
+    #: apart on a busy machine; until each has made its first batch, the
+    #: waits say how fast processes start, not how fast batches move.
+    warm_up_batches: int = 1
+
+    @property
+    def steady_waits_s(self) -> list[float]:
+        """The waits after the start-up (see first_batch_s for that)."""
+        return self.waits_s[self.warm_up_batches :]
+
+    @property
+    def wait_s(self) -> float:
+        """Mean wait per batch in the steady state (once every producer has delivered a batch)."""
+        w = self.steady_waits_s
+        return statistics.fmean(w) if w else float("nan")
+
+    @property
+    def above_floor_s(self) -> float:
+        return self.wait_s - self.floor_s
+
+    @property
+    def cpu_per_batch_s(self) -> float:
+        n = len(self.waits_s) - 1  # cpu_s counts from the first batch on
+        return self.cpu_s / n if n > 0 else float("nan")
 
     @property
     def mean_s(self) -> float:
@@ -87,7 +168,11 @@ class RecipeResult:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(mean_s=self.mean_s, median_s=self.median_s, p99_s=self.p99_s, stall_fraction=self.stall_fraction)
+        d.update(
+            mean_s=self.mean_s, median_s=self.median_s, p99_s=self.p99_s, stall_fraction=self.stall_fraction,
+            wait_s=self.wait_s, above_floor_s=self.above_floor_s,
+            cpu_per_batch_s=self.cpu_per_batch_s,
+        )
         return d
 
 
@@ -99,7 +184,10 @@ Recipe = Callable[[SeedConfig, OnBatch | None], RecipeResult]
 
 
 class DataGenerator:
-    """The article's data_generator, with its costs as parameters."""
+    """The article's data_generator, with its costs as parameters. The
+    target's first element carries the producing process's pid (exact in
+    float32: pids stay below 2**24), so the loop can tell when every
+    producer has delivered its first batch."""
 
     def __init__(self, cfg: SeedConfig, reserve: bool = False) -> None:
         self.cfg, self.reserve = cfg, reserve
@@ -118,12 +206,22 @@ class DataGenerator:
                 )
                 rng.random(out=sample, dtype=np.float32)  # drawn straight into the slot
                 rng.random(out=target, dtype=np.float32)
+                _sign(target)
                 yield batch
             else:
-                yield (
-                    rng.random(cfg.shape, dtype=np.float32),
-                    rng.random(cfg.target_shape, dtype=np.float32),
-                )
+                target = rng.random(cfg.target_shape, dtype=np.float32)
+                _sign(target)
+                yield rng.random(cfg.shape, dtype=np.float32), target
+
+
+def _sign(target: np.ndarray) -> None:
+    if target.size:
+        target.flat[0] = os.getpid()
+
+
+def _producer_of(batch: Any) -> int | None:
+    target = np.asarray(batch[1])
+    return int(target.flat[0]) if target.size else None
 
 
 def _article_producer(q: multiprocessing.Queue[Batch | str], cfg: SeedConfig) -> None:
@@ -138,25 +236,39 @@ def _article_producer(q: multiprocessing.Queue[Batch | str], cfg: SeedConfig) ->
 def _measure(
     name: str, producers: int, cfg: SeedConfig, make_iter: Callable[[], Iterator[Any]], on_batch: OnBatch | None = None
 ) -> RecipeResult:
-    """Times the consumer's wait for each batch of iterator make_iter()."""
+    """Times the consumer's wait for each batch of iterator make_iter(), and
+    the CPU time this process spends from the first batch on. `producers`
+    is how many make batches in parallel with the loop (0: the loop itself)."""
     t_start = time.perf_counter()
     it = make_iter()
     waits: list[float] = []
     first: float | None = None
+    cpu_start = 0.0
+    seen: set[int | None] = set()
+    warm_up = 1
     st = time.perf_counter()
     for batch in it:
         en = time.perf_counter()
         waits.append(en - st)
         if first is None:
             first = en - t_start
+            cpu_start = time.process_time()
         float(np.asarray(batch[0]).flat[0])  # look at the batch
+        producer = _producer_of(batch)
+        if producer not in seen:
+            seen.add(producer)
+            warm_up = len(waits)
         del batch
         if on_batch:
             on_batch()
         time.sleep(cfg.train_s)  # the training step
         st = time.perf_counter()
     total = time.perf_counter() - t_start
-    return RecipeResult(name, producers, waits, first or 0.0, total)
+    cpu = time.process_time() - cpu_start if first is not None else 0.0
+    floor = wait_floor(producers, cfg.produce_s, cfg.train_s)
+    return RecipeResult(
+        name, producers, waits, first or 0.0, total, cpu_s=cpu, floor_s=floor, warm_up_batches=warm_up
+    )
 
 
 def recipe_generator(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
@@ -173,7 +285,7 @@ def recipe_tf_data(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeRe
         ).prefetch(tf.data.experimental.AUTOTUNE)
         return iter(ds)
 
-    return _measure("tf.data", 0, cfg, make, on_batch)
+    return _measure("tf.data", 1, cfg, make, on_batch)  # one thread prefetches
 
 
 def recipe_mp_queue(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
@@ -238,7 +350,8 @@ def recipe_ray_util_iter(cfg: SeedConfig, on_batch: OnBatch | None = None) -> Re
     def make() -> Iterator[Any]:  # Ray's start-up counts towards the first batch, as the article's
         if started:
             with _away_from_a_checkout():
-                ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+                ray.init(address="local", num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=False)
         return iter(ray.util.iter.from_iterators([DataGenerator(cfg)] * n).gather_async())
 
     try:
@@ -325,47 +438,129 @@ def run(cfg: SeedConfig, recipes: list[str] | None = None, progress: OnProgress 
 def _fmt_s(s: float) -> str:
     if s != s:  # nan
         return "-"
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+    if abs(s) < 0.0005:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e3:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
 
 
 def table(results: list[RecipeResult]) -> str:
-    """Markdown: per recipe the waits, time to first batch, stall fraction
-    and speed-up over the article's tf.data recipe."""
+    """Markdown: per recipe the steady-state wait per batch, the producers'
+    floor and the wait above it, the median, the first batch, the trainer's
+    CPU per batch and (where tf.data ran) the speed-up over the article's
+    tf.data recipe."""
     base = next((r for r in results if r.recipe == "tf.data" and r.waits_s), None)
-    lines = [
-        "| recipe | producers | mean wait | median wait | p99 wait | first batch | stall fraction "
-        "| speed-up vs tf.data |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    head = ["recipe", "producers", "wait per batch", "floor", "above floor", "median wait", "first batch",
+            "trainer CPU per batch"] + (["speed-up vs tf.data"] if base else [])
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.recipe} | - | skipped: {r.skipped} | | | | | |")
+            lines.append(f"| {r.recipe} | - | skipped: {r.skipped} |" + " |" * (len(head) - 3))
             continue
-        speedup = f"{base.mean_s / r.mean_s:.1f}x" if base and r.mean_s > 0 else "-"
-        lines.append(
-            f"| {r.recipe} | {r.producers or '-'} | {_fmt_s(r.mean_s)} | {_fmt_s(r.median_s)} | {_fmt_s(r.p99_s)} | "
-            f"{_fmt_s(r.first_batch_s)} | {r.stall_fraction:.0%} | {speedup} |"
-        )
+        producers = str(r.producers)
+        if r.recipe == "generator":
+            producers = "- (the loop)"
+        elif r.recipe == "tf.data":
+            producers = "1 (a thread)"
+        cells = [r.recipe, producers, _fmt_s(r.wait_s), _fmt_s(r.floor_s), _fmt_s(r.above_floor_s),
+                 _fmt_s(r.median_s), _fmt_s(r.first_batch_s), _fmt_s(r.cpu_per_batch_s)]
+        if base:
+            cells.append(f"{base.wait_s / r.wait_s:.1f}x" if r.wait_s > 0 else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(results: list[RecipeResult], path: str, title: str) -> None:
-    """A bar chart of the mean wait per recipe (log scale), p99 as a whisker."""
+def summary(article: list[RecipeResult], bound: list[RecipeResult] | None) -> list[str]:
+    """A few sentences: what shmpipe buys on this machine, from the results."""
+
+    def find(results: list[RecipeResult] | None, name: str) -> RecipeResult | None:
+        return next((r for r in results or [] if r.recipe == name and r.waits_s), None)
+
+    lines: list[str] = []
+    parallel = [r for r in article if r.waits_s and r.recipe not in ("generator", "tf.data")]
+    if parallel and parallel[0].floor_s > 0:
+        waits = sorted(r.wait_s for r in parallel)
+        lines.append(
+            f"With {parallel[0].producers} producers the producers set the pace: no recipe can wait less than "
+            f"the floor, {_fmt_s(parallel[0].floor_s)} per batch (the parallel recipes wait {_fmt_s(waits[0])} "
+            f"to {_fmt_s(waits[-1])}); more producers lower it."
+        )
+    source = bound if bound else article
+    shm = find(source, "shmpipe:shm")
+    if shm is not None:
+        others = [r for r in (find(source, "mp.Queue"), find(source, "ray.util.iter")) if r]
+        lines.append(
+            f"With {shm.producers} producers{' (enough to outpace the training step)' if bound else ''}, shmpipe "
+            f"waits {_fmt_s(max(shm.above_floor_s, 0.0))} per batch above the floor (median wait "
+            f"{_fmt_s(shm.median_s)}) and takes {_fmt_s(shm.cpu_per_batch_s)} of the trainer's CPU per batch"
+            + "".join(
+                f"; {r.recipe} {_fmt_s(max(r.above_floor_s, 0.0))} (median {_fmt_s(r.median_s)}) and "
+                f"{_fmt_s(r.cpu_per_batch_s)}" for r in others
+            )
+            + "."
+        )
+    return lines
+
+
+@contextmanager
+def one_ray(num_cpus: int, needed: bool) -> Iterator[float | None]:
+    """One local Ray for every Ray recipe of the block (starting Ray takes
+    seconds, ten or more on a busy machine: once, not once per recipe).
+    Yields how long it took to start, or None where it was not started (not
+    needed, not installed, or already running)."""
+    if not needed or ray_util_iter_available() is not None and _why_not("shmpipe:ray") is not None:
+        yield None
+        return
+    import ray
+
+    from shmpipe.transports.ray import _away_from_a_checkout
+
+    if ray.is_initialized():
+        yield None
+        return
+    t0 = time.perf_counter()
+    with _away_from_a_checkout():
+        # address="local": a Ray of our own, even where another local one
+        # runs (ray.init() would join it, and refuse num_cpus)
+        ray.init(
+            address="local", num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=False,
+            log_to_driver=False,
+        )
+    try:
+        yield time.perf_counter() - t0
+    finally:
+        ray.shutdown()
+
+
+def plot(results: list[RecipeResult], path: str, title: str, bound: list[RecipeResult] | None = None,
+         bound_title: str = "") -> None:
+    """Bars of the steady-state wait per batch per recipe (log scale), the
+    producers' floor as a black tick; a second panel for the transport-bound
+    run when there is one."""
     plt = pyplot()
-    done = [r for r in results if not r.skipped]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(done) + 1.6))
-    names = [r.recipe for r in done][::-1]
-    means = [max(r.mean_s, 1e-6) * 1e3 for r in done][::-1]
-    p99 = [max(r.p99_s, 1e-6) * 1e3 for r in done][::-1]
-    colors = ["#4C72B0" if n.startswith("shmpipe") else "#999999" for n in names]
-    ax.barh(names, means, color=colors)
-    ax.errorbar(p99, names, fmt="|", color="black", markersize=12, label="p99")
-    ax.set_xscale("log")
-    ax.set_xlabel("wait for the next batch, ms (bar: mean; tick: p99; log scale)")
-    ax.set_title(title)
-    for y, m in enumerate(means):
-        ax.text(m, y, f" {m:.2f} ms", va="center", fontsize=8)
-    ax.legend(loc="lower right")
+    panels = [(results, title)] + ([(bound, bound_title)] if bound else [])
+    rows = sum(len([r for r in res if not r.skipped]) for res, _ in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.45 * rows + 1.8 * len(panels)), squeeze=False)
+    # One log scale for every panel, from 0.05 ms: bars of different runs
+    # compare by length, and a bar's length means the same in each.
+    longest = max((r.wait_s for res, _ in panels for r in res if r.waits_s and r.wait_s == r.wait_s), default=1.0)
+    for ax, (res, name) in zip(axes[:, 0], panels, strict=True):
+        done = [r for r in res if not r.skipped and r.waits_s]
+        names = [r.recipe for r in done][::-1]
+        waits = [max(r.wait_s, 1e-5) * 1e3 for r in done][::-1]
+        floors = [r.floor_s * 1e3 for r in done][::-1]
+        colors = ["#4C72B0" if n.startswith("shmpipe") else "#999999" for n in names]
+        ax.barh(names, waits, color=colors)
+        shown = [(f, n) for f, n in zip(floors, names, strict=True) if f > 0]
+        if shown:
+            ax.errorbar([f for f, _ in shown], [n for _, n in shown], fmt="|", color="black", markersize=14,
+                        label="floor the producers allow")
+            ax.legend(loc="best", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlim(0.05, longest * 1e3 * 4)
+        ax.set_xlabel("mean wait per batch once every producer has delivered, ms (log scale)")
+        ax.set_title(name, fontsize=10)
+        for y, m in enumerate(waits):
+            ax.text(m, y, " " + _fmt_s(m / 1e3), va="center", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

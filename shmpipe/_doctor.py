@@ -1,0 +1,276 @@
+"""Checks this machine for what breaks pipelines in practice, one line each:
+OK, or WARN with the fix. Exits 1 when a check warns.
+
+  /dev/shm            its size (Docker gives 64 MB): the named backing
+                      (backing="posix") lives there; the default ring does not
+  memory for rings    what the default ring (sealed memfd) draws on instead:
+                      MemAvailable, or the cgroup's limit when it is smaller
+  open files          ulimit -n: each producer holds a few descriptors, Ray many
+  locked memory       ulimit -l: pinned (page-locked) memory for a GPU copy
+  huge pages          transparent huge pages for shared memory (information)
+  start methods       forkserver or spawn, which producers start with
+  packages            numpy and the optional ones, with their versions
+                      (read from the installed metadata, nothing imported)
+  CUDA devices        from the driver (/proc/driver/nvidia), torch not imported
+  leftover segments   named segments whose processes died (shmpipe clean)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import multiprocessing
+import os
+import platform
+import re
+import resource
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+
+__all__ = ["Check", "checks", "main"]
+
+GiB, MiB = 1 << 30, 1 << 20
+
+#: Below this /dev/shm is Docker's default size or close to it.
+SHM_WARN_BYTES = 1 * GiB
+#: Below this the default rings (and a few 48 MB batches) may not fit.
+MEMORY_WARN_BYTES = 1 * GiB
+#: A pipeline of 8 producers holds about 40 descriptors; Ray and TensorFlow
+#: open hundreds more. 1024 is the usual soft default; Docker's or a
+#: login's 256 or less runs out.
+NOFILE_WARN = 1024
+#: pin_memory=True page-locks the ring for a GPU copy.
+MEMLOCK_WARN_BYTES = 1 * GiB
+
+#: optional package -> the minimum shmpipe's extras ask for, and the extra
+OPTIONAL = {
+    "numpy": (None, None),
+    "pyarrow": ("14", "arrow"),
+    "ray": ("2.9", "ray"),
+    "tensorflow": ("2.16", "tensorflow"),
+    "torch": ("2.1", "torch"),
+    "rich": ("13", "bench"),
+    "matplotlib": ("3.7", "bench"),
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    value: str
+    #: what to do about it (with ok False), or why it does not matter
+    fix: str = ""
+
+    @property
+    def status(self) -> str:
+        return "OK" if self.ok else "WARN"
+
+    def as_dict(self) -> dict[str, object]:
+        d: dict[str, object] = asdict(self)
+        d["status"] = self.status
+        return d
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= GiB:
+        return f"{nbytes / GiB:.1f} GiB"
+    return f"{nbytes / MiB:.0f} MiB"
+
+
+def check_dev_shm() -> Check:
+    from shmpipe._segments import SHM_DIR
+    from shmpipe.transports.shm import _free_bytes
+
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        return Check("/dev/shm", False, f"cannot be read ({exc.strerror})",
+                     'only backing="posix" needs it; the default ring does not')
+    total, free = st.f_blocks * st.f_frsize, _free_bytes(SHM_DIR)
+    value = f"{_size(total)}, {_size(free)} free"
+    if total < SHM_WARN_BYTES:
+        return Check("/dev/shm", False, value,
+                     'the default ring does not use it, but backing="posix" and other libraries (PyTorch\'s '
+                     "DataLoader, Ray's object store) do: docker run --shm-size=8g (or mount -o remount,size=8G "
+                     "/dev/shm)")
+    return Check("/dev/shm", True, value)
+
+
+def check_memory() -> Check:
+    from shmpipe.transports.shm import _cgroup_memory_free, _memory_available
+
+    room, what = _memory_available()
+    cgroup = _cgroup_memory_free()
+    limit = "no cgroup memory limit" if cgroup is None else f"the cgroup may charge {_size(cgroup)} more"
+    if room is None:
+        return Check("memory for rings", True, f"unknown (no MemAvailable); {limit}")
+    value = f"{_size(room)}: {what}; {limit}"
+    if room < MEMORY_WARN_BYTES:
+        return Check("memory for rings", False, value,
+                     "the default ring (sealed memfd) is charged to this memory: give the container or "
+                     "cgroup more (docker run --memory=...), or use a smaller capacity or slot_size")
+    return Check("memory for rings", True, value)
+
+
+def _limit(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else str(value)
+
+
+def check_open_files() -> Check:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    value = f"{_limit(soft)} (hard limit {_limit(hard)})"
+    if soft != resource.RLIM_INFINITY and soft < NOFILE_WARN:
+        if hard == resource.RLIM_INFINITY or hard >= 4096:
+            fix = "ulimit -n 4096 before starting Python"
+        else:
+            fix = (f"the hard limit is {hard}: raise it (docker run --ulimit nofile=4096:4096, or "
+                   "/etc/security/limits.conf), then ulimit -n 4096")
+        return Check("open files (ulimit -n)", False, value, fix)
+    return Check("open files (ulimit -n)", True, value)
+
+
+def check_locked_memory(gpus: int) -> Check:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    value = f"{'unlimited' if soft == resource.RLIM_INFINITY else _size(soft)}"
+    small = soft != resource.RLIM_INFINITY and soft < MEMLOCK_WARN_BYTES
+    if small and gpus:
+        return Check("locked memory (ulimit -l)", False, value,
+                     "to_torch(pin_memory=True) page-locks the ring: ulimit -l unlimited "
+                     "(docker run --ulimit memlock=-1)")
+    return Check("locked memory (ulimit -l)", True, value,
+                 "" if not small else "matters only for pinned memory on a GPU machine")
+
+
+def check_huge_pages() -> Check:
+    values = []
+    for name in ("enabled", "shmem_enabled"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                text = f.read()
+        except OSError:
+            continue
+        m = re.search(r"\[(\w+)\]", text)
+        values.append(f"{name} {m.group(1) if m else text.strip()}")
+    return Check("transparent huge pages", True, ", ".join(values) or "not available",
+                 "information only: shmpipe works either way")
+
+
+def check_start_methods() -> Check:
+    from shmpipe._options import default_start_method
+
+    methods = multiprocessing.get_all_start_methods()
+    value = f"{', '.join(methods)}; producers start with {default_start_method()}"
+    if "forkserver" not in methods and "spawn" not in methods:
+        return Check("start methods", False, value, "shmpipe needs forkserver or spawn (Linux has both)")
+    return Check("start methods", True, value)
+
+
+def _version(name: str) -> str | None:
+    for dist in (name, f"{name}-cpu") if name == "tensorflow" else (name,):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _older(version: str, minimum: str) -> bool:
+    def parts(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in re.findall(r"\d+", v)[:3])
+
+    return parts(version) < parts(minimum)
+
+
+def check_packages() -> list[Check]:
+    out = []
+    for name, (minimum, extra) in OPTIONAL.items():
+        version = _version(name)
+        label = f"package {name}"
+        if version is None:
+            if extra is None:
+                out.append(Check(label, False, "not installed", "pip install numpy"))
+            else:
+                how = (
+                    "pip install torch (a plain torch from PyPI is a multi-GB CUDA build; for the CPU build: "
+                    "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+                    if name == "torch" else f'pip install "shmpipe[{extra}]"'
+                )
+                out.append(Check(label, True, "not installed (optional)", how))
+        elif minimum is not None and _older(version, minimum):
+            fix = f'shmpipe needs {name}>={minimum}: pip install -U "{name}>={minimum}"'
+            out.append(Check(label, False, version, fix))
+        else:
+            out.append(Check(label, True, version))
+    return out
+
+
+def cuda_devices() -> int:
+    """NVIDIA GPUs the driver lists (0 without a driver)."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def check_cuda(gpus: int) -> Check:
+    smi = shutil.which("nvidia-smi")
+    if gpus:
+        return Check("CUDA devices", True, f"{gpus} (driver loaded{', nvidia-smi at ' + smi if smi else ''})")
+    return Check("CUDA devices", True, "none: no NVIDIA driver loaded" + (f" (but nvidia-smi at {smi})" if smi else ""),
+                 "to_torch(device='cuda') needs one; everything else runs on the CPU")
+
+
+def check_leftovers() -> Check:
+    from shmpipe._segments import sweep
+
+    left = sweep(dry_run=True)
+    if left:
+        names = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+        return Check("leftover segments", False, f"{len(left)} whose processes died: {names}",
+                     "shmpipe clean (removes only segments whose owner died)")
+    return Check("leftover segments", True, "none")
+
+
+def checks() -> list[Check]:
+    """Every check, on this machine, now."""
+    gpus = cuda_devices()
+    return [
+        check_dev_shm(),
+        check_memory(),
+        check_open_files(),
+        check_locked_memory(gpus),
+        check_huge_pages(),
+        check_start_methods(),
+        *check_packages(),
+        check_cuda(gpus),
+        check_leftovers(),
+    ]
+
+
+def main(as_json: bool = False) -> int:
+    """`shmpipe doctor`: prints the checks; 1 if any warns, else 0."""
+    import shmpipe
+
+    found = checks()
+    problems = [c for c in found if not c.ok]
+    if as_json:
+        print(json.dumps({
+            "shmpipe": shmpipe.__version__, "python": platform.python_version(), "kernel": platform.release(),
+            "ok": not problems, "checks": [c.as_dict() for c in found],
+        }, indent=2))
+    else:
+        print(f"shmpipe doctor: shmpipe {shmpipe.__version__}, Python {platform.python_version()}, "
+              f"Linux {platform.release()}, {os.cpu_count()} CPUs")
+        width = max(len(c.name) for c in found)
+        for c in found:
+            line = f"  {c.status:<4}  {c.name:<{width}}  {c.value}"
+            if c.fix and not c.ok:
+                line += f"\n        fix: {c.fix}"
+            elif c.fix:
+                line += f"  ({c.fix})"
+            print(line)
+        print(f"{len(problems)} problem(s)" if problems else "no problems found")
+    sys.stdout.flush()
+    return 1 if problems else 0
