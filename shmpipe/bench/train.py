@@ -24,18 +24,24 @@ adds up the CPU time of every process of the recipe (the trainer, its
 producers or workers, the forkserver) and samples their memory. Per recipe:
 images/s (steady state: from the end of the first training step to the end
 of the last), the share of that time the trainer was idle waiting for input,
-CPU seconds per image (every process of the recipe, start-up included), and
-peak memory (the sum of the proportional set sizes of all its processes,
+CPU seconds per image (every process of the recipe, from building the input
+pipeline to the end: the producers' start-up included, the trainer's imports
+and model not), and peak memory (the sum of the proportional set sizes of all its processes,
 sampled every 0.2 s, so shared memory counts once; and the trainer's own
 peak RSS).
 
 The idle fraction of a torch loop is measured: the time spent in next()
 over the time of the steps. model.fit does not say how long it waited, so
 for Keras it is estimated: 1 - (steps x one step on a batch already in
-memory) / elapsed, clipped to [0, 1]. That reference step is timed in the
-same process just before. With producers busy on the same cores, the
-estimate also counts the trainer slowed by them, so its noise floor is a few
-per cent.
+memory) / elapsed, clipped to [0, 1], with that reference step timed in the
+same process just before. The estimate counts, beside the wait, any time the
+trainer computed slower than it did alone (producers on the same cores,
+other load): it is an upper bound on the wait. The JSON has both figures
+for torch, which shows how far apart they are on the machine at hand.
+
+The trainer computes with the cores the producers leave (--trainer-threads,
+at least 1): on 2 cores with 2 producers, torch's default of one thread per
+core made every torch step about ten times slower, whatever fed it.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +90,7 @@ _SAMPLE_EVERY_S = 0.2
 
 @dataclass(frozen=True)
 class TrainConfig:
-    images: int = 1920  # per recipe: the trainer sees exactly this many
+    images: int = 4800  # per recipe: the trainer sees exactly this many
     batch_size: int = 32
     workers: int = 2  # shmpipe producers, DataLoader workers
     crop: int = 64  # random crop, crop x crop pixels
@@ -130,6 +136,7 @@ class RecipeResult:
     peak_pss_bytes: int = 0  # sum over the recipe's processes, sampled
     trainer_peak_rss_bytes: int = 0
     processes: int = 0  # the most seen at once
+    runs_images_per_s: list[float] = field(default_factory=list)  # every run's, with repeat
     skipped: str | None = None
     error: str | None = None
 
@@ -553,41 +560,67 @@ def _environ() -> dict[str, str]:
     return env
 
 
+def _run_one(name: str, cfg: TrainConfig, out: str) -> RecipeResult:
+    code = "from shmpipe.bench.train import _supervise_main; _supervise_main()"
+    # A session of its own: the recipe's processes can be killed as a group
+    # whatever happens here (a timeout, a Ctrl-C), and the terminal's Ctrl-C
+    # reaches this process, not the middle of a measurement.
+    sup = subprocess.Popen(
+        [sys.executable, "-c", code, name, json.dumps(asdict(cfg)), out], env=_environ(), start_new_session=True
+    )
+    try:
+        sup.wait(cfg.timeout_s + 120)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+            sup.wait(30)
+    if not os.path.exists(out):
+        return RecipeResult(name, error=f"its supervisor ended with status {sup.returncode}")
+    data = json.loads(Path(out).read_text())
+    known = set(RecipeResult.__dataclass_fields__)
+    return RecipeResult(**{k: v for k, v in data.items() if k in known})
+
+
 def run(
-    cfg: TrainConfig, recipes: list[str] | None = None, progress: Callable[[str], None] | None = None
+    cfg: TrainConfig,
+    recipes: list[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    repeat: int = 1,
 ) -> list[RecipeResult]:
-    """Runs each recipe in a process of its own, one after the other;
-    returns their results (one that cannot run comes back with `skipped`,
-    one that failed with `error`)."""
+    """Runs each recipe in a process of its own, one after the other, and
+    the whole round `repeat` times; returns per recipe the run with the
+    median images/s (`runs_images_per_s` lists them all). A recipe that
+    cannot run comes back with `skipped`, one that failed with `error`."""
     cfg.check()
+    if repeat < 1:
+        raise ShmpipeValueError(f"repeat must be at least 1, not {repeat}")
     names = list(RECIPES) if recipes is None else recipes
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         raise ShmpipeValueError(f"unknown recipes {unknown}; known: {', '.join(RECIPES)}")
-    results = []
-    config = json.dumps(asdict(cfg))
+    runs: dict[str, list[RecipeResult]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="shmpipe-bench-train-") as tmp:
-        for i, name in enumerate(names):
-            if progress:
-                progress(name)
-            why = why_not(name)
-            if why is not None:
-                results.append(RecipeResult(name, skipped=why))
-                continue
-            out = os.path.join(tmp, f"{i}.json")
-            code = "from shmpipe.bench.train import _supervise_main; _supervise_main()"
-            sup = subprocess.Popen([sys.executable, "-c", code, name, config, out], env=_environ())
-            try:
-                sup.wait(cfg.timeout_s + 120)
-            except subprocess.TimeoutExpired:
-                sup.kill()
-                sup.wait(30)
-            if os.path.exists(out):
-                data = json.loads(Path(out).read_text())
-                known = {f for f in RecipeResult.__dataclass_fields__}
-                results.append(RecipeResult(**{k: v for k, v in data.items() if k in known}))
-            else:
-                results.append(RecipeResult(name, error=f"its supervisor ended with status {sup.returncode}"))
+        for round_no in range(repeat):  # rounds, not a recipe's runs in a row: a change of load hits all alike
+            for i, name in enumerate(names):
+                if progress:
+                    progress(name if repeat == 1 else f"{name} ({round_no + 1}/{repeat})")
+                why = why_not(name)
+                if why is not None:
+                    runs[name].append(RecipeResult(name, skipped=why))
+                    continue
+                runs[name].append(_run_one(name, cfg, os.path.join(tmp, f"{round_no}-{i}.json")))
+    results = []
+    for name in names:
+        failed = [r for r in runs[name] if r.error or r.skipped]
+        if failed:
+            results.append(failed[0])
+            continue
+        ranked = sorted(runs[name], key=lambda r: r.images_per_s)
+        median = ranked[(len(ranked) - 1) // 2]
+        median.runs_images_per_s = [r.images_per_s for r in runs[name]]
+        results.append(median)
     return results
 
 
