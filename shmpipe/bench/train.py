@@ -435,6 +435,8 @@ def _recipe_main() -> None:
 
 
 def _children(pid: int) -> list[int]:
+    if not _HAS_CHILDREN_FILES:  # a kernel without CONFIG_PROC_CHILDREN: every process's parent
+        return [p for p, parent in _parents().items() if parent == pid]
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -446,6 +448,21 @@ def _children(pid: int) -> list[int]:
                 out.extend(int(c) for c in f.read().split())
         except OSError:
             pass
+    return out
+
+
+_HAS_CHILDREN_FILES = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def _parents() -> dict[int, int]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
+            except (OSError, IndexError, ValueError):
+                pass
     return out
 
 
@@ -667,12 +684,16 @@ def plot(results: list[RecipeResult], path: str, title: str) -> None:
     rates = [r.images_per_s for r in done][::-1]
     colors = ["#4C72B0" if "shmpipe" in n else "#999999" for n in names]
     ax.barh(names, rates, color=colors)
+    spread = [(r.images_per_s - min(r.runs_images_per_s), max(r.runs_images_per_s) - r.images_per_s)
+              if len(r.runs_images_per_s) > 1 else (0.0, 0.0) for r in done][::-1]
+    if any(lo or hi for lo, hi in spread):  # with repeat: the slowest and fastest run
+        ax.errorbar(rates, names, xerr=list(zip(*spread, strict=True)), fmt="none", ecolor="black", capsize=3)
     for y, r in enumerate(done[::-1]):
         est = "" if r.idle_method == "measured" else " est."
         label = f" {r.images_per_s:,.0f}/s, idle {r.idle_fraction:.0%}{est}"
-        ax.text(r.images_per_s, y, label, va="center", fontsize=8)
-    ax.set_xlabel("images/s into the trainer (steady state)")
-    ax.set_xlim(0, max(rates, default=1) * 1.35)
+        ax.text(max(r.runs_images_per_s or [r.images_per_s]), y, label, va="center", fontsize=8)
+    ax.set_xlabel("images/s into the trainer (steady state; bar: median run, whisker: slowest and fastest)")
+    ax.set_xlim(0, max((max(r.runs_images_per_s or [r.images_per_s]) for r in done), default=1) * 1.35)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
