@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,28 @@ def test_bench_train_runs_every_recipe_and_its_figures_are_sane(tmp_path):
         assert r["processes"] >= (1 if ":tf.data" in name else 3), (name, r)
         assert f"| {name.split(':')[0]} | {name.split(':')[1]} |" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):
+    from shmpipe.__main__ import main
+    from shmpipe.bench import train
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "train", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    cfg = train.TrainConfig()
+    for option, default in [
+        ("--images", cfg.images), ("--batch-size", cfg.batch_size), ("--workers", cfg.workers), ("--crop", cfg.crop),
+        ("--sides", f"{cfg.min_side},{cfg.max_side}"), ("--distinct", cfg.distinct),
+        ("--reference-steps", cfg.reference_steps), ("--trainer-threads", 0), ("--timeout", f"{cfg.timeout_s:g}"),
+        ("--repeat", 1),
+    ]:
+        assert re.search(rf"{option} \S+ [^-]*\(default {default}\b", text), option
+    for name in train.RECIPES:
+        assert name in text
+    # Refused before anything starts, with what to change.
+    assert main(["bench", "train", "--images", "10", "--batch-size", "8"]) == 2
+    assert "must be at least two batches" in capsys.readouterr().err
+    assert main(["bench", "train", "--crop", "128", "--sides", "96,224"]) == 2
+    assert "crop (128) <= min_side (96)" in capsys.readouterr().err
