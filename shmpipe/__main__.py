@@ -3,6 +3,7 @@
     shmpipe bench seed         the article's experiment, every recipe side by side
     shmpipe bench throughput   transport-bound GB/s and batches/s, every transport
     shmpipe bench serialize    every serialization path, in one process
+    shmpipe bench train        end to end: a JPEG pipeline into Keras and torch training, every loader
     shmpipe doctor             check this machine for what breaks pipelines
     shmpipe clean              remove segments left by processes that died
 """
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 
 from shmpipe import _doctor
 from shmpipe import clean as do_clean
-from shmpipe.bench import seed, serialize, throughput
+from shmpipe.bench import seed, serialize, throughput, train
 from shmpipe.bench._report import Progress, environment, human_size, parse_size
 from shmpipe.bench._report import output_captured as _output_captured
 from shmpipe.errors import ShmpipeError, TransportUnavailableError
@@ -202,6 +203,42 @@ def _bench_serialize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_train(args: argparse.Namespace) -> int:
+    cfg = train.TrainConfig(
+        images=args.images, batch_size=args.batch_size, workers=args.workers, crop=args.crop,
+        min_side=args.sides[0], max_side=args.sides[1], distinct=args.distinct,
+        reference_steps=args.reference_steps, trainer_threads=args.trainer_threads, timeout_s=args.timeout,
+    )
+    recipes = args.recipes or list(train.RECIPES)
+    progress = Progress(len(recipes) * args.repeat, "bench train")
+    with progress.running():
+        results = train.run(cfg, recipes, progress=progress.step, repeat=args.repeat)
+    print(
+        f"shmpipe bench train: {cfg.images} images per recipe ({cfg.distinct} distinct JPEGs, sides "
+        f"{cfg.min_side} to {cfg.max_side} px), random {cfg.crop}x{cfg.crop} crop, batches of {cfg.batch_size}, "
+        f"{cfg.workers} producers or workers, {cfg.threads} trainer thread(s)"
+        + (f"; median of {args.repeat} runs" if args.repeat > 1 else "")
+    )
+    print(train.table(results))
+    for r in results:
+        if r.error:
+            print(f"\n{r.recipe} failed: {r.error}", file=sys.stderr)
+    _write_json(args.json, "train", {"config": {**cfg.__dict__, "trainer_threads": cfg.threads},
+                                     "results": [r.as_dict() for r in results]})
+    if args.plot:
+        train.plot(results, args.plot, f"Images/s into the trainer ({cfg.workers} producers or workers)")
+        print(f"wrote {args.plot}")
+    return 1 if any(r.error for r in results) else 0
+
+
+def _sides(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not MIN,MAX: {text!r} (say 96,224)") from None
+    return low, high
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written; every option's help ends with its default
     (an option without one says in its help what happens without it)."""
@@ -240,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON instead of text")
 
-    bench = sub.add_parser("bench", help="benchmarks: seed, throughput, serialize", formatter_class=_HelpFormatter)
+    bench = sub.add_parser(
+        "bench", help="benchmarks: seed, train, throughput, serialize", formatter_class=_HelpFormatter
+    )
     kinds = bench.add_subparsers(dest="kind", required=True)
 
     s = kinds.add_parser("seed", help="the article's experiment, every recipe side by side",
@@ -291,6 +330,34 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
     z.add_argument("--plot", metavar="FILE.png",
                    help="draw time per batch against batch size into FILE.png (default: no plot)")
+    td = train.TrainConfig()  # the defaults, said once
+    d = kinds.add_parser("train", help="end to end: a JPEG pipeline into Keras and torch training, every loader",
+                         description=train.__doc__,
+                         formatter_class=_HelpFormatter)
+    d.add_argument("--images", type=_positive(int), default=td.images,
+                   help=f"images per recipe, all of which the trainer sees (default {td.images})")
+    d.add_argument("--batch-size", type=_positive(int), default=td.batch_size,
+                   help=f"images per batch (default {td.batch_size})")
+    d.add_argument("--workers", type=_positive(int), default=td.workers,
+                   help=f"shmpipe producers and DataLoader workers (default {td.workers})")
+    d.add_argument("--crop", type=_positive(int), default=td.crop,
+                   help=f"side of the random crop, pixels (default {td.crop})")
+    d.add_argument("--sides", type=_sides, default=(td.min_side, td.max_side), metavar="MIN,MAX",
+                   help=f"the JPEGs' sides are drawn from MIN..MAX pixels (default {td.min_side},{td.max_side})")
+    d.add_argument("--distinct", type=_positive(int), default=td.distinct,
+                   help=f"distinct JPEGs made at start; the stream cycles through them (default {td.distinct})")
+    d.add_argument("--reference-steps", type=_positive(int), default=td.reference_steps,
+                   help=f"steps on a batch in memory, timed for the idle estimate (default {td.reference_steps})")
+    d.add_argument("--trainer-threads", type=_positive(int), default=0,
+                   help="the trainer's compute threads (default 0: the cores the producers leave, at least 1)")
+    d.add_argument("--timeout", type=_positive(float), default=td.timeout_s,
+                   help=f"seconds a recipe may run before it is killed (default {td.timeout_s:g})")
+    d.add_argument("--repeat", type=_positive(int), default=1,
+                   help="run every recipe this many times, in rounds, and report the median run (default 1)")
+    d.add_argument("--recipes", nargs="+", metavar="RECIPE", choices=list(train.RECIPES),
+                   help="recipes to run (default: all): " + " ".join(train.RECIPES))
+    d.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
+    d.add_argument("--plot", metavar="FILE.png", help="draw images/s per recipe into FILE.png (default: no plot)")
     return parser
 
 
@@ -308,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         return _doctor.main(as_json=args.json)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "seed": _bench_seed, "throughput": _bench_throughput, "serialize": _bench_serialize,
+        "train": _bench_train,
     }
     try:
         return commands[args.kind](args)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shmpipe.bench import throughput
@@ -84,3 +86,79 @@ def test_gpu_feed_slot_safety_check_runs_on_the_host():
     spec.loader.exec_module(gpu_feed)
     out = gpu_feed.check_slot_safety(torch, argparse.Namespace(batches=6), gated=True, device="cpu")
     assert out == {"batches": 12, "changed": 0, "waits_for_copy_events": True}
+
+
+def test_bench_train_feeds_every_recipe_the_same_images():
+    # Every recipe's loader draws image k's crop and flip from k, so the
+    # batches a producer makes (copied or reserved) are the samples a
+    # DataLoader or tf.data would stack.
+    from shmpipe.bench import train
+
+    cfg = train.TrainConfig(images=20, batch_size=8, distinct=3, crop=16, min_side=20, max_side=40)
+    images = train.Images(train.make_jpegs(cfg), cfg)
+    assert len(images.jpegs) == 3 and all(j[:2] == b"\xff\xd8" for j in images.jpegs)
+    batch, labels = images.batch(2)  # the last, short batch
+    assert batch.shape == (4, 16, 16, 3) and batch.dtype == np.float32
+    for i, k in enumerate(range(16, 20)):
+        sample, label = images[k]
+        np.testing.assert_array_equal(batch[i], sample)
+        assert labels[i] == label == k % 10
+    assert abs(float(batch.mean())) < 3 and float(batch.std()) > 0.1  # normalised, not blank
+    with pytest.raises(IndexError):
+        images[20]
+
+
+@pytest.mark.timeout(900)
+def test_bench_train_runs_every_recipe_and_its_figures_are_sane(tmp_path):
+    from shmpipe.bench import train
+
+    out, png = tmp_path / "train.json", tmp_path / "train.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmpipe", "bench", "train", "--images", "48", "--batch-size", "16",
+         "--distinct", "4", "--crop", "24", "--sides", "32,48", "--reference-steps", "2", "--timeout", "300",
+         "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=840, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "train" and data["config"]["images"] == 48
+    results = {r["recipe"]: r for r in data["results"]}
+    assert list(results) == list(train.RECIPES)
+    for name, r in results.items():
+        assert r["skipped"] is None and r["error"] is None, (name, r)
+        assert r["images"] == 48 and r["steps"] == 3, (name, r)  # every image requested, counted by the trainer
+        assert 0 <= r["idle_fraction"] <= 1 and 0 <= r["idle_estimated"] <= 1, (name, r)
+        assert r["idle_method"] == ("measured" if name.startswith("torch:") else "estimated")
+        assert r["images_per_s"] > 0 and r["window_s"] > 0 and r["first_step_s"] > 0 and r["reference_step_s"] > 0
+        # CPU of every process of the recipe, from building the input pipeline on.
+        assert 0 < r["cpu_s"] < 300 and r["cpu_s_per_image"] == pytest.approx(r["cpu_s"] / 48)
+        assert r["peak_pss_bytes"] > 20 << 20 and r["trainer_peak_rss_bytes"] > 20 << 20
+        # The trainer, and its two producers or workers (and, for shmpipe, the forkserver), were seen.
+        assert r["processes"] >= (1 if ":tf.data" in name else 3), (name, r)
+        assert f"| {name.split(':')[0]} | {name.split(':')[1]} |" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):
+    from shmpipe.__main__ import main
+    from shmpipe.bench import train
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "train", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    cfg = train.TrainConfig()
+    for option, default in [
+        ("--images", cfg.images), ("--batch-size", cfg.batch_size), ("--workers", cfg.workers), ("--crop", cfg.crop),
+        ("--sides", f"{cfg.min_side},{cfg.max_side}"), ("--distinct", cfg.distinct),
+        ("--reference-steps", cfg.reference_steps), ("--trainer-threads", 0), ("--timeout", f"{cfg.timeout_s:g}"),
+        ("--repeat", 1),
+    ]:
+        assert re.search(rf"{option} \S+ [^-]*\(default {default}\b", text), option
+    for name in train.RECIPES:
+        assert name in text
+    # Refused before anything starts, with what to change.
+    assert main(["bench", "train", "--images", "10", "--batch-size", "8"]) == 2
+    assert "must be at least two batches" in capsys.readouterr().err
+    assert main(["bench", "train", "--crop", "128", "--sides", "96,224"]) == 2
+    assert "crop (128) <= min_side (96)" in capsys.readouterr().err

@@ -1,0 +1,701 @@
+"""End to end: how much faster does my training run?
+
+A realistic Python input pipeline feeds a small CNN, and each way of running
+that pipeline in parallel is timed where it matters: in the training loop.
+The data are JPEG images of varying sizes (made with Pillow at start, kept
+as bytes); each image is decoded with Pillow, randomly cropped, randomly
+flipped and normalised in NumPy, and the images are batched. The trainer is
+a small Keras model (model.fit) or a small torch model (a plain training
+loop). Recipes:
+
+  keras:tf.data-generator   tf.data.Dataset.from_generator over the images,
+                            .batch(), .prefetch(AUTOTUNE)
+  keras:tf.data-py_function tf.data range().map(tf.py_function(...),
+                            num_parallel_calls=AUTOTUNE), .batch(), .prefetch()
+  keras:shmpipe             N shmpipe producers make batches; to_tf_dataset()
+  keras:shmpipe+reserve     the same, decoding straight into a slot (reserve)
+  torch:DataLoader          torch.utils.data.DataLoader(num_workers=N,
+                            pin_memory where CUDA is)
+  torch:shmpipe             N shmpipe producers; to_torch()
+  torch:shmpipe+reserve     the same, decoding straight into a slot (reserve)
+
+Each recipe runs in a child process of its own, under a supervisor that
+adds up the CPU time of every process of the recipe (the trainer, its
+producers or workers, the forkserver) and samples their memory. Per recipe:
+images/s (steady state: from the end of the first training step to the end
+of the last), the share of that time the trainer was idle waiting for input,
+CPU seconds per image (every process of the recipe, from building the input
+pipeline to the end: the producers' start-up included, the trainer's imports
+and model not), and peak memory (the sum of the proportional set sizes of all its processes,
+sampled every 0.2 s, so shared memory counts once; and the trainer's own
+peak RSS).
+
+The idle fraction of a torch loop is measured: the time spent in next()
+over the time of the steps. model.fit does not say how long it waited, so
+for Keras it is estimated: 1 - (steps x one step on a batch already in
+memory) / elapsed, clipped to [0, 1], with that reference step timed in the
+same process just before. The estimate counts, beside the wait, any time the
+trainer computed slower than it did alone (producers on the same cores,
+other load): it is an upper bound on the wait. The JSON has both figures
+for torch, which shows how far apart they are on the machine at hand.
+
+The trainer computes with the cores the producers leave (--trainer-threads,
+at least 1): on 2 cores with 2 producers, torch's default of one thread per
+core made every torch step about ten times slower, whatever fed it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import shmpipe
+from shmpipe.bench._report import pyplot
+from shmpipe.errors import ShmpipeValueError
+
+__all__ = ["TrainConfig", "RecipeResult", "RECIPES", "run", "table", "plot"]
+
+#: Recipe name -> what it is (the order is the table's).
+RECIPES: dict[str, str] = {
+    "keras:tf.data-generator": "tf.data from_generator, batch, prefetch(AUTOTUNE)",
+    "keras:tf.data-py_function": "tf.data map(tf.py_function, num_parallel_calls=AUTOTUNE), batch, prefetch",
+    "keras:shmpipe": "shmpipe producers, to_tf_dataset()",
+    "keras:shmpipe+reserve": "shmpipe producers decoding into the slot (reserve), to_tf_dataset()",
+    "torch:DataLoader": "torch DataLoader(num_workers=N)",
+    "torch:shmpipe": "shmpipe producers, to_torch()",
+    "torch:shmpipe+reserve": "shmpipe producers decoding into the slot (reserve), to_torch()",
+}
+#: The baseline each recipe's speed-up is against: its trainer's usual input pipeline.
+BASELINES = {"keras": "keras:tf.data-generator", "torch": "torch:DataLoader"}
+
+_MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
+_STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
+_CLASSES = 10
+_SAMPLE_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    images: int = 4800  # per recipe: the trainer sees exactly this many
+    batch_size: int = 32
+    workers: int = 2  # shmpipe producers, DataLoader workers
+    crop: int = 64  # random crop, crop x crop pixels
+    min_side: int = 96  # image sides drawn from [min_side, max_side]
+    max_side: int = 224
+    distinct: int = 256  # distinct JPEGs made at start (the stream cycles through them)
+    reference_steps: int = 20  # steps on a batch in memory, for the Keras idle estimate
+    trainer_threads: int = 0  # the trainer's compute threads; 0: the cores the producers leave, at least 1
+    timeout_s: float = 900.0  # per recipe, then it is killed
+
+    def check(self) -> None:
+        if self.images < 2 * self.batch_size:
+            raise ShmpipeValueError(f"images ({self.images}) must be at least two batches ({2 * self.batch_size})")
+        if min(self.batch_size, self.workers, self.distinct, self.reference_steps) < 1:
+            raise ShmpipeValueError("batch_size, workers, distinct and reference_steps must be at least 1")
+        if not 8 <= self.crop <= self.min_side <= self.max_side:
+            raise ShmpipeValueError(f"need 8 <= crop ({self.crop}) <= min_side ({self.min_side}) <= max_side")
+
+    @property
+    def threads(self) -> int:
+        return self.trainer_threads or max(1, (os.cpu_count() or 1) - self.workers)
+
+    @property
+    def batches(self) -> int:
+        return -(-self.images // self.batch_size)
+
+
+@dataclass
+class RecipeResult:
+    recipe: str
+    images: int = 0  # counted by the trainer
+    steps: int = 0
+    images_per_s: float = float("nan")  # steady state (after the first step)
+    idle_fraction: float = float("nan")
+    idle_method: str = ""  # "measured" (time in next()) or "estimated" (see the module's doc)
+    idle_measured: float | None = None
+    idle_estimated: float = float("nan")
+    reference_step_s: float = float("nan")
+    first_step_s: float = float("nan")  # from building the input pipeline to the end of the first step
+    window_s: float = float("nan")
+    cpu_s: float = float("nan")  # every process of the recipe, from building the input pipeline to exit
+    cpu_s_per_image: float = float("nan")
+    peak_pss_bytes: int = 0  # sum over the recipe's processes, sampled
+    trainer_peak_rss_bytes: int = 0
+    processes: int = 0  # the most seen at once
+    runs_images_per_s: list[float] = field(default_factory=list)  # every run's, with repeat
+    skipped: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- the input pipeline (top level: producer processes unpickle it) ------------
+
+
+def make_jpegs(cfg: TrainConfig, seed: int = 0) -> list[bytes]:
+    """cfg.distinct JPEGs of random sizes: smooth colour fields with a
+    little noise (compressing like photographs, not like pure noise)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(cfg.distinct):
+        h, w = (int(s) for s in rng.integers(cfg.min_side, cfg.max_side + 1, size=2))
+        coarse = rng.integers(0, 256, size=(h // 16 + 2, w // 16 + 2, 3), dtype=np.uint8)
+        img = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC), dtype=np.int16)
+        img = np.clip(img + rng.integers(-12, 13, size=img.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def augment_into(jpeg: bytes, k: int, crop: int, out: np.ndarray) -> None:
+    """Decodes one JPEG, crops a random crop x crop window, flips it at
+    random and writes it normalised (float32) into out. Image k of the
+    stream draws the same crop and flip in every recipe."""
+    from PIL import Image
+
+    rng = np.random.default_rng(k)
+    with Image.open(io.BytesIO(jpeg)) as im:
+        pixels = np.asarray(im.convert("RGB"))
+    h, w = pixels.shape[:2]
+    y, x = int(rng.integers(0, h - crop + 1)), int(rng.integers(0, w - crop + 1))
+    window = pixels[y : y + crop, x : x + crop]
+    if rng.random() < 0.5:
+        window = window[:, ::-1]
+    np.subtract(window, _MEAN, out=out, dtype=np.float32)
+    out /= _STD
+
+
+class Images:
+    """The stream of (image, label) samples: image k is JPEG k % distinct."""
+
+    def __init__(self, jpegs: list[bytes], cfg: TrainConfig) -> None:
+        self.jpegs, self.cfg = jpegs, cfg
+
+    def __len__(self) -> int:
+        return self.cfg.images
+
+    def __getitem__(self, k: int) -> tuple[np.ndarray, int]:
+        if not 0 <= k < self.cfg.images:
+            raise IndexError(k)
+        image = np.empty((self.cfg.crop, self.cfg.crop, 3), np.float32)
+        augment_into(self.jpegs[k % len(self.jpegs)], k, self.cfg.crop, image)
+        return image, k % _CLASSES
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
+        return (self[k] for k in range(len(self)))
+
+    def batch(self, b: int, reserve: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Batch b: images [b * batch_size, ...) stacked, and their labels;
+        with reserve, written straight into a free slot of the ring."""
+        cfg = self.cfg
+        ks = range(b * cfg.batch_size, min((b + 1) * cfg.batch_size, cfg.images))
+        shape = (len(ks), cfg.crop, cfg.crop, 3)
+        if reserve:
+            spec = (shmpipe.ArraySpec(shape, np.float32), shmpipe.ArraySpec((len(ks),), np.int64))
+            images, labels = shmpipe.reserve(spec)
+        else:
+            images, labels = np.empty(shape, np.float32), np.empty(len(ks), np.int64)
+        for i, k in enumerate(ks):
+            augment_into(self.jpegs[k % len(self.jpegs)], k, cfg.crop, images[i])
+            labels[i] = k % _CLASSES
+        return images, labels
+
+
+class BatchSource:
+    """A shmpipe source: worker i of n makes batches i, i + n, i + 2n, ..."""
+
+    def __init__(self, images: Images, reserve: bool) -> None:
+        self.images, self.reserve = images, reserve
+
+    def __call__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        info = shmpipe.get_worker_info()
+        assert info is not None  # called in a producer
+        for b in range(info.id, self.images.cfg.batches, info.num_workers):
+            yield self.images.batch(b, self.reserve)
+
+
+# -- the recipes, run in the recipe's own process -------------------------------
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _summary(
+    name: str, step_ends: list[float], counts: list[int], t0: float, reference_step_s: float, waits: list[float] | None
+) -> dict[str, Any]:
+    window = step_ends[-1] - step_ends[0]
+    steps = len(step_ends)
+    estimated = min(1.0, max(0.0, 1.0 - reference_step_s * (steps - 1) / window)) if window > 0 else float("nan")
+    measured = sum(waits[1:]) / window if waits is not None and window > 0 else None
+    return {
+        "recipe": name,
+        "images": sum(counts),
+        "steps": steps,
+        "images_per_s": (sum(counts) - counts[0]) / window if window > 0 else float("nan"),
+        "idle_measured": measured,
+        "idle_estimated": estimated,
+        "idle_fraction": measured if measured is not None else estimated,
+        "idle_method": "measured" if measured is not None else "estimated",
+        "reference_step_s": reference_step_s,
+        "first_step_s": step_ends[0] - t0,
+        "window_s": window,
+    }
+
+
+def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, Any], float]:
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(cfg.threads)  # before TensorFlow starts its pools
+    import keras  # type: ignore[import-untyped]
+
+    keras.utils.set_random_seed(0)
+
+    class ImageCount(keras.metrics.Metric):
+        """How many images the trainer was given (a metric sees every batch)."""
+
+        def __init__(self, name: str = "images", **kwargs: Any) -> None:
+            super().__init__(name=name, **kwargs)
+            self.count = self.add_variable(shape=(), initializer="zeros", dtype="int64", name="count")
+
+        def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+            self.count.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], "int64"))
+
+        def result(self) -> Any:
+            return self.count
+
+    class StepEnds(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ends: list[float] = []
+            self.counts: list[int] = []
+
+        def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+            self.ends.append(time.perf_counter())
+            total = int((logs or {})["images"])
+            self.counts.append(total - sum(self.counts))
+
+    c = cfg.crop
+    model = keras.Sequential([
+        keras.Input((c, c, 3)),
+        keras.layers.Conv2D(16, 3, strides=2, activation="relu"),
+        keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
+        keras.layers.Conv2D(64, 3, strides=2, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(_CLASSES),
+    ])
+    model.compile(
+        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[ImageCount()]
+    )
+    # The reference: steps on one batch already in memory (a new fit, so the
+    # count starts again; its first step, which traces, is not timed).
+    x, y = images.batch(0)
+    ref = StepEnds()
+    in_memory = tf.data.Dataset.from_tensors((x, y)).repeat(cfg.reference_steps + 1)
+    model.fit(in_memory, epochs=1, verbose=0, callbacks=[ref])
+    reference_step_s = float(np.median(np.diff(ref.ends)))
+
+    cpu0, t0 = _cpu_self(), time.perf_counter()
+    image_spec = tf.TensorSpec((c, c, 3), tf.float32)
+    pipe = None
+    if name == "keras:tf.data-generator":
+        ds = tf.data.Dataset.from_generator(
+            lambda: iter(images), output_signature=(image_spec, tf.TensorSpec((), tf.int64))
+        ).batch(cfg.batch_size).apply(tf.data.experimental.assert_cardinality(cfg.batches))
+        ds = ds.prefetch(tf.data.AUTOTUNE)
+    elif name == "keras:tf.data-py_function":
+
+        def load(k: Any) -> tuple[np.ndarray, np.int64]:
+            image, label = images[int(k)]
+            return image, np.int64(label)
+
+        def load_tf(k: Any) -> tuple[Any, Any]:
+            image, label = tf.py_function(load, [k], [tf.float32, tf.int64])
+            image.set_shape((c, c, 3))
+            label.set_shape(())
+            return image, label
+
+        ds = tf.data.Dataset.range(cfg.images).map(load_tf, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.batch(cfg.batch_size).prefetch(tf.data.AUTOTUNE)
+    else:
+        reserve = name.endswith("+reserve")
+        pipe = shmpipe.from_iterators([BatchSource(images, reserve)] * cfg.workers, timeout=cfg.timeout_s)
+        ds = pipe.to_tf_dataset(batches_per_pass=cfg.batches)
+    steps = StepEnds()
+    try:
+        model.fit(ds, epochs=1, verbose=0, callbacks=[steps])
+    finally:
+        if pipe is not None:
+            pipe.close()
+    return _summary(name, steps.ends, steps.counts, t0, reference_step_s, None), cpu0
+
+
+def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, Any], float]:
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 16, 3, stride=2), torch.nn.ReLU(),
+                torch.nn.Conv2d(16, 32, 3, stride=2), torch.nn.ReLU(),
+                torch.nn.Conv2d(32, 64, 3, stride=2), torch.nn.ReLU(),
+                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, _CLASSES),
+            )
+
+        def forward(self, x: Any) -> Any:
+            return self.layers(x.permute(0, 3, 1, 2))  # the batches are NHWC, as Keras's
+
+    model = Net().to(device)
+    optimizer = torch.optim.Adam(model.parameters())
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x: Any, y: Any) -> None:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    x0, y0 = (torch.from_numpy(a).to(device) for a in images.batch(0))
+    ref = []
+    for _ in range(cfg.reference_steps + 1):
+        step(x0, y0)
+        ref.append(time.perf_counter())
+    reference_step_s = float(np.median(np.diff(ref)))
+
+    cpu0, t0 = _cpu_self(), time.perf_counter()
+    pipe = None
+    loader: Any
+    if name == "torch:DataLoader":
+        loader = torch.utils.data.DataLoader(
+            images, batch_size=cfg.batch_size, num_workers=cfg.workers, pin_memory=cuda
+        )
+    else:
+        reserve = name.endswith("+reserve")
+        pipe = shmpipe.from_iterators([BatchSource(images, reserve)] * cfg.workers, timeout=cfg.timeout_s)
+        loader = pipe.to_torch(device=device if cuda else None, pin_memory=cuda)
+    ends: list[float] = []
+    counts: list[int] = []
+    waits: list[float] = []
+    try:
+        it = iter(loader)
+        while True:
+            t = time.perf_counter()
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            waits.append(time.perf_counter() - t)
+            step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            counts.append(len(y))
+            del x, y  # let go of the slot before waiting for the next one
+            ends.append(time.perf_counter())
+        del it
+    finally:
+        if pipe is not None:
+            pipe.close()
+    return _summary(name, ends, counts, t0, reference_step_s, waits), cpu0
+
+
+def _recipe_main() -> None:
+    """The recipe's process: argv = [recipe, config JSON, result path]."""
+    name, cfg = sys.argv[1], TrainConfig(**json.loads(sys.argv[2]))
+    images = Images(make_jpegs(cfg), cfg)
+    trainer = _keras_recipe if name.startswith("keras:") else _torch_recipe
+    summary, cpu_before = trainer(name, cfg, images)
+    summary["cpu_before_s"] = cpu_before
+    summary["trainer_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(sys.argv[3]).write_text(json.dumps(summary))
+
+
+# -- the supervisor: CPU and memory of every process of the recipe ---------------
+
+
+def _children(pid: int) -> list[int]:
+    if not _HAS_CHILDREN_FILES:  # a kernel without CONFIG_PROC_CHILDREN: every process's parent
+        return [p for p, parent in _parents().items() if parent == pid]
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+_HAS_CHILDREN_FILES = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def _parents() -> dict[int, int]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    out[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(_children(p))
+    return found
+
+
+def _pss_bytes(pid: int) -> int:
+    """The process's proportional set size (shared pages divided among
+    the processes that map them); its RSS where smaps_rollup is missing."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _reap_all(deadline: float) -> None:
+    """Waits for every descendant that was handed to this (subreaper)
+    process, killing what is left at the deadline."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if time.monotonic() > deadline:
+                for p in _descendants(os.getpid()):
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                deadline = float("inf")
+            time.sleep(0.05)
+
+
+def _supervise_main() -> None:
+    """argv = [recipe, config JSON, result path]. Runs the recipe's process,
+    becomes the reaper of everything it leaves behind, and adds up their CPU
+    (RUSAGE_CHILDREN counts every descendant once it is reaped)."""
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    name, config, out = sys.argv[1:4]
+    timeout = float(json.loads(config)["timeout_s"])
+    inner = out + ".recipe"
+    with tempfile.TemporaryFile("w+") as log:
+        code = "from shmpipe.bench.train import _recipe_main; _recipe_main()"
+        proc = subprocess.Popen([sys.executable, "-c", code, name, config, inner], stdout=log, stderr=subprocess.STDOUT)
+        peak, most = 0, 0
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            pids = _descendants(os.getpid())
+            peak = max(peak, sum(_pss_bytes(p) for p in pids))
+            most = max(most, len(pids))
+            if time.monotonic() > deadline:
+                proc.kill()
+            time.sleep(_SAMPLE_EVERY_S)
+        _reap_all(time.monotonic() + 60)
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        result: dict[str, Any] = {"recipe": name, "peak_pss_bytes": peak, "processes": most}
+        if proc.returncode == 0 and os.path.exists(inner):
+            result.update(json.loads(Path(inner).read_text()))
+            result["cpu_s"] = usage.ru_utime + usage.ru_stime - result.pop("cpu_before_s")
+            result["cpu_s_per_image"] = result["cpu_s"] / max(1, result["images"])
+        else:
+            log.seek(0)
+            tail = log.read()[-3000:]
+            why = "timed out" if time.monotonic() > deadline else f"exit status {proc.returncode}"
+            result["error"] = f"{why}: {tail}"
+    if os.path.exists(inner):
+        os.unlink(inner)
+    Path(out).write_text(json.dumps(result))
+
+
+# -- the runner -------------------------------------------------------------------
+
+
+def why_not(name: str) -> str | None:
+    """None if the recipe can run here; else why not."""
+    import importlib.util
+
+    need = {
+        "keras": ("tensorflow", 'pip install "shmpipe[tensorflow]"'),
+        "torch": ("torch", 'pip install "shmpipe[torch]"'),
+    }
+    module, how = need[name.split(":")[0]]
+    for m, h in ((module, how), ("PIL", "pip install pillow")):
+        if importlib.util.find_spec(m) is None:
+            return f"{m} is not installed ({h})"
+    return None
+
+
+def _environ() -> dict[str, str]:
+    env = dict(os.environ)
+    # TensorFlow's C++ start-up banner says nothing about this benchmark.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # The recipe imports this very shmpipe, wherever it was imported from.
+    root = str(Path(shmpipe.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _run_one(name: str, cfg: TrainConfig, out: str) -> RecipeResult:
+    code = "from shmpipe.bench.train import _supervise_main; _supervise_main()"
+    # A session of its own: the recipe's processes can be killed as a group
+    # whatever happens here (a timeout, a Ctrl-C), and the terminal's Ctrl-C
+    # reaches this process, not the middle of a measurement.
+    sup = subprocess.Popen(
+        [sys.executable, "-c", code, name, json.dumps(asdict(cfg)), out], env=_environ(), start_new_session=True
+    )
+    try:
+        sup.wait(cfg.timeout_s + 120)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+            sup.wait(30)
+    if not os.path.exists(out):
+        return RecipeResult(name, error=f"its supervisor ended with status {sup.returncode}")
+    data = json.loads(Path(out).read_text())
+    known = set(RecipeResult.__dataclass_fields__)
+    return RecipeResult(**{k: v for k, v in data.items() if k in known})
+
+
+def run(
+    cfg: TrainConfig,
+    recipes: list[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    repeat: int = 1,
+) -> list[RecipeResult]:
+    """Runs each recipe in a process of its own, one after the other, and
+    the whole round `repeat` times; returns per recipe the run with the
+    median images/s (`runs_images_per_s` lists them all). A recipe that
+    cannot run comes back with `skipped`, one that failed with `error`."""
+    cfg.check()
+    if repeat < 1:
+        raise ShmpipeValueError(f"repeat must be at least 1, not {repeat}")
+    names = list(RECIPES) if recipes is None else recipes
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise ShmpipeValueError(f"unknown recipes {unknown}; known: {', '.join(RECIPES)}")
+    runs: dict[str, list[RecipeResult]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory(prefix="shmpipe-bench-train-") as tmp:
+        for round_no in range(repeat):  # rounds, not a recipe's runs in a row: a change of load hits all alike
+            for i, name in enumerate(names):
+                if progress:
+                    progress(name if repeat == 1 else f"{name} ({round_no + 1}/{repeat})")
+                why = why_not(name)
+                if why is not None:
+                    runs[name].append(RecipeResult(name, skipped=why))
+                    continue
+                runs[name].append(_run_one(name, cfg, os.path.join(tmp, f"{round_no}-{i}.json")))
+    results = []
+    for name in names:
+        failed = [r for r in runs[name] if r.error or r.skipped]
+        if failed:
+            results.append(failed[0])
+            continue
+        ranked = sorted(runs[name], key=lambda r: r.images_per_s)
+        median = ranked[(len(ranked) - 1) // 2]
+        median.runs_images_per_s = [r.images_per_s for r in runs[name]]
+        results.append(median)
+    return results
+
+
+# -- the report ---------------------------------------------------------------------
+
+
+def _fmt(v: float | None, fmt: str) -> str:
+    return "-" if v is None or v != v else format(v, fmt)
+
+
+def table(results: list[RecipeResult]) -> str:
+    """Markdown: per recipe images/s, the speed-up over its trainer's usual
+    input pipeline, the trainer's idle fraction, CPU per image and memory."""
+    by_name = {r.recipe: r for r in results}
+    lines = [
+        "| trainer | input pipeline | images/s | speed-up | trainer idle | CPU ms/image | peak memory, all processes "
+        "| trainer peak RSS | first step |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        trainer, loader = r.recipe.split(":", 1)
+        if r.skipped or r.error:
+            what = f"skipped: {r.skipped}" if r.skipped else f"failed: {(r.error or '').splitlines()[0]}"
+            lines.append(f"| {trainer} | {loader} | {what} | | | | | | |")
+            continue
+        base = by_name.get(BASELINES[trainer])
+        ok = base is not None and not base.error and not base.skipped and base.images_per_s > 0
+        speedup = f"{r.images_per_s / base.images_per_s:.2f}x" if ok and base else "-"
+        idle = _fmt(r.idle_fraction, ".0%") + ("" if r.idle_method == "measured" else " (est.)")
+        lines.append(
+            f"| {trainer} | {loader} | {_fmt(r.images_per_s, ',.0f')} | {speedup} | {idle} | "
+            f"{_fmt(r.cpu_s_per_image * 1e3, '.2f')} | {r.peak_pss_bytes / 2**20:,.0f} MiB | "
+            f"{r.trainer_peak_rss_bytes / 2**20:,.0f} MiB | {_fmt(r.first_step_s, '.1f')} s |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[RecipeResult], path: str, title: str) -> None:
+    """Bars of images/s per recipe, each labelled with the trainer's idle fraction."""
+    plt = pyplot()
+    done = [r for r in results if not r.skipped and not r.error]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(done) + 1.6))
+    names = [r.recipe for r in done][::-1]
+    rates = [r.images_per_s for r in done][::-1]
+    colors = ["#4C72B0" if "shmpipe" in n else "#999999" for n in names]
+    ax.barh(names, rates, color=colors)
+    spread = [(r.images_per_s - min(r.runs_images_per_s), max(r.runs_images_per_s) - r.images_per_s)
+              if len(r.runs_images_per_s) > 1 else (0.0, 0.0) for r in done][::-1]
+    if any(lo or hi for lo, hi in spread):  # with repeat: the slowest and fastest run
+        ax.errorbar(rates, names, xerr=list(zip(*spread, strict=True)), fmt="none", ecolor="black", capsize=3)
+    for y, r in enumerate(done[::-1]):
+        est = "" if r.idle_method == "measured" else " est."
+        label = f" {r.images_per_s:,.0f}/s, idle {r.idle_fraction:.0%}{est}"
+        ax.text(max(r.runs_images_per_s or [r.images_per_s]), y, label, va="center", fontsize=8)
+    ax.set_xlabel("images/s into the trainer (steady state; bar: median run, whisker: slowest and fastest)")
+    ax.set_xlim(0, max((max(r.runs_images_per_s or [r.images_per_s]) for r in done), default=1) * 1.35)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
