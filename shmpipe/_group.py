@@ -50,6 +50,7 @@ This module is core: it knows the transport contract only.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import json
@@ -260,7 +261,10 @@ class _Leader:
         self.tokens = itertools.count()
         self.deadline = time.monotonic() + options.group_timeout
         try:
-            self.pipe = make_pipeline(options)  # starts the producers
+            # The pipeline waits without a deadline: a rank that trains
+            # slowly holds slots, which is backpressure, not a stuck
+            # producer. Each rank applies `timeout` to its own waits.
+            self.pipe = make_pipeline(dataclasses.replace(options, timeout=None))  # starts the producers
         except BaseException:
             listener.close()
             raise
@@ -306,7 +310,10 @@ class _Leader:
             sock, _ = self.listener.accept()
         except OSError:
             return
-        _, uid = _peer(sock)
+        try:
+            _, uid = _peer(sock)
+        except OSError:
+            uid = -1
         if uid != os.getuid():
             sock.close()  # only this user's processes may join (the name is no protection)
             return
@@ -630,7 +637,9 @@ class RankPipeline:
         self._counters = Counters(options.num_workers)
         self._dropped: list[int] = []
         self._close_hooks: list[Callable[[], None]] = []
-        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._sock, self._leader)
+        self._finalizer = weakref.finalize(
+            self, _shut_down, self._close_hooks, self._sock, self._leader, os.getpid()
+        )
         self._closed = False
 
     def _wait_ready(self, deadline: float) -> None:
@@ -869,7 +878,14 @@ def _releaser(sock: socket.socket, token: int) -> Callable[[], None]:
     return release
 
 
-def _shut_down(hooks: list[Callable[[], None]], sock: socket.socket, leader: _Leader | None) -> None:
+def _shut_down(
+    hooks: list[Callable[[], None]], sock: socket.socket, leader: _Leader | None, owner_pid: int
+) -> None:
+    """A rank's end: its close hooks, "bye", and in rank 0 the group. In a
+    process forked from the rank it does nothing: the socket is shared with
+    the rank, and a "bye" from the child would take the rank out of the group."""
+    if os.getpid() != owner_pid:
+        return
     try:
         while hooks:
             hooks.pop()()
