@@ -3,6 +3,7 @@
     shmpipe bench seed         the article's experiment, every recipe side by side
     shmpipe bench throughput   transport-bound GB/s and batches/s, every transport
     shmpipe bench serialize    every serialization path, in one process
+    shmpipe bench ranks        N ranks fed by one shared pool vs one pipeline or DataLoader each
     shmpipe clean              remove segments left by processes that died
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from shmpipe import clean as do_clean
-from shmpipe.bench import seed, serialize, throughput
+from shmpipe.bench import ranks, seed, serialize, throughput
 from shmpipe.bench._report import Progress, environment, human_size, parse_size
 from shmpipe.errors import ShmpipeError
 
@@ -127,6 +128,24 @@ def _bench_serialize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ranks(args: argparse.Namespace) -> int:
+    cfg = ranks.RanksConfig(
+        ranks=args.ranks, producers=args.producers, batches=args.batches, nbytes=parse_size(args.size),
+        work_ms=args.work_ms, passes=args.passes,
+    )
+    setups = args.setups or list(ranks.SETUPS)
+    progress = Progress(len(setups), "bench ranks")
+    with progress.running():
+        results = ranks.run(cfg, setups, progress=progress.step)
+    print(ranks.describe(cfg))
+    print(ranks.table(results))
+    _write_json(args.json, "ranks", {"config": cfg.__dict__, "results": [r.as_dict() for r in results]})
+    if args.plot:
+        ranks.plot(results, args.plot, f"{cfg.ranks} ranks, {human_size(cfg.nbytes)} batches")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="shmpipe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -141,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
 
-    bench = sub.add_parser("bench", help="benchmarks: seed, throughput, serialize")
+    bench = sub.add_parser("bench", help="benchmarks: seed, throughput, serialize, ranks")
     kinds = bench.add_subparsers(dest="kind", required=True)
 
     s = kinds.add_parser("seed", help="the article's experiment, every recipe side by side",
@@ -180,6 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     z.add_argument("--json", metavar="FILE")
     z.add_argument("--plot", metavar="FILE.png", help="draw time per batch against batch size")
 
+    r = kinds.add_parser("ranks", help="N ranks: one shared pool of producers vs one pipeline or DataLoader each",
+                         description=ranks.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
+    r.add_argument("--producers", type=int, default=2,
+                   help="producer processes: of the shared pool; of each rank otherwise (default 2)")
+    r.add_argument("--batches", type=_positive(int), default=200, help="batches per rank per pass (default 200)")
+    r.add_argument("--size", default="1MiB", help="batch size (default 1MiB)")
+    r.add_argument("--work-ms", type=_positive(float), default=1.0, help="producer work per batch, ms (default 1)")
+    r.add_argument("--passes", type=_positive(int), default=1, help="passes (default 1)")
+    r.add_argument("--setups", nargs="+", metavar="SETUP",
+                   help="'shared pool', 'pipeline per rank', 'DataLoader per rank' (default: all)")
+    r.add_argument("--json", metavar="FILE")
+    r.add_argument("--plot", metavar="FILE.png", help="draw batches/s, CPU per batch and memory per setup")
+
     args = parser.parse_args(argv)
     if args.command == "clean":
         removed = do_clean(dry_run=args.dry_run)
@@ -190,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "seed": _bench_seed, "throughput": _bench_throughput, "serialize": _bench_serialize,
+        "ranks": _bench_ranks,
     }
     try:
         return commands[args.kind](args)

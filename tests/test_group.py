@@ -282,6 +282,24 @@ def test_the_ddp_example_trains_under_torchrun(tmp_path):
     assert "batches per rank [21, 21], remainder dropped 3, producer processes 3" in out.stdout
 
 
+def test_bench_ranks_runs_and_writes_json(tmp_path):
+    out_json = tmp_path / "ranks.json"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-m", "shmpipe", "bench", "ranks", "--ranks", "2", "--batches", "12", "--size", "64KiB",
+         "--work-ms", "0", "--setups", "shared pool", "pipeline per rank", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {r["setup"]: r for r in json.loads(out_json.read_text())["results"]}
+    shared, own = results["shared pool"], results["pipeline per rank"]
+    assert shared["batches_per_rank"] == own["batches_per_rank"] == [12, 12]
+    assert (shared["producer_processes"], own["producer_processes"]) == (2, 4)
+    assert (shared["processes_started"], own["processes_started"]) == (4, 6)
+    assert shared["cpu_s"] > 0 and shared["pss_bytes"] > 0
+    assert "| shared pool | 2 | 4 | 12 |" in out.stdout
+
+
 # -- arguments (no process starts) -------------------------------------------------
 
 
