@@ -131,7 +131,7 @@ def _bench_serialize(args: argparse.Namespace) -> int:
 def _bench_ranks(args: argparse.Namespace) -> int:
     cfg = ranks.RanksConfig(
         ranks=args.ranks, producers=args.producers, batches=args.batches, nbytes=parse_size(args.size),
-        work_ms=args.work_ms, passes=args.passes,
+        work_ms=args.work_ms, passes=args.passes, capacity=args.capacity,
     )
     setups = args.setups or list(ranks.SETUPS)
     progress = Progress(len(setups), "bench ranks")
@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--size", default="1MiB", help="batch size (default 1MiB)")
     r.add_argument("--work-ms", type=_positive(float), default=1.0, help="producer work per batch, ms (default 1)")
     r.add_argument("--passes", type=_positive(int), default=1, help="passes (default 1)")
+    r.add_argument("--capacity", type=_positive(int), default=None,
+                   help="slots of each shmpipe ring (default: shmpipe's default for the setup)")
     r.add_argument("--setups", nargs="+", metavar="SETUP",
                    help="'shared pool', 'pipeline per rank', 'DataLoader per rank' (default: all)")
     r.add_argument("--json", metavar="FILE")

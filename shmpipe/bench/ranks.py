@@ -53,6 +53,7 @@ class RanksConfig:
     nbytes: int = 1 << 20
     work_ms: float = 1.0
     passes: int = 1
+    capacity: int | None = None  # the shmpipe setups' (default: shmpipe's)
 
 
 @dataclass
@@ -180,12 +181,13 @@ def _rank(setup: str, cfg: RanksConfig, rank: int, group: str) -> dict[str, Any]
             counts = _split(n * cfg.batches, cfg.producers)
             pipe: Any = shmpipe.from_iterators(
                 [Work(c, cfg.nbytes, cfg.work_ms) for c in counts],
-                start_method="fork", group=group, rank=rank, num_ranks=n, timeout=600,
+                start_method="fork", group=group, rank=rank, num_ranks=n, timeout=600, capacity=cfg.capacity,
             )
         else:
             counts = _split(cfg.batches, cfg.producers)
             pipe = shmpipe.from_iterators(
-                [Work(c, cfg.nbytes, cfg.work_ms) for c in counts], start_method="fork", timeout=600
+                [Work(c, cfg.nbytes, cfg.work_ms) for c in counts], start_method="fork", timeout=600,
+                capacity=cfg.capacity,
             )
         with pipe:
             started = len([p for p in pipe.pids if p is not None])
