@@ -50,6 +50,7 @@ This module is core: it knows the transport contract only.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import errno
 import itertools
@@ -90,10 +91,13 @@ __all__ = ["RankPipeline", "join_group", "socket_address"]
 #: How long a blocking wait lasts before its loop looks at deadlines and
 #: whether the group is closing.
 POLL_S = 0.1
-#: The largest message (a producer's traceback fits many times over).
-MAX_MESSAGE = 1 << 20
+#: The largest message. Each receive allocates this much, so it stays small
+#: (below malloc's mmap threshold): errors' texts are clipped to fit.
+MAX_MESSAGE = 1 << 16
+_MAX_TEXT = 12_000
 MAX_FDS = 4
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_FD = array.array("i")
 
 
 def socket_address(group: str) -> str:
@@ -121,17 +125,31 @@ def _send_quietly(sock: socket.socket, message: list[Any], fds: list[int] | None
         return False
 
 
-def _recv(sock: socket.socket) -> tuple[list[Any] | None, list[int]]:
+def _recvmsg(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
+    """One datagram and the descriptors with it (socket.recv_fds would
+    drop `flags`: MSG_DONTWAIT would block). Descriptors arrive close-on-exec."""
+    data, ancdata, got, _ = sock.recvmsg(
+        MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * _FD.itemsize), flags | socket.MSG_CMSG_CLOEXEC
+    )
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), got
+
+
+def _recv(sock: socket.socket, flags: int = 0) -> tuple[list[Any] | None, list[int]]:
     """The next message and its descriptors; (None, []) at the end of the
-    connection. A malformed message is a GroupError (descriptors closed)."""
+    connection. A malformed message is a GroupError (descriptors closed).
+    With MSG_DONTWAIT, BlockingIOError when there is none."""
     try:
-        data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+        data, fds, got = _recvmsg(sock, flags)
     except ConnectionResetError:
         # The peer closed with messages of ours unread: the kernel reports
         # that (once) before the messages it sent us that are still queued.
         # They count (rank 0 sends "end" and then may close), so read on.
         try:
-            data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+            data, fds, got = _recvmsg(sock, flags)
         except ConnectionResetError:
             return None, []
     if not data:
@@ -139,7 +157,7 @@ def _recv(sock: socket.socket) -> tuple[list[Any] | None, list[int]]:
             os.close(fd)
         return None, []
     try:
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if got & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise GroupError("a group message was larger than allowed (the peer is broken)")
         try:
             message = json.loads(data)
@@ -174,7 +192,14 @@ def _fingerprint(options: PipelineOptions) -> dict[str, Any]:
 
 
 def _error_message(exc: BaseException) -> list[Any]:
-    """An exception as an "error" message every rank turns back into one."""
+    """An exception as an "error" message every rank turns back into one
+    (long texts, a deep traceback, clipped to fit a message)."""
+    message = _error_message_unclipped(exc)
+    message[2] = [a[:_MAX_TEXT] + " [...]" if isinstance(a, str) and len(a) > _MAX_TEXT else a for a in message[2]]
+    return message
+
+
+def _error_message_unclipped(exc: BaseException) -> list[Any]:
     if isinstance(exc, WorkerDiedError):
         return ["error", "worker_died", list(exc.__reduce__()[1])]
     if isinstance(exc, WorkerError):
@@ -369,10 +394,20 @@ class _Leader:
             self.dispatch.start()
 
     def _from_rank(self, link: _Link) -> None:
-        try:
-            message, fds = _recv(link.sock)
-        except (GroupError, OSError):
-            message, fds = None, []
+        """Every message `link`'s rank has sent (releases come in bursts:
+        one wake-up of this thread serves them all)."""
+        first = True
+        while link.state == "live":
+            try:
+                message, fds = _recv(link.sock, 0 if first else socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except (GroupError, OSError):
+                message, fds = None, []
+            first = False
+            self._handle_from_rank(link, message, fds)
+
+    def _handle_from_rank(self, link: _Link, message: list[Any] | None, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)  # ranks send no descriptors
         if message is None:

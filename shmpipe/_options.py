@@ -100,7 +100,10 @@ def check_options(
     if capacity is None:
         capacity = 2 * n + 2
         if grouped is not None:
-            capacity = max(capacity, group_capacity(n, grouped[2], bool(ordered)))
+            # What the group needs to make progress, plus two slots per rank
+            # for records on their way to it (a release takes a round trip).
+            # Still fewer slots than a pipeline per rank would take in all.
+            capacity = max(capacity, group_capacity(n, grouped[2], bool(ordered))) + 2 * grouped[2]
     if not _is_int(capacity) or capacity < 1:
         raise ShmpipeValueError(f"capacity must be a positive int, got {capacity!r}")
     if ordered and capacity < n + 1:
