@@ -149,6 +149,19 @@ def test_unordered_delivery_is_disjoint_and_equal_with_arrow_and_big_batches():
     assert sum(r["big"] for r in reports) > 0  # some did travel outside the ring
 
 
+def test_a_slot_is_not_reused_while_a_rank_holds_its_batch_and_posix_backing_works():
+    """Each rank keeps its first batch while 60 more pass through a ring of
+    10 slots; it is intact at the end of the pass. The ring is a named
+    segment here (backing="posix"), which ranks open by name."""
+    configs = _configs(2, sources=2, per_source=60, passes=2, transport="shm-posix", keep_first=True)
+    reports = _run_ranks(configs)
+    for r in reports:
+        assert r["returncode"] == 0 and r["error"] is None, r
+        assert [len(p) for p in r["passes"]] == [60, 60]
+        assert r["kept_intact"] is True
+        _assert_clean(r)
+
+
 def test_ranks_may_start_in_any_order_and_late():
     configs = _configs(3, sources=2, per_source=6, passes=1, group_timeout=60)
     reports = _run_ranks(list(reversed(configs)), delays=[0.0, 2.0, 3.0])  # rank 2, then 1, then rank 0 3 s later
@@ -391,11 +404,16 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             assert np.array_equal(data, payload_for(w, s, (64,)))
         return w, s
 
-    pipe = batches = ds = None
+    pipe = batches = ds = kept = None
     try:
+        transport: Any = cfg.get("transport", "shm")
+        if transport == "shm-posix":
+            from shmpipe.transports.shm import ShmTransport
+
+            transport = ShmTransport(backing="posix")
         pipe = shmpipe.from_iterators(
             sources,
-            transport=cfg.get("transport", "shm"),
+            transport=transport,
             ordered=cfg.get("ordered", False),
             timeout=60,
             group=cfg["group"],
@@ -416,6 +434,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             for b in batches if adapter == "torch" else ds if adapter == "tf" else pipe:
                 w, s = check(b)
                 got.append([w, s])
+                if cfg.get("keep_first") and kept is None:
+                    kept = (w, s, b["data"])  # its slot must not be reused while this lives
                 del b
                 if cfg.get("kill_at") == [p, len(got)]:
                     result["killed_at"] = time.time()
@@ -427,6 +447,9 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                 if cfg.get("step_s"):
                     time.sleep(cfg["step_s"])
             result["passes"].append(got)
+            if kept is not None:
+                result["kept_intact"] = bool(np.array_equal(kept[2], payload_for(kept[0], kept[1], (64,))))
+                kept = None
             if pipe.closed:
                 break
         result["stats"] = pipe.stats().as_dict()
@@ -440,7 +463,7 @@ def _rank_main(cfg: dict[str, Any]) -> None:
     finally:
         if pipe is not None:
             pipe.close()
-    pipe = batches = ds = None
+    pipe = batches = ds = kept = None
     gc.collect()
     result["ring_fds"] = sorted(ring_descriptors().values())
     with open("/proc/self/maps") as f:
