@@ -131,7 +131,7 @@ def _bench_serialize(args: argparse.Namespace) -> int:
 def _bench_ranks(args: argparse.Namespace) -> int:
     cfg = ranks.RanksConfig(
         ranks=args.ranks, producers=args.producers, batches=args.batches, nbytes=parse_size(args.size),
-        work_ms=args.work_ms, passes=args.passes, capacity=args.capacity,
+        work_ms=args.work_ms, passes=args.passes, capacity=args.capacity, pool_producers=args.pool_producers,
     )
     setups = args.setups or list(ranks.SETUPS)
     progress = Progress(len(setups), "bench ranks")
@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
     r.add_argument("--producers", type=int, default=2,
-                   help="producer processes: of the shared pool; of each rank otherwise (default 2)")
+                   help="producer processes of each rank's own pipeline or DataLoader (default 2)")
+    r.add_argument("--pool-producers", type=int, default=None,
+                   help="producer processes of the shared pool, for all ranks (default: --producers)")
     r.add_argument("--batches", type=_positive(int), default=200, help="batches per rank per pass (default 200)")
     r.add_argument("--size", default="1MiB", help="batch size (default 1MiB)")
     r.add_argument("--work-ms", type=_positive(float), default=1.0, help="producer work per batch, ms (default 1)")

@@ -305,7 +305,7 @@ class _Leader:
         try:
             while not self.stopping.is_set():
                 with self.lock:
-                    links = [link for link in self.links.values() if link.state != "gone"]
+                    links = [link for link in self.links.values() if link.state == "live"]  # others are closed
                 socks: list[socket.socket] = [self.listener, *self.pending, *(link.sock for link in links)]
                 readable, _, _ = select.select(socks, [], [], POLL_S)
                 for sock in readable:
@@ -361,6 +361,9 @@ class _Leader:
         except ValueError:
             sock.close()
             return
+        if type(pid) is not int:
+            sock.close()  # not one of ours
+            return
         if self.failure is not None:  # tell it why the group failed, as the others heard
             _send_quietly(sock, self.failure)
             sock.close()
@@ -385,7 +388,7 @@ class _Leader:
             self.fail(exc)
             return
         with self.lock:
-            self.links[rank] = _Link(sock, rank, int(pid))
+            self.links[rank] = _Link(sock, rank, pid)
             if len(self.links) == self.n:
                 self.ready = True
         if self.ready:
@@ -414,7 +417,7 @@ class _Leader:
             self._rank_gone(link, f"rank {link.rank} (pid {link.pid}) of group {self.group!r} died")
             return
         kind = message[0]
-        if kind == "release" and len(message) == 2:
+        if kind == "release" and len(message) == 2 and type(message[1]) is int:
             with self.lock:
                 batch = link.held.pop(message[1], None)
             del batch  # its root held the slot: the slot is free now
@@ -741,6 +744,8 @@ class RankPipeline:
                 continue
             try:
                 message, fds = _recv(self._sock)
+            except GroupError as exc:
+                self._fail(exc)
             except OSError as exc:
                 self._fail(GroupError(f"group {self.group!r}: reading from rank 0 failed: {exc}"))
             if message is None:
@@ -759,7 +764,9 @@ class RankPipeline:
         kind = message[0]
         try:
             if kind == "batch" and len(message) == 6:
-                _, pass_no, token, record, worker, _nbytes = message
+                _, pass_no, token, record, worker, nbytes = message
+                if not (type(token) is int and isinstance(record, list) and type(nbytes) is int):
+                    self._fail(GroupError(f"group {self.group!r}: a malformed batch message: {message!r:.80}"))
                 release = _releaser(self._sock, token)
                 if pass_no != it.pass_no or self._reader is None:
                     release()  # a pass this rank left early: not for it any more

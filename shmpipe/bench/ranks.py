@@ -6,8 +6,8 @@ busy loop of --work-ms plus filling the array). The same total producer
 work (N x B batches) is done three ways:
 
   shared pool       one pipeline for the group (from_iterators(group=...)):
-                    P producers in all, started by rank 0; each batch goes to
-                    one rank
+                    P producers in all (--pool-producers, default P), started
+                    by rank 0; each batch goes to one rank
   pipeline per rank each rank its own from_iterators with P producers (what
                     a DDP script does without groups: N x P producers)
   DataLoader per rank  each rank its own torch DataLoader (IterableDataset,
@@ -48,7 +48,8 @@ SETUPS = ("shared pool", "pipeline per rank", "DataLoader per rank")
 @dataclass(frozen=True)
 class RanksConfig:
     ranks: int = 2
-    producers: int = 2  # the shared pool's; each rank's own in the other setups
+    producers: int = 2  # each rank's own in the per-rank setups
+    pool_producers: int | None = None  # the shared pool's (default: producers)
     batches: int = 200  # per rank per pass
     nbytes: int = 1 << 20
     work_ms: float = 1.0
@@ -178,7 +179,7 @@ def _rank(setup: str, cfg: RanksConfig, rank: int, group: str) -> dict[str, Any]
         del loader
     else:
         if setup == "shared pool":
-            counts = _split(n * cfg.batches, cfg.producers)
+            counts = _split(n * cfg.batches, cfg.pool_producers or cfg.producers)
             pipe: Any = shmpipe.from_iterators(
                 [Work(c, cfg.nbytes, cfg.work_ms) for c in counts],
                 start_method="fork", group=group, rank=rank, num_ranks=n, timeout=600, capacity=cfg.capacity,
@@ -240,7 +241,7 @@ def _run_setup(setup: str, cfg: RanksConfig) -> SetupResult:
             raise RuntimeError(f"a rank of {setup!r} failed (exit code {proc.returncode})")
         reports.append(json.loads(out.strip().splitlines()[-1]))
     wall = time.perf_counter() - t0
-    producers = cfg.producers if setup == "shared pool" else cfg.producers * cfg.ranks
+    producers = (cfg.pool_producers or cfg.producers) if setup == "shared pool" else cfg.producers * cfg.ranks
     return SetupResult(
         setup=setup,
         ranks=cfg.ranks,
@@ -320,8 +321,8 @@ def plot(results: list[SetupResult], path: str, title: str) -> None:
 def describe(cfg: RanksConfig) -> str:
     return (
         f"shmpipe bench ranks: {cfg.ranks} ranks, {cfg.batches} batches of {human_size(cfg.nbytes)} per rank per "
-        f"pass, {cfg.passes} pass(es), {cfg.work_ms} ms of producer work per batch; {cfg.producers} producers "
-        "(shared pool: in all; otherwise: per rank)"
+        f"pass, {cfg.passes} pass(es), {cfg.work_ms} ms of producer work per batch; "
+        f"{cfg.pool_producers or cfg.producers} producers in the shared pool, {cfg.producers} per rank otherwise"
     )
 
 
