@@ -181,6 +181,13 @@ def test_a_rank_that_never_comes_is_named():
     assert _wait_gone(reports[0]["pids"]) == []
 
 
+def test_a_rank_whose_rank_0_never_comes_says_so():
+    configs = _configs(2, sources=1, per_source=4, passes=1, group_timeout=2)
+    (report,) = _run_ranks(configs[1:])
+    assert report["error"][0] == "GroupStartError", report
+    assert "rank 0 did not start listening" in report["error"][1]
+
+
 def test_ranks_that_disagree_on_the_arguments_do_not_start():
     configs = _configs(2, sources=2, per_source=4, passes=1, group_timeout=20)
     configs[1]["sources"] = 3
