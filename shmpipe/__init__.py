@@ -19,16 +19,20 @@ TensorFlow).
 
 from typing import Any
 
+from shmpipe._group import RankPipeline
 from shmpipe._pipeline import Pipeline, from_iterators
 from shmpipe._producer_context import WorkerInfo, get_worker_info, reserve
 from shmpipe._spec import ArraySpec
-from shmpipe._stats import PipelineStats
+from shmpipe._stats import GroupStats, PipelineStats
 from shmpipe.errors import (
     BatchTooLargeError,
     BatchTypeError,
     CorruptSegmentError,
+    GroupError,
+    GroupStartError,
     PipelineClosedError,
     PipelineTimeoutError,
+    RankDiedError,
     SharedMemoryFullError,
     ShmpipeError,
     ShmpipeTypeError,
@@ -47,10 +51,15 @@ __all__ = [
     "BatchTooLargeError",
     "BatchTypeError",
     "CorruptSegmentError",
+    "GroupError",
+    "GroupStartError",
+    "GroupStats",
     "Pipeline",
     "PipelineClosedError",
     "PipelineStats",
     "PipelineTimeoutError",
+    "RankDiedError",
+    "RankPipeline",
     "SharedMemoryFullError",
     "ShmpipeError",
     "ShmpipeTypeError",

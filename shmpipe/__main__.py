@@ -4,6 +4,7 @@
     shmpipe bench throughput   transport-bound GB/s and batches/s, every transport
     shmpipe bench serialize    every serialization path, in one process
     shmpipe bench train        end to end: a JPEG pipeline into Keras and torch training, every loader
+    shmpipe bench ranks        N ranks fed by one shared pool vs one pipeline or DataLoader each
     shmpipe doctor             check this machine for what breaks pipelines
     shmpipe clean              remove segments left by processes that died
 """
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 
 from shmpipe import _doctor
 from shmpipe import clean as do_clean
-from shmpipe.bench import seed, serialize, throughput, train
+from shmpipe.bench import ranks, seed, serialize, throughput, train
 from shmpipe.bench._report import Progress, environment, human_size, parse_size
 from shmpipe.bench._report import output_captured as _output_captured
 from shmpipe.errors import ShmpipeError, TransportUnavailableError
@@ -231,6 +232,24 @@ def _bench_train(args: argparse.Namespace) -> int:
     return 1 if any(r.error for r in results) else 0
 
 
+def _bench_ranks(args: argparse.Namespace) -> int:
+    cfg = ranks.RanksConfig(
+        ranks=args.ranks, producers=args.producers, batches=args.batches, nbytes=parse_size(args.size),
+        work_ms=args.work_ms, passes=args.passes, capacity=args.capacity, pool_producers=args.pool_producers,
+    )
+    setups = args.setups or list(ranks.SETUPS)
+    progress = Progress(len(setups), "bench ranks")
+    with progress.running():
+        results = ranks.run(cfg, setups, progress=progress.step)
+    print(ranks.describe(cfg))
+    print(ranks.table(results))
+    _write_json(args.json, "ranks", {"config": cfg.__dict__, "results": [r.as_dict() for r in results]})
+    if args.plot:
+        ranks.plot(results, args.plot, f"{cfg.ranks} ranks, {human_size(cfg.nbytes)} batches")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _sides(text: str) -> tuple[int, int]:
     try:
         low, high = (int(v) for v in text.split(","))
@@ -278,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON instead of text")
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: seed, train, throughput, serialize", formatter_class=_HelpFormatter
+        "bench", help="benchmarks: seed, train, throughput, serialize, ranks", formatter_class=_HelpFormatter
     )
     kinds = bench.add_subparsers(dest="kind", required=True)
 
@@ -358,6 +377,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recipes to run (default: all): " + " ".join(train.RECIPES))
     d.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
     d.add_argument("--plot", metavar="FILE.png", help="draw images/s per recipe into FILE.png (default: no plot)")
+    r = kinds.add_parser("ranks", help="N ranks: one shared pool of producers vs one pipeline or DataLoader each",
+                         description=ranks.__doc__,
+                         formatter_class=_HelpFormatter)
+    r.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
+    r.add_argument("--producers", type=int, default=2,
+                   help="producer processes of each rank's own pipeline or DataLoader (default 2)")
+    r.add_argument("--pool-producers", type=int, default=None,
+                   help="producer processes of the shared pool, for all ranks (default: --producers)")
+    r.add_argument("--batches", type=_positive(int), default=200, help="batches per rank per pass (default 200)")
+    r.add_argument("--size", default="1MiB", help="batch size (default 1MiB)")
+    r.add_argument("--work-ms", type=_positive(float), default=1.0, help="producer work per batch, ms (default 1)")
+    r.add_argument("--passes", type=_positive(int), default=1, help="passes (default 1)")
+    r.add_argument("--capacity", type=_positive(int), default=None,
+                   help="slots of each shmpipe ring (default: shmpipe's default for the setup)")
+    r.add_argument("--setups", nargs="+", metavar="SETUP",
+                   help="'shared pool', 'pipeline per rank', 'DataLoader per rank' (default: all)")
+    r.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
+    r.add_argument("--plot", metavar="FILE.png",
+                   help="draw batches/s, CPU per batch and memory per setup into FILE.png (default: no plot)")
     return parser
 
 
@@ -375,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         return _doctor.main(as_json=args.json)
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "seed": _bench_seed, "throughput": _bench_throughput, "serialize": _bench_serialize,
-        "train": _bench_train,
+        "train": _bench_train, "ranks": _bench_ranks,
     }
     try:
         return commands[args.kind](args)

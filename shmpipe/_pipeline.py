@@ -17,7 +17,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 from shmpipe._launch import ProcessLauncher, ctrl_c_held_back
 from shmpipe._options import PipelineOptions, Source, check_options
@@ -29,6 +29,7 @@ from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launc
 if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time here
     import tensorflow as tf
 
+    from shmpipe._group import RankPipeline
     from shmpipe._torch import TorchBatches
 
 __all__ = ["Pipeline", "from_iterators"]
@@ -45,6 +46,7 @@ HEALTH_CHECK_NS = 250_000_000
 STALL_WARNING_NS = 10_000_000_000
 
 
+@overload
 def from_iterators(
     sources: Sequence[Source],
     *,
@@ -55,7 +57,46 @@ def from_iterators(
     timeout: float | None = None,
     slot_size: int | None = None,
     seed: int | None = None,
-) -> Pipeline:
+    group: None = None,
+    rank: None = None,
+    num_ranks: None = None,
+    group_timeout: float = 60.0,
+) -> Pipeline: ...
+
+
+@overload
+def from_iterators(
+    sources: Sequence[Source],
+    *,
+    transport: str | Transport | type[Transport] = "shm",
+    capacity: int | None = None,
+    ordered: bool = False,
+    start_method: str | None = None,
+    timeout: float | None = None,
+    slot_size: int | None = None,
+    seed: int | None = None,
+    group: str,
+    rank: int | None = None,
+    num_ranks: int | None = None,
+    group_timeout: float = 60.0,
+) -> RankPipeline: ...
+
+
+def from_iterators(
+    sources: Sequence[Source],
+    *,
+    transport: str | Transport | type[Transport] = "shm",
+    capacity: int | None = None,
+    ordered: bool = False,
+    start_method: str | None = None,
+    timeout: float | None = None,
+    slot_size: int | None = None,
+    seed: int | None = None,
+    group: str | None = None,
+    rank: int | None = None,
+    num_ranks: int | None = None,
+    group_timeout: float = 60.0,
+) -> Pipeline | RankPipeline:
     """Starts one producer process per source and returns the Pipeline that
     delivers their batches.
 
@@ -84,6 +125,14 @@ def from_iterators(
             BatchTooLargeError naming this option.
         seed: base seed for the producers' seeds (see WorkerInfo); random
             when None.
+        group: several processes of this node (one per GPU) share one
+            pipeline: every one calls from_iterators with the same
+            arguments and this name; rank 0 starts the producers, each
+            batch goes to exactly one rank, every rank gets the same number
+            per pass. Returns a RankPipeline. See docs/several-ranks.md.
+        rank, num_ranks: this process's rank in the group and the group's
+            size; default LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun sets them).
+        group_timeout: seconds the ranks wait for each other to join.
 
     Every argument is checked before any process starts.
     """
@@ -96,7 +145,15 @@ def from_iterators(
         timeout=timeout,
         slot_size=slot_size,
         seed=seed,
+        group=group,
+        rank=rank,
+        num_ranks=num_ranks,
+        group_timeout=group_timeout,
     )
+    if options.group is not None:
+        from shmpipe._group import join_group
+
+        return join_group(options, Pipeline)
     return Pipeline(options)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Counters", "PipelineStats", "WaitHistogram"]
+__all__ = ["Counters", "GroupStats", "PipelineStats", "WaitHistogram"]
 
 
 class WaitHistogram:
@@ -123,6 +123,29 @@ class PipelineStats:
             each = ", ".join("-" if b is None else f"{b:.3f}" for b in self.producer_blocked_s)
             lines.append(f"  producers blocked on a full channel {total:.3f} s ({each})")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """A group of ranks fed by one pipeline (``from_iterators(group=...)``),
+    as rank 0 sees it: batches dealt to each rank, the incomplete last
+    rounds of each pass dropped (released unused so that every rank gets
+    the same number), and the stats of the pipeline that feeds the group.
+    Each rank's own (what it received, how long it waited) is its
+    ``stats()``."""
+
+    group: str
+    num_ranks: int
+    batches_per_rank: tuple[int, ...]
+    dropped_per_pass: tuple[int, ...]
+    dropped_remainder: int
+    passes: int
+    pipeline: PipelineStats
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pipeline"] = self.pipeline.as_dict()
+        return d
 
 
 class Counters:

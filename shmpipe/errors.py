@@ -14,8 +14,11 @@ work as they would anywhere else::
     ├── TransportUnavailableError(ImportError)  a transport's dependency is missing
     ├── PipelineTimeoutError(TimeoutError)
     ├── PipelineClosedError(RuntimeError)
-    └── WorkerError(RuntimeError)     a producer raised
-        └── WorkerDiedError           a producer was killed or exited early
+    ├── WorkerError(RuntimeError)     a producer raised
+    │   └── WorkerDiedError           a producer was killed or exited early
+    └── GroupError(RuntimeError)      a group of ranks sharing one pipeline failed
+        ├── GroupStartError           the ranks did not all join (or disagree)
+        └── RankDiedError             a rank of the group died or left mid-pass
 
     ShmpipeWarning(UserWarning)       something works, but slower than it should
 """
@@ -39,6 +42,9 @@ __all__ = [
     "PipelineClosedError",
     "WorkerError",
     "WorkerDiedError",
+    "GroupError",
+    "GroupStartError",
+    "RankDiedError",
     "ShmpipeWarning",
 ]
 
@@ -201,6 +207,28 @@ class WorkerDiedError(WorkerError):
     def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         exitcode = -self.signal if self.signal else self.exitcode
         return (type(self), (self.worker_id, self.pid, exitcode, self.reason))
+
+
+class GroupError(ShmpipeError, RuntimeError):
+    """A group of ranks sharing one pipeline (``from_iterators(group=...)``)
+    cannot go on; every rank of the group gets one."""
+
+
+class GroupStartError(GroupError):
+    """The ranks of a group did not all join within the start-up timeout
+    (the message names the missing ones), or they disagree on the group."""
+
+
+class RankDiedError(GroupError):
+    """A rank of the group died (or closed its pipeline mid-pass): the other
+    ranks cannot stay in step, so none goes on. ``rank`` is the rank."""
+
+    def __init__(self, message: str, rank: int = -1) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
+        return (type(self), (str(self), self.rank))
 
 
 class ShmpipeWarning(UserWarning):

@@ -129,6 +129,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -153,6 +154,8 @@ __all__ = [
     "Launcher",
     "ProducerControl",
     "ProducerEnd",
+    "RankReader",
+    "SharedBatch",
     "Transport",
     "check_batch",
     "enter_pass",
@@ -217,6 +220,12 @@ class Capabilities:
         A transport with ``own_producers`` runs no shmpipe producer: it
         checks in its own and sets this too (see "Who checks a batch").
     own_producers: the transport runs producers itself (see ``launch``).
+    serves_ranks: one channel can feed several trainer processes of a node
+        (``from_iterators(group=...)``, docs/several-ranks.md): with
+        ``spec.shared_with_ranks`` its ``get`` returns :class:`SharedBatch`
+        objects, ``ConsumerEnd.share_with_ranks`` says how another process
+        maps the channel's memory, and ``Transport.rank_reader`` reads a
+        batch there without a copy.
     """
 
     zero_copy_reads: bool = False
@@ -229,6 +238,7 @@ class Capabilities:
     cancels_passes: bool = False
     checks_batches: bool = False
     own_producers: bool = False
+    serves_ranks: bool = False
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,9 @@ class ChannelSpec:
     #: The multiprocessing context producers start with: queues and locks
     #: meant for them must come from it.
     mp_context: Any = field(default=None, compare=False)
+    #: The channel feeds a group of ranks (capability ``serves_ranks``):
+    #: ``get`` returns SharedBatch objects, decoded in each rank.
+    shared_with_ranks: bool = False
 
     @property
     def quota(self) -> int:
@@ -316,6 +329,12 @@ class ConsumerEnd(abc.ABC):
         Adapters that buffer batches (tf.data) use it not to hold them all."""
         return None
 
+    def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
+        """Capability ``serves_ranks``: what another process of this user
+        needs to map the channel's memory: (a dict of ints and strs, new
+        descriptors the caller sends and closes)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve several ranks")
+
     def producer_blocked_s(self, worker: int) -> float | None:
         """Seconds `worker` spent waiting for room, if the transport knows."""
         return None
@@ -335,6 +354,52 @@ class ConsumerEnd(abc.ABC):
     #: once and unregistered when the pipeline closes). Ray's object store,
     #: for one, is not: pinning it would pin the whole store.
     owns_memory: bool = False
+
+
+@dataclass
+class SharedBatch:
+    """What ``get`` returns on a channel opened ``shared_with_ranks``: one
+    batch, not decoded, for the rank it is dealt to.
+
+    ``root`` holds the batch's place in the channel (its slot) until it is
+    dropped; ``record`` (ints and strs only) tells a :class:`RankReader`
+    where the payload is; ``fd`` is a descriptor of memory of its own the
+    rank must map too (a batch larger than a slot), owned by this object
+    until ``close_fd``."""
+
+    root: Any
+    record: tuple[Any, ...]
+    fd: int | None = None
+
+    def close_fd(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class RankReader(abc.ABC):
+    """A rank's view of a channel shared by a group (``Transport.rank_reader``):
+    maps the channel's memory read-only and turns each record a rank is
+    dealt into the batch, as views of that memory."""
+
+    #: Whether memory_ranges() is this reader's own mapping (see ConsumerEnd).
+    owns_memory: bool = False
+
+    @abc.abstractmethod
+    def read(self, record: tuple[Any, ...], fd: int | None, release: Callable[[], None]) -> Any:
+        """The batch `record` names (with `fd`, memory of its own, which
+        the caller keeps and closes). `release` must be called exactly once,
+        when the last array of the batch is gone (or at once on error)."""
+
+    def held(self) -> int | None:
+        """Batches read and not yet released."""
+        return None
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def close(self) -> None:
+        """No more reads; mappings stay while batches live."""
 
 
 class ProducerEnd(abc.ABC):
@@ -449,6 +514,11 @@ class Transport(abc.ABC):
         open the channel with when the first batch needs `nbytes` (0 when a
         pass ended before any batch). Default: `nbytes`, at least 1."""
         return max(1, nbytes)
+
+    def rank_reader(self, share: dict[str, Any], fds: list[int]) -> RankReader:
+        """Capability ``serves_ranks``, in a rank of a group: a reader of the
+        channel `share` (from ``share_with_ranks``) describes; takes `fds`."""
+        raise NotImplementedError(f"the {self.name!r} transport cannot serve several ranks")
 
     def orphaned(self, handle: Any) -> None:
         """Producer side: the consumer process died, and this producer is

@@ -228,6 +228,10 @@ class ArrowTransport(ShmTransport):
     def batch_nbytes(self, batch: Any) -> int:
         return encoded_size(batch)
 
+    @staticmethod
+    def _decode_payload(root: np.ndarray) -> Any:
+        return decode(root)
+
 
 class ArrowConsumer(ShmConsumer):
     """The ring's consumer end, decoding Arrow payloads."""

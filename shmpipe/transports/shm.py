@@ -37,6 +37,7 @@ from shmpipe.transport import (
     ConsumerEnd,
     ProducerControl,
     ProducerEnd,
+    RankReader,
     Transport,
 )
 
@@ -145,6 +146,7 @@ class ShmTransport(Transport):
         sized_by_first_batch=True,
         cancels_passes=True,
         checks_batches=True,  # the codec's plan refuses a bad batch before a slot is taken
+        serves_ranks=True,
     )
 
     def __init__(self, *, backing: str = "memfd") -> None:
@@ -186,6 +188,16 @@ class ShmTransport(Transport):
 
     def batch_nbytes(self, batch: Any) -> int:
         return _codec.encoded_size(batch)
+
+    def rank_reader(self, share: dict[str, Any], fds: list[int]) -> RankReader:
+        from shmpipe.transports._ranks import ShmRankReader
+
+        return ShmRankReader(share, fds, self._decode_payload)
+
+    @staticmethod
+    def _decode_payload(root: np.ndarray) -> Any:
+        """A slot's payload, decoded (in a rank of a group)."""
+        return _codec.decode(root)
 
     def slot_size_for(self, nbytes: int) -> int:
         return _round_to_pages(max(int(nbytes * HEADROOM), nbytes + _ring.PAGE_SIZE))
@@ -416,6 +428,14 @@ class ShmConsumer(ConsumerEnd):
         self.reader.on_external = self._external
         self.slot_size = slot_size
         self.capacity = spec.capacity
+        # A group's ring (transports/_ranks.py): get() hands out undecoded
+        # batches, and a big batch's descriptor is kept for its rank.
+        self.keeps_external_fds = False
+        self.last_external_fd: int | None = None
+        if spec.shared_with_ranks:
+            from shmpipe.transports._ranks import enable_sharing
+
+            enable_sharing(self)
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         batch = self.reader.take(pass_no, worker, wseq, wait)
@@ -449,8 +469,11 @@ class ShmConsumer(ConsumerEnd):
         fd = self.inbox.take(pass_no, worker, wseq)
         try:
             root = _external.map_external(fd, nbytes, record)
+            if self.keeps_external_fds:  # the group sends it to the batch's rank
+                self.last_external_fd, fd = fd, -1
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         return (_codec.decode(root) if decode else root), nbytes
 
     def begin_pass(self, pass_no: int) -> None:
@@ -491,6 +514,11 @@ class ShmConsumer(ConsumerEnd):
 
     def held(self) -> int:
         return self.ring.held_count()
+
+    def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
+        from shmpipe.transports._ranks import share_of
+
+        return share_of(self)
 
     def producer_blocked_s(self, worker: int) -> float:
         return self.ring.worker_blocked_ns(worker) / 1e9
