@@ -363,8 +363,12 @@ class QueueConsumer(ConsumerEnd):
         pipe that has some."""
         for fd, _ in self._poller.poll(max(0, math.ceil(timeout * 1000))):
             box = self._by_fd.get(fd)
-            if box is None:
-                continue  # the wake pipe: _closed says why
+            if box is None:  # the wake pipe: close() or destroy(); _closed says which
+                try:
+                    os.read(self._wake_r, 64)
+                except OSError:
+                    pass
+                continue
             if self._closed:
                 return
             box.read(self._arrived[box.worker if self.ordered else 0])
