@@ -293,7 +293,7 @@ class QueueConsumer(ConsumerEnd):
         self.num_workers = n
         self.ordered = spec.ordered and n > 1
         made: list[int] = []
-        try:
+        try:  # a Ctrl-C too: the descriptors made so far are closed before it propagates
             data = []
             for _ in range(n):
                 r, w = _new_pipe()
@@ -306,20 +306,20 @@ class QueueConsumer(ConsumerEnd):
                 pools.append((r, w))
             self._wake_r, self._wake_w = _new_pipe()  # destroy() from another thread wakes a waiting get()
             made += (self._wake_r, self._wake_w)
+            self.handle = QueueHandle(
+                pipes=[PassFd(w) for _, w in data],
+                tokens=[(PassFd(r), PassFd(w)) for r, w in pools],
+                blocked=spec.mp_context.RawArray("d", n),
+            )
+            # Every place starts in its pool, as a token.
+            per_pool = spec.quota if self.ordered else spec.capacity
+            self._backlog = [per_pool] * len(pools)  # tokens owed to a pool whose pipe was full
+            for pool in range(len(pools)):
+                self._flush_tokens(pool)
         except BaseException:
             for fd in made:
                 os.close(fd)
             raise
-        self._backlog = [0] * len(pools)  # tokens owed to a pool whose pipe was full
-        self.handle = QueueHandle(
-            pipes=[PassFd(w) for _, w in data],
-            tokens=[(PassFd(r), PassFd(w)) for r, w in pools],
-            blocked=spec.mp_context.RawArray("d", n),
-        )
-        per_pool = spec.quota if self.ordered else spec.capacity
-        for pool in range(len(pools)):
-            self._backlog[pool] = per_pool
-            self._flush_tokens(pool)
         self._inbound = [_Inbound(r, w) for w, (r, _) in enumerate(data)]
         self._by_fd = {box.fd: box for box in self._inbound}
         self._poller = select.poll()
