@@ -70,6 +70,10 @@ def test_a_producer_sigkilled_at_a_random_moment(transport, ordered):
         shapes = [(64,)] + [(rng.choice([64, 256, 4096, 40_000]),) for _ in range(400)]
         source = Shapes(shapes, np.float32, delay=0.0005)
         victim, kill_after = rng.randrange(3), rng.uniform(0.0, 0.25)
+        # Half the cycles, the consumer pauses just before the kill: the
+        # producers then block in put(), the victim perhaps half way through
+        # writing a batch (queue: a frame larger than its pipe).
+        pause = rng.choice([0.0, 0.03])
         seen: dict[int, list[int]] = {}
         pipe = shmpipe.from_iterators([source] * 3, transport=transport, ordered=ordered, capacity=8, timeout=T)
         pids = list(pipe.pids)
@@ -81,6 +85,7 @@ def test_a_producer_sigkilled_at_a_random_moment(transport, ordered):
                     check_batch(b, seen)
                     del b
                     if not killed and time.monotonic() - t0 >= kill_after:
+                        time.sleep(pause)
                         os.kill(pids[victim], signal.SIGKILL)
                         killed = True
                 if not killed:  # the whole pass went by first: kill now, and ask for more
