@@ -261,3 +261,20 @@ def test_queue_a_malformed_frame_is_a_clear_error():
     finally:
         os.close(r)
         os.close(w)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_queue_producers_waiting_for_room_are_counted(ordered):
+    import time
+
+    # A consumer slower than its producers: they spend most of the pass
+    # waiting for a place (for a token, or for room in their pipe).
+    with shmpipe.from_iterators([Counter(200, shape=(1 << 16,))] * 2, transport="queue", capacity=3,
+                                ordered=ordered, timeout=30) as pipe:
+        it = iter(pipe)
+        for _ in range(12):
+            next(it)
+            time.sleep(0.1)
+        blocked = pipe.stats().producer_blocked_s
+    assert all(b is not None and b > 0.1 for b in blocked), blocked
+    assert sum(blocked) > 0.6, blocked
