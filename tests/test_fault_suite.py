@@ -197,10 +197,24 @@ def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
     assert named_segments() - shm_before == set()
 
 
+def kill_consumer(proc: subprocess.Popen) -> None:
+    """SIGKILLs a consumer that hangs, then, after its producers and the
+    resource tracker had time to clean up after it, whatever of its process
+    group is left (SIGKILLing the group at once would kill the tracker too,
+    and leave any semaphore of the consumer in /dev/shm for good)."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in group_members(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+
+
 def run_script(tmp_path, name: str, text: str, *args: str, timeout: float = 60) -> tuple[int, str, str]:
     """Runs `text` as a script in its own process group; (return code,
-    stdout, stderr). A script still running after `timeout` is killed with
-    its whole group, and the test fails saying so."""
+    stdout, stderr). A script still running after `timeout` is killed (see
+    kill_consumer), and the test fails saying so."""
     script = tmp_path / name
     script.write_text(text)
     proc = subprocess.Popen(
@@ -214,7 +228,7 @@ def run_script(tmp_path, name: str, text: str, *args: str, timeout: float = 60) 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_consumer(proc)
         out, err = proc.communicate(timeout=10)
         raise AssertionError(f"{name} {' '.join(args)} hung for {timeout} s: {out!r}\n{err[-3000:]}") from None
     return proc.returncode, out, err
@@ -361,7 +375,7 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
             out, err = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_consumer(proc)
                 proc.communicate(timeout=10)
         lines = out.strip().splitlines()
         assert lines, f"cycle {cycle}: {err[-3000:]}"
