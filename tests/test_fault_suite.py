@@ -1,19 +1,24 @@
-"""The fault suite: producers and consumers killed, stopped and failing at
-random moments, over many cycles, with every delivered batch checked.
+"""The fault suite: producers and consumers killed, stopped, failing and
+interrupted at random moments, over many cycles, with every delivered batch
+checked.
 
-For every transport that runs producers here (shm, arrow; the queue
-transport once a producer killed mid-message can no longer hang it, issue
-11): each cycle runs a pipeline of varied batch sizes (some larger than a
-slot), kills a producer at a random moment, and checks that every batch
-delivered is whole (CRC of its bytes), that each worker's batches arrive
-without a gap or a duplicate up to the failure, that the failure names the
-right worker, and that nothing is left behind (processes, descriptors,
-segments). SHMPIPE_SOAK_CYCLES sets the number of cycles (a long soak:
-SHMPIPE_SOAK_CYCLES=500).
+For every transport that runs producers here (shm, arrow, queue): each
+cycle runs a pipeline of varied batch sizes (some larger than a slot, some
+larger than a pipe's buffer), kills a producer at a random moment, and
+checks that every batch delivered is whole (CRC of its bytes), that each
+worker's batches arrive without a gap or a duplicate up to the failure,
+that the failure names the right worker, and that nothing is left behind
+(processes, descriptors, segments). Producers also end by os._exit,
+SIGSEGV, an exception and SIGSTOP (the timeout); the consumer is SIGKILLed
+and Ctrl-C'd at random moments (construction included), and forks a child
+that exits. Ray, whose start costs seconds, gets one case: a producer's
+process SIGKILLed. SHMPIPE_SOAK_CYCLES sets the number of cycles (a long
+soak: SHMPIPE_SOAK_CYCLES=500).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -26,7 +31,7 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe.testing.memory import ring_descriptors
+from shmpipe.testing.memory import named_segments, ring_descriptors
 from shmpipe.testing.sources import Exiter, Killer, Raiser, Shapes, crc_of
 
 CYCLES = int(os.environ.get("SHMPIPE_SOAK_CYCLES", "6"))
@@ -51,8 +56,12 @@ def check_no_gaps(seen: dict[int, list[int]]) -> None:
         assert seqs == list(range(len(seqs))), f"worker {worker}: {seqs[:20]}... (a gap or a duplicate)"
 
 
+#: The transports whose producers are shmpipe's own processes.
+TRANSPORTS = ["shm", "arrow", "queue"]
+
+
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
-@pytest.mark.parametrize("transport", ["shm", "arrow"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_producer_sigkilled_at_a_random_moment(transport, ordered):
     rng = random.Random(f"{transport}-{ordered}")
     fds = ring_descriptors()
@@ -61,6 +70,10 @@ def test_a_producer_sigkilled_at_a_random_moment(transport, ordered):
         shapes = [(64,)] + [(rng.choice([64, 256, 4096, 40_000]),) for _ in range(400)]
         source = Shapes(shapes, np.float32, delay=0.0005)
         victim, kill_after = rng.randrange(3), rng.uniform(0.0, 0.25)
+        # Half the cycles, the consumer pauses just before the kill: the
+        # producers then block in put(), the victim perhaps half way through
+        # writing a batch (queue: a frame larger than its pipe).
+        pause = rng.choice([0.0, 0.03])
         seen: dict[int, list[int]] = {}
         pipe = shmpipe.from_iterators([source] * 3, transport=transport, ordered=ordered, capacity=8, timeout=T)
         pids = list(pipe.pids)
@@ -72,6 +85,7 @@ def test_a_producer_sigkilled_at_a_random_moment(transport, ordered):
                     check_batch(b, seen)
                     del b
                     if not killed and time.monotonic() - t0 >= kill_after:
+                        time.sleep(pause)
                         os.kill(pids[victim], signal.SIGKILL)
                         killed = True
                 if not killed:  # the whole pass went by first: kill now, and ask for more
@@ -88,7 +102,7 @@ def test_a_producer_sigkilled_at_a_random_moment(transport, ordered):
         assert ring_descriptors() == fds, f"cycle {cycle}: a descriptor of ring memory stayed open"
 
 
-@pytest.mark.parametrize("transport", ["shm", "arrow"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
     "make, error",
     [
@@ -148,12 +162,15 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-@pytest.mark.parametrize("transport", ["shm", "arrow"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
     script = tmp_path / "consumer.py"
     script.write_text(CONSUMER)
     rng = random.Random(transport)
-    shm_before = set(os.listdir("/dev/shm"))
+    # shmpipe's segments only: other processes on the machine come and go in
+    # /dev/shm (multiprocessing's semaphores); a semaphore of ours left
+    # behind would be the resource tracker's warning, checked below.
+    shm_before = named_segments()
     for cycle in range(CYCLES):
         proc = subprocess.Popen(
             [sys.executable, str(script), transport],
@@ -165,12 +182,294 @@ def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
         time.sleep(rng.uniform(0.0, 1.5))  # construction included: Python and shmpipe take ~0.5 s to start
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        proc.stderr.close()
         deadline = time.monotonic() + 10
         while group_members(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         left = group_members(proc.pid)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
+        # Every writer of its stderr is gone now (the resource tracker too,
+        # which would say here what it had to clean up).
+        err = proc.stderr.read().decode(errors="replace")
+        proc.stderr.close()
         assert not left, f"cycle {cycle}: processes outlived their consumer: {left}"
-    assert set(os.listdir("/dev/shm")) == shm_before
+        assert "leaked" not in err and "resource_tracker" not in err, f"cycle {cycle}: {err[-2000:]}"
+    assert named_segments() - shm_before == set()
+
+
+def kill_consumer(proc: subprocess.Popen) -> None:
+    """SIGKILLs a consumer that hangs, then, after its producers and the
+    resource tracker had time to clean up after it, whatever of its process
+    group is left (SIGKILLing the group at once would kill the tracker too,
+    and leave any semaphore of the consumer in /dev/shm for good)."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in group_members(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def run_script(tmp_path, name: str, text: str, *args: str, timeout: float = 60) -> tuple[int, str, str]:
+    """Runs `text` as a script in its own process group; (return code,
+    stdout, stderr). A script still running after `timeout` is killed (see
+    kill_consumer), and the test fails saying so."""
+    script = tmp_path / name
+    script.write_text(text)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_consumer(proc)
+        out, err = proc.communicate(timeout=10)
+        raise AssertionError(f"{name} {' '.join(args)} hung for {timeout} s: {out!r}\n{err[-3000:]}") from None
+    return proc.returncode, out, err
+
+
+# -- issue 11: a producer killed while it writes a large batch ------------------
+
+KILLED_WHILE_IT_PUTS = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import numpy as np
+    import shmpipe
+    from shmpipe.testing.sources import Shapes
+
+    if __name__ == "__main__":
+        shapes = [(1 << 20,)] * 100_000  # float32: 4 MiB a batch
+        pipe = shmpipe.from_iterators([Shapes(shapes, np.float32)], transport=sys.argv[1], capacity=2, timeout=5)
+        pid = pipe.pids[0]
+        killed = None
+        try:
+            with pipe:
+                for i, b in enumerate(pipe):
+                    if i == 2:
+                        # The producer is blocked in put(): the channel is full,
+                        # and (queue) a batch is half written into its pipe.
+                        time.sleep(0.5)
+                        os.kill(pid, signal.SIGKILL)
+                        killed = time.monotonic()
+        except shmpipe.WorkerDiedError as exc:
+            print("died", exc.worker_id, exc.pid == pid, f"{time.monotonic() - killed:.3f}", flush=True)
+        else:
+            print("no error", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_producer_sigkilled_while_it_puts_a_4_mib_batch(tmp_path, transport):
+    # The reproduction of issue 11: with the queue transport built on
+    # multiprocessing.Queue the consumer hung for good in Connection._recv
+    # (timeout=5 or not), and the resource tracker warned about leaked
+    # semaphores at exit.
+    code, out, err = run_script(tmp_path, "killed_while_it_puts.py", KILLED_WHILE_IT_PUTS, transport, timeout=40)
+    assert code == 0, err[-3000:]
+    words = out.split()
+    assert words[:3] == ["died", "0", "True"], out + err[-3000:]
+    assert float(words[3]) < 2.0, f"the death was noticed only {words[3]} s after the kill"
+    assert err == "", f"something printed to stderr (the resource tracker?):\n{err[-3000:]}"
+
+
+# -- the consumer Ctrl-C'd ---------------------------------------------------------
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import gc, json, multiprocessing, os, sys, time
+    import numpy as np
+    import shmpipe
+    from shmpipe.testing.memory import ring_descriptors
+    from shmpipe.testing.sources import Shapes
+
+    if __name__ == "__main__":
+        name = sys.argv[1]
+        if name in ("shm", "arrow"):  # a named segment: something to see left behind
+            transport = shmpipe.get_transport(name)(backing="posix")
+        else:
+            transport = name
+        shapes = [(64,)] + [(n,) for n in [64, 4096, 40_000] * 100_000]
+        pipe = None
+
+        def consume(pipe):  # batches are locals here: gone once it is
+            t = None
+            for b in pipe:
+                if t is None:
+                    print("iterating", flush=True)
+                    t = time.monotonic()
+                elif time.monotonic() - t > 2.0:
+                    return  # the interrupt never came
+
+        print("starting", flush=True)
+        try:
+            pipe = shmpipe.from_iterators([Shapes(shapes, np.float32, delay=0.001)] * 2, transport=transport,
+                                          capacity=6, timeout=30)
+            with pipe:
+                consume(pipe)
+            outcome = "not interrupted"
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+        gc.collect()  # as the leak guards do: what only a reference cycle holds is not left behind
+        left = {
+            "closed": pipe is None or pipe.closed,
+            "children": [p.pid for p in multiprocessing.active_children()],
+            "ring_fds": sorted(ring_descriptors().values()),
+            "pids": [] if pipe is None else pipe.pids,
+        }
+        print(outcome, json.dumps(left), flush=True)
+        sys.exit(130 if outcome == "interrupted" else 0)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "window",
+    [
+        pytest.param(
+            "construction",
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="a Ctrl-C landing while the producers start is lost (SIGINT is ignored then, "
+                "_launch.py); the fix raises it once the start ends",
+            ),
+        ),
+        "iteration",
+    ],
+)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
+    # One Ctrl-C (SIGINT to the process group, as a terminal sends it) at a
+    # random moment: from just before from_iterators() until its producers
+    # run ("construction"), or while batches flow ("iteration"). It must
+    # always become a KeyboardInterrupt in the consumer (deferred, at most,
+    # to the end of a short critical section), and leave nothing behind: no
+    # process, no segment, no descriptor of ring memory, nothing printed.
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    rng = random.Random(f"{transport}-{window}")
+    for cycle in range(max(2, CYCLES // 2)):
+        shm_before = named_segments()
+        proc = subprocess.Popen(
+            [sys.executable, str(script), transport],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        try:
+            assert proc.stdout.readline().strip() == "starting"
+            if window == "construction":
+                time.sleep(rng.uniform(0.0, 0.3))  # from_iterators takes 0.1-0.5 s here
+            else:
+                assert proc.stdout.readline().strip() == "iterating"
+                time.sleep(rng.uniform(0.0, 0.5))
+            os.killpg(proc.pid, signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                kill_consumer(proc)
+                proc.communicate(timeout=10)
+        lines = out.strip().splitlines()
+        assert lines, f"cycle {cycle}: {err[-3000:]}"
+        outcome, _, left = lines[-1].partition(" {")
+        assert outcome == "interrupted", f"cycle {cycle}: no KeyboardInterrupt came: {out!r} {err[-3000:]}"
+        assert proc.returncode == 130
+        assert err == "", f"cycle {cycle}: something printed to stderr (a producer's traceback?):\n{err[-3000:]}"
+        left = json.loads("{" + left)
+        assert left["closed"] and left["children"] == [] and left["ring_fds"] == [], f"cycle {cycle}: {left}"
+        deadline = time.monotonic() + 10
+        while (group_members(proc.pid) or named_segments() - shm_before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group_members(proc.pid) == [], f"cycle {cycle}: processes outlived the consumer"
+        assert all(gone(p) for p in left["pids"]), f"cycle {cycle}: producers outlived the consumer"
+        assert named_segments() - shm_before == set(), f"cycle {cycle}: a segment was left behind"
+
+
+# -- the consumer forks ------------------------------------------------------------
+
+FORKED = textwrap.dedent(
+    """
+    import os, sys
+    import shmpipe
+    from shmpipe.testing.sources import Counter
+
+    if __name__ == "__main__":
+        with shmpipe.from_iterators([Counter(60, delay=0.002)] * 2, transport=sys.argv[1], capacity=4,
+                                    timeout=30) as pipe:
+            it = iter(pipe)
+            seen = [(b["worker"], b["seq"]) for b in [next(it)]]
+            pid = os.fork()
+            if pid == 0:
+                # The child: the parent's pipeline is not its to use or stop.
+                try:
+                    next(it)
+                    code = 10  # it took one of the parent's batches
+                except shmpipe.PipelineClosedError as exc:
+                    code = 0 if "forked" in str(exc) else 11
+                pipe.close()  # does nothing to the parent's pipeline
+                sys.exit(code)  # runs the exit handlers, multiprocessing's and the finalizers included
+            _, status = os.waitpid(pid, 0)
+            print("child", os.waitstatus_to_exitcode(status), flush=True)
+            seen += [(b["worker"], b["seq"]) for b in it]
+            print("parent", len(seen), len(set(seen)), flush=True)
+            again = sorted((b["worker"], b["seq"]) for b in pipe)  # and a pass after it
+            print("again", len(again), again == sorted(set(seen)), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_forked_child_exiting_leaves_the_parents_pipeline_working(tmp_path, transport):
+    code, out, err = run_script(tmp_path, "forker.py", FORKED, transport)
+    assert code == 0, err[-3000:]
+    assert out.split() == ["child", "0", "parent", "120", "120", "again", "120", "True"], out + err[-3000:]
+    assert err == ""
+
+
+# -- Ray ----------------------------------------------------------------------------
+
+
+def test_ray_a_producer_process_sigkilled():
+    # Ray's producers are actors, and a local Ray takes seconds to start, so
+    # Ray gets one case here: an actor's process SIGKILLed while the batches
+    # flow becomes WorkerDiedError naming it within seconds, and the Ray the
+    # pipeline started is gone with it. (Random moments over many cycles,
+    # and the other ways to end, are left to the transports above.)
+    import ray
+
+    assert not ray.is_initialized()
+    pipe = shmpipe.from_iterators(
+        [Shapes([(64,)] + [(4096,)] * 100_000, np.float32, delay=0.002)] * 2,
+        transport="ray",
+        slot_size=1 << 16,
+        timeout=T,
+    )
+    pids = list(pipe.pids)
+    seen: dict[int, list[int]] = {}
+    killed = None
+    with pytest.raises(shmpipe.WorkerDiedError) as info:
+        with pipe:
+            for i, b in enumerate(pipe):
+                check_batch(b, seen)
+                if i == 20:
+                    os.kill(pids[1], signal.SIGKILL)
+                    killed = time.monotonic()
+    noticed = time.monotonic()
+    assert killed is not None
+    assert info.value.worker_id == 1 and info.value.pid == pids[1], str(info.value)
+    assert noticed - killed < 5.0, f"the death was noticed {noticed - killed:.1f} s after the kill"
+    check_no_gaps(seen)
+    assert pipe.closed and pipe.leftovers() == []
+    assert not ray.is_initialized(), "the Ray the pipeline started is still up"
+    deadline = time.monotonic() + 20
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(p) for p in pids), "a Ray producer outlived the pipeline"

@@ -178,3 +178,128 @@ def test_delivered_arrays_cannot_be_made_writable(transport):
                 with pytest.raises(ValueError):
                     arr.flags.writeable = True
             assert not b["x"].flags.writeable
+
+
+# -- the queue transport's pipes ---------------------------------------------------
+
+
+def test_queue_capacity_below_the_number_of_workers():
+    # Unordered pipelines share one pool of places: one place, three producers.
+    with shmpipe.from_iterators([Counter(30)] * 3, transport="queue", capacity=1, timeout=30) as pipe:
+        for _ in range(2):
+            assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(3) for s in range(30)]
+
+
+def test_queue_a_new_pass_while_producers_are_half_way_through_a_batch():
+    # 1 MiB batches through 64 KiB pipes: while the consumer sleeps, each
+    # producer holding a place is blocked half way through writing a batch.
+    # A new pass then cancels them; a batch begun is finished (the stream
+    # has only whole frames) and dropped, and the next pass is whole.
+    import time
+
+    from shmpipe.testing.sources import Shapes, crc_of
+
+    shapes = [(1 << 18,)] * 10  # float32
+    with shmpipe.from_iterators([Shapes(shapes)] * 2, transport="queue", capacity=3, timeout=30) as pipe:
+        for _ in range(3):
+            it = iter(pipe)
+            next(it)
+            time.sleep(0.3)
+        seen = []
+        for b in pipe:
+            assert crc_of(b["x"]) == int(b["crc"])
+            seen.append((b["worker"], b["seq"]))
+        assert sorted(seen) == [(w, s) for w in range(2) for s in range(10)]
+
+
+def test_queue_a_producer_stopped_half_way_through_a_batch_is_a_timeout_that_says_so():
+    import os
+    import signal
+    import time
+
+    from shmpipe.testing.sources import Shapes
+
+    shapes = [(1 << 20,)] * 100  # float32: 4 MiB a batch, a pipe holds 64 KiB
+    pipe = shmpipe.from_iterators([Shapes(shapes)], transport="queue", capacity=2, timeout=1.0)
+    with pytest.raises(shmpipe.PipelineTimeoutError, match=r"worker 0's next batch is arriving \([\d,]+ of [\d,]+ bytes"):
+        with pipe:
+            it = iter(pipe)
+            next(it)
+            time.sleep(0.3)  # the producer blocks half way through writing the next one
+            os.kill(pipe.pids[0], signal.SIGSTOP)
+            t = time.monotonic()
+            try:
+                for _ in it:
+                    t = time.monotonic()
+            finally:
+                waited = time.monotonic() - t
+    assert 1.0 <= waited < 3.0, f"the timeout came after {waited:.1f} s"
+
+
+def test_queue_close_from_another_thread_wakes_the_waiting_consumer():
+    import threading
+    import time
+
+    from shmpipe.testing.sources import Sleeper
+
+    pipe = shmpipe.from_iterators([Sleeper(60.0)], transport="queue", timeout=30)
+    it = iter(pipe)
+    next(it)
+    errors = []
+
+    def consume():
+        try:
+            next(it)  # waits: the producer sleeps
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    pipe.close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < 5.0
+    assert len(errors) == 1 and isinstance(errors[0], shmpipe.PipelineClosedError), errors
+
+
+def test_queue_a_malformed_frame_is_a_clear_error():
+    import collections
+    import os
+
+    from shmpipe.transports.queue import HEADER, MAGIC, _Inbound
+
+    r, w = os.pipe2(os.O_NONBLOCK)
+    try:
+        box = _Inbound(r, 3)
+        arrived: collections.deque = collections.deque()
+        os.write(w, HEADER.pack(MAGIC, 2, 7, 0))  # a whole END frame
+        box.read(arrived)
+        assert list(arrived) == [(3, 2, 7, None)] and box.partial() is None
+        os.write(w, HEADER.pack(MAGIC, 1, 7, 10) + b"12345")  # half a batch
+        box.read(arrived)
+        assert len(arrived) == 1 and box.partial() == (HEADER.size + 5, HEADER.size + 10)
+        os.write(w, b"67890" + HEADER.pack(b"JUNK", 1, 7, 10))
+        with pytest.raises(CorruptSegmentError, match="worker 3's pipe holds a malformed frame header"):
+            box.read(arrived)
+        assert arrived[-1] == (3, 1, 7, bytearray(b"1234567890"))
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_queue_producers_waiting_for_room_are_counted(ordered):
+    import time
+
+    # A consumer slower than its producers: they spend most of the pass
+    # waiting for a place (for a token, or for room in their pipe).
+    with shmpipe.from_iterators([Counter(200, shape=(1 << 16,))] * 2, transport="queue", capacity=3,
+                                ordered=ordered, timeout=30) as pipe:
+        it = iter(pipe)
+        for _ in range(12):
+            next(it)
+            time.sleep(0.1)
+        blocked = pipe.stats().producer_blocked_s
+    assert all(b is not None and b > 0.1 for b in blocked), blocked
+    assert sum(blocked) > 0.6, blocked

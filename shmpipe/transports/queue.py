@@ -1,34 +1,66 @@
-"""The "queue" transport: multiprocessing.Queue, the article's recipe.
+"""The "queue" transport: batches pickled through a pipe, the article's recipe.
 
-Every batch is pickled into a pipe by a feeder thread in the producer and
-unpickled in the consumer: copies and the CPU of both sides, at a size that
-grows with the batch. shmpipe pickles each batch itself with protocol 5
-before queueing it, because multiprocessing pickles with protocol 4, and
-NumPy 2.4 turns a big-endian array pickled that way into a native one (the
-same values, other bytes): with protocol 5 every batch arrives bit-exact,
-at the price of one more copy of the pickle on each side. It is here as the reference: it needs nothing
+Every batch is pickled by its producer, written into a pipe, read and
+unpickled by the consumer: copies and the CPU of both sides, at a size that
+grows with the batch. shmpipe pickles with protocol 5, because NumPy 2.4
+turns a big-endian array pickled with protocol 4 (what multiprocessing uses)
+into a native one (the same values, other bytes): with protocol 5 every
+batch arrives bit-exact. It is here as the reference: it needs nothing
 beyond the standard library, runs anywhere, and is what shmpipe's
 benchmarks compare against.
 
-Unordered pipelines share one queue of ``capacity`` batches; ordered ones
-give each worker its own queue of ``spec.quota``, so one worker cannot fill
-the room while the consumer waits for another.
+It is built from plain pipes rather than ``multiprocessing.Queue``, whose
+consumer can hang for good on a producer killed while it writes: once a
+message has begun, ``Queue.get(timeout=...)`` blocks until the rest of it
+arrives, which never happens (issue 11), and a producer killed while it
+holds the queue's shared writer lock blocks every other producer. Here:
+
+* Each worker writes into a pipe of its own, so a dead writer can only
+  leave half a message in its own pipe, and holds no lock anyone else needs.
+* A message is a frame: a fixed header (magic, kind, pass number, length),
+  then the pickle. The consumer reads every pipe without ever blocking (the
+  descriptors are non-blocking, ``poll`` waits with the caller's deadline),
+  keeps the part of a frame that has arrived, and hands over only whole
+  frames. Half a frame from a producer that died is never delivered; the
+  pipeline learns of the death from the process itself (``_launch``), as
+  ``get`` returns AGAIN within its ``wait``.
+* Room is a pool of tokens, one byte each in a token pipe: a producer takes
+  one (a one-byte read: atomic, however many producers read) before it
+  writes a batch, and the consumer gives it back when ``get`` has returned
+  that batch, or dropped it as a batch of an old pass. Unordered pipelines
+  share one pool of ``capacity`` tokens; ordered ones give each worker its
+  own pool of ``spec.quota``, so one worker cannot take every place while
+  the consumer waits for another. The end of a pass takes no token (one a
+  pass per worker, a header only). A token held by a producer that dies is
+  lost with it; a death ends the pipeline anyway.
+* Nothing is named: no semaphore, no file. Pipes go with the last process
+  holding them, whichever dies, so nothing is left for the resource
+  tracker to warn about.
 """
 
 from __future__ import annotations
 
+import collections
+import math
+import os
 import pickle
-import queue as queue_mod
+import select
+import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from shmpipe import _tree
+from shmpipe._control import PassFd
+from shmpipe.errors import CorruptSegmentError
 from shmpipe.transport import (
     AGAIN,
     END,
+    Cancelled,
     Capabilities,
     ChannelSpec,
+    Closed,
     ConsumerEnd,
     ProducerControl,
     ProducerEnd,
@@ -40,15 +72,45 @@ __all__ = ["QueueTransport"]
 #: How long a blocked put() waits before it looks at the control pipe again.
 CHECK_S = 0.1
 
+#: A frame's header: magic, kind, pass number, length of the pickle after it.
+HEADER = struct.Struct("<4sBxxxqQ")
+MAGIC = b"SPQ1"
+KIND_BATCH = 1
+KIND_END = 2
+#: A length beyond this in a header means the stream is broken, not a batch.
+MAX_FRAME = 1 << 46
+
+_TOKEN = b"t"
+#: How long destroy() waits for a get() in another thread to let go of the
+#: descriptors before it leaves them open rather than close them under it.
+DESTROY_WAIT_S = 5.0
+
+
+def _new_pipe() -> tuple[int, int]:
+    """A non-blocking pipe, (read end, write end), close-on-exec (children
+    get their ends passed explicitly)."""
+    return os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _wait_for(fd: int, events: int, timeout: float) -> bool:
+    """Whether `fd` is ready for `events` within `timeout` seconds (poll,
+    not select: descriptors above 1023 are fine)."""
+    poller = select.poll()
+    poller.register(fd, events)
+    return bool(poller.poll(math.ceil(timeout * 1000)))
+
 
 @dataclass
 class QueueHandle:
-    queues: list  # one (unordered) or one per worker (ordered)
+    """What producers attach with (it travels in their Process arguments)."""
+
+    pipes: list[PassFd]  # each worker's data pipe, write end
+    tokens: list[tuple[PassFd, PassFd]]  # token pools (read end, write end): one, or one per worker (ordered)
     blocked: Any  # RawArray('d'): seconds each worker spent waiting for room
 
 
 class QueueTransport(Transport):
-    """Batches pickled through multiprocessing.Queue."""
+    """Batches pickled through a pipe per producer."""
 
     name = "queue"
     capabilities = Capabilities(serializes="pickle (through a pipe)")
@@ -62,100 +124,356 @@ class QueueTransport(Transport):
 
 class QueueProducer(ProducerEnd):
     def __init__(self, handle: QueueHandle, worker: int, control: ProducerControl) -> None:
-        self.queue = handle.queues[worker if len(handle.queues) > 1 else 0]
+        self.pipe = handle.pipes[worker]
+        token_r, token_w = handle.tokens[worker if len(handle.tokens) > 1 else 0]
+        self.token_r, self.token_w = token_r, token_w
         self.blocked = handle.blocked
         self.worker = worker
         self.control = control
         self.pass_no = 0
+        self.held = 0  # tokens taken and not used yet (a put cancelled before it wrote)
 
     def start_pass(self, pass_no: int) -> None:
         self.pass_no = pass_no
 
     def _put(self, payload: Any) -> None:
-        item = (self.pass_no, self.worker, pickle.dumps(payload, protocol=5))
-        try:
-            self.queue.put(item, block=False)
+        if payload is END:
+            self._write(HEADER.pack(MAGIC, KIND_END, self.pass_no, 0), b"", token=False)
             return
-        except queue_mod.Full:
-            pass
-        t0 = time.perf_counter()
-        try:
-            while True:
-                self.control.check()  # a new pass or a shutdown ends the wait
-                try:
-                    self.queue.put(item, timeout=CHECK_S)
-                    return
-                except queue_mod.Full:
-                    continue
-        finally:
-            self.blocked[self.worker] += time.perf_counter() - t0
+        body = pickle.dumps(payload, protocol=5)
+        self._take_token()
+        self._write(HEADER.pack(MAGIC, KIND_BATCH, self.pass_no, len(body)), body, token=True)
 
     def put(self, batch: Any) -> None:
         self._put(batch)
 
     def end_pass(self) -> None:
+        self._give_back_held()  # room this producer will not use this pass is for the others
         self._put(END)
 
+    # -- room ------------------------------------------------------------------
+
+    def _try_token(self) -> bool:
+        if self.held:
+            self.held -= 1
+            return True
+        try:
+            return os.read(self.token_r.fd, 1) == _TOKEN
+        except BlockingIOError:  # none left (or another producer was quicker)
+            return False
+
+    def _take_token(self) -> None:
+        """Takes a place for one batch, waiting (the backpressure) while
+        there is none; a new pass or a shutdown ends the wait."""
+        if self._try_token():
+            return
+        t0 = time.perf_counter()
+        try:
+            while True:
+                self.control.check()
+                if _wait_for(self.token_r.fd, select.POLLIN, CHECK_S) and self._try_token():
+                    return
+        finally:
+            self.blocked[self.worker] += time.perf_counter() - t0
+
+    def _give_back_held(self) -> None:
+        while self.held:
+            try:
+                os.write(self.token_w.fd, _TOKEN)
+            except BlockingIOError:
+                return  # the pool is full up: there is room enough; keep it
+            self.held -= 1
+
+    # -- the pipe --------------------------------------------------------------
+
+    def _write(self, header: bytes, body: bytes, token: bool) -> None:
+        """Writes one whole frame. A new pass while the pipe is full cancels
+        the put only if nothing of the frame was written yet: the consumer
+        can only skip whole frames, so one begun is finished (the consumer
+        reads on, and drops it as a batch of an old pass)."""
+        views = [memoryview(header), memoryview(body)] if body else [memoryview(header)]
+        written = 0
+        cancelled: Cancelled | None = None
+        t0: float | None = None
+        try:
+            while views:
+                try:
+                    n = os.writev(self.pipe.fd, views)
+                except BlockingIOError:
+                    n = 0
+                except BrokenPipeError:
+                    raise Closed("the consumer is gone") from None
+                written += n
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if views:
+                    views[0] = views[0][n:]
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                    if not _wait_for(self.pipe.fd, select.POLLOUT, CHECK_S):
+                        try:
+                            self.control.check()
+                        except Cancelled as exc:
+                            if written == 0:
+                                if token:
+                                    self.held += 1
+                                raise
+                            cancelled = exc
+        finally:
+            if t0 is not None:
+                self.blocked[self.worker] += time.perf_counter() - t0
+        if cancelled is not None:
+            raise cancelled
+
     def close(self) -> None:
-        # Do not wait at exit for the feeder thread to flush into a pipe that
-        # nobody may read any more.
-        self.queue.cancel_join_thread()
+        self._give_back_held()
+        for fd in (self.pipe, self.token_r, self.token_w):
+            fd.close()
+
+
+class _Inbound:
+    """One worker's pipe, consumer side: reads what has arrived without
+    blocking, and yields whole frames only."""
+
+    __slots__ = ("body", "eof", "fd", "got", "head", "kind", "pass_no", "worker")
+
+    def __init__(self, fd: int, worker: int) -> None:
+        self.fd = fd
+        self.worker = worker
+        self.head = bytearray(HEADER.size)
+        self.got = 0  # bytes of the header, then of the body, read so far
+        self.body: bytearray | None = None
+        self.kind = 0
+        self.pass_no = 0
+        self.eof = False
+
+    def partial(self) -> tuple[int, int] | None:
+        """(bytes arrived, bytes of the frame) of a frame begun, or None."""
+        if self.body is not None:
+            return HEADER.size + self.got, HEADER.size + len(self.body)
+        if self.got:
+            return self.got, -1
+        return None
+
+    def read(self, arrived: collections.deque[tuple[int, int, int, bytearray | None]]) -> None:
+        """Reads until the pipe is empty; whole frames go to `arrived` as
+        (worker, kind, pass number, pickle)."""
+        while True:
+            if self.body is None:
+                into = memoryview(self.head)[self.got :]
+            else:
+                into = memoryview(self.body)[self.got :]
+            try:
+                n = os.readv(self.fd, [into])
+            except BlockingIOError:
+                return
+            if n == 0:
+                self.eof = True  # every writer is gone: what is half here stays half
+                return
+            self.got += n
+            if self.body is None:
+                if self.got < HEADER.size:
+                    continue
+                magic, kind, pass_no, nbytes = HEADER.unpack(self.head)
+                if magic != MAGIC or kind not in (KIND_BATCH, KIND_END) or nbytes > MAX_FRAME:
+                    raise CorruptSegmentError(
+                        f"worker {self.worker}'s pipe holds a malformed frame header {bytes(self.head)!r}"
+                    )
+                self.kind, self.pass_no, self.got = kind, pass_no, 0
+                self.body = bytearray(nbytes)
+            if self.got == len(self.body):
+                arrived.append((self.worker, self.kind, self.pass_no, self.body if self.kind == KIND_BATCH else None))
+                self.body, self.got = None, 0
 
 
 class QueueConsumer(ConsumerEnd):
     def __init__(self, spec: ChannelSpec) -> None:
-        ctx = spec.mp_context
         n = spec.num_workers
-        if spec.ordered:
-            queues = [ctx.Queue(spec.quota) for _ in range(n)]
-        else:
-            queues = [ctx.Queue(spec.capacity)]
-        self.handle = QueueHandle(queues, ctx.RawArray("d", n))
         self.num_workers = n
+        self.ordered = spec.ordered and n > 1
+        made: list[int] = []
+        try:  # a Ctrl-C too: the descriptors made so far are closed before it propagates
+            data = []
+            for _ in range(n):
+                r, w = _new_pipe()
+                made += (r, w)
+                data.append((r, w))
+            pools = []
+            for _ in range(n if self.ordered else 1):
+                r, w = _new_pipe()
+                made += (r, w)
+                pools.append((r, w))
+            self._wake_r, self._wake_w = _new_pipe()  # destroy() from another thread wakes a waiting get()
+            made += (self._wake_r, self._wake_w)
+            self.handle = QueueHandle(
+                pipes=[PassFd(w) for _, w in data],
+                tokens=[(PassFd(r), PassFd(w)) for r, w in pools],
+                blocked=spec.mp_context.RawArray("d", n),
+            )
+            # Every place starts in its pool, as a token.
+            per_pool = spec.quota if self.ordered else spec.capacity
+            self._backlog = [per_pool] * len(pools)  # tokens owed to a pool whose pipe was full
+            for pool in range(len(pools)):
+                self._flush_tokens(pool)
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            raise
+        self._inbound = [_Inbound(r, w) for w, (r, _) in enumerate(data)]
+        self._by_fd = {box.fd: box for box in self._inbound}
+        self._poller = select.poll()
+        for box in self._inbound:
+            self._poller.register(box.fd, select.POLLIN)
+        self._poller.register(self._wake_r, select.POLLIN)
+        # Whole frames not yet returned: in arrival order (unordered), or per
+        # worker (ordered): (worker, kind, pass number, pickle).
+        self._arrived: list[collections.deque[tuple[int, int, int, bytearray | None]]] = [
+            collections.deque() for _ in range(n if self.ordered else 1)
+        ]
         self.ended: set[int] = set()  # workers whose current pass is over (unordered)
         self.pass_no = spec.first_pass
+        # get() and begin_pass() run in the consumer's thread; destroy() may
+        # come from any thread (a close() while another thread waits): it
+        # closes the descriptors only once no get() uses them, so a number
+        # is never read after it was closed (and perhaps reused).
+        self._io = threading.RLock()
+        self._closed = False
 
-    def begin_pass(self, pass_no: int) -> None:
-        if pass_no != self.pass_no:
-            self.pass_no = pass_no
-            self.ended = set()
+    # -- room ------------------------------------------------------------------
 
-    def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
-        q = self.handle.queues[worker if worker >= 0 and len(self.handle.queues) > 1 else 0]
-        deadline = time.monotonic() + wait
-        while True:
+    def _flush_tokens(self, pool: int) -> None:
+        while self._backlog[pool]:
             try:
-                p, w, payload = q.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue_mod.Empty:
-                return AGAIN
+                n = os.write(self.handle.tokens[pool][1].fd, _TOKEN * min(self._backlog[pool], 4096))
+            except BlockingIOError:
+                return  # the pool's pipe is full: owed until some are taken
+            self._backlog[pool] -= n
+
+    def _give_token(self, worker: int) -> None:
+        """The batch of `worker` is off the channel: its place is free."""
+        pool = worker if self.ordered else 0
+        self._backlog[pool] += 1
+        self._flush_tokens(pool)
+
+    # -- frames ------------------------------------------------------------------
+
+    def _read_ready(self, timeout: float) -> None:
+        """Waits up to `timeout` for any pipe to have bytes, then reads every
+        pipe that has some."""
+        for fd, _ in self._poller.poll(max(0, math.ceil(timeout * 1000))):
+            box = self._by_fd.get(fd)
+            if box is None:  # the wake pipe: close() or destroy(); _closed says which
+                try:
+                    os.read(self._wake_r, 64)
+                except OSError:
+                    pass
+                continue
+            if self._closed:
+                return
+            box.read(self._arrived[box.worker if self.ordered else 0])
+            if box.eof:
+                self._poller.unregister(fd)
+
+    def _take(self, pass_no: int, worker: int) -> Any:
+        """The next whole frame for this get(), as what get() returns, or
+        None. Frames of other passes are dropped (their place given back)."""
+        arrived = self._arrived[worker if self.ordered else 0]
+        while arrived:
+            w, kind, p, body = arrived.popleft()
+            if kind == KIND_BATCH:
+                self._give_token(w)
             if p != pass_no:
-                continue  # a batch of a pass no one reads any more
-            payload = pickle.loads(payload)
-            if payload is END:
+                continue  # a frame of a pass no one reads any more
+            if kind == KIND_END:
                 if worker >= 0:
                     return END
                 self.ended.add(w)
                 if len(self.ended) == self.num_workers:
                     return END
                 continue
+            assert body is not None
+            payload = pickle.loads(body)
             self.last_worker = w
             self.last_nbytes = _tree.nbytes(payload)
             return payload
+        if worker < 0 and len(self.ended) == self.num_workers:
+            return END
+        return None
+
+    def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
+        deadline = time.monotonic() + wait
+        with self._io:
+            polled = False
+            while not self._closed:
+                found = self._take(pass_no, worker)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if polled and left <= 0:
+                    break
+                polled = True
+                try:
+                    self._read_ready(left)
+                except OSError:
+                    if not self._closed:
+                        raise
+            return AGAIN
+
+    def begin_pass(self, pass_no: int) -> None:
+        if pass_no == self.pass_no or self._closed:
+            return
+        with self._io:
+            self.pass_no = pass_no
+            self.ended = set()
+            # Frames of the old pass go now, so their producers get the room
+            # back at once.
+            for arrived in self._arrived:
+                keep = [f for f in arrived if f[2] == pass_no]
+                for w, kind, p, _ in arrived:
+                    if kind == KIND_BATCH and p != pass_no:
+                        self._give_token(w)
+                arrived.clear()
+                arrived.extend(keep)
 
     def producer_blocked_s(self, worker: int) -> float:
         return self.handle.blocked[worker]
 
     def describe_wait(self) -> str:
-        try:
-            queued = sum(q.qsize() for q in self.handle.queues)
-        except NotImplementedError:  # macOS
-            return ""
-        return f"{queued} batches are queued for other workers" if queued else "the queue is empty"
+        queued = sum(len(a) for a in self._arrived)
+        parts = [f"{queued} batches are queued for other workers"] if queued else []
+        for box in self._inbound:
+            part = box.partial()
+            if part is not None:
+                got, total = part
+                of = f" of {total:,}" if total >= 0 else ""
+                parts.append(f"worker {box.worker}'s next batch is arriving ({got:,}{of} bytes so far)")
+        return "; ".join(parts) if parts else "the queue is empty"
 
     def close(self) -> None:
-        pass  # producers blocked in put() see "stop" through their control pipe
+        # Producers blocked in put() see "stop" through their control pipe; a
+        # get() waiting in another thread returns now.
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except OSError:
+            pass  # full (it is awake already) or closed
 
     def destroy(self) -> None:
-        for q in self.handle.queues:
-            q.close()
-            q.cancel_join_thread()
+        if self._closed:
+            return
+        self._closed = True
+        self._wake()
+        if not self._io.acquire(timeout=DESTROY_WAIT_S):
+            return  # a get() stuck elsewhere: leave the descriptors rather than close them under it
+        try:
+            for fd in [box.fd for box in self._inbound] + [self._wake_r, self._wake_w]:
+                os.close(fd)
+            for passed in self.handle.pipes + [end for pool in self.handle.tokens for end in pool]:
+                passed.close()
+            for arrived in self._arrived:
+                arrived.clear()
+        finally:
+            self._io.release()
