@@ -329,20 +329,7 @@ INTERRUPTED = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(
-    "window",
-    [
-        pytest.param(
-            "construction",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="a Ctrl-C landing while the producers start is lost (SIGINT is ignored then, "
-                "_launch.py); the fix raises it once the start ends",
-            ),
-        ),
-        "iteration",
-    ],
-)
+@pytest.mark.parametrize("window", ["construction", "iteration"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
     # One Ctrl-C (SIGINT to the process group, as a terminal sends it) at a
