@@ -3,6 +3,13 @@
 Read shmpipe/transport.py's docstring first: it is the contract this
 implements. About a hundred lines: open() makes the pipes, attach() picks a
 producer's end, put() waits for a credit, get() waits on the pipes.
+
+What the brevity costs: get() reads a message with ``recv_bytes``, which
+blocks until the whole message is there, so a producer killed half way
+through writing one leaves the consumer waiting for the rest, past any
+``timeout=``. shmpipe's own "queue" transport (shmpipe/transports/queue.py)
+shows the robust way: frames read from non-blocking descriptors, whole
+frames only handed on, and ``get`` always back within its ``wait``.
 """
 
 from __future__ import annotations
