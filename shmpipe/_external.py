@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe.errors import CorruptSegmentError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
 
 __all__ = ["RECORD", "ExternalMemory", "Inbox", "Outbox", "new_external", "outbox_pair", "read_record", "write_record"]
@@ -184,6 +185,12 @@ class Inbox:
                 raise
 
     def _receive_all(self) -> None:
+        # A Ctrl-C between receiving a descriptor and stashing it would leak
+        # it (close() only knows the stash): held back to the end.
+        with ctrl_c_held_back():
+            self._receive_all_now()
+
+    def _receive_all_now(self) -> None:
         while True:
             try:
                 msg, fds, flags, _ = socket.recv_fds(self.sock, _TAG.size, 4)

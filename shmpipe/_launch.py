@@ -16,7 +16,6 @@ import multiprocessing.process
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import resource_tracker
@@ -30,7 +29,7 @@ from shmpipe._worker import producer_main
 from shmpipe.errors import WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
-__all__ = ["GRACE_S", "ProcessLauncher", "ctrl_c_held_back"]
+__all__ = ["GRACE_S", "ProcessLauncher"]
 
 #: shutdown(): how long producers get to exit on their own before SIGTERM,
 #: and again before SIGKILL.
@@ -194,43 +193,6 @@ class ProcessLauncher(Launcher):
     def leftovers(self) -> list[str]:
         """What is still running after shutdown (for tests): nothing, we hope."""
         return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
-
-
-@contextlib.contextmanager
-def ctrl_c_held_back() -> Iterator[None]:
-    """Holds a Ctrl-C back for the span of the block, and raises it after.
-
-    For the making of a pipeline: a KeyboardInterrupt raised in the middle of
-    it can leave a started process that nothing has recorded yet (so nothing
-    stops it), and code we call there can swallow one outright (the Cython
-    init of numpy.random, imported lazily for the first seeds, did: about 4
-    presses in 100 were lost that way). So for the span a handler only notes
-    a press, and at the end the old handler is put back and a noted press
-    raised again, so it acts as it would have: a KeyboardInterrupt by
-    default, out of this block, where the caller's clean-up sees it.
-
-    Handlers can only be set from the main thread; elsewhere this does
-    nothing (a Ctrl-C goes to the main thread anyway). A handler set from C
-    (getsignal gives None) could not be put back, so it is left alone too.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    pressed: list[int] = []
-
-    def note(signum: int, frame: Any) -> None:
-        pressed.append(signum)
-
-    old = signal.signal(signal.SIGINT, note)
-    try:
-        yield
-    finally:
-        # Code run in the block may have set a handler of its own: then it
-        # stays, and decides what the noted press does.
-        if signal.getsignal(signal.SIGINT) is note:
-            signal.signal(signal.SIGINT, old)
-        if pressed:
-            signal.raise_signal(signal.SIGINT)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, overload
 
-from shmpipe._launch import ProcessLauncher, ctrl_c_held_back
+from shmpipe._interrupts import ctrl_c_held_back
+from shmpipe._launch import ProcessLauncher
 from shmpipe._options import PipelineOptions, Source, check_options
 from shmpipe._producer_context import seed_for
 from shmpipe._stats import Counters, PipelineStats

@@ -28,6 +28,7 @@ import numpy as np
 
 from shmpipe import _codec, _external, _ring, _segments, _tree
 from shmpipe._control import PassFd
+from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._process import owner_identity
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
 from shmpipe.transport import (
@@ -466,14 +467,17 @@ class ShmConsumer(ConsumerEnd):
             raise CorruptSegmentError("a slot announces a batch larger than a slot, which this pipeline forbids")
         if worker != self.reader.last_worker:
             raise CorruptSegmentError(f"a slot of worker {self.reader.last_worker} holds a record of worker {worker}")
-        fd = self.inbox.take(pass_no, worker, wseq)
-        try:
-            root = _external.map_external(fd, nbytes, record)
-            if self.keeps_external_fds:  # the group sends it to the batch's rank
-                self.last_external_fd, fd = fd, -1
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        # From take (the descriptor is ours) into the try that closes it, a
+        # Ctrl-C would leak it: held back to the end of the span.
+        with ctrl_c_held_back():
+            fd = self.inbox.take(pass_no, worker, wseq)
+            try:
+                root = _external.map_external(fd, nbytes, record)
+                if self.keeps_external_fds:  # the group sends it to the batch's rank
+                    self.last_external_fd, fd = fd, -1
+            finally:
+                if fd >= 0:
+                    os.close(fd)
         return (_codec.decode(root) if decode else root), nbytes
 
     def begin_pass(self, pass_no: int) -> None:
