@@ -131,8 +131,10 @@ def from_iterators(
             arguments and this name; rank 0 starts the producers, each
             batch goes to exactly one rank, every rank gets the same number
             per pass. Returns a RankPipeline. See docs/several-ranks.md.
-        rank, num_ranks: this process's rank in the group and the group's
-            size; default LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun sets them).
+        rank: this process's rank in the group; default LOCAL_RANK
+            (torchrun sets it).
+        num_ranks: the group's size; default LOCAL_WORLD_SIZE (torchrun
+            sets it).
         group_timeout: seconds the ranks wait for each other to join.
 
     Every argument is checked before any process starts.
