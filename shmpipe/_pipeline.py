@@ -120,7 +120,31 @@ class _PassIterator:
         return self
 
     def __next__(self) -> Any:
-        return self.pipe._next(self)
+        pipe = self.pipe
+        take_ready = pipe._take_ready
+        # The fast path, for a batch that is already there: one call to the
+        # channel takes, decodes and counts it. Only once the pass has
+        # delivered a batch by the general path (which starts its clock),
+        # while the pipeline is open, for the current pass, and without
+        # waiting for the consumer lock; take_ready itself declines (None)
+        # when no batch is ready, the pass ended, a fault was reported or a
+        # look at the producers is due. Everything else (waiting, ends,
+        # failures, timeouts) is the general path's, below.
+        if take_ready is not None and self.started_ns is not None and not pipe._closed:
+            lock = pipe._consumer_lock
+            if lock.acquire(False):
+                try:
+                    # Under the lock: a new pass cannot start meanwhile.
+                    batch = (
+                        take_ready(self.pass_no, pipe._last_health_ns + HEALTH_CHECK_NS, pipe._counters)
+                        if self.pass_no == pipe._pass_no
+                        else None
+                    )
+                finally:
+                    lock.release()
+                if batch is not None:
+                    return batch
+        return pipe._next(self)
 
 
 class Pipeline:
@@ -151,6 +175,7 @@ class Pipeline:
         self._counters = Counters(options.num_workers)
         self._last_health_ns = self._counters.created_ns
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
+        self._take_ready: Callable[[int, int, Counters], Any] | None = None  # see _fast_path
         transport = options.transport
         self._launcher: Launcher
         if transport.capabilities.own_producers:
@@ -168,6 +193,7 @@ class Pipeline:
             self._forked_from: int | None = None  # set in a child forked from this process
             _live.add(self)
             self._channel = self._launcher.channel  # None while it waits for a first batch
+            self._take_ready = self._fast_path(self._channel)
             self._launcher.begin_pass(0, self._seeds(0))
         except BaseException:  # a Ctrl-C here too: nothing started may outlive the call
             self._launcher.shutdown()
@@ -349,6 +375,16 @@ class Pipeline:
         self._raise_failure_if_any()
         raise StopIteration
 
+    def _fast_path(self, channel: ConsumerEnd | None) -> Callable[[int, int, Counters], Any] | None:
+        """The channel's take_ready, where it has one and the pipeline is
+        unordered (see _PassIterator.__next__): take_ready(pass_no, due_ns,
+        counters) returns a batch already there, taken and counted, or None
+        having done nothing."""
+        if channel is None or self.options.ordered:
+            return None
+        take_ready: Callable[[int, int, Counters], Any] | None = getattr(channel, "take_ready", None)
+        return take_ready
+
     def _wait_for_channel(self, t0: int) -> ConsumerEnd:
         """No channel yet: wait until the launcher can open it (a transport
         sized by its first batch waits for a producer to have one)."""
@@ -356,6 +392,7 @@ class Pipeline:
             with self._consumer_lock:  # one thread opens it
                 if self._channel is None:
                     self._channel = self._launcher.open_channel(POLL_S)
+                    self._take_ready = self._fast_path(self._channel)
             if self._channel is None:
                 self._keep_waiting(t0)
         return self._channel
