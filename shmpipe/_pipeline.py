@@ -125,25 +125,21 @@ class _PassIterator:
         # The fast path, for a batch that is already there: one call to the
         # channel takes, decodes and counts it. Only once the pass has
         # delivered a batch by the general path (which starts its clock),
-        # while the pipeline is open, for the current pass, and without
-        # waiting for the consumer lock; take_ready itself declines (None)
-        # when no batch is ready, the pass ended, a fault was reported or a
-        # look at the producers is due. Everything else (waiting, ends,
-        # failures, timeouts) is the general path's, below.
+        # while the pipeline is open, for the current pass (checked under
+        # the consumer lock, as _get does). take_ready itself declines
+        # (None, having taken nothing) when no batch is ready, the pass
+        # ended, a fault was reported or a look at the producers is due.
+        # Everything else (waiting, ends, failures, timeouts) is the
+        # general path's, below.
         if take_ready is not None and self.started_ns is not None and not pipe._closed:
-            lock = pipe._consumer_lock
-            if lock.acquire(False):
-                try:
-                    # Under the lock: a new pass cannot start meanwhile.
-                    batch = (
-                        take_ready(self.pass_no, pipe._last_health_ns + HEALTH_CHECK_NS, pipe._counters)
-                        if self.pass_no == pipe._pass_no
-                        else None
-                    )
-                finally:
-                    lock.release()
-                if batch is not None:
-                    return batch
+            with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
+                batch = (
+                    take_ready(self.pass_no, pipe._health_due_ns, pipe._counters)
+                    if self.pass_no == pipe._pass_no
+                    else None
+                )
+            if batch is not None:
+                return batch
         return pipe._next(self)
 
 
@@ -174,6 +170,7 @@ class Pipeline:
         self._failure: BaseException | None = None  # raised once published batches are out
         self._counters = Counters(options.num_workers)
         self._last_health_ns = self._counters.created_ns
+        self._health_due_ns = self._last_health_ns + HEALTH_CHECK_NS  # the fast path's limit
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
         self._take_ready: Callable[[int, int, Counters], Any] | None = None  # see _fast_path
         transport = options.transport
@@ -407,6 +404,7 @@ class Pipeline:
     def _poll_producers(self, now: int) -> None:
         """Asks the launcher whether a producer failed or died; notes it."""
         self._last_health_ns = now
+        self._health_due_ns = now + HEALTH_CHECK_NS
         failure = self._launcher.first_failure()
         if failure is not None:
             self._production_failed(failure)

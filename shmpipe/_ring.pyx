@@ -132,6 +132,29 @@ cdef extern from "<time.h>" nogil:
     int clock_gettime(int clk_id, timespec *tp)
     int CLOCK_MONOTONIC
 
+# This process's pid, kept by a fork handler: a SlotLease compares it at
+# every release, and getpid() is a system call (glibc no longer caches it).
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <unistd.h>
+    static volatile int shmp_cached_pid = 0;
+    /* Runs in the child of every fork() that goes through the C library
+     * (os.fork, multiprocessing's fork, C extensions), before anything of
+     * the child can free a lease. */
+    static void shmp_refresh_pid(void) { shmp_cached_pid = (int)getpid(); }
+    static int shmp_watch_pid(void) {
+        shmp_refresh_pid();
+        return pthread_atfork(NULL, NULL, shmp_refresh_pid);
+    }
+    static inline int shmp_pid(void) { return shmp_cached_pid; }
+    """
+    int shmp_watch_pid() nogil
+    int shmp_pid() noexcept nogil
+
+if shmp_watch_pid() != 0:
+    raise ImportError("shmpipe._ring: pthread_atfork failed")
+
 cdef extern from "<sys/stat.h>" nogil:
     struct stat:
         long st_size
@@ -488,7 +511,7 @@ cdef class Ring:
     cdef _bind(self, Segment segment):
         # The segment keeps the mapping that r.base points into alive.
         self.segment = segment
-        self.pid = getpid()
+        self.pid = shmp_pid()
 
     cdef inline unsigned char *payload(self, uint32_t slot) noexcept nogil:
         # slot comes from shmp_acquire/shmp_take or is checked by the caller.
@@ -591,7 +614,7 @@ cdef class SlotLease:
     def __dealloc__(self):
         # Runs in whichever thread drops the last reference (a TF thread,
         # say), with the GIL: shmp_release is a CAS and maybe a FUTEX_WAKE.
-        if self.release_on_free and self.ring is not None and getpid() == self.ring.pid:
+        if self.release_on_free and self.ring is not None and shmp_pid() == self.ring.pid:
             shmp_release(&self.ring.r, self.slot)
 
     @property
