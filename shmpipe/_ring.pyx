@@ -262,8 +262,15 @@ def set_spin_ns(int64_t ns) -> int:
     return old
 
 
+# SHMPIPE_SPIN_NS, read once here, so a pipeline's producers (which inherit
+# the environment) spin as long as its consumer.
 if os.environ.get("SHMPIPE_SPIN_NS"):
-    shmp_set_spin_ns(int(os.environ["SHMPIPE_SPIN_NS"]))
+    try:
+        shmp_set_spin_ns(int(os.environ["SHMPIPE_SPIN_NS"]))
+    except ValueError:
+        raise ShmpipeValueError(
+            f"SHMPIPE_SPIN_NS must be a whole number of nanoseconds, got {os.environ['SHMPIPE_SPIN_NS']!r}"
+        ) from None
 
 
 def header_size(uint32_t nslots, uint32_t nworkers) -> int:
