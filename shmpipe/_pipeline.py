@@ -103,11 +103,12 @@ def from_iterators(
 class _PassIterator:
     """The iterator of one pass over a Pipeline (what ``iter(pipe)`` returns)."""
 
-    __slots__ = ("finished", "order", "pass_no", "pipe", "started_ns", "turn", "wseq")
+    __slots__ = ("finished", "order", "ordered", "pass_no", "pipe", "started_ns", "turn", "wseq")
 
     def __init__(self, pipe: Pipeline, pass_no: int, num_workers: int) -> None:
         self.pipe = pipe
         self.pass_no = pass_no
+        self.ordered = pipe.options.ordered
         self.finished = False
         self.started_ns: int | None = None
         # ordered mode: the workers not yet exhausted, whose turn it is, and
@@ -124,20 +125,28 @@ class _PassIterator:
         take_ready = pipe._take_ready
         # The fast path, for a batch that is already there: one call to the
         # channel takes, decodes and counts it. Only once the pass has
-        # delivered a batch by the general path (which starts its clock),
-        # while the pipeline is open, for the current pass (checked under
-        # the consumer lock, as _get does). take_ready itself declines
-        # (None, having taken nothing) when no batch is ready, the pass
-        # ended, a fault was reported or a look at the producers is due.
-        # Everything else (waiting, ends, failures, timeouts) is the
-        # general path's, below.
-        if take_ready is not None and self.started_ns is not None and not pipe._closed:
+        # delivered a batch by the general path (which starts its clock)
+        # and until it ends, while the pipeline is open, for the current
+        # pass (checked under the consumer lock, as _get does). take_ready
+        # itself declines (None, having taken nothing) when no batch is
+        # ready, the pass ended, a fault was reported or a look at the
+        # producers is due. Everything else (waiting, ends, failures,
+        # timeouts) is the general path's, below.
+        if take_ready is not None and self.started_ns is not None and not self.finished and not pipe._closed:
             with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
-                batch = (
-                    take_ready(self.pass_no, pipe._health_due_ns, pipe._counters)
-                    if self.pass_no == pipe._pass_no
-                    else None
-                )
+                if self.pass_no != pipe._pass_no:
+                    batch = None
+                elif not self.ordered:
+                    batch = take_ready(self.pass_no, pipe._health_due_ns, pipe._counters)
+                elif self.order:
+                    # The batch whose turn it is, as _take_ordered asks for it.
+                    worker = self.order[self.turn]
+                    batch = take_ready(self.pass_no, pipe._health_due_ns, pipe._counters, worker, self.wseq[worker])
+                    if batch is not None:
+                        self.wseq[worker] += 1
+                        self.turn = (self.turn + 1) % len(self.order)
+                else:
+                    batch = None
             if batch is not None:
                 return batch
         return pipe._next(self)
@@ -172,7 +181,7 @@ class Pipeline:
         self._last_health_ns = self._counters.created_ns
         self._health_due_ns = self._last_health_ns + HEALTH_CHECK_NS  # the fast path's limit
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
-        self._take_ready: Callable[[int, int, Counters], Any] | None = None  # see _fast_path
+        self._take_ready: Callable[..., Any] | None = None  # see _fast_path
         transport = options.transport
         self._launcher: Launcher
         if transport.capabilities.own_producers:
@@ -372,14 +381,14 @@ class Pipeline:
         self._raise_failure_if_any()
         raise StopIteration
 
-    def _fast_path(self, channel: ConsumerEnd | None) -> Callable[[int, int, Counters], Any] | None:
-        """The channel's take_ready, where it has one and the pipeline is
-        unordered (see _PassIterator.__next__): take_ready(pass_no, due_ns,
-        counters) returns a batch already there, taken and counted, or None
-        having done nothing."""
-        if channel is None or self.options.ordered:
+    def _fast_path(self, channel: ConsumerEnd | None) -> Callable[..., Any] | None:
+        """The channel's take_ready, where it has one (see
+        _PassIterator.__next__): take_ready(pass_no, due_ns, counters[,
+        worker, wseq]) returns the batch get() would return if it is already
+        there, taken and counted, or None having done nothing."""
+        if channel is None:
             return None
-        take_ready: Callable[[int, int, Counters], Any] | None = getattr(channel, "take_ready", None)
+        take_ready: Callable[..., Any] | None = getattr(channel, "take_ready", None)
         return take_ready
 
     def _wait_for_channel(self, t0: int) -> ConsumerEnd:

@@ -862,10 +862,12 @@ cdef class RingReader:
             return self._external(root, True)
         return self.dec.decode(data, n, root, False)
 
-    def take_ready(self, uint32_t pass_no, int64_t due_ns, object counters):
-        """The pipeline's fast path (Pipeline's _PassIterator.__next__, an
-        unordered pass): the oldest batch of `pass_no` that is READY right
-        now, taken, decoded and counted into `counters` (a
+    def take_ready(self, uint32_t pass_no, int64_t due_ns, object counters, int worker=-1,
+                   uint64_t wseq=0):
+        """The pipeline's fast path (Pipeline's _PassIterator.__next__): the
+        batch of `pass_no` that take() would return (the oldest, or with
+        worker >= 0 that worker's number `wseq`) if it is READY right now,
+        taken, decoded and counted into `counters` (a
         shmpipe._stats.Counters) in one call. None, having taken nothing,
         when no batch is READY, when the pass ended or a fault was reported,
         or when the clock has reached `due_ns` (the pipeline's next look at
@@ -881,7 +883,7 @@ cdef class RingReader:
         if counters is not self._counters:
             self._count_into(counters)
         # wait 0: one look, no spin, no sleep, no system call.
-        rc = shmp_take(&self.ring.r, -1, pass_no, 0, 0, &slot)
+        rc = shmp_take(&self.ring.r, worker, pass_no, wseq, 0, &slot)
         if rc != SHMP_OK:
             if rc < 0 or rc == SHMP_INTERRUPTED:
                 _raise_status(rc, "taking a batch")

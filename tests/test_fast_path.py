@@ -63,6 +63,27 @@ def test_take_ready_takes_decodes_and_counts(ring2):
     assert c.held() == 0
 
 
+def test_take_ready_in_order_takes_only_the_batch_whose_turn_it_is(ring2):
+    c, (w0, w1) = ring2
+    w1.put(np.full(4, 10))
+    w0.put(np.full(4, 0))
+    w0.put(np.full(4, 1))
+    counters = Counters(2)
+    assert int(c.take_ready(0, FAR, counters, 0, 0)[0]) == 0
+    assert c.take_ready(0, FAR, counters, 1, 1) is None  # worker 1's second is not there
+    assert int(c.take_ready(0, FAR, counters, 1, 0)[0]) == 10
+    assert int(c.take_ready(0, FAR, counters, 0, 1)[0]) == 1
+    assert counters.per_worker == [2, 1]
+
+
+def test_an_ordered_pass_goes_round_robin_through_the_fast_path():
+    with shmpipe.from_iterators([_Numbers(50), _Numbers(80)], capacity=6, ordered=True, timeout=30) as pipe:
+        got = [int(b[0]) for b in pipe]
+        s = pipe.stats()
+    assert got == [i for k in range(50) for i in (k, k)] + list(range(50, 80))
+    assert s.per_worker_batches == (50, 80)
+
+
 def test_take_ready_declines_when_a_look_at_the_producers_is_due(ring2):
     c, (w0, _) = ring2
     w0.put(np.zeros(4))
