@@ -160,17 +160,19 @@ static inline void futex_wake_all(_Atomic uint32_t *word) {
  * side a system call or a context switch: the waker sees nobody waiting
  * (no FUTEX_WAKE) and the waiter never slept. Bounded, so an idle ring
  * costs at most this much CPU per wait before everyone sleeps. */
-static int64_t spin_ns = SHMP_SPIN_NS_DEFAULT;
+static _Atomic int64_t spin_ns = SHMP_SPIN_NS_DEFAULT;
 
-void shmp_set_spin_ns(int64_t ns) { spin_ns = ns < 0 ? 0 : ns; }
-int64_t shmp_get_spin_ns(void) { return spin_ns; }
+/* Relaxed: a setting, not a synchronisation; a waiter in another thread may
+ * use the old value for the wait it is in. */
+void shmp_set_spin_ns(int64_t ns) { atomic_store_explicit(&spin_ns, ns < 0 ? 0 : ns, memory_order_relaxed); }
+int64_t shmp_get_spin_ns(void) { return atomic_load_explicit(&spin_ns, memory_order_relaxed); }
 
 /* One more look before sleeping, for a wait that began at `t0`? While the
  * spin lasts, yields the CPU first: on a machine with fewer cores than
  * processes, the one this waiter waits for may need it. Reading the clock
  * is a vDSO call, not a system call. */
 static inline int keep_spinning(int64_t t0) {
-    const int64_t budget = spin_ns;
+    const int64_t budget = atomic_load_explicit(&spin_ns, memory_order_relaxed);
     if (budget <= 0 || now_ns() - t0 >= budget) return 0;
     sched_yield();
     return 1;
