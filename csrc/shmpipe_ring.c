@@ -39,6 +39,7 @@
 #include <linux/futex.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -152,6 +153,29 @@ static int futex_wait(_Atomic uint32_t *word, uint32_t expected, int64_t wait_ns
 
 static inline void futex_wake_all(_Atomic uint32_t *word) {
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* How long a waiter looks again (yielding the CPU between looks) before it
+ * sleeps on the futex. A handoff that comes within this time costs neither
+ * side a system call or a context switch: the waker sees nobody waiting
+ * (no FUTEX_WAKE) and the waiter never slept. Bounded, so an idle ring
+ * costs at most this much CPU per wait before everyone sleeps. */
+static _Atomic int64_t spin_ns = SHMP_SPIN_NS_DEFAULT;
+
+/* Relaxed: a setting, not a synchronisation; a waiter in another thread may
+ * use the old value for the wait it is in. */
+void shmp_set_spin_ns(int64_t ns) { atomic_store_explicit(&spin_ns, ns < 0 ? 0 : ns, memory_order_relaxed); }
+int64_t shmp_get_spin_ns(void) { return atomic_load_explicit(&spin_ns, memory_order_relaxed); }
+
+/* One more look before sleeping, for a wait that began at `t0`? While the
+ * spin lasts, yields the CPU first: on a machine with fewer cores than
+ * processes, the one this waiter waits for may need it. Reading the clock
+ * is a vDSO call, not a system call. */
+static inline int keep_spinning(int64_t t0) {
+    const int64_t budget = atomic_load_explicit(&spin_ns, memory_order_relaxed);
+    if (budget <= 0 || now_ns() - t0 >= budget) return 0;
+    sched_yield();
+    return 1;
 }
 
 /* The waker's half of the protocol described at the top of the file. */
@@ -287,62 +311,80 @@ int shmp_ring_attach(shmp_ring *ring, void *base, uint64_t total_size) {
 
 /* ---- producer side ---------------------------------------------------- */
 
+/* One look for a FREE slot: SHMP_OK with *slot_out claimed (WRITING),
+ * SHMP_AGAIN with *seq_out the space_seq read before the look (what a
+ * sleeper compares), or SHMP_CLOSED / SHMP_CANCELLED / SHMP_E_STATE. */
+static inline int acquire_look(const shmp_ring *r, shmp_header *h, shmp_worker *w, uint32_t start,
+                               uint32_t pass, uint32_t *slot_out, uint32_t *seq_out) {
+    const uint32_t n = r->nslots, quota = r->quota;
+    shmp_slot *s = slots_of(r);
+    /* After a fault nothing more is produced: the consumer delivers what
+     * is already READY, then raises the error. */
+    if (atomic_load_explicit(&h->closed, memory_order_acquire) ||
+        atomic_load_explicit(&h->faults, memory_order_acquire))
+        return SHMP_CLOSED;
+    if (atomic_load_explicit(&h->pass_no, memory_order_acquire) != pass)
+        return SHMP_CANCELLED;
+    /* Read before looking, so a release after the look changes it. */
+    *seq_out = atomic_load_explicit(&h->space_seq, memory_order_seq_cst);
+    /* Only this worker's process raises inflight, so checking then
+     * claiming cannot overshoot the quota. The check and the increment
+     * below are two operations, not one atomic step: that is safe only
+     * because no other process increments this word. inflight counts
+     * distinct slots, so more than nslots means someone else wrote it. */
+    if (quota != 0) {
+        const uint32_t inflight = atomic_load_explicit(&w->inflight, memory_order_relaxed);
+        if (inflight > n) return SHMP_E_STATE;
+        if (inflight >= quota) return SHMP_AGAIN;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t k = start + i;
+        if (k >= n) k -= n;
+        uint32_t expected = SHMP_FREE;
+        if (atomic_load_explicit(&s[k].state, memory_order_relaxed) == SHMP_FREE &&
+            atomic_compare_exchange_strong_explicit(&s[k].state, &expected, SHMP_WRITING,
+                                                    memory_order_acquire, memory_order_relaxed)) {
+            atomic_fetch_add_explicit(&w->inflight, 1, memory_order_relaxed);
+            *slot_out = k;
+            return SHMP_OK;
+        }
+    }
+    return SHMP_AGAIN;
+}
+
 int shmp_acquire(const shmp_ring *r, uint32_t worker, uint32_t pass, int64_t wait_ns,
                  uint32_t *slot_out) {
     shmp_header *h = HDR(r);
-    const uint32_t n = r->nslots, quota = r->quota;
     if (worker >= r->nworkers) return SHMP_E_ARG;
     shmp_worker *w = &workers_of(r)[worker];
-    shmp_slot *s = slots_of(r);
     /* Workers start their search at different slots so they rarely compete
      * for the same CAS. */
-    const uint32_t start = (uint32_t)(((uint64_t)worker * n) / r->nworkers);
-
-    for (int waited = 0;; waited = 1) {
-        /* After a fault nothing more is produced: the consumer delivers what
-         * is already READY, then raises the error. */
-        if (atomic_load_explicit(&h->closed, memory_order_acquire) ||
-            atomic_load_explicit(&h->faults, memory_order_acquire))
-            return SHMP_CLOSED;
-        if (atomic_load_explicit(&h->pass_no, memory_order_acquire) != pass)
-            return SHMP_CANCELLED;
-        /* Read before looking, so a release after the look changes it. */
-        const uint32_t seq = atomic_load_explicit(&h->space_seq, memory_order_seq_cst);
-        /* Only this worker's process raises inflight, so checking then
-         * claiming cannot overshoot the quota. The check and the increment
-         * below are two operations, not one atomic step: that is safe only
-         * because no other process increments this word. inflight counts
-         * distinct slots, so more than nslots means someone else wrote it. */
-        int room = 1;
-        if (quota != 0) {
-            const uint32_t inflight = atomic_load_explicit(&w->inflight, memory_order_relaxed);
-            if (inflight > n) return SHMP_E_STATE;
-            room = inflight < quota;
-        }
-        if (room) {
-            for (uint32_t i = 0; i < n; i++) {
-                uint32_t k = start + i;
-                if (k >= n) k -= n;
-                uint32_t expected = SHMP_FREE;
-                if (atomic_load_explicit(&s[k].state, memory_order_relaxed) == SHMP_FREE &&
-                    atomic_compare_exchange_strong_explicit(&s[k].state, &expected, SHMP_WRITING,
-                                                            memory_order_acquire,
-                                                            memory_order_relaxed)) {
-                    atomic_fetch_add_explicit(&w->inflight, 1, memory_order_relaxed);
-                    *slot_out = k;
-                    return SHMP_OK;
-                }
-            }
-        }
-        if (waited || wait_ns <= 0) return SHMP_AGAIN;
+    const uint32_t start = (uint32_t)(((uint64_t)worker * r->nslots) / r->nworkers);
+    /* The wait (spinning, then sleeping) starts at the first miss; all of
+     * it is added to the worker's blocked_ns, however the call ends. */
+    int64_t wait_t0 = 0;
+    int rc;
+    for (int slept = 0;;) {
+        uint32_t seq = 0;
+        rc = acquire_look(r, h, w, start, pass, slot_out, &seq);
+        if (rc != SHMP_AGAIN || slept || wait_ns <= 0) break;
+        if (wait_t0 == 0) wait_t0 = now_ns();
+        /* Spinning repeats the whole look (checks, seq, scan), so the look
+         * before the sleep below is still the one made after reading `seq`:
+         * the sleep protocol is unchanged. */
+        if (keep_spinning(wait_t0)) continue;
         atomic_fetch_add_explicit(&h->producers_waiting, 1, memory_order_seq_cst);
-        const int64_t t0 = now_ns();
-        int rc = futex_wait(&h->space_seq, seq, wait_ns);
-        atomic_fetch_add_explicit(&w->blocked_ns, (uint64_t)(now_ns() - t0), memory_order_relaxed);
+        const int frc = futex_wait(&h->space_seq, seq, wait_ns);
         atomic_fetch_sub_explicit(&h->producers_waiting, 1, memory_order_seq_cst);
-        if (rc == SHMP_INTERRUPTED || rc < 0) return rc;
-        /* Woken or timed out: look once more, then return to the caller. */
+        if (frc == SHMP_INTERRUPTED || frc < 0) {
+            rc = frc;
+            break;
+        }
+        slept = 1; /* woken or timed out: look once more, then return to the caller */
     }
+    if (wait_t0 != 0)
+        atomic_fetch_add_explicit(&w->blocked_ns, (uint64_t)(now_ns() - wait_t0), memory_order_relaxed);
+    return rc;
 }
 
 int shmp_publish(const shmp_ring *r, uint32_t slot, uint32_t worker, uint32_t pass,
@@ -406,8 +448,9 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
     if (worker >= (int32_t)nw) return SHMP_E_ARG;
     shmp_worker *w = workers_of(r);
     shmp_slot *s = slots_of(r);
+    int64_t wait_t0 = 0; /* the first miss, where spinning starts */
 
-    for (int waited = 0;; waited = 1) {
+    for (int waited = 0;;) {
         const uint32_t seq = atomic_load_explicit(&h->ready_seq, memory_order_seq_cst);
         /* A fault is reported only once nothing READY is left to deliver. */
         const int fault = atomic_load_explicit(&h->faults, memory_order_acquire) != 0;
@@ -459,10 +502,16 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
         if (fault) return SHMP_FAULT;
         if (done) return SHMP_END;
         if (waited || wait_ns <= 0) return SHMP_AGAIN;
+        /* Spinning repeats the whole look (seq, fault, done marks, scan), so
+         * the look before the sleep is still the one made after reading
+         * `seq`: the sleep protocol is unchanged. */
+        if (wait_t0 == 0) wait_t0 = now_ns();
+        if (keep_spinning(wait_t0)) continue;
         atomic_store_explicit(&h->consumer_waiting, 1, memory_order_seq_cst);
         int rc = futex_wait(&h->ready_seq, seq, wait_ns);
         atomic_store_explicit(&h->consumer_waiting, 0, memory_order_relaxed);
         if (rc == SHMP_INTERRUPTED || rc < 0) return rc;
+        waited = 1; /* woken or timed out: look once more, then return to the caller */
     }
 }
 

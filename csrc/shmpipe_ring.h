@@ -206,6 +206,16 @@ int shmp_is_closed(const shmp_ring *ring);
  * shmp_take returns SHMP_FAULT once what is READY has been taken. */
 void shmp_report_fault(const shmp_ring *ring);
 
+/* ---- waiting ----------------------------------------------------------- */
+
+/* Before sleeping on a futex, shmp_acquire and shmp_take look again for up to
+ * this many nanoseconds, yielding the CPU between looks, so a handoff that
+ * comes soon costs neither side a system call or a context switch. Bounded:
+ * an idle waiter sleeps after it. Per process; 0 turns spinning off. */
+#define SHMP_SPIN_NS_DEFAULT 20000
+void shmp_set_spin_ns(int64_t ns);
+int64_t shmp_get_spin_ns(void);
+
 /* ---- observation (relaxed reads, for stats and diagnostics) ----------- */
 /* Each reads one shared word once. An index out of the private geometry's
  * range reads nothing and gives 0 (UINT32_MAX for a slot's worker, which no

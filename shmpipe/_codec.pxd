@@ -43,6 +43,9 @@ cdef class Encoder:
 
 cdef class Decoder:
     cdef dict dtypes
+    cdef bytes last_spec        # the name of the dtype found last, and that dtype
+    cdef object last_dtype
+    cdef object spare           # a _Reader kept for the next decode
     cdef object decode(self, unsigned char *payload, Py_ssize_t nbytes, object root,
                        bint writeable, list collect=*)
 

@@ -764,10 +764,13 @@ cdef class Decoder:
 
     def __cinit__(self):
         self.dtypes = {}
+        self.last_spec = b""
+        self.last_dtype = None
+        self.spare = None
 
     cdef object decode(self, unsigned char *payload, Py_ssize_t nbytes, object root,
                        bint writeable, list collect=None):
-        cdef _Reader r = _Reader.__new__(_Reader)
+        cdef _Reader r
         cdef uint32_t magic, meta_len
         cdef uint64_t total
         if nbytes < PAYLOAD_PREFIX:
@@ -781,17 +784,32 @@ cdef class Decoder:
             raise CorruptSegmentError(
                 f"a slot's sizes disagree with its header (payload of {nbytes} bytes, header "
                 f"says {total}, with {meta_len} bytes of structure)")
+        # One _Reader is kept for the next call (allocating one per batch is
+        # measurable on the consumer's hot path); taken out while in use, so
+        # a decode that starts inside another (none does today) gets its own.
+        r = self.spare
+        if r is None:
+            r = _Reader.__new__(_Reader)
+        else:
+            self.spare = None
         r.pos = payload + PAYLOAD_PREFIX
         r.end = r.pos + meta_len
         r.data = payload + data_start(meta_len)
         r.data_end = payload + nbytes
         r.root = root
-        r.dtypes = self.dtypes
+        r.dec = self
         r.writeable = writeable
         r.collect = collect
-        result = r.node(0)
-        if r.pos != r.end:
-            raise CorruptSegmentError("a slot's structure has trailing bytes")
+        try:
+            result = r.node(0)
+            if r.pos != r.end:
+                raise CorruptSegmentError("a slot's structure has trailing bytes")
+        finally:
+            # Nothing of this batch stays referenced from here.
+            r.root = None
+            r.collect = None
+            r.dec = None
+            self.spare = r
         return result
 
 
@@ -801,7 +819,7 @@ cdef class _Reader:
     cdef unsigned char *data
     cdef unsigned char *data_end
     cdef object root
-    cdef dict dtypes
+    cdef Decoder dec    # its dtype cache
     cdef bint writeable
     cdef list collect   # when not None, every array made is appended to it
 
@@ -848,9 +866,16 @@ cdef class _Reader:
         memcpy(&n, self.pos, 2)
         self.pos += 2
         self.need(n)
+        # The dtype of the last array decoded, if this one is named the same
+        # (batch after batch usually is): no bytes object, no dict lookup.
+        last = self.dec.last_spec
+        if n == PyBytes_GET_SIZE(last) and memcmp(PyBytes_AS_STRING(last), self.pos, n) == 0:
+            self.pos += n
+            return self.dec.last_dtype
         spec = PyBytes_FromStringAndSize(<const char *>self.pos, n)
         self.pos += n
-        dt = self.dtypes.get(spec)
+        dtypes = self.dec.dtypes
+        dt = dtypes.get(spec)
         if dt is None:
             try:
                 dt = dtype_from_name(spec)
@@ -859,9 +884,12 @@ cdef class _Reader:
             except Exception as exc:
                 raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which cannot be "
                                           f"read: {exc}") from exc
-            if len(self.dtypes) >= 256:  # a hostile producer may name many
-                self.dtypes.clear()
-            self.dtypes[spec] = dt
+            if len(dtypes) >= 256:  # a hostile producer may name many
+                dtypes.clear()
+            dtypes[spec] = dt
+        # Only a name that gave a dtype (checked above) is remembered.
+        self.dec.last_spec = spec
+        self.dec.last_dtype = dt
         return dt
 
     cdef object node(self, int depth):

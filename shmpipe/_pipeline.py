@@ -163,11 +163,12 @@ def from_iterators(
 class _PassIterator:
     """The iterator of one pass over a Pipeline (what ``iter(pipe)`` returns)."""
 
-    __slots__ = ("finished", "order", "pass_no", "pipe", "started_ns", "turn", "wseq")
+    __slots__ = ("finished", "order", "ordered", "pass_no", "pipe", "started_ns", "turn", "wseq")
 
     def __init__(self, pipe: Pipeline, pass_no: int, num_workers: int) -> None:
         self.pipe = pipe
         self.pass_no = pass_no
+        self.ordered = pipe.options.ordered
         self.finished = False
         self.started_ns: int | None = None
         # ordered mode: the workers not yet exhausted, whose turn it is, and
@@ -180,7 +181,35 @@ class _PassIterator:
         return self
 
     def __next__(self) -> Any:
-        return self.pipe._next(self)
+        pipe = self.pipe
+        take_ready = pipe._take_ready
+        # The fast path, for a batch that is already there: one call to the
+        # channel takes, decodes and counts it. Only once the pass has
+        # delivered a batch by the general path (which starts its clock)
+        # and until it ends, while the pipeline is open, for the current
+        # pass (checked under the consumer lock, as _get does). take_ready
+        # itself declines (None, having taken nothing) when no batch is
+        # ready, the pass ended, a fault was reported or a look at the
+        # producers is due. Everything else (waiting, ends, failures,
+        # timeouts) is the general path's, below.
+        if take_ready is not None and self.started_ns is not None and not self.finished and not pipe._closed:
+            with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
+                if self.pass_no != pipe._pass_no:
+                    batch = None
+                elif not self.ordered:
+                    batch = take_ready(self.pass_no, pipe._health_due_ns, pipe._counters)
+                elif self.order:
+                    # The batch whose turn it is, as _take_ordered asks for it.
+                    worker = self.order[self.turn]
+                    batch = take_ready(self.pass_no, pipe._health_due_ns, pipe._counters, worker, self.wseq[worker])
+                    if batch is not None:
+                        self.wseq[worker] += 1
+                        self.turn = (self.turn + 1) % len(self.order)
+                else:
+                    batch = None
+            if batch is not None:
+                return batch
+        return pipe._next(self)
 
 
 class Pipeline:
@@ -210,7 +239,9 @@ class Pipeline:
         self._failure: BaseException | None = None  # raised once published batches are out
         self._counters = Counters(options.num_workers)
         self._last_health_ns = self._counters.created_ns
+        self._health_due_ns = self._last_health_ns + HEALTH_CHECK_NS  # the fast path's limit
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
+        self._take_ready: Callable[..., Any] | None = None  # see _fast_path
         transport = options.transport
         self._launcher: Launcher
         # A Ctrl-C while the pipeline is made is held back to the end of it
@@ -241,6 +272,7 @@ class Pipeline:
         self._forked_from: int | None = None  # set in a child forked from this process
         _live.add(self)
         self._channel = self._launcher.channel  # None while it waits for a first batch
+        self._take_ready = self._fast_path(self._channel)
         self._launcher.begin_pass(0, self._seeds(0))
 
     # -- configuration --------------------------------------------------------
@@ -418,6 +450,16 @@ class Pipeline:
         self._raise_failure_if_any()
         raise StopIteration
 
+    def _fast_path(self, channel: ConsumerEnd | None) -> Callable[..., Any] | None:
+        """The channel's take_ready, where it has one (see
+        _PassIterator.__next__): take_ready(pass_no, due_ns, counters[,
+        worker, wseq]) returns the batch get() would return if it is already
+        there, taken and counted, or None having done nothing."""
+        if channel is None:
+            return None
+        take_ready: Callable[..., Any] | None = getattr(channel, "take_ready", None)
+        return take_ready
+
     def _wait_for_channel(self, t0: int) -> ConsumerEnd:
         """No channel yet: wait until the launcher can open it (a transport
         sized by its first batch waits for a producer to have one)."""
@@ -425,6 +467,7 @@ class Pipeline:
             with self._consumer_lock:  # one thread opens it
                 if self._channel is None:
                     self._channel = self._launcher.open_channel(POLL_S)
+                    self._take_ready = self._fast_path(self._channel)
             if self._channel is None:
                 self._keep_waiting(t0)
         return self._channel
@@ -439,6 +482,7 @@ class Pipeline:
     def _poll_producers(self, now: int) -> None:
         """Asks the launcher whether a producer failed or died; notes it."""
         self._last_health_ns = now
+        self._health_due_ns = now + HEALTH_CHECK_NS
         failure = self._launcher.first_failure()
         if failure is not None:
             self._production_failed(failure)

@@ -30,6 +30,7 @@ from libc.string cimport strerror, memcmp
 
 from shmpipe._codec cimport Decoder, Encoder, new_array
 
+from shmpipe import _stats
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, ShmpipeValueError
 from shmpipe.transport import AGAIN, END, FAULT, Cancelled, Closed
 
@@ -100,6 +101,11 @@ cdef extern from "shmpipe_ring.h" nogil:
     uint64_t shmp_slot_nbytes(const shmp_ring *ring, uint32_t slot)
     uint64_t shmp_worker_blocked_ns(const shmp_ring *ring, uint32_t worker)
     uint64_t shmp_worker_published(const shmp_ring *ring, uint32_t worker)
+    void shmp_set_spin_ns(int64_t ns)
+    int64_t shmp_get_spin_ns()
+
+cdef extern from *:
+    int __builtin_clzll(unsigned long long x) noexcept nogil
 
 cdef extern from "<sys/mman.h>" nogil:
     int shm_open(const char *name, int oflag, int mode)
@@ -118,6 +124,37 @@ cdef extern from "<unistd.h>" nogil:
     int ftruncate(int fd, long length)
     int getpid()
 
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_MONOTONIC
+
+# This process's pid, kept by a fork handler: a SlotLease compares it at
+# every release, and getpid() is a system call (glibc no longer caches it).
+cdef extern from *:
+    """
+    #include <pthread.h>
+    #include <unistd.h>
+    static volatile int shmp_cached_pid = 0;
+    /* Runs in the child of every fork() that goes through the C library
+     * (os.fork, multiprocessing's fork, C extensions), before anything of
+     * the child can free a lease. */
+    static void shmp_refresh_pid(void) { shmp_cached_pid = (int)getpid(); }
+    static int shmp_watch_pid(void) {
+        shmp_refresh_pid();
+        return pthread_atfork(NULL, NULL, shmp_refresh_pid);
+    }
+    static inline int shmp_pid(void) { return shmp_cached_pid; }
+    """
+    int shmp_watch_pid() nogil
+    int shmp_pid() noexcept nogil
+
+if shmp_watch_pid() != 0:
+    raise ImportError("shmpipe._ring: pthread_atfork failed")
+
 cdef extern from "<sys/stat.h>" nogil:
     struct stat:
         long st_size
@@ -135,6 +172,44 @@ cdef extern from "<fcntl.h>" nogil:
 
 
 cdef object _UINT8 = np.dtype(np.uint8)
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    # The clock of time.perf_counter_ns() on Linux (CLOCK_MONOTONIC), so
+    # times taken here compare with the pipeline's.
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+# The layout of shmpipe._stats.Counters.tally, which RingReader.take_ready
+# counts into (checked against _stats at import, so the two cannot drift).
+cdef enum:
+    T_BATCHES = 0
+    T_BYTES = 1
+    T_FIRST_BATCH_NS = 2
+    T_WAIT_COUNT = 3
+    T_WAIT_TOTAL_NS = 4
+    T_WAIT_MAX_NS = 5
+    T_TOTALS = 6
+    T_SUB = 32
+    T_BUCKETS = 65 * 32
+if (_stats.BATCHES, _stats.BYTES, _stats.FIRST_BATCH_NS, _stats.WAIT_COUNT, _stats.WAIT_TOTAL_NS,
+        _stats.WAIT_MAX_NS, _stats.TOTALS, _stats.SUB, _stats.BUCKETS) != (
+        T_BATCHES, T_BYTES, T_FIRST_BATCH_NS, T_WAIT_COUNT, T_WAIT_TOTAL_NS, T_WAIT_MAX_NS,
+        T_TOTALS, T_SUB, T_BUCKETS):
+    raise ImportError("shmpipe._ring and shmpipe._stats disagree on the counters' layout: rebuild")
+
+
+cdef inline Py_ssize_t _wait_bucket(int64_t ns) noexcept nogil:
+    """shmpipe._stats.bucket(ns), for 1 <= ns (larger waits than 2**57 ns,
+    about 4.5 years, share the last row used)."""
+    cdef uint64_t v = <uint64_t>ns
+    cdef int e
+    if v > (<uint64_t>1 << 57):
+        v = <uint64_t>1 << 57
+    e = 64 - __builtin_clzll(v)
+    return e * T_SUB + <Py_ssize_t>(((v * 2 * T_SUB) >> e)) - T_SUB
 
 # Slot states, for observers (tests, diagnostics).
 FREE = SHMP_FREE
@@ -176,6 +251,26 @@ cdef int _raise_status(int status, str context) except -1:
     if status == SHMP_E_SYS:
         raise OSError(errno, f"{context}: {strerror(errno).decode()}")
     raise SystemError(f"{context}: unknown status {status}")
+
+
+def set_spin_ns(int64_t ns) -> int:
+    """Sets how long this process's waits look again (yielding the CPU)
+    before they sleep on the futex (see shmpipe_ring.h); returns the old
+    value. For benchmarks and experiments: the default suits most machines."""
+    cdef int64_t old = shmp_get_spin_ns()
+    shmp_set_spin_ns(ns)
+    return old
+
+
+# SHMPIPE_SPIN_NS, read once here, so a pipeline's producers (which inherit
+# the environment) spin as long as its consumer.
+if os.environ.get("SHMPIPE_SPIN_NS"):
+    try:
+        shmp_set_spin_ns(int(os.environ["SHMPIPE_SPIN_NS"]))
+    except ValueError:
+        raise ShmpipeValueError(
+            f"SHMPIPE_SPIN_NS must be a whole number of nanoseconds, got {os.environ['SHMPIPE_SPIN_NS']!r}"
+        ) from None
 
 
 def header_size(uint32_t nslots, uint32_t nworkers) -> int:
@@ -423,7 +518,7 @@ cdef class Ring:
     cdef _bind(self, Segment segment):
         # The segment keeps the mapping that r.base points into alive.
         self.segment = segment
-        self.pid = getpid()
+        self.pid = shmp_pid()
 
     cdef inline unsigned char *payload(self, uint32_t slot) noexcept nogil:
         # slot comes from shmp_acquire/shmp_take or is checked by the caller.
@@ -526,7 +621,7 @@ cdef class SlotLease:
     def __dealloc__(self):
         # Runs in whichever thread drops the last reference (a TF thread,
         # say), with the GIL: shmp_release is a CAS and maybe a FUTEX_WAKE.
-        if self.release_on_free and self.ring is not None and getpid() == self.ring.pid:
+        if self.release_on_free and self.ring is not None and shmp_pid() == self.ring.pid:
             shmp_release(&self.ring.r, self.slot)
 
     @property
@@ -736,6 +831,13 @@ cdef class RingReader:
     cdef readonly int last_worker
     cdef readonly uint64_t last_nbytes
     cdef public object on_external
+    # take_ready's counters: the Counters object, its tally (held as a
+    # buffer, so the array cannot be resized under us), where its histogram
+    # starts.
+    cdef object _counters
+    cdef int64_t[::1] _tally
+    cdef int64_t *_tally_data
+    cdef Py_ssize_t _hist0
 
     def __cinit__(self, Ring ring):
         self.ring = ring
@@ -750,12 +852,73 @@ cdef class RingReader:
         root = self._take_raw(pass_no, worker, wseq, wait)
         if root is END or root is AGAIN or root is FAULT:
             return root
+        return self._decode(root)
+
+    cdef object _decode(self, object root):
         cdef cnp.ndarray r = <cnp.ndarray>root
         cdef Py_ssize_t n = cnp.PyArray_DIM(r, 0)
         cdef unsigned char *data = <unsigned char *>cnp.PyArray_DATA(r)
         if n == EXTERNAL_RECORD_BYTES and memcmp(data, EXTERNAL_MAGIC, 4) == 0:
             return self._external(root, True)
         return self.dec.decode(data, n, root, False)
+
+    def take_ready(self, uint32_t pass_no, int64_t due_ns, object counters, int worker=-1,
+                   uint64_t wseq=0):
+        """The pipeline's fast path (Pipeline's _PassIterator.__next__): the
+        batch of `pass_no` that take() would return (the oldest, or with
+        worker >= 0 that worker's number `wseq`) if it is READY right now,
+        taken, decoded and counted into `counters` (a
+        shmpipe._stats.Counters) in one call. None, having taken nothing,
+        when no batch is READY, when the pass ended or a fault was reported,
+        or when the clock has reached `due_ns` (the pipeline's next look at
+        its producers): the caller then takes its general path, which waits,
+        ends passes, raises failures. Never waits, never releases the GIL.
+        Same checks as take(): a corrupt slot raises CorruptSegmentError."""
+        cdef int64_t t0 = _now_ns(), t1, ns
+        cdef int64_t *t
+        cdef uint32_t slot = 0
+        cdef int rc
+        if t0 >= due_ns:
+            return None
+        if counters is not self._counters:
+            self._count_into(counters)
+        # wait 0: one look, no spin, no sleep, no system call.
+        rc = shmp_take(&self.ring.r, worker, pass_no, wseq, 0, &slot)
+        if rc != SHMP_OK:
+            if rc < 0 or rc == SHMP_INTERRUPTED:
+                _raise_status(rc, "taking a batch")
+            return None
+        batch = self._decode(self._lease_root(slot))
+        # Counted as Counters.delivered counts (the wait: from the call to
+        # the batch; nothing was waited for here but the work itself).
+        t1 = _now_ns()
+        ns = t1 - t0 if t1 > t0 else 1
+        t = self._tally_data
+        t[T_BATCHES] += 1
+        t[T_BYTES] += <int64_t>self.last_nbytes
+        t[T_TOTALS + self.last_worker] += 1  # last_worker < nworkers, checked by _lease_root
+        if t[T_FIRST_BATCH_NS] < 0:
+            t[T_FIRST_BATCH_NS] = t1
+        t[self._hist0 + _wait_bucket(ns)] += 1
+        t[T_WAIT_COUNT] += 1
+        t[T_WAIT_TOTAL_NS] += ns
+        if ns > t[T_WAIT_MAX_NS]:
+            t[T_WAIT_MAX_NS] = ns
+        return batch
+
+    cdef int _count_into(self, object counters) except -1:
+        """Binds take_ready to `counters`' tally, after checking it has the
+        room the indexes above need (they run without bounds checks)."""
+        cdef int64_t[::1] tally = counters.tally
+        cdef Py_ssize_t nworkers = counters.num_workers
+        if nworkers != self.ring.r.nworkers or tally.shape[0] != T_TOTALS + nworkers + T_BUCKETS:
+            raise ShmpipeValueError(
+                f"counters for {nworkers} workers do not fit a ring of {self.ring.r.nworkers}")
+        self._tally = tally
+        self._tally_data = &tally[0]
+        self._hist0 = T_TOTALS + nworkers
+        self._counters = counters
+        return 0
 
     cdef object _external(self, object record, bint decode):
         if self.on_external is None:
@@ -775,33 +938,38 @@ cdef class RingReader:
             return self._external(root, False)
         return root
 
-    cdef object _take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
-        cdef uint32_t slot = 0
+    cdef object _lease_root(self, uint32_t slot):
+        """The root array of a slot shmp_take just made HELD for us."""
         cdef uint32_t from_worker
         cdef uint64_t nbytes
+        cdef Ring ring = self.ring
+        # The slot record's worker and nbytes are shared words another
+        # process may have written: read each once into a local, check
+        # it against the private geometry, and use only the local.
+        nbytes = shmp_slot_nbytes(&ring.r, slot)
+        from_worker = shmp_slot_worker(&ring.r, slot)
+        # The lease exists from here on, so whatever happens the slot is
+        # released: on error, the root is dropped and the lease with it.
+        lease = _lease(ring, slot, True)
+        if nbytes > ring.r.slot_size:
+            raise CorruptSegmentError(
+                f"slot {slot} claims {nbytes} bytes, more than a slot holds ({ring.r.slot_size})")
+        if from_worker >= ring.r.nworkers:
+            raise CorruptSegmentError(
+                f"slot {slot} names worker {from_worker}, but the ring has {ring.r.nworkers} workers")
+        self.last_worker = <int>from_worker
+        self.last_nbytes = nbytes
+        return _root_array(ring.payload(slot), <Py_ssize_t>nbytes, lease, False)
+
+    cdef object _take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
+        cdef uint32_t slot = 0
         cdef int rc
         cdef int64_t wait_ns = <int64_t>(wait * 1e9) if wait > 0 else 0
         cdef Ring ring = self.ring
         with nogil:
             rc = shmp_take(&ring.r, worker, pass_no, wseq, wait_ns, &slot)
         if rc == SHMP_OK:
-            # The slot record's worker and nbytes are shared words another
-            # process may have written: read each once into a local, check
-            # it against the private geometry, and use only the local.
-            nbytes = shmp_slot_nbytes(&ring.r, slot)
-            from_worker = shmp_slot_worker(&ring.r, slot)
-            # The lease exists from here on, so whatever happens the slot is
-            # released: on error, the root is dropped and the lease with it.
-            lease = _lease(ring, slot, True)
-            if nbytes > ring.r.slot_size:
-                raise CorruptSegmentError(
-                    f"slot {slot} claims {nbytes} bytes, more than a slot holds ({ring.r.slot_size})")
-            if from_worker >= ring.r.nworkers:
-                raise CorruptSegmentError(
-                    f"slot {slot} names worker {from_worker}, but the ring has {ring.r.nworkers} workers")
-            self.last_worker = <int>from_worker
-            self.last_nbytes = nbytes
-            return _root_array(ring.payload(slot), <Py_ssize_t>nbytes, lease, False)
+            return self._lease_root(slot)
         if rc == SHMP_END:
             return END
         if rc == SHMP_FAULT:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -13,44 +14,77 @@ from typing import Any
 __all__ = ["Counters", "GroupStats", "PipelineStats", "WaitHistogram"]
 
 
+#: The layout of Counters.tally, one int64 array: these totals, then one
+#: count per worker, then the wait histogram's buckets (WaitHistogram).
+#: shmpipe/_ring.pyx counts into the same array on the shm transport's fast
+#: path (RingReader.take_ready), so both must agree on it.
+BATCHES, BYTES, FIRST_BATCH_NS, WAIT_COUNT, WAIT_TOTAL_NS, WAIT_MAX_NS = range(6)
+TOTALS = 6
+#: Histogram resolution: buckets per power of two.
+SUB = 32
+#: Buckets: one row of SUB per bit length of a duration in ns (1 to 64).
+BUCKETS = 65 * SUB
+
+
+def bucket(ns: int) -> int:
+    """The histogram bucket of a duration of `ns` >= 1 nanoseconds: with
+    e = ns.bit_length() (ns = m * 2**e, 0.5 <= m < 1), row e, and the
+    column that m falls in among SUB equal parts of [0.5, 1). Integer
+    arithmetic only, so the C fast path computes the same bucket."""
+    e = ns.bit_length()
+    return e * SUB + ((ns * 2 * SUB) >> e) - SUB
+
+
 class WaitHistogram:
-    """Log-linear histogram of durations in nanoseconds.
+    """Log-linear histogram of durations in nanoseconds, over a slice of
+    a Counters tally.
 
     32 buckets per power of two, so a quantile is within 1.6% of the true
     value, in constant memory however many batches pass (a list of every
     wait would grow without bound in a long training run).
     """
 
-    SUB = 32
-    __slots__ = ("counts", "count", "total_ns", "max_ns")
+    __slots__ = ("tally", "first")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (64 * self.SUB)
-        self.count = 0
-        self.total_ns = 0
-        self.max_ns = 0
+    def __init__(self, tally: array[int], first: int) -> None:
+        self.tally = tally
+        self.first = first  # index of bucket 0 in tally
+
+    @property
+    def count(self) -> int:
+        return self.tally[WAIT_COUNT]
+
+    @property
+    def total_ns(self) -> int:
+        return self.tally[WAIT_TOTAL_NS]
+
+    @property
+    def max_ns(self) -> int:
+        return self.tally[WAIT_MAX_NS]
 
     def add(self, ns: int) -> None:
         if ns < 1:
             ns = 1
-        m, e = math.frexp(ns)  # ns = m * 2**e, 0.5 <= m < 1
-        self.counts[e * self.SUB + int((m - 0.5) * 2 * self.SUB)] += 1
-        self.count += 1
-        self.total_ns += ns
-        if ns > self.max_ns:
-            self.max_ns = ns
+        t = self.tally
+        t[self.first + bucket(ns)] += 1
+        t[WAIT_COUNT] += 1
+        t[WAIT_TOTAL_NS] += ns
+        if ns > t[WAIT_MAX_NS]:
+            t[WAIT_MAX_NS] = ns
 
     def quantile(self, q: float) -> float:
         """The q-quantile (0 <= q <= 1) in nanoseconds; 0.0 when empty."""
-        if self.count == 0:
+        count = self.count
+        if count == 0:
             return 0.0
-        rank = max(1, math.ceil(q * self.count))
+        rank = max(1, math.ceil(q * count))
         seen = 0
-        for i, c in enumerate(self.counts):
-            seen += c
+        t, first = self.tally, self.first
+        for i in range(BUCKETS):
+            seen += t[first + i]
             if seen >= rank:
-                e, sub = divmod(i, self.SUB)
-                mid = 0.5 + (sub + 0.5) / (2 * self.SUB)  # middle of the bucket
+                e, sub = divmod(i, SUB)
+                mid = 0.5 + (sub + 0.5) / (2 * SUB)  # middle of the bucket
                 return min(math.ldexp(mid, e), float(self.max_ns))
         return float(self.max_ns)
 
@@ -153,27 +187,45 @@ class Counters:
     turns it into PipelineStats. One thread updates it at a time (the one
     iterating); a snapshot may be read from any thread.
 
+    The per-batch counts live in `tally`, one int64 array (layout above),
+    so a transport's compiled fast path can count a batch without calling
+    back into Python. The fast path never takes a pass's first batch, so
+    `delivered` still sees every pass begin.
+
     The wall time counts the pass in progress too, up to the moment of the
     snapshot: a training loop over endless sources never finishes a pass,
     and its stats must still say how much of its time it waited."""
 
-    __slots__ = (
-        "batches", "bytes", "created_ns", "current_started_ns", "first_batch_ns", "passes", "per_worker",
-        "wall_ns", "waits",
-    )
+    __slots__ = ("created_ns", "current_started_ns", "num_workers", "passes", "tally", "waits", "wall_ns")
 
     def __init__(self, num_workers: int) -> None:
         self.created_ns = time.perf_counter_ns()
-        self.first_batch_ns: int | None = None
-        self.waits = WaitHistogram()
-        self.batches = 0
-        self.bytes = 0
-        self.per_worker = [0] * num_workers
+        self.num_workers = num_workers
+        self.tally = array("q", bytes(8 * (TOTALS + num_workers + BUCKETS)))
+        self.tally[FIRST_BATCH_NS] = -1  # none yet
+        self.waits = WaitHistogram(self.tally, TOTALS + num_workers)
         self.wall_ns = 0  # of passes that ended
         # when the pass in progress first asked for a batch (None: no pass
         # in progress, or it has not asked yet)
         self.current_started_ns: int | None = None
         self.passes = 0
+
+    @property
+    def batches(self) -> int:
+        return self.tally[BATCHES]
+
+    @property
+    def bytes(self) -> int:
+        return self.tally[BYTES]
+
+    @property
+    def first_batch_ns(self) -> int | None:
+        ns = self.tally[FIRST_BATCH_NS]
+        return None if ns < 0 else ns
+
+    @property
+    def per_worker(self) -> list[int]:
+        return self.tally[TOTALS : TOTALS + self.num_workers].tolist()
 
     def pass_started(self) -> None:
         # A pass left unfinished (the loop broke out, then iterated again)
@@ -206,11 +258,12 @@ class Counters:
         if self.current_started_ns is None:
             self.current_started_ns = asked_ns  # the pass's first request
         self.waits.add(got_ns - asked_ns)
-        self.batches += 1
-        self.bytes += nbytes
-        self.per_worker[worker] += 1
-        if self.first_batch_ns is None:
-            self.first_batch_ns = got_ns
+        t = self.tally
+        t[BATCHES] += 1
+        t[BYTES] += nbytes
+        t[TOTALS + worker] += 1
+        if t[FIRST_BATCH_NS] < 0:
+            t[FIRST_BATCH_NS] = got_ns
 
     def snapshot(
         self,

@@ -310,4 +310,13 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
                 f"{1e6 / lo.batches_per_s:.1f} us -> {1e6 / hi.batches_per_s:.1f} us",
             )
         )
+    # The hot path's targets (issue 10), for a 2-core machine with 2 producers.
+    if ("shm ring", small) in by:
+        r = by["shm ring", small].batches_per_s
+        out.append(("64 KiB: shm ring >= 300,000 batches/s (2 cores)", r >= 300_000, f"{r:,.0f}/s"))
+    if reserve:
+        worst = min(reserve, key=lambda r: r.batches_per_s)
+        us = 1e6 / worst.batches_per_s
+        at = human_size(worst.nbytes)
+        out.append(("reserve: <= 5 us per batch at every size", us <= 5.0, f"{us:.1f} us at {at}"))
     return out

@@ -427,6 +427,12 @@ class ShmConsumer(ConsumerEnd):
         )
         self.reader = _ring.RingReader(self.ring)
         self.reader.on_external = self._external
+        # The pipeline's fast path (Pipeline's _PassIterator.__next__): a
+        # READY batch taken, decoded and counted in one compiled call. Only
+        # where get() is this class's, which decodes as take_ready does (a
+        # subclass with its own encoding, like arrow, goes through get()).
+        if type(self).get is ShmConsumer.get:
+            self.take_ready = self.reader.take_ready
         self.slot_size = slot_size
         self.capacity = spec.capacity
         # A group's ring (transports/_ranks.py): get() hands out undecoded

@@ -1,0 +1,221 @@
+"""The consumer's fast path (RingReader.take_ready, called from a pass
+iterator's __next__) and the waiters' spin: real rings, real processes."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import _codec, _ring, _stats
+from shmpipe._stats import Counters
+from shmpipe.errors import CorruptSegmentError, PipelineClosedError, ShmpipeValueError
+from shmpipe.transport import END, FAULT, ChannelSpec
+from shmpipe.transports.shm import ShmConsumer, attach_writer
+
+WAIT = 2.0
+FAR = 1 << 62  # a due time that never comes
+
+
+@pytest.fixture
+def ring2():
+    c = ShmConsumer(ChannelSpec(num_workers=2, capacity=4, slot_size=8192, ordered=False))
+    writers = [attach_writer(c.handle, w) for w in range(2)]
+    for w in writers:
+        w.start_pass(0)
+    yield c, writers
+    c.close()
+    c.destroy()
+
+
+def test_take_ready_declines_when_nothing_is_ready(ring2):
+    c, _ = ring2
+    counters = Counters(2)
+    assert c.take_ready(0, FAR, counters) is None
+    assert counters.batches == 0 and counters.waits.count == 0 and counters.first_batch_ns is None
+
+
+def test_take_ready_takes_decodes_and_counts(ring2):
+    c, (w0, w1) = ring2
+    a, b = np.arange(10, dtype=np.int32), {"x": np.ones((3, 4), np.float64), "n": 7}
+    w0.put(a)
+    w1.put(b)
+    counters = Counters(2)
+    before = time.perf_counter_ns()
+    first = c.take_ready(0, FAR, counters)
+    second = c.take_ready(0, FAR, counters)
+    np.testing.assert_array_equal(first, a)  # in publication order
+    assert second["n"] == 7 and np.array_equal(second["x"], b["x"])
+    assert not first.flags.writeable and not second["x"].flags.writeable
+    assert counters.batches == 2 and counters.per_worker == [1, 1]
+    assert counters.bytes == _codec.encoded_size(a) + _codec.encoded_size(b)
+    assert counters.first_batch_ns is not None and counters.first_batch_ns >= before
+    w = counters.waits
+    assert w.count == 2 and 0 < w.max_ns <= w.total_ns
+    assert sum(counters.tally[w.first : w.first + _stats.BUCKETS]) == 2  # each wait in one bucket
+    assert 0 < w.quantile(0.5) <= w.max_ns
+    # The slots go back when the batches go.
+    del first, second
+    assert c.held() == 0
+
+
+def test_take_ready_in_order_takes_only_the_batch_whose_turn_it_is(ring2):
+    c, (w0, w1) = ring2
+    w1.put(np.full(4, 10))
+    w0.put(np.full(4, 0))
+    w0.put(np.full(4, 1))
+    counters = Counters(2)
+    assert int(c.take_ready(0, FAR, counters, 0, 0)[0]) == 0
+    assert c.take_ready(0, FAR, counters, 1, 1) is None  # worker 1's second is not there
+    assert int(c.take_ready(0, FAR, counters, 1, 0)[0]) == 10
+    assert int(c.take_ready(0, FAR, counters, 0, 1)[0]) == 1
+    assert counters.per_worker == [2, 1]
+
+
+def test_an_ordered_pass_goes_round_robin_through_the_fast_path():
+    with shmpipe.from_iterators([_Numbers(50), _Numbers(80)], capacity=6, ordered=True, timeout=30) as pipe:
+        got = [int(b[0]) for b in pipe]
+        s = pipe.stats()
+    assert got == [i for k in range(50) for i in (k, k)] + list(range(50, 80))
+    assert s.per_worker_batches == (50, 80)
+
+
+def test_take_ready_declines_when_a_look_at_the_producers_is_due(ring2):
+    c, (w0, _) = ring2
+    w0.put(np.zeros(4))
+    counters = Counters(2)
+    assert c.take_ready(0, 0, counters) is None  # due long ago
+    assert c.ring.slot_states().count(_ring.READY) == 1  # nothing was taken
+    assert counters.batches == 0
+    assert c.get(0, -1, 0, WAIT) is not None  # the general path still gets it
+
+
+def test_take_ready_leaves_ends_and_faults_to_the_general_path(ring2):
+    c, (w0, w1) = ring2
+    counters = Counters(2)
+    w0.finish_pass()
+    w1.finish_pass()
+    assert c.take_ready(0, FAR, counters) is None
+    assert c.get(0, -1, 0, WAIT) is END
+    c.ring.begin_pass()
+    for w in (w0, w1):
+        w.start_pass(1)
+    w0.put(np.zeros(4))
+    c.halt()  # a fault: what is READY is still delivered first, fast or not
+    got = c.take_ready(1, FAR, counters)
+    assert got is not None and counters.batches == 1
+    del got
+    assert c.take_ready(1, FAR, counters) is None
+    assert c.get(1, -1, 0, WAIT) is FAULT
+
+
+def test_take_ready_checks_the_slot_record(ring2):
+    c, (w0, _) = ring2
+    w0.put(np.zeros(4))
+    (slot,) = [k for k, s in enumerate(c.ring.slot_states()) if s == _ring.READY]
+    # The slot record's nbytes (shared memory another process may write):
+    # after the header (256) and the worker records (64 each), slot k's
+    # record is 64 bytes at + 64 k; nbytes at +32.
+    offset = 256 + 64 * 2 + 64 * slot + 32
+    ctypes.memmove(c.segment.address + offset, (1 << 40).to_bytes(8, "little"), 8)
+    with pytest.raises(CorruptSegmentError, match="more than a slot holds"):
+        c.take_ready(0, FAR, Counters(2))
+    assert c.held() == 0  # the lease made before the check gave the slot back
+
+
+def test_take_ready_refuses_counters_of_another_shape(ring2):
+    c, (w0, _) = ring2
+    w0.put(np.zeros(4))
+    with pytest.raises(ShmpipeValueError, match="do not fit"):
+        c.take_ready(0, FAR, Counters(3))
+    assert c.ring.slot_states().count(_ring.READY) == 1
+
+
+def test_subclasses_with_their_own_get_have_no_fast_path():
+    class Other(ShmConsumer):
+        def get(self, pass_no, worker, wseq, wait):  # noqa: ANN001, ANN201
+            return super().get(pass_no, worker, wseq, wait)
+
+    c = Other(ChannelSpec(num_workers=1, capacity=2, slot_size=8192, ordered=False))
+    try:
+        assert not hasattr(c, "take_ready")
+    finally:
+        c.close()
+        c.destroy()
+
+
+def test_the_histogram_buckets_are_log_linear():
+    # 32 per power of two, exactly (integer arithmetic, as the C side).
+    assert _stats.bucket(1) == 32 and _stats.bucket(2) == 64 and _stats.bucket(3) == 64 + 16
+    for e in range(6, 60):  # from 32 ns on, each power of two fills its 32 buckets
+        lo, hi = 1 << (e - 1), (1 << e) - 1
+        assert _stats.bucket(lo) == e * 32 and _stats.bucket(hi) == e * 32 + 31
+
+
+class _Numbers:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self):
+        for i in range(self.n):
+            yield np.full(8, i, np.int64)
+
+
+def test_an_old_pass_iterator_gets_nothing_from_the_fast_path():
+    with shmpipe.from_iterators([_Numbers(1000)], capacity=4, timeout=30) as pipe:
+        it = iter(pipe)
+        next(it)
+        deadline = time.monotonic() + WAIT
+        while pipe.channel.ring.slot_states().count(_ring.READY) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        it2 = iter(pipe)  # a new pass
+        with pytest.raises(PipelineClosedError, match="earlier pass"):
+            next(it)
+        assert int(next(it2)[0]) == 0
+
+
+def test_a_pass_delivers_everything_through_the_fast_path_and_counts_it():
+    with shmpipe.from_iterators([_Numbers(300), _Numbers(200)], capacity=6, timeout=30) as pipe:
+        got = [int(b[0]) for b in pipe]
+        s = pipe.stats()
+    assert sorted(got) == sorted(list(range(300)) + list(range(200)))
+    assert s.batches == 500 and s.per_worker_batches == (300, 200)
+    assert s.bytes == 500 * _codec.encoded_size(np.zeros(8, np.int64))
+    assert 0 < s.wait_p50_s <= s.wait_max_s
+
+
+@pytest.mark.parametrize("spin_ns", [0, 1_000_000])
+def test_a_blocked_producer_is_woken_with_or_without_spinning(spin_ns):
+    old = _ring.set_spin_ns(spin_ns)
+    try:
+        c = ShmConsumer(ChannelSpec(num_workers=1, capacity=1, slot_size=8192, ordered=False))
+        try:
+            w = attach_writer(c.handle, 0)
+            w.start_pass(0)
+            w.put(np.zeros(4))
+            held = c.get(0, -1, 0, WAIT)
+            done = threading.Event()
+
+            def second() -> None:
+                w.put(np.ones(4))  # waits: the only slot is held
+                done.set()
+
+            t = threading.Thread(target=second, daemon=True)
+            t.start()
+            time.sleep(0.05)  # past the spin: it sleeps on the futex (or still spins)
+            assert not done.is_set()
+            del held  # the release wakes it
+            assert done.wait(WAIT)
+            t.join(WAIT)
+            got = c.get(0, -1, 0, WAIT)
+            assert float(got[0]) == 1.0
+            del got
+        finally:
+            c.close()
+            c.destroy()
+    finally:
+        assert _ring.set_spin_ns(old) == spin_ns
