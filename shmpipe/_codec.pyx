@@ -868,8 +868,13 @@ cdef class _Reader:
         self.need(n)
         # The dtype of the last array decoded, if this one is named the same
         # (batch after batch usually is): no bytes object, no dict lookup.
+        # (Nothing is remembered until a name gave a dtype: last_dtype None.
+        # Without that check an empty name matched the empty start value and
+        # gave None for a dtype, which NumPy dereferences: a crash, found by
+        # tests/test_codec_fuzz.py with 20,000 examples.)
         last = self.dec.last_spec
-        if n == PyBytes_GET_SIZE(last) and memcmp(PyBytes_AS_STRING(last), self.pos, n) == 0:
+        if (self.dec.last_dtype is not None and n == PyBytes_GET_SIZE(last)
+                and memcmp(PyBytes_AS_STRING(last), self.pos, n) == 0):
             self.pos += n
             return self.dec.last_dtype
         spec = PyBytes_FromStringAndSize(<const char *>self.pos, n)

@@ -226,6 +226,7 @@ def test_a_payload_never_gets_an_attribute_by_name(monkeypatch):
         (b"<M8[xx]", "time unit"),
         (b"|T16", "kind 'T'"),
         (b"\xff\xfe", "not a NumPy dtype"),
+        (b"", "not a NumPy dtype"),  # an empty name once matched a fresh decoder's empty dtype cache: SIGSEGV
         (b"#[('a', '<f8', (1 << 40,))]", "not a dtype description"),  # an expression
         (b"#[('a', '<f8', (1 2,))]", "cannot be read"),  # not even Python
         (b"#[('a', '<f8', (99999999, 99999999))]", "item size"),
