@@ -430,8 +430,10 @@ class ShmConsumer(ConsumerEnd):
         # The pipeline's fast path (Pipeline's _PassIterator.__next__): a
         # READY batch taken, decoded and counted in one compiled call. Only
         # where get() is this class's, which decodes as take_ready does (a
-        # subclass with its own encoding, like arrow, goes through get()).
-        if type(self).get is ShmConsumer.get:
+        # subclass with its own encoding, like arrow, goes through get()),
+        # and not for a group's ring, whose get() hands out undecoded
+        # batches for the ranks (enable_sharing, below).
+        if type(self).get is ShmConsumer.get and not spec.shared_with_ranks:
             self.take_ready = self.reader.take_ready
         self.slot_size = slot_size
         self.capacity = spec.capacity
