@@ -93,7 +93,7 @@ def test_seed_ray_recipes(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "shmpipe", "bench", "seed", *TINY_SEED, "--recipes", "ray.util.iter", "shmpipe:ray",
          "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert out.returncode == 0, out.stderr
     got = {r["recipe"]: r for r in json.loads((tmp_path / "seed.json").read_text())["results"]}
@@ -240,7 +240,7 @@ def test_help_describes_every_option_with_its_default():
 
 def doctor(*args, preexec_fn=None, prefix=()):
     return subprocess.run([*prefix, sys.executable, "-m", "shmpipe", "doctor", *args], capture_output=True, text=True,
-                          timeout=120, preexec_fn=preexec_fn, env={**os.environ, "PYTHONPATH": REPO})
+                          timeout=120, preexec_fn=preexec_fn, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
 
@@ -269,7 +269,7 @@ def test_doctor_imports_no_heavy_package():
     code = ("import sys; from shmpipe import _doctor; _doctor.checks(); "
             "print(sorted(m for m in ('torch', 'tensorflow', 'ray', 'pyarrow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": REPO})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "[]", out.stderr
 
 

@@ -37,7 +37,7 @@ API_MODULES = ["shmpipe", "shmpipe.transport", "shmpipe.registry", "shmpipe.erro
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     return env
 

@@ -36,7 +36,7 @@ def _group() -> str:
 def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None) -> list[dict[str, Any]]:
     """Starts one process per config (after its delay, in the order given),
     waits for all, returns their reports in rank order."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = []
     try:
         for i, cfg in enumerate(configs):
@@ -287,7 +287,7 @@ def test_the_ddp_example_trains_under_torchrun(tmp_path):
     under torchrun, fed by one pipeline of 3 producers: 15 batches an epoch,
     7 to each rank, 1 dropped; the ranks' weights stay identical."""
     pytest.importorskip("torch")
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          os.path.join(ROOT, "examples", "ddp_train.py"), "--workers", "3", "--epochs", "3", "--batches", "5"],
@@ -304,7 +304,7 @@ def test_the_ddp_example_trains_under_torchrun(tmp_path):
 
 def test_bench_ranks_runs_and_writes_json(tmp_path):
     out_json = tmp_path / "ranks.json"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run(
         [sys.executable, "-m", "shmpipe", "bench", "ranks", "--ranks", "2", "--batches", "12", "--size", "64KiB",
          "--work-ms", "0", "--setups", "shared pool", "pipeline per rank", "--json", str(out_json)],
