@@ -238,9 +238,15 @@ def test_help_describes_every_option_with_its_default():
 # -- shmpipe doctor ----------------------------------------------------------------
 
 
+#: Where child processes run: not the repository's root, whose shmpipe/ (no
+#: built extension in a clean clone) `python -m` and `-c` would import first.
+NEUTRAL = os.path.dirname(os.path.abspath(__file__))
+
+
 def doctor(*args, preexec_fn=None, prefix=()):
     return subprocess.run([*prefix, sys.executable, "-m", "shmpipe", "doctor", *args], capture_output=True, text=True,
-                          timeout=120, preexec_fn=preexec_fn, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                          timeout=120, preexec_fn=preexec_fn, cwd=NEUTRAL,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
 
@@ -268,7 +274,7 @@ def test_doctor_checks_this_machine():
 def test_doctor_imports_no_heavy_package():
     code = ("import sys; from shmpipe import _doctor; _doctor.checks(); "
             "print(sorted(m for m in ('torch', 'tensorflow', 'ray', 'pyarrow') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=NEUTRAL,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "[]", out.stderr
 
