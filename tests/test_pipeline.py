@@ -461,13 +461,14 @@ def test_errors_pickle():
         assert type(again) is type(exc) and str(again) == str(exc)
 
 
-def test_close_from_another_thread_wakes_the_waiting_consumer():
+@pytest.mark.parametrize("transport", ["shm", "queue"])
+def test_close_from_another_thread_wakes_the_waiting_consumer(transport):
     import threading
     import time
 
     from shmpipe.testing.sources import Sleeper
 
-    pipe = shmpipe.from_iterators([Sleeper(60.0)], timeout=T)
+    pipe = shmpipe.from_iterators([Sleeper(60.0)], transport=transport, timeout=T)
     it = iter(pipe)
     next(it)
     errors = []
@@ -481,9 +482,10 @@ def test_close_from_another_thread_wakes_the_waiting_consumer():
     t = threading.Thread(target=consume)
     t.start()
     time.sleep(0.3)
+    t0 = time.monotonic()
     pipe.close()
     t.join(10)
-    assert not t.is_alive()
+    assert not t.is_alive() and time.monotonic() - t0 < 5.0
     assert len(errors) == 1 and isinstance(errors[0], shmpipe.PipelineClosedError), errors
 
 

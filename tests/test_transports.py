@@ -236,33 +236,6 @@ def test_queue_a_producer_stopped_half_way_through_a_batch_is_a_timeout_that_say
     assert 1.0 <= waited < 3.0, f"the timeout came after {waited:.1f} s"
 
 
-def test_queue_close_from_another_thread_wakes_the_waiting_consumer():
-    import threading
-    import time
-
-    from shmpipe.testing.sources import Sleeper
-
-    pipe = shmpipe.from_iterators([Sleeper(60.0)], transport="queue", timeout=30)
-    it = iter(pipe)
-    next(it)
-    errors = []
-
-    def consume():
-        try:
-            next(it)  # waits: the producer sleeps
-        except Exception as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=consume)
-    t.start()
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    pipe.close()
-    t.join(10)
-    assert not t.is_alive() and time.monotonic() - t0 < 5.0
-    assert len(errors) == 1 and isinstance(errors[0], shmpipe.PipelineClosedError), errors
-
-
 def test_queue_a_malformed_frame_is_a_clear_error():
     import collections
     import os
