@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
+from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, GroupStats, PipelineStats
 from shmpipe.errors import (
@@ -92,12 +93,19 @@ __all__ = ["RankPipeline", "join_group", "socket_address"]
 #: whether the group is closing.
 POLL_S = 0.1
 #: The largest message. Each receive allocates this much, so it stays small
-#: (below malloc's mmap threshold): errors' texts are clipped to fit.
+#: (below malloc's mmap threshold). Every message but an error is a few
+#: hundred bytes; an error's texts are clipped until its *encoded* form fits
+#: (JSON writes a non-ASCII character as up to 12 bytes: clipping characters
+#: is not enough).
 MAX_MESSAGE = 1 << 16
+_MAX_ERROR_BYTES = MAX_MESSAGE // 2
 _MAX_TEXT = 12_000
 MAX_FDS = 4
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _FD = array.array("i")
+#: What a malformed message from a peer can raise while it is taken apart
+#: (beyond the checks made field by field): turned into a GroupError.
+_MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
 
 
 def socket_address(group: str) -> str:
@@ -108,8 +116,12 @@ def socket_address(group: str) -> str:
 # -- the wire ------------------------------------------------------------------
 
 
+def _encode(message: list[Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
 def _send(sock: socket.socket, message: list[Any], fds: list[int] | None = None) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
+    data = _encode(message)
     if fds:
         socket.send_fds(sock, [data], fds)
     else:
@@ -123,6 +135,27 @@ def _send_quietly(sock: socket.socket, message: list[Any], fds: list[int] | None
         return True
     except OSError:
         return False
+
+
+def _watch_process(pid: int) -> int | None:
+    """A pidfd of `pid`: readable once the process has ended. A socket's end
+    is not enough to see a process die: a child it forked keeps the socket
+    open. None where the kernel has no pidfd (Linux < 5.3, some sandboxes):
+    then _process_alive is asked every POLL_S."""
+    try:
+        return os.pidfd_open(pid)  # close-on-exec
+    except (AttributeError, OSError):
+        return None
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists (as another user: the uid was checked at connect)
+    return True
 
 
 def _recvmsg(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
@@ -161,7 +194,7 @@ def _recv(sock: socket.socket, flags: int = 0) -> tuple[list[Any] | None, list[i
             raise GroupError("a group message was larger than allowed (the peer is broken)")
         try:
             message = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: a deeply nested array
             raise GroupError("a group message is not JSON (the peer is broken)") from None
         if not isinstance(message, list) or not message or not isinstance(message[0], str):
             raise GroupError(f"a malformed group message: {data[:80]!r}")
@@ -192,11 +225,26 @@ def _fingerprint(options: PipelineOptions) -> dict[str, Any]:
 
 
 def _error_message(exc: BaseException) -> list[Any]:
-    """An exception as an "error" message every rank turns back into one
-    (long texts, a deep traceback, clipped to fit a message)."""
+    """An exception as an "error" message every rank turns back into one.
+    Long texts (a deep traceback, a huge message) are clipped until the
+    message's encoded form fits in _MAX_ERROR_BYTES: a message too large to
+    send would be lost, and the ranks would learn only that the group ended."""
     message = _error_message_unclipped(exc)
-    message[2] = [a[:_MAX_TEXT] + " [...]" if isinstance(a, str) and len(a) > _MAX_TEXT else a for a in message[2]]
-    return message
+    limit = _MAX_TEXT
+    while True:
+        args = [_clip(a, limit) for a in message[2]]
+        clipped = [message[0], message[1], args]
+        if len(_encode(clipped)) <= _MAX_ERROR_BYTES:
+            return clipped
+        if limit == 0:  # not the texts (a bug): say at least what failed
+            return ["error", "group", [f"rank 0's pipeline failed: {type(exc).__name__} (its message was too large)"]]
+        limit //= 4
+
+
+def _clip(value: Any, limit: int) -> Any:
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + " [...]"
+    return value
 
 
 def _error_message_unclipped(exc: BaseException) -> list[Any]:
@@ -214,23 +262,47 @@ def _error_message_unclipped(exc: BaseException) -> list[Any]:
 
 
 def _error_from(message: list[Any]) -> ShmpipeError:
-    """The exception an "error" message describes (only shmpipe's own
-    classes, built from plain values)."""
+    """The exception an "error" message describes: only shmpipe's own
+    classes, built from plain values of the types they expect (a malformed
+    message is a GroupError that says so)."""
     try:
         _, kind, args = message
+        if not isinstance(args, list):
+            raise TypeError("arguments are not a list")
         if kind == "worker_died":
-            return WorkerDiedError(*args)
+            worker, pid, exitcode, reason = args
+            _expect(worker, int)
+            _expect(pid, int, None)
+            _expect(exitcode, int, None)
+            _expect(reason, str, None)
+            return WorkerDiedError(worker, pid, exitcode, reason)
         if kind == "worker":
-            return WorkerError(*args)
+            worker, pid, exc_type, text, remote_traceback = args
+            _expect(worker, int)
+            _expect(pid, int, None)
+            _expect(exc_type, str)
+            _expect(text, str)
+            _expect(remote_traceback, str)
+            return WorkerError(worker, pid, exc_type, text, remote_traceback)
+        (text, *rest) = args
+        _expect(text, str)
         if kind == "rank_died":
-            return RankDiedError(str(args[0]), int(args[1]))
+            (rank,) = rest
+            _expect(rank, int)
+            return RankDiedError(text, rank)
         if kind == "start":
-            return GroupStartError(str(args[0]))
+            return GroupStartError(text)
         if kind == "timeout":
-            return PipelineTimeoutError(str(args[0]))
-        return GroupError(str(args[0]))
-    except (TypeError, ValueError, IndexError):
+            return PipelineTimeoutError(text)
+        return GroupError(text)
+    except _MALFORMED:
         return GroupError(f"rank 0 reported an error in a malformed message: {message!r:.200}")
+
+
+def _expect(value: Any, *types: type | None) -> None:
+    """`value` is exactly of one of `types` (None: is None; bool is not an int)."""
+    if not any(value is None if t is None else type(value) is t for t in types):
+        raise TypeError(f"{value!r:.40} is not {types}")
 
 
 # -- rank 0: the leader ----------------------------------------------------------
@@ -239,13 +311,17 @@ def _error_from(message: list[Any]) -> ShmpipeError:
 class _Link:
     """The leader's end of one rank's connection."""
 
-    __slots__ = ("dealt", "held", "pid", "rank", "sock", "state")
+    __slots__ = ("dealt", "held", "pid", "pidfd", "rank", "sock", "state")
 
-    def __init__(self, sock: socket.socket, rank: int, pid: int) -> None:
+    def __init__(self, sock: socket.socket, rank: int, pid: int, pidfd: int | None) -> None:
         self.sock = sock
         self.rank = rank
-        self.pid = pid
-        self.state = "live"  # then "left" (said bye between passes) or "gone"
+        self.pid = pid  # from SO_PEERCRED (the kernel's word, not the rank's)
+        self.pidfd = pidfd
+        #: "live"; "left" (said bye: its connection stays open until the
+        #: batches it still holds are gone, so their slots stay pinned);
+        #: "closed" (the connection ended: nothing is pinned any more).
+        self.state = "live"
         #: token -> the batch dealt to this rank and not yet released: its
         #: root holds the slot, so dropping it frees the slot.
         self.held: dict[int, SharedBatch] = {}
@@ -255,7 +331,12 @@ class _Link:
 class _Leader:
     """Rank 0's side of a group: the listening socket, the pipeline, the
     service thread (joins, releases, barriers, deaths) and the dispatch
-    thread (dealing rounds). See the module doc."""
+    thread (dealing rounds). See the module doc.
+
+    Threads. The service thread alone reads sockets, and alone registers,
+    unregisters and closes what it polls (a descriptor closed while another
+    thread polls it could be reused under it). The dispatch thread and
+    fail() only send, and shut a link's sending side down."""
 
     def __init__(self, options: PipelineOptions, make_pipeline: Callable[[PipelineOptions], Pipeline]) -> None:
         self.options = options
@@ -276,7 +357,13 @@ class _Leader:
         self.listener = listener
         self.lock = threading.Condition()
         self.links: dict[int, _Link] = {}
-        self.pending: list[socket.socket] = []  # connected, hello not yet read
+        #: Connected, hello not yet read: socket -> (pid, pidfd) from SO_PEERCRED.
+        self.pending: dict[socket.socket, tuple[int, int | None]] = {}
+        # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE),
+        # which a trainer with many open files easily has.
+        self.poller = select.poll()
+        self.watched: dict[int, tuple[str, Any]] = {}  # fd -> (what, its object)
+        self._watch(listener.fileno(), "listener", listener)
         self.begun = [-1] * self.n  # the last pass each rank began
         self.ready = False
         self.failure: list[Any] | None = None  # the "error" message sent to every rank
@@ -285,6 +372,7 @@ class _Leader:
         self.dropped_per_pass: list[int] = []
         self.tokens = itertools.count()
         self.deadline = time.monotonic() + options.group_timeout
+        self.next_alive_check = 0.0
         try:
             # The pipeline waits without a deadline: a rank that trains
             # slowly holds slots, which is backpressure, not a stuck
@@ -301,22 +389,36 @@ class _Leader:
 
     # -- the service thread ------------------------------------------------------
 
+    def _watch(self, fd: int, what: str, obj: Any) -> None:
+        self.poller.register(fd, select.POLLIN)
+        self.watched[fd] = (what, obj)
+
+    def _unwatch(self, fd: int | None) -> None:
+        if fd is not None and self.watched.pop(fd, None) is not None:
+            self.poller.unregister(fd)
+
     def _serve(self) -> None:
         try:
             while not self.stopping.is_set():
-                with self.lock:
-                    links = [link for link in self.links.values() if link.state == "live"]  # others are closed
-                socks: list[socket.socket] = [self.listener, *self.pending, *(link.sock for link in links)]
-                readable, _, _ = select.select(socks, [], [], POLL_S)
-                for sock in readable:
+                ended: list[_Link] = []
+                for fd, _ in self.poller.poll(int(POLL_S * 1000)):
                     if self.stopping.is_set():
                         break
-                    if sock is self.listener:
+                    what, obj = self.watched.get(fd, ("", None))
+                    if what == "listener":
                         self._accept()
-                    elif sock in self.pending:
-                        self._hello(sock)
-                    else:
-                        self._from_rank(next(link for link in links if link.sock is sock))
+                    elif what == "hello":
+                        self._hello(obj)
+                    elif what == "rank":
+                        self._from_rank(obj)
+                    elif what == "exit":
+                        ended.append(obj)
+                ended += self._ended_without_pidfd()
+                for link in ended:
+                    if link.state != "closed":
+                        self._from_rank(link)  # its last words (releases, bye) first
+                    if link.state != "closed":  # a child it forked holds its socket open
+                        self._connection_ended(link)
                 if not self.ready and time.monotonic() > self.deadline and self.failure is None:
                     with self.lock:
                         missing = [r for r in range(self.n) if r not in self.links]
@@ -330,65 +432,88 @@ class _Leader:
             if not self.stopping.is_set():
                 self.fail(exc)
 
+    def _ended_without_pidfd(self) -> list[_Link]:
+        """Ranks without a pidfd whose process is gone (looked at every POLL_S)."""
+        now = time.monotonic()
+        if now < self.next_alive_check:
+            return []
+        self.next_alive_check = now + POLL_S
+        with self.lock:
+            links = [link for link in self.links.values() if link.pidfd is None and link.state != "closed"]
+        return [link for link in links if not _process_alive(link.pid)]
+
     def _accept(self) -> None:
         try:
             sock, _ = self.listener.accept()
         except OSError:
             return
         try:
-            _, uid = _peer(sock)
+            pid, uid = _peer(sock)
         except OSError:
-            uid = -1
+            pid, uid = 0, -1
         if uid != os.getuid():
             sock.close()  # only this user's processes may join (the name is no protection)
             return
-        self.pending.append(sock)
+        self.pending[sock] = (pid, _watch_process(pid))
+        self._watch(sock.fileno(), "hello", sock)
+
+    def _reject(self, sock: socket.socket, pidfd: int | None, message: list[Any] | None) -> None:
+        if message is not None:
+            _send_quietly(sock, message)
+        sock.close()
+        if pidfd is not None:
+            os.close(pidfd)
 
     def _hello(self, sock: socket.socket) -> None:
-        self.pending.remove(sock)
+        self._unwatch(sock.fileno())
+        pid, pidfd = self.pending.pop(sock)
         try:
-            message, fds = _recv(sock)
+            message, fds = _recv(sock, socket.MSG_DONTWAIT)
         except (GroupError, OSError):
-            sock.close()
+            self._reject(sock, pidfd, None)
             return
         for fd in fds:
             os.close(fd)
-        if message is None:
-            sock.close()
+        if message is None or len(message) != 4 or message[0] != "hello":
+            self._reject(sock, pidfd, None)  # not one of ours
             return
-        try:
-            _, rank, fingerprint, pid = message
-        except ValueError:
-            sock.close()
-            return
-        if type(pid) is not int:
-            sock.close()  # not one of ours
-            return
+        _, rank, fingerprint, _ = message
         if self.failure is not None:  # tell it why the group failed, as the others heard
-            _send_quietly(sock, self.failure)
-            sock.close()
+            self._reject(sock, pidfd, self.failure)
             return
         ours = _fingerprint(self.options)
         problem = None
         if type(rank) is not int or not 0 <= rank < self.n:
-            problem = f"a process (pid {pid}) asked to join as rank {rank!r}; the group has ranks 0 to {self.n - 1}"
+            problem = f"a process (pid {pid}) asked to join as rank {rank!r:.20}; the group has ranks 0 to {self.n - 1}"
         elif rank in self.links:
             problem = f"two processes (pids {self.links[rank].pid} and {pid}) joined as rank {rank}"
         elif fingerprint != ours:
             problem = (
                 f"rank {rank} (pid {pid}) calls from_iterators with other arguments than rank 0: "
-                f"{fingerprint} vs {ours}"
+                f"{fingerprint!r:.300} vs {ours}"
             )
-        elif self.ready:
-            problem = f"rank {rank} (pid {pid}) joined a group that already started"
+        if problem is not None and self.ready:
+            # The group runs, in step: a latecomer (a stray process, a rank
+            # started twice) is turned away, the group goes on.
+            self._reject(sock, pidfd, _error_message(GroupStartError(f"group {self.group!r}: {problem}")))
+            return
+        if self.ready:
+            exc = GroupStartError(f"group {self.group!r}: rank {rank} (pid {pid}) joined a group that already started")
+            self._reject(sock, pidfd, _error_message(exc))
+            return
         if problem is not None:
+            # Before the start, the group itself is misconfigured (ranks
+            # disagree): every rank hears it now rather than at the timeout.
             exc = GroupStartError(f"group {self.group!r}: {problem}")
-            _send_quietly(sock, _error_message(exc))
-            sock.close()
+            self._reject(sock, pidfd, _error_message(exc))
             self.fail(exc)
             return
+        link = _Link(sock, rank, pid, pidfd)
+        self._watch(sock.fileno(), "rank", link)
+        if pidfd is not None:
+            self._watch(pidfd, "exit", link)
         with self.lock:
-            self.links[rank] = _Link(sock, rank, pid)
+            self.links[rank] = link
             if len(self.links) == self.n:
                 self.ready = True
         if self.ready:
@@ -399,71 +524,100 @@ class _Leader:
     def _from_rank(self, link: _Link) -> None:
         """Every message `link`'s rank has sent (releases come in bursts:
         one wake-up of this thread serves them all)."""
-        first = True
-        while link.state == "live":
+        while link.state != "closed":
             try:
-                message, fds = _recv(link.sock, 0 if first else socket.MSG_DONTWAIT)
+                message, fds = _recv(link.sock, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             except (GroupError, OSError):
                 message, fds = None, []
-            first = False
-            self._handle_from_rank(link, message, fds)
+            for fd in fds:
+                os.close(fd)  # ranks send no descriptors
+            if message is None:
+                self._connection_ended(link)
+            else:
+                self._handle_from_rank(link, message)
 
-    def _handle_from_rank(self, link: _Link, message: list[Any] | None, fds: list[int]) -> None:
-        for fd in fds:
-            os.close(fd)  # ranks send no descriptors
-        if message is None:
-            self._rank_gone(link, f"rank {link.rank} (pid {link.pid}) of group {self.group!r} died")
-            return
+    def _handle_from_rank(self, link: _Link, message: list[Any]) -> None:
         kind = message[0]
         if kind == "release" and len(message) == 2 and type(message[1]) is int:
             with self.lock:
                 batch = link.held.pop(message[1], None)
             del batch  # its root held the slot: the slot is free now
+        elif link.state != "live":
+            return  # it said bye: only its releases count now
         elif kind == "begin" and len(message) == 2 and type(message[1]) is int:
             with self.lock:
                 self.begun[link.rank] = message[1]
                 self.lock.notify_all()
         elif kind == "bye":
             with self.lock:
-                mid_pass = self.in_pass is not None
-            if mid_pass:
-                self._rank_gone(
-                    link,
-                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} closed its pipeline in the "
-                    f"middle of pass {self.in_pass}",
+                link.state = "left"
+                mid_pass = self.in_pass
+                self.lock.notify_all()
+            if mid_pass is not None:
+                self.fail(
+                    RankDiedError(
+                        f"rank {link.rank} (pid {link.pid}) of group {self.group!r} closed its pipeline in the "
+                        f"middle of pass {mid_pass}; the other ranks cannot stay in step",
+                        link.rank,
+                    )
                 )
-            else:
-                self._rank_gone(link, None)
         else:
-            self._rank_gone(link, f"rank {link.rank} (pid {link.pid}) sent a malformed message {message!r:.80}")
+            self.fail(
+                RankDiedError(
+                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} sent a malformed message "
+                    f"{message!r:.80}",
+                    link.rank,
+                )
+            )
+            self._connection_ended(link)
 
-    def _rank_gone(self, link: _Link, why: str | None) -> None:
-        """`link`'s rank is gone: what it held is released (the slots go
-        back to the producers); with `why`, the group fails."""
+    def _connection_ended(self, link: _Link) -> None:
+        """`link`'s connection ended, or its process did: what the rank held
+        is released (its slots go back to the producers). Without "bye"
+        first, the rank died: the group fails, and fail() stops the
+        producers *before* the slots are freed."""
+        if link.state == "live":
+            self.fail(
+                RankDiedError(
+                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} died; the other ranks cannot "
+                    "stay in step",
+                    link.rank,
+                )
+            )
+        self._unwatch(link.sock.fileno())
+        self._unwatch(link.pidfd)
         with self.lock:
             held, link.held = link.held, {}
-            link.state = "gone" if why is not None else "left"
+            link.state = "closed"
             self.lock.notify_all()
         link.sock.close()
+        if link.pidfd is not None:
+            os.close(link.pidfd)
+            link.pidfd = None
         held.clear()
-        if why is not None:
-            self.fail(RankDiedError(why + "; the other ranks cannot stay in step", link.rank))
 
     def fail(self, exc: BaseException) -> None:
-        """The group cannot go on: every rank hears why (once), and the
-        pipeline stops (producers end, slots free as batches go)."""
+        """The group cannot go on: every rank hears why (once), its
+        connection's sending side is shut (so a rank whose message was lost
+        still sees the group end, never waits for ever), and the pipeline
+        stops (producers end, slots free as batches go). Any thread."""
         with self.lock:
             if self.failure is not None:
                 return
             self.failure = _error_message(exc)
-            links = [link for link in self.links.values() if link.state == "live"]
+            links = [link for link in self.links.values() if link.state != "closed"]
             self.lock.notify_all()
-        for sock in self.pending:
-            _send_quietly(sock, self.failure)
         for link in links:
-            _send_quietly(link.sock, self.failure)
+            if link.state == "live" and not _send_quietly(link.sock, self.failure):
+                # Too large for this socket's buffer (net.core.wmem_default
+                # set low), or the rank is going: a short one, then.
+                _send_quietly(link.sock, ["error", "group", [f"group {self.group!r} failed: {type(exc).__name__}"]])
+            try:
+                link.sock.shutdown(socket.SHUT_WR)  # releases still come in
+            except OSError:
+                pass
         self.pipe.close()  # wakes the dispatcher if it waits in the pipeline
 
     # -- the dispatch thread -------------------------------------------------------
@@ -471,6 +625,9 @@ class _Leader:
     def _dispatch(self) -> None:
         pass_no = 0
         shared = False
+        # Batches taken and not yet dealt: each may own a descriptor (a batch
+        # larger than a slot), closed here whatever ends the dispatch.
+        current: list[tuple[SharedBatch, int, int]] = []
         try:
             while True:
                 with self.lock:
@@ -480,17 +637,16 @@ class _Leader:
                         self.lock.wait(POLL_S)
                     self.in_pass = pass_no
                 it = iter(self.pipe)  # the first starts pass 0, the pipeline's first
-                current: list[tuple[SharedBatch, int, int]] = []
                 for batch in it:
-                    if not shared:
-                        self._share_ring()
-                        shared = True
                     channel = self.pipe.channel
                     assert channel is not None
                     current.append((batch, channel.last_worker, channel.last_nbytes))
+                    del batch
+                    if not shared:
+                        self._share_ring()
+                        shared = True
                     if len(current) == self.n:
                         self._deal(pass_no, current)
-                        current = []
                 dropped = len(current)
                 for batch, _, _ in current:
                     batch.close_fd()
@@ -505,12 +661,16 @@ class _Leader:
         except BaseException as exc:
             if not self.stopping.is_set():
                 self.fail(exc)
+        finally:
+            for batch, _, _ in current:
+                batch.close_fd()
+            current.clear()
 
     def _all_began(self, pass_no: int) -> bool:
         """Every rank began `pass_no` (a rank that left between passes makes
         the next one impossible: that is a failure, not a wait)."""
         for rank, link in self.links.items():
-            if link.state == "left":
+            if link.state != "live":
                 raise RankDiedError(
                     f"rank {rank} (pid {link.pid}) of group {self.group!r} closed its pipeline, so pass "
                     f"{pass_no} cannot start in step",
@@ -532,28 +692,32 @@ class _Leader:
                 os.close(fd)
 
     def _deal(self, pass_no: int, batches: list[tuple[SharedBatch, int, int]]) -> None:
-        """One complete round: batch i to rank i."""
+        """One complete round: batch i to rank i. Each batch's descriptor is
+        closed once sent (the rank has its own now); on an error the caller
+        closes those of the batches not reached."""
         for rank, (batch, worker, nbytes) in enumerate(batches):
-            link = self.links[rank]
-            token = next(self.tokens)
-            with self.lock:
-                live = link.state == "live"
+            try:
+                link = self.links[rank]
+                token = next(self.tokens)
+                with self.lock:
+                    live = link.state == "live"
+                    if live:
+                        link.held[token] = batch  # before the send: a release may come at once
+                        link.dealt += 1
                 if live:
-                    link.held[token] = batch  # before the send: a release may come at once
-                    link.dealt += 1
-            if live:
-                # A failed send means the rank is gone: its end is read by
-                # the service thread, which releases what it held.
-                message = ["batch", pass_no, token, list(batch.record), worker, nbytes]
-                _send_quietly(link.sock, message, [batch.fd] if batch.fd is not None else None)
-            batch.close_fd()  # the rank has its own descriptor now
+                    # A failed send means the rank is gone: its end is read by
+                    # the service thread, which releases what it held.
+                    message = ["batch", pass_no, token, list(batch.record), worker, nbytes]
+                    _send_quietly(link.sock, message, [batch.fd] if batch.fd is not None else None)
+            finally:
+                batch.close_fd()
         batches.clear()
 
     # -- the end --------------------------------------------------------------
 
     def close(self) -> None:
         self.stopping.set()
-        self.pipe.close()
+        self.pipe.close()  # the producers stop before any slot is freed below
         for thread in (self.service, self.dispatch):
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(5.0)
@@ -561,10 +725,15 @@ class _Leader:
             links = list(self.links.values())
             for link in links:
                 link.held.clear()
+                link.state = "closed"
         for link in links:
             link.sock.close()
-        for sock in self.pending:
-            sock.close()
+            if link.pidfd is not None:
+                os.close(link.pidfd)
+                link.pidfd = None
+        for sock, (_, pidfd) in list(self.pending.items()):
+            self._reject(sock, pidfd, None)
+        self.pending.clear()
         self.listener.close()
 
     def stats(self) -> GroupStats:
@@ -626,6 +795,65 @@ def _connect(address: str, group: str, deadline: float) -> socket.socket:
         time.sleep(0.02)
 
 
+class _Connection:
+    """A rank's connection to rank 0, shared by the rank and the leases of
+    the batches it holds (a batch's last array can go in any thread).
+
+    Lifetime. Rank 0 frees a batch's slot when the rank says "release", or
+    when this connection ends. So close() says "bye" but keeps the socket
+    open while batches dealt to this rank are alive, and the last release
+    closes it: ending it at close() would let the producers overwrite arrays
+    the user still holds ("batches still held stay valid"). A rank that
+    never lets go of a batch keeps its socket until it exits, as a pipeline
+    keeps a slot.
+
+    Sends need no lock (a datagram is written whole, see the module doc);
+    the lock only orders the count of batches held against the close, and
+    is reentrant because a batch can be freed by the garbage collector in
+    this very thread, inside the locked span."""
+
+    __slots__ = ("closing", "held", "leader_pidfd", "lock", "sock")
+
+    def __init__(self, sock: socket.socket, leader_pidfd: int | None) -> None:
+        self.sock = sock
+        self.leader_pidfd = leader_pidfd
+        self.lock = threading.RLock()
+        self.held = 0
+        self.closing = False
+
+    def send(self, message: list[Any]) -> bool:
+        return self.sock.fileno() >= 0 and _send_quietly(self.sock, message)
+
+    def releaser(self, token: int) -> Callable[[], None]:
+        """What a batch's lease calls, once, when the batch's last array goes."""
+        with self.lock:
+            self.held += 1
+
+        def release() -> None:
+            self.send(["release", token])  # a no-op once rank 0 is gone: it released everything
+            with self.lock:
+                self.held -= 1
+                if self.closing and self.held == 0:
+                    self.sock.close()
+
+        return release
+
+    def close(self) -> None:
+        """The rank's end (idempotent): "bye", then the socket goes with
+        the last batch held (now, if none is)."""
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+        self.send(["bye"])
+        if self.leader_pidfd is not None:
+            os.close(self.leader_pidfd)
+            self.leader_pidfd = None
+        with self.lock:
+            if self.held == 0:
+                self.sock.close()
+
+
 class RankPipeline:
     """One rank's share of a pipeline that a group of ranks of this node
     shares (``from_iterators(group=...)``; docs/several-ranks.md).
@@ -650,20 +878,33 @@ class RankPipeline:
         self._leader = _Leader(options, make_pipeline) if make_pipeline is not None else None
         try:
             deadline = time.monotonic() + options.group_timeout
-            self._sock = _connect(socket_address(self.group), self.group, deadline)
+            sock = _connect(socket_address(self.group), self.group, deadline)
+            leader_pidfd = None
             try:
-                self._leader_pid, uid = _peer(self._sock)
+                self._leader_pid, uid = _peer(sock)
                 if uid != os.getuid():
                     raise GroupStartError(
                         f"group {self.group!r}: the process listening as rank 0 (pid {self._leader_pid}) "
                         f"runs as uid {uid}, not as this user: refusing to join"
                     )
-                _send(self._sock, ["hello", self.rank, _fingerprint(options), os.getpid()])
+                # Rank 0's death is seen by its pidfd too: a child it forked
+                # may hold its end of this socket open.
+                if self._leader_pid != os.getpid():
+                    leader_pidfd = _watch_process(self._leader_pid)
+                # poll, not select: select fails on a descriptor >= 1024.
+                self._poller = select.poll()
+                self._poller.register(sock.fileno(), select.POLLIN)
+                if leader_pidfd is not None:
+                    self._poller.register(leader_pidfd, select.POLLIN)
+                self._conn = _Connection(sock, leader_pidfd)
+                _send(sock, ["hello", self.rank, _fingerprint(options), os.getpid()])
                 # Rank 0 reports missing ranks at its deadline; a little
                 # later here, so its message (which names them) comes first.
                 self._wait_ready(deadline + 5.0)
             except BaseException:
-                self._sock.close()
+                sock.close()
+                if leader_pidfd is not None:
+                    os.close(leader_pidfd)
                 raise
         except BaseException:
             if self._leader is not None:
@@ -675,16 +916,31 @@ class RankPipeline:
         self._counters = Counters(options.num_workers)
         self._dropped: list[int] = []
         self._close_hooks: list[Callable[[], None]] = []
-        self._finalizer = weakref.finalize(
-            self, _shut_down, self._close_hooks, self._sock, self._leader, os.getpid()
-        )
+        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._conn, self._leader, os.getpid())
         self._closed = False
+
+    def _receive(self, events: list[tuple[int, int]]) -> tuple[list[Any] | None, list[int]] | None:
+        """The message `events` announce (poll's answer), (None, []) when
+        rank 0's end or death was seen, None when nothing came after all."""
+        try:
+            return _recv(self._conn.sock, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pidfd = self._conn.leader_pidfd
+            if pidfd is not None and any(fd == pidfd for fd, _ in events):
+                return None, []  # rank 0 ended; a child of it holds the socket open
+            return None
+
+    def _leader_gone_without_pidfd(self) -> bool:
+        return self._conn.leader_pidfd is None and not _process_alive(self._leader_pid)
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
-            ready, _, _ = select.select([self._sock], [], [], POLL_S)
-            if ready:
-                message, fds = _recv(self._sock)
+            events = self._poller.poll(int(POLL_S * 1000))
+            got = self._receive(events) if events else None
+            if got is None and self._leader_gone_without_pidfd():
+                got = None, []
+            if got is not None:
+                message, fds = got
                 for fd in fds:
                     os.close(fd)
                 if message is None:
@@ -702,7 +958,7 @@ class RankPipeline:
     def __iter__(self) -> Iterator[Any]:
         self._check_usable()
         self._pass_no += 1
-        if not _send_quietly(self._sock, ["begin", self._pass_no]):
+        if not self._conn.send(["begin", self._pass_no]):
             self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
         self._counters.pass_started()
         return _RankPass(self, self._pass_no)
@@ -733,76 +989,107 @@ class RankPipeline:
             it.started_ns = t0
         timeout = self.options.timeout
         while True:
-            readable, _, _ = select.select([self._sock], [], [], POLL_S)
-            if not readable:
-                if self._closed:
-                    raise PipelineClosedError("the pipeline was closed while waiting for a batch")
-                if timeout is not None and time.perf_counter_ns() - t0 >= timeout * 1e9:
-                    raise PipelineTimeoutError(
-                        f"no batch within {timeout:g} s (rank {self.rank} of group {self.group!r})"
-                    )
-                continue
-            try:
-                message, fds = _recv(self._sock)
-            except GroupError as exc:
-                self._fail(exc)
-            except OSError as exc:
-                self._fail(GroupError(f"group {self.group!r}: reading from rank 0 failed: {exc}"))
-            if message is None:
-                self._fail(
-                    RankDiedError(
-                        f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died or closed the group", 0
-                    )
-                )
-            batch = self._handle(message, fds, it)
-            if batch is not _NOTHING:
-                self._counters.delivered(t0, time.perf_counter_ns(), message[5], message[4])
-                return batch
-
-    def _handle(self, message: list[Any], fds: list[int], it: _RankPass) -> Any:
-        """One message from rank 0: a batch of this pass, or _NOTHING."""
-        kind = message[0]
-        try:
-            if kind == "batch" and len(message) == 6:
-                _, pass_no, token, record, worker, nbytes = message
-                if not (type(token) is int and isinstance(record, list) and type(nbytes) is int):
-                    self._fail(GroupError(f"group {self.group!r}: a malformed batch message: {message!r:.80}"))
-                release = _releaser(self._sock, token)
-                if pass_no != it.pass_no or self._reader is None:
-                    release()  # a pass this rank left early: not for it any more
-                    if self._reader is None:
-                        self._fail(GroupError(f"group {self.group!r}: a batch came before the ring"))
-                    return _NOTHING
-                if type(worker) is not int or not 0 <= worker < self.options.num_workers:
-                    release()
-                    self._fail(GroupError(f"group {self.group!r}: a batch record names worker {worker!r}"))
-                return self._reader.read(tuple(record), fds[0] if fds else None, release)
-            if kind == "ring" and len(message) == 2 and self._reader is None:
-                taken, fds = fds, []
-                self._reader = self.options.transport.rank_reader(message[1], taken)
-                return _NOTHING
-            if kind == "end" and len(message) == 3:
-                if message[1] == it.pass_no:
-                    self._dropped.append(int(message[2]))
-                    it.finished = True
-                    assert it.started_ns is not None
-                    self._counters.pass_finished(it.started_ns)
+            events = self._poller.poll(int(POLL_S * 1000))  # a Ctrl-C here is the user's to have
+            if self._closed:  # by another thread (or a hook)
+                self._check_usable()
+            if events:
+                # From the receive to the batch (or the descriptors closed):
+                # a Ctrl-C in between would leak a descriptor, or a token
+                # whose slot rank 0 then pins until this rank exits.
+                with ctrl_c_held_back():
+                    try:
+                        got = self._receive(events)
+                    except GroupError as exc:  # not a message of ours
+                        self._fail(exc)
+                    except OSError as exc:
+                        self._check_usable()  # closed by another thread meanwhile
+                        self._fail(GroupError(f"group {self.group!r}: reading from rank 0 failed: {exc}"))
+                    batch = _NOTHING if got is None else self._handle(*got, it)
+                if batch is _END:
                     raise StopIteration
-                return _NOTHING
-            if kind == "error":
-                self._fail(_error_from(message))
-            self._fail(GroupError(f"group {self.group!r}: unexpected message from rank 0: {message!r:.80}"))
+                if batch is not _NOTHING:
+                    assert got is not None and got[0] is not None
+                    self._counters.delivered(t0, time.perf_counter_ns(), got[0][5], got[0][4])
+                    return batch
+                continue
+            if self._leader_gone_without_pidfd():
+                self._fail(RankDiedError(f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died", 0))
+            if timeout is not None and time.perf_counter_ns() - t0 >= timeout * 1e9:
+                raise PipelineTimeoutError(f"no batch within {timeout:g} s (rank {self.rank} of group {self.group!r})")
+
+    def _handle(self, message: list[Any] | None, fds: list[int], it: _RankPass) -> Any:
+        """One message from rank 0 (None: its end): a batch of this pass,
+        _END or _NOTHING. Anything wrong fails the group for this rank,
+        as a ShmpipeError (a malformed message too: never a TypeError)."""
+        failure: ShmpipeError
+        try:
+            if message is None:
+                raise RankDiedError(
+                    f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died or closed the group", 0
+                )
+            return self._handle_message(message, fds, it)
+        except ShmpipeError as exc:  # first: some are ValueErrors too
+            failure = exc
+        except _MALFORMED as exc:
+            failure = GroupError(f"group {self.group!r}: a malformed message from rank 0 ({exc}): {message!r:.80}")
+            failure.__cause__ = exc
         finally:
             for fd in fds:
                 os.close(fd)
+            fds.clear()
+        self._fail(failure)
+
+    def _handle_message(self, message: list[Any], fds: list[int], it: _RankPass) -> Any:
+        kind = message[0]
+        if kind == "batch":
+            _, pass_no, token, record, worker, nbytes = message
+            _expect(pass_no, int)
+            _expect(token, int)
+            _expect(record, list)
+            _expect(nbytes, int)
+            release = self._conn.releaser(token)
+            if pass_no != it.pass_no:
+                release()  # a pass this rank left early: not for it any more
+                return _NOTHING
+            if self._reader is None:
+                release()
+                raise GroupError(f"group {self.group!r}: a batch came before the ring")
+            if type(worker) is not int or not 0 <= worker < self.options.num_workers:
+                release()
+                raise GroupError(f"group {self.group!r}: a batch record names worker {worker!r:.20}")
+            fd = fds[0] if len(fds) == 1 else None
+            if len(fds) > 1:
+                release()
+                raise GroupError(f"group {self.group!r}: a batch came with {len(fds)} descriptors")
+            return self._reader.read(tuple(record), fd, release)  # fd: ours to close (the caller does)
+        if kind == "ring" and len(message) == 2 and isinstance(message[1], dict) and self._reader is None:
+            taken = fds[:]
+            fds.clear()
+            self._reader = self.options.transport.rank_reader(message[1], taken)  # closes `taken`
+            return _NOTHING
+        if kind == "end" and len(message) == 3:
+            _, pass_no, dropped = message
+            _expect(pass_no, int)
+            _expect(dropped, int)
+            if pass_no != it.pass_no:
+                return _NOTHING
+            self._dropped.append(dropped)
+            it.finished = True
+            assert it.started_ns is not None
+            self._counters.pass_finished(it.started_ns)
+            return _END
+        if kind == "error":
+            raise _error_from(message)
+        raise GroupError(f"group {self.group!r}: unexpected message from rank 0: {message!r:.80}")
 
     # -- start and stop ---------------------------------------------------------
 
     def close(self) -> None:
         """Leaves the group (in rank 0: stops the producers and the group).
-        Idempotent; batches still held stay valid. Closing in the middle of
-        a pass fails the group for the other ranks (they could not stay in
-        step); close every rank after the same pass."""
+        Idempotent, and from any thread (a wait for a batch in another
+        thread raises PipelineClosedError). Batches still held stay valid.
+        Closing in the middle of a pass fails the group for the other ranks
+        (they could not stay in step); close every rank after the same pass."""
         self._closed = True
         if self._reader is not None:
             self._reader.close()
@@ -906,22 +1193,11 @@ class RankPipeline:
 
 
 _NOTHING = object()
-
-
-def _releaser(sock: socket.socket, token: int) -> Callable[[], None]:
-    """What a batch's lease calls when the batch's last array goes (in any
-    thread; a datagram needs no lock). After close, or when rank 0 is gone,
-    it does nothing: rank 0 released everything of this rank already."""
-
-    def release() -> None:
-        if sock.fileno() >= 0:
-            _send_quietly(sock, ["release", token])
-
-    return release
+_END = object()
 
 
 def _shut_down(
-    hooks: list[Callable[[], None]], sock: socket.socket, leader: _Leader | None, owner_pid: int
+    hooks: list[Callable[[], None]], conn: _Connection, leader: _Leader | None, owner_pid: int
 ) -> None:
     """A rank's end: its close hooks, "bye", and in rank 0 the group. In a
     process forked from the rank it does nothing: the socket is shared with
@@ -932,8 +1208,7 @@ def _shut_down(
         while hooks:
             hooks.pop()()
     finally:
-        _send_quietly(sock, ["bye"])
-        sock.close()
+        conn.close()
         if leader is not None:
             leader.close()
 

@@ -195,7 +195,11 @@ class _Watchdog:
         except (AttributeError, OSError):
             fd = None
         if fd is not None and process_start_time(self.owner_pid) == self.owner_start:
-            select.select([fd], [], [])  # readable once the owner has exited
+            # poll, not select: a producer forked from a process with many
+            # open files can get a descriptor >= 1024 (FD_SETSIZE).
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll()  # readable once the owner has exited
         else:
             while owner_alive(self.owner_pid, self.owner_start):
                 threading.Event().wait(0.25)

@@ -258,6 +258,283 @@ def test_a_rank_closing_mid_pass_fails_the_others():
     assert "closed its pipeline in the middle of pass 0" in reports[0]["error"][1]
 
 
+def test_a_long_non_ascii_producer_error_reaches_every_rank():
+    """A message JSON writes 12 bytes per character of: clipped by its
+    encoded size, it still fits one group message (it was clipped by
+    characters, did not fit, and the ranks waited for ever)."""
+    # 30,000 emoji (12 bytes each in JSON), made in each rank (too long for a command line)
+    reports = _run_ranks(_configs(3, sources=2, per_source=0, passes=1, raiser=True, emoji=30_000))
+    for r in reports:
+        assert r["error"][0] == "WorkerError", r
+        assert "\U0001f600" * 100 in r["error"][1] and "[...]" in r["error"][1]
+        _assert_clean(r)
+    assert _wait_gone(reports[0]["pids"]) == []
+
+
+def test_error_messages_fit_whatever_their_texts():
+    from shmpipe._group import _MAX_ERROR_BYTES, _encode, _error_from, _error_message
+
+    huge = "\U0001f600\x00\u2028" * 50_000
+    for exc in (
+        shmpipe.WorkerError(1, 2, "ValueError", huge, huge),
+        shmpipe.WorkerDiedError(0, 1, None, huge),
+        shmpipe.RankDiedError(huge, 3),
+        RuntimeError(huge),
+    ):
+        message = _error_message(exc)
+        assert len(_encode(message)) <= _MAX_ERROR_BYTES
+        back = _error_from(json.loads(_encode(message)))
+        assert isinstance(back, shmpipe.ShmpipeError) and "[...]" in str(back)
+
+
+def test_descriptors_above_1024_work_in_every_rank():
+    """Each rank first fills its descriptors up to 1100, so the group's
+    sockets and pidfds are above FD_SETSIZE (select() raised ValueError)."""
+    reports = _run_ranks(_configs(2, sources=2, per_source=5, passes=2, high_fds=True, ordered=True))
+    for r in reports:
+        assert r["returncode"] == 0 and r["error"] is None, r
+        assert [len(p) for p in r["passes"]] == [5, 5]
+        _assert_clean(r)
+
+
+def test_a_rank_killed_while_a_child_holds_its_socket_fails_the_others_quickly():
+    """The child a rank forked keeps the rank's end of the socket open for
+    20 s after the rank dies: its death is seen by its pidfd, not by the
+    socket's end."""
+    configs = _configs(3, sources=2, per_source=1000, passes=1, step_s=0.002)
+    configs[1]["fork_child_at"] = [0, 3]
+    configs[1]["kill_at"] = [0, 5]
+    reports = _run_ranks(configs)
+    victim = reports[1]
+    assert victim["returncode"] == -signal.SIGKILL
+    for r in (reports[0], reports[2]):
+        assert r["error"][0] == "RankDiedError", r
+        assert "rank 1" in r["error"][1]
+        assert r["error_at"] - victim["killed_at"] < 5.0, (r["error_at"] - victim["killed_at"])
+        _assert_clean(r)
+    assert reports[0]["held_by_rank"]["1"] == 0
+    assert _wait_gone(reports[0]["pids"]) == []
+
+
+def test_rank_0_killed_while_a_child_holds_its_sockets_fails_the_others_quickly():
+    configs = _configs(3, sources=2, per_source=1000, passes=1, step_s=0.002)
+    configs[0]["fork_child_at"] = [0, 3]
+    configs[0]["kill_at"] = [0, 5]
+    reports = _run_ranks(configs)
+    assert reports[0]["returncode"] == -signal.SIGKILL
+    for r in reports[1:]:
+        assert r["error"][0] == "RankDiedError", r
+        assert "rank 0" in r["error"][1]
+        assert r["error_at"] - reports[0]["killed_at"] < 5.0, (r["error_at"] - reports[0]["killed_at"])
+        _assert_clean(r)
+    assert _wait_gone(reports[0]["pids"]) == []
+
+
+def test_batches_not_yet_dealt_when_the_pipeline_fails_leave_no_descriptor():
+    """The error comes with an incomplete round that holds a batch larger
+    than a slot (a descriptor of its own): rank 0 closes it."""
+    configs = _configs(3, sources=2, per_source=0, passes=1, big_then_raise=True, ordered=True)
+    reports = _run_ranks(configs)
+    for r in reports:
+        assert r["error"][0] == "WorkerError", r
+        _assert_clean(r)  # ring_fds: rank 0 kept no batch's descriptor
+    assert _wait_gone(reports[0]["pids"]) == []
+
+
+def test_a_rank_closing_mid_pass_keeps_its_batches_intact():
+    """Rank 1 keeps its first batch, closes mid-pass and reads it 1 s later:
+    rank 0 stops the producers before it frees anything that rank held, and
+    keeps its slots until the batch is gone."""
+    configs = _configs(2, sources=2, per_source=1000, passes=1, step_s=0.002, keep_first=True)
+    configs[1]["close_at"] = [0, 3]
+    reports = _run_ranks(configs)
+    assert reports[1]["error"] is None, reports[1]
+    assert reports[1]["kept_intact"] is True
+    assert reports[0]["error"][0] == "RankDiedError"
+    for r in reports:
+        _assert_clean(r)
+
+
+def test_a_stray_process_joining_a_running_group_is_turned_away():
+    """A third process says it is rank 1 after the group started: it gets
+    GroupStartError; the group goes on (it failed before)."""
+    configs = _configs(2, sources=2, per_source=300, passes=1, step_s=0.01, ordered=True)
+    stray = {**configs[1], "per_source": 300}
+    reports = _run_ranks([*configs, stray], delays=[0.0, 0.0, 3.0])
+    stray_report = [r for r in reports if r["rank"] == 1 and r["error"] is not None]
+    good = [r for r in reports if r["error"] is None]
+    assert len(stray_report) == 1 and stray_report[0]["error"][0] == "GroupStartError", reports
+    assert "already started" in stray_report[0]["error"][1] or "two processes" in stray_report[0]["error"][1]
+    assert sorted(r["rank"] for r in good) == [0, 1], reports
+    for r in good:
+        assert len(r["passes"][0]) == 300
+        _assert_clean(r)
+
+
+# -- a rank and a forged rank 0 (untrusted messages) ---------------------------------
+
+
+class _ForgedRank0:
+    """Listens as rank 0 of `group` in this process and sends a rank the
+    given datagrams (JSON-encoded lists, or raw bytes) after "ready"."""
+
+    def __init__(self, group: str, script: list[tuple[Any, list[int]]]) -> None:
+        import socket
+        import threading
+
+        from shmpipe._group import socket_address
+
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(socket_address(group))
+        self.listener.listen(1)
+        self.listener.settimeout(20)
+        self.script = script
+        self.heard: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import socket
+
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(20)
+            self.heard.append(conn.recv(1 << 16))  # hello
+            conn.send(b'["ready"]')
+            for message, fds in self.script:
+                data = message if isinstance(message, bytes) else json.dumps(message).encode()
+                try:
+                    socket.send_fds(conn, [data], fds) if fds else conn.send(data)
+                except OSError:  # the rank left already: what it said is still queued here
+                    break
+            while True:  # what the rank says until it leaves
+                try:
+                    data = conn.recv(1 << 16)
+                except ConnectionResetError:
+                    # It left with messages of ours unread: the kernel says
+                    # so once, before what it sent that is still queued.
+                    continue
+                if not data:
+                    return
+                self.heard.append(data)
+
+    def close(self) -> None:
+        self.thread.join(20)
+        self.listener.close()
+        assert not self.thread.is_alive()
+
+
+def _rank_1_against(script: list[tuple[Any, list[int]]]) -> tuple[BaseException, list[bytes]]:
+    from shmpipe.testing.memory import ring_descriptors
+    from shmpipe.testing.sources import Counter
+
+    group = _group()
+    before = ring_descriptors()
+    forged = _ForgedRank0(group, script)
+    try:
+        pipe = shmpipe.from_iterators(
+            [Counter(1)], group=group, rank=1, num_ranks=2, timeout=10, group_timeout=10
+        )
+        with pytest.raises(Exception) as caught:
+            for _ in pipe:
+                pass
+        assert pipe.closed
+        pipe.close()
+    finally:
+        forged.close()
+    assert ring_descriptors() == before
+    return caught.value, forged.heard
+
+
+def _unsealed_ring() -> tuple[dict[str, Any], int]:
+    from shmpipe import _ring
+
+    page = _ring.PAGE_SIZE
+    fd = os.memfd_create("shmpipe-forged", os.MFD_CLOEXEC)  # no sealing allowed
+    os.ftruncate(fd, 3 * page)
+    return {"backing": "posix", "total": 3 * page, "header": page, "slot_size": page, "nslots": 2}, fd
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "not json", "nested", "batch fields", "batch before ring", "ring not a dict", "ring bad geometry",
+        "end fields", "end nested", "error worker fields", "error died fields", "error args not list",
+        "unknown kind", "unsealed ring called posix",
+    ],
+)
+def test_a_rank_turns_any_malformed_message_from_rank_0_into_a_shmpipe_error(what):
+    fds: list[int] = []
+    message: Any
+    if what == "not json":
+        message = b"\xff{not json"
+    elif what == "nested":
+        message = b"[" * 100_000 + b"]" * 100_000
+    elif what == "batch fields":
+        message = ["batch", 0, "token", {"a": 1}, None, -1]
+    elif what == "batch before ring":
+        message = ["batch", 0, 1, ["slot", 4096, 10], 0, 10]
+    elif what == "ring not a dict":
+        message = ["ring", [1, 2]]
+        fds = [os.open(os.devnull, os.O_RDONLY)]
+    elif what == "ring bad geometry":
+        message = ["ring", {"backing": "memfd", "total": 5, "header": -1, "slot_size": "x", "nslots": 2}]
+        fds = [os.open(os.devnull, os.O_RDONLY)]
+    elif what == "end fields":
+        message = ["end", 0, "x"]
+    elif what == "end nested":
+        message = ["end", 0, [1]]
+    elif what == "error worker fields":
+        message = ["error", "worker", [1, 2, 3, 4, 5]]
+    elif what == "error died fields":
+        message = ["error", "worker_died", ["a", {}, [], 4]]
+    elif what == "error args not list":
+        message = ["error", "rank_died", "text"]
+    elif what == "unknown kind":
+        message = ["launch", "rm -rf /"]
+    else:
+        share, fd = _unsealed_ring()
+        message = ["ring", share]
+        fds = [fd]
+    try:
+        error, heard = _rank_1_against([(message, fds), (["end", 0, 0], [])])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert isinstance(error, shmpipe.ShmpipeError), repr(error)
+    if what.startswith("error worker") or what.startswith("error died") or what == "error args not list":
+        assert "malformed" in str(error)
+    if what == "unsealed ring called posix":
+        assert isinstance(error, shmpipe.CorruptSegmentError) and "backing" in str(error)
+    assert json.loads(heard[-1]) == ["bye"]  # it left the group
+
+
+def test_a_rank_group_of_one_can_be_closed_from_another_thread():
+    import threading
+
+    from shmpipe.testing.sources import Sleeper
+
+    pipe = shmpipe.from_iterators([Sleeper(60.0)], timeout=60, group=_group(), rank=0, num_ranks=1)
+    it = iter(pipe)
+    next(it)
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            next(it)  # waits: the producer sleeps
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    pipe.close()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < 5.0
+    assert len(errors) == 1 and isinstance(errors[0], shmpipe.PipelineClosedError), errors
+
+
 # -- frameworks --------------------------------------------------------------------
 
 
@@ -372,8 +649,22 @@ def _rank_main(cfg: dict[str, Any]) -> None:
 
     result: dict[str, Any] = {"rank": cfg["rank"], "passes": [], "error": None, "big": 0, "pids": []}
     n = cfg["sources"]
+    if cfg.get("high_fds"):
+        # Every descriptor the group opens from here on is >= 1024, where
+        # select() cannot go (FD_SETSIZE).
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+        filler = os.open(os.devnull, os.O_RDONLY)
+        result["fillers"] = [os.dup2(filler, fd) for fd in range(filler + 1, 1100)]
     if cfg.get("raiser"):
-        sources: list[Any] = [Raiser(after=3, only_worker=1)] * n
+        sources: list[Any] = [Raiser(after=3, only_worker=1, message="\U0001f600" * cfg.get("emoji", 0) or "boom from the source")] * n
+    elif cfg.get("big_then_raise"):
+        # Ordered: w0 b0, w1 b0, w0 b1, w1 b1, w0 b2 (larger than a slot), then
+        # worker 1 raises: with 3 ranks the second round is incomplete when
+        # the error comes, and holds a batch that owns a descriptor.
+        sources = [Shapes([(1024,), (1024,), (4096,), (4096,)]), Raiser(after=2, only_worker=1)]
     elif cfg.get("grow"):
         # The first batch sizes the slot; later ones are up to 4x larger.
         sources = [Shapes([(1024 * (1 + (i % 4)),) for i in range(cfg["per_source"])])] * n
@@ -444,12 +735,22 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                 if cfg.get("keep_first") and kept is None:
                     kept = (w, s, b["data"])  # its slot must not be reused while this lives
                 del b
+                if cfg.get("fork_child_at") == [p, len(got)]:
+                    # A child that keeps this rank's end of the group's socket
+                    # open (as a DataLoader worker would) for 20 s.
+                    if os.fork() == 0:
+                        time.sleep(20)
+                        os._exit(0)
                 if cfg.get("kill_at") == [p, len(got)]:
                     result["killed_at"] = time.time()
                     print(json.dumps(result), flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if cfg.get("close_at") == [p, len(got)]:
                     pipe.close()
+                    if kept is not None:
+                        # Rank 0 fails the group, its producers write on for a
+                        # moment: none of it may land in the slot kept here.
+                        time.sleep(1.0)
                     break
                 if cfg.get("step_s"):
                     time.sleep(cfg["step_s"])

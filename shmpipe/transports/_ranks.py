@@ -130,7 +130,9 @@ class ShmRankReader(RankReader):
     """A rank's read-only mapping of the group's ring, and the decoder of the
     payloads it is dealt (see the module doc)."""
 
-    def __init__(self, share: dict[str, Any], fds: list[int], decode: Callable[[np.ndarray], Any]) -> None:
+    def __init__(
+        self, share: dict[str, Any], fds: list[int], decode: Callable[[np.ndarray], Any], *, backing: str
+    ) -> None:
         self._decode = decode
         self._lock = threading.Lock()
         self._held = 0
@@ -150,9 +152,22 @@ class ShmRankReader(RankReader):
             ):
                 raise CorruptSegmentError(f"a shared ring's geometry is inconsistent: {share!r}")
             fd = fds[0]
-            if share.get("backing") == "memfd":
-                # Sealed against shrinking, or a read past a truncation would be a SIGBUS.
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            # What backs the ring is this rank's own transport's setting (every
+            # rank passes the same transport), never the peer's word: a
+            # "backing" field saying "posix" must not skip the seal check.
+            if share.get("backing") != backing:
+                raise CorruptSegmentError(
+                    f"rank 0 shares a ring backed by {share.get('backing')!r:.20}, this rank's transport "
+                    f"uses backing={backing!r}: pass the same transport in every rank"
+                )
+            if backing == "memfd":
+                # Sealed against shrinking, or a read past a truncation would be
+                # a SIGBUS. (A named segment cannot be sealed: as in a pipeline
+                # with backing="posix", any process of the user could truncate it.)
+                try:
+                    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                except OSError:
+                    seals = 0  # not memory that can be sealed at all
                 if not seals & fcntl.F_SEAL_SHRINK:
                     raise CorruptSegmentError("the shared ring's memory is not sealed against shrinking")
             size = os.fstat(fd).st_size

@@ -193,7 +193,7 @@ class ShmTransport(Transport):
     def rank_reader(self, share: dict[str, Any], fds: list[int]) -> RankReader:
         from shmpipe.transports._ranks import ShmRankReader
 
-        return ShmRankReader(share, fds, self._decode_payload)
+        return ShmRankReader(share, fds, self._decode_payload, backing=self.backing)
 
     @staticmethod
     def _decode_payload(root: np.ndarray) -> Any:
