@@ -11,7 +11,7 @@ import shmpipe
 from shmpipe import registry
 from shmpipe.errors import BatchTypeError, CorruptSegmentError
 from shmpipe.testing.sources import Counter, Fixed
-from shmpipe.transport import Capabilities, Transport
+from shmpipe.transport import Capabilities, ChannelSpec, ProducerControl, Transport
 from shmpipe.transports import arrow
 from shmpipe.transports.queue import QueueTransport
 
@@ -256,9 +256,70 @@ def test_queue_a_malformed_frame_is_a_clear_error():
         with pytest.raises(CorruptSegmentError, match="worker 3's pipe holds a malformed frame header"):
             box.read(arrived)
         assert arrived[-1] == (3, 1, 7, bytearray(b"1234567890"))
+        # The rest of the stream cannot be framed: it stays corrupt (it used
+        # to ask the pipe for no bytes next, get 0 and take that for the
+        # end of the stream).
+        os.write(w, b"more")
+        with pytest.raises(CorruptSegmentError, match="worker 3's pipe holds a malformed frame header b'JUNK"):
+            box.read(arrived)
+        assert not box.eof
     finally:
         os.close(r)
         os.close(w)
+
+
+class Unstoppable(ProducerControl):
+    """A producer's control for a QueueProducer driven by hand, with no
+    pipeline to cancel its puts."""
+
+    def check(self) -> None:
+        pass
+
+
+def queue_channel(num_workers: int = 1, ordered: bool = False):
+    """A queue transport's consumer end, made as a pipeline makes it, with
+    no producer started: a test writes into its pipes itself."""
+    import multiprocessing
+
+    spec = ChannelSpec(num_workers=num_workers, capacity=4, ordered=ordered,
+                       mp_context=multiprocessing.get_context("spawn"))
+    return QueueTransport().open(spec)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_queue_a_corrupt_pipe_stays_corrupt_for_every_get(ordered):
+    # A malformed header in worker 1's pipe, after a whole batch. The batch
+    # is delivered; then every get() says the stream is corrupt, whether
+    # the writer goes on writing, or is gone. (get() used to say it once,
+    # then read the pipe as closed: the pipeline waited for a producer that
+    # had not died, and blamed it, or timed out.)
+    import os
+
+    from shmpipe.transports.queue import HEADER
+
+    consumer = queue_channel(2, ordered)
+    try:
+        QueueTransport().attach(consumer.handle, 1, Unstoppable()).put({"x": np.arange(10)})
+        pipe_w = consumer.handle.pipes[1]
+        os.write(pipe_w.fd, HEADER.pack(b"JUNK", 1, 0, 10) + b"0123456789")
+        worker = 1 if ordered else -1
+        assert consumer.get(0, worker, 0, 5.0)["x"].tolist() == list(range(10))
+        expected = r"worker 1's pipe holds a malformed frame header b'JUNK"
+        for _ in range(3):
+            with pytest.raises(CorruptSegmentError, match=expected):
+                consumer.get(0, worker, 1, 0.1)
+        os.write(pipe_w.fd, b"and more bytes")
+        with pytest.raises(CorruptSegmentError, match=expected):
+            consumer.get(0, worker, 1, 0.1)
+        pipe_w.close()  # the last writer of that pipe is gone: still corrupt, not closed
+        with pytest.raises(CorruptSegmentError, match=expected):
+            consumer.get(0, worker, 1, 0.1)
+        assert "worker 1's pipe is corrupt" in consumer.describe_wait()
+        if ordered:  # a get for the other worker says it too, rather than wait on
+            with pytest.raises(CorruptSegmentError, match=expected):
+                consumer.get(0, 0, 0, 0.1)
+    finally:
+        consumer.destroy()
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])

@@ -236,7 +236,7 @@ class _Inbound:
     """One worker's pipe, consumer side: reads what has arrived without
     blocking, and yields whole frames only."""
 
-    __slots__ = ("body", "eof", "fd", "got", "head", "kind", "pass_no", "worker")
+    __slots__ = ("body", "broken", "eof", "fd", "got", "head", "kind", "pass_no", "worker")
 
     def __init__(self, fd: int, worker: int) -> None:
         self.fd = fd
@@ -247,6 +247,11 @@ class _Inbound:
         self.kind = 0
         self.pass_no = 0
         self.eof = False
+        #: Why the stream is corrupt, once it is: the rest of it cannot be
+        #: framed any more, so every later read raises this again (rather
+        #: than read on from the middle of a frame, or see no more bytes
+        #: and look like a pipe whose writer is gone).
+        self.broken: str | None = None
 
     def partial(self) -> tuple[int, int] | None:
         """(bytes arrived, bytes of the frame) of a frame begun, or None."""
@@ -258,8 +263,14 @@ class _Inbound:
 
     def read(self, arrived: collections.deque[tuple[int, int, int, bytearray | None]]) -> None:
         """Reads until the pipe is empty; whole frames go to `arrived` as
-        (worker, kind, pass number, pickle)."""
+        (worker, kind, pass number, pickle). CorruptSegmentError if the
+        stream is not one of frames, now and on every call after."""
+        if self.broken is not None:
+            raise CorruptSegmentError(self.broken)
         while True:
+            # `into` is never empty: a whole header or body is dealt with as
+            # soon as it is whole, below. So 0 bytes read is the end of the
+            # stream, never the answer to a request for none.
             if self.body is None:
                 into = memoryview(self.head)[self.got :]
             else:
@@ -277,9 +288,8 @@ class _Inbound:
                     continue
                 magic, kind, pass_no, nbytes = HEADER.unpack(self.head)
                 if magic != MAGIC or kind not in (KIND_BATCH, KIND_END) or nbytes > MAX_FRAME:
-                    raise CorruptSegmentError(
-                        f"worker {self.worker}'s pipe holds a malformed frame header {bytes(self.head)!r}"
-                    )
+                    self.broken = f"worker {self.worker}'s pipe holds a malformed frame header {bytes(self.head)!r}"
+                    raise CorruptSegmentError(self.broken)
                 self.kind, self.pass_no, self.got = kind, pass_no, 0
                 self.body = bytearray(nbytes)
             if self.got == len(self.body):
@@ -332,6 +342,7 @@ class QueueConsumer(ConsumerEnd):
             collections.deque() for _ in range(n if self.ordered else 1)
         ]
         self.ended: set[int] = set()  # workers whose current pass is over (unordered)
+        self._broken: str | None = None  # why a pipe's stream is corrupt: get() raises it (see _read_ready)
         self.pass_no = spec.first_pass
         # get() and begin_pass() run in the consumer's thread; destroy() may
         # come from any thread (a close() while another thread waits): it
@@ -371,7 +382,18 @@ class QueueConsumer(ConsumerEnd):
                 continue
             if self._closed:
                 return
-            box.read(self._arrived[box.worker if self.ordered else 0])
+            try:
+                box.read(self._arrived[box.worker if self.ordered else 0])
+            except CorruptSegmentError as exc:
+                # Not raised from here: the whole frames that came before
+                # the corruption are delivered first, then get() raises it,
+                # and goes on raising it (the pipe may never be ready again,
+                # so it cannot wait for the box to say it once more). The
+                # pipe is polled no more: its bytes will never be read.
+                if self._broken is None:
+                    self._broken = str(exc)
+                self._poller.unregister(fd)
+                continue
             if box.eof:
                 self._poller.unregister(fd)
 
@@ -409,6 +431,8 @@ class QueueConsumer(ConsumerEnd):
                 found = self._take(pass_no, worker)
                 if found is not None:
                     return found
+                if self._broken is not None:
+                    raise CorruptSegmentError(self._broken)
                 left = deadline - time.monotonic()
                 if polled and left <= 0:
                     break
@@ -443,6 +467,9 @@ class QueueConsumer(ConsumerEnd):
         queued = sum(len(a) for a in self._arrived)
         parts = [f"{queued} batches are queued for other workers"] if queued else []
         for box in self._inbound:
+            if box.broken is not None:
+                parts.append(f"worker {box.worker}'s pipe is corrupt")
+                continue
             part = box.partial()
             if part is not None:
                 got, total = part
