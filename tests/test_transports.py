@@ -454,3 +454,52 @@ def test_queue_batches_larger_than_a_piece_round_trip():
         got = sorted((int(b["worker"]), int(b["seq"]), b["x"].shape, crc_of(b["x"]) == int(b["crc"])) for b in pipe)
     assert got == [(w, s, shape, True) for w in range(2) for s, shape in enumerate(shapes)]
 
+
+@pytest.mark.parametrize("stream", ["small frames", "one huge frame"])
+def test_queue_a_get_keeps_its_deadline_while_a_fast_writer_keeps_the_pipe_full(stream):
+    # A producer process writes for 4 s, as fast as the consumer reads or
+    # faster: ends of passes no one reads (two readv calls a frame for the
+    # consumer: the writer is far ahead), or one frame of 256 GiB through
+    # the largest pipe allowed (a writer that never sleeps). get(wait=0.1)
+    # returns on time all the same. (A read took everything the pipe had
+    # until it found it empty: with small frames, until the writer stopped,
+    # 4 s; with the huge frame, whenever the writer fell behind once.)
+    import fcntl
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from shmpipe.transport import AGAIN
+    from shmpipe.transports.queue import HEADER, MAGIC
+
+    consumer = queue_channel()
+    fd = consumer.handle.pipes[0].fd
+    if stream == "small frames":
+        writer = (f"import os, time; os.set_blocking({fd}, True); frames = {HEADER.pack(MAGIC, 2, 9, 0)!r} * 4096\n"
+                  f"end = time.monotonic() + 4\n"
+                  f"while time.monotonic() < end: os.write({fd}, frames)\n")
+    else:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)  # the most an unprivileged process may ask for
+        except OSError:
+            pass
+        writer = (f"import os, time; os.set_blocking({fd}, True); os.write({fd}, {HEADER.pack(MAGIC, 1, 0, 1 << 38)!r})\n"
+                  f"os.set_blocking({fd}, False); body = bytes(1 << 20); end = time.monotonic() + 4\n"
+                  f"while time.monotonic() < end:\n"
+                  f"    try: os.write({fd}, body)\n"
+                  f"    except BlockingIOError: pass\n")
+    child = subprocess.Popen([sys.executable, "-c", writer], pass_fds=[fd])
+    try:
+        assert select.select([consumer._inbound[0].fd], [], [], 30)[0], "the writer never began"
+        took = []
+        for _ in range(5):
+            t = time.monotonic()
+            assert consumer.get(0, -1, 0, 0.1) is AGAIN
+            took.append(time.monotonic() - t)
+        assert max(took) < 0.1 + 0.3, took
+        assert child.poll() is None, "the writer stopped before the gets were done: nothing was tested"
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        consumer.destroy()

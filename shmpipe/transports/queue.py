@@ -96,6 +96,14 @@ MAX_FRAME = 1 << 40
 #: (_Pieces), never joined: that would be a second copy of a big batch.
 FIRST_PIECE = 1 << 20
 PIECE = 64 << 20
+#: The most one _Inbound.read takes from its pipe before it returns: bytes,
+#: and readv calls (a stream of small frames takes two a frame). Without a
+#: bound, a writer as fast as the consumer keeps the pipe from ever being
+#: empty, and get() reads on far past its deadline and a close(). A few
+#: milliseconds of reading: the poll and the checks between two calls cost
+#: a few microseconds.
+READ_BYTES = 4 << 20
+READ_CALLS = 256
 
 _TOKEN = b"t"
 #: How long destroy() waits for a get() in another thread to let go of the
@@ -346,12 +354,15 @@ class _Inbound:
         return None
 
     def read(self, arrived: collections.deque[_Frame]) -> None:
-        """Reads until the pipe is empty; whole frames go to `arrived` as
-        (worker, kind, pass number, pickle). CorruptSegmentError if the
-        stream is not one of frames, now and on every call after."""
+        """Reads until the pipe is empty, or READ_BYTES or READ_CALLS are
+        spent (the caller polls again: the pipe is still ready); whole
+        frames go to `arrived` as (worker, kind, pass number, pickle).
+        CorruptSegmentError if the stream is not one of frames, now and on
+        every call after."""
         if self.broken is not None:
             raise CorruptSegmentError(self.broken)
-        while True:
+        budget, calls = READ_BYTES, READ_CALLS
+        while budget > 0 and calls > 0:
             # `into` is never empty: a whole header, piece or body is dealt
             # with as soon as it is whole, below. So 0 bytes read is the end
             # of the stream, never the answer to a request for none.
@@ -366,6 +377,8 @@ class _Inbound:
             if n == 0:
                 self.eof = True  # every writer is gone: what is half here stays half
                 return
+            budget -= n
+            calls -= 1
             self.got += n
             if self.body is None:
                 if self.got < HEADER.size:
