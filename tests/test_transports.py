@@ -11,7 +11,7 @@ import shmpipe
 from shmpipe import registry
 from shmpipe.errors import BatchTypeError, CorruptSegmentError
 from shmpipe.testing.sources import Counter, Fixed
-from shmpipe.transport import Capabilities, Transport
+from shmpipe.transport import Capabilities, ChannelSpec, ProducerControl, Transport
 from shmpipe.transports import arrow
 from shmpipe.transports.queue import QueueTransport
 
@@ -256,9 +256,70 @@ def test_queue_a_malformed_frame_is_a_clear_error():
         with pytest.raises(CorruptSegmentError, match="worker 3's pipe holds a malformed frame header"):
             box.read(arrived)
         assert arrived[-1] == (3, 1, 7, bytearray(b"1234567890"))
+        # The rest of the stream cannot be framed: it stays corrupt (it used
+        # to ask the pipe for no bytes next, get 0 and take that for the
+        # end of the stream).
+        os.write(w, b"more")
+        with pytest.raises(CorruptSegmentError, match="worker 3's pipe holds a malformed frame header b'JUNK"):
+            box.read(arrived)
+        assert not box.eof
     finally:
         os.close(r)
         os.close(w)
+
+
+class Unstoppable(ProducerControl):
+    """A producer's control for a QueueProducer driven by hand, with no
+    pipeline to cancel its puts."""
+
+    def check(self) -> None:
+        pass
+
+
+def queue_channel(num_workers: int = 1, ordered: bool = False):
+    """A queue transport's consumer end, made as a pipeline makes it, with
+    no producer started: a test writes into its pipes itself."""
+    import multiprocessing
+
+    spec = ChannelSpec(num_workers=num_workers, capacity=4, ordered=ordered,
+                       mp_context=multiprocessing.get_context("spawn"))
+    return QueueTransport().open(spec)
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_queue_a_corrupt_pipe_stays_corrupt_for_every_get(ordered):
+    # A malformed header in worker 1's pipe, after a whole batch. The batch
+    # is delivered; then every get() says the stream is corrupt, whether
+    # the writer goes on writing, or is gone. (get() used to say it once,
+    # then read the pipe as closed: the pipeline waited for a producer that
+    # had not died, and blamed it, or timed out.)
+    import os
+
+    from shmpipe.transports.queue import HEADER
+
+    consumer = queue_channel(2, ordered)
+    try:
+        QueueTransport().attach(consumer.handle, 1, Unstoppable()).put({"x": np.arange(10)})
+        pipe_w = consumer.handle.pipes[1]
+        os.write(pipe_w.fd, HEADER.pack(b"JUNK", 1, 0, 10) + b"0123456789")
+        worker = 1 if ordered else -1
+        assert consumer.get(0, worker, 0, 5.0)["x"].tolist() == list(range(10))
+        expected = r"worker 1's pipe holds a malformed frame header b'JUNK"
+        for _ in range(3):
+            with pytest.raises(CorruptSegmentError, match=expected):
+                consumer.get(0, worker, 1, 0.1)
+        os.write(pipe_w.fd, b"and more bytes")
+        with pytest.raises(CorruptSegmentError, match=expected):
+            consumer.get(0, worker, 1, 0.1)
+        pipe_w.close()  # the last writer of that pipe is gone: still corrupt, not closed
+        with pytest.raises(CorruptSegmentError, match=expected):
+            consumer.get(0, worker, 1, 0.1)
+        assert "worker 1's pipe is corrupt" in consumer.describe_wait()
+        if ordered:  # a get for the other worker says it too, rather than wait on
+            with pytest.raises(CorruptSegmentError, match=expected):
+                consumer.get(0, 0, 0, 0.1)
+    finally:
+        consumer.destroy()
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
@@ -276,3 +337,169 @@ def test_queue_producers_waiting_for_room_are_counted(ordered):
         blocked = pipe.stats().producer_blocked_s
     assert all(b is not None and b > 0.1 for b in blocked), blocked
     assert sum(blocked) > 0.6, blocked
+
+
+def test_queue_a_header_no_producer_can_have_written_is_corrupt_at_once():
+    # A length beyond MAX_FRAME, an END with a body, an empty batch: an
+    # error at once, before any memory is taken for the body. (A header
+    # claiming 32 TiB used to be taken at its word: a bytearray of 32 TiB,
+    # a MemoryError.)
+    import os
+
+    from shmpipe.transports.queue import HEADER, MAGIC, MAX_FRAME
+
+    for header, why in [
+        (HEADER.pack(MAGIC, 1, 0, 1 << 45), "a batch of 35,184,372,088,832 bytes: more than any producer can send"),
+        (HEADER.pack(MAGIC, 1, 0, MAX_FRAME + 1), f"a batch of {MAX_FRAME + 1:,} bytes: more than any producer can send"),
+        (HEADER.pack(MAGIC, 2, 0, 10), "an end of a pass with 10 bytes after it"),
+        (HEADER.pack(MAGIC, 1, 0, 0), "an empty batch"),
+        (HEADER.pack(MAGIC, 3, 0, 10), "kind 3"),
+    ]:
+        consumer = queue_channel()
+        try:
+            os.write(consumer.handle.pipes[0].fd, header)
+            with pytest.raises(CorruptSegmentError, match=rf"worker 0's pipe holds a malformed frame header .*\({why}\)"):
+                consumer.get(0, -1, 0, 5.0)
+        finally:
+            consumer.destroy()
+
+
+def test_queue_the_memory_of_a_frame_grows_with_the_bytes_that_arrive():
+    # A header claims 512 GiB (within MAX_FRAME: a real producer could
+    # send it, on a machine big enough), and a producer process sends
+    # 40 MiB of it. get() waits for the rest, holding at most twice what
+    # came. (The body used to be allocated whole from the header, before a
+    # byte of it came: a MemoryError here, the whole of it committed on a
+    # machine with the memory.)
+    import subprocess
+    import sys
+    import time
+    import tracemalloc
+
+    from shmpipe.transport import AGAIN
+    from shmpipe.transports.queue import HEADER, MAGIC
+
+    sent = 40 << 20
+    consumer = queue_channel()
+    fd = consumer.handle.pipes[0].fd
+    writer = (f"import os; os.set_blocking({fd}, True); "
+              f"os.write({fd}, {HEADER.pack(MAGIC, 1, 0, 1 << 39)!r}); os.write({fd}, bytes({sent}))")
+    tracemalloc.start()
+    child = subprocess.Popen([sys.executable, "-c", writer], pass_fds=[fd])
+    try:
+        deadline = time.monotonic() + 60
+        while f"({HEADER.size + sent:,} of {HEADER.size + (1 << 39):,} bytes so far)" not in consumer.describe_wait():
+            assert time.monotonic() < deadline, consumer.describe_wait()
+            assert consumer.get(0, -1, 0, 0.1) is AGAIN
+        assert child.wait(timeout=30) == 0
+        assert consumer.get(0, -1, 0, 0.1) is AGAIN  # and it waits on
+        held, peak = tracemalloc.get_traced_memory()
+        assert peak < 2 * sent + (4 << 20), f"{peak:,} bytes for {sent:,} arrived"
+    finally:
+        tracemalloc.stop()
+        child.kill()  # on a failure, blocked writing into a pipe no one reads
+        child.wait(timeout=30)
+        consumer.destroy()
+
+
+def test_queue_frames_of_several_pieces_arrive_whole():
+    # Bodies of one piece and of several, around the first piece's size,
+    # sent by a producer process through a real pipe: each arrives byte for
+    # byte, in pieces that grow (1, 1, 2 MiB...) with what arrived.
+    import collections
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from shmpipe.transports.queue import FIRST_PIECE, HEADER, MAGIC, _Inbound, _Pieces
+
+    sizes = [1, FIRST_PIECE - 1, FIRST_PIECE, FIRST_PIECE + 1, 5 * FIRST_PIECE + 12345]
+    consumer = queue_channel()  # for its pipe
+    fd = consumer.handle.pipes[0].fd
+    writer = (f"import os, random; os.set_blocking({fd}, True)\n"
+              f"for n in {sizes!r}:\n"
+              f"    os.write({fd}, {HEADER.pack(MAGIC, 1, 0, 0)[:-8]!r} + n.to_bytes(8, 'little'))\n"
+              f"    os.write({fd}, random.Random(n).randbytes(n))\n")
+    box = _Inbound(consumer._inbound[0].fd, 0)
+    arrived: collections.deque = collections.deque()
+    child = subprocess.Popen([sys.executable, "-c", writer], pass_fds=[fd])
+    try:
+        deadline = time.monotonic() + 60
+        while len(arrived) < len(sizes):
+            assert time.monotonic() < deadline, box.partial()
+            box.read(arrived)
+            time.sleep(0.001)
+        assert child.wait(timeout=30) == 0
+        for n, (worker, kind, pass_no, body) in zip(sizes, arrived):
+            assert (worker, kind, pass_no) == (0, 1, 0)
+            assert isinstance(body, bytearray if n <= FIRST_PIECE else _Pieces)
+            if n == sizes[-1]:
+                assert [len(p) for p in body.pieces] == [FIRST_PIECE, FIRST_PIECE, 2 * FIRST_PIECE, FIRST_PIECE + 12345]
+            data = body if isinstance(body, bytearray) else body.read()
+            assert data == random.Random(n).randbytes(n), n
+    finally:
+        child.kill()  # on a failure, perhaps blocked writing into a pipe no one reads
+        child.wait(timeout=30)
+        consumer.destroy()
+
+
+def test_queue_batches_larger_than_a_piece_round_trip():
+    # Unpickled from their pieces, never joined: bit-exact all the same.
+    from shmpipe.testing.sources import Shapes, crc_of
+    from shmpipe.transports.queue import FIRST_PIECE
+
+    shapes = [(FIRST_PIECE * 10 + 3,), (16,), (FIRST_PIECE // 4 + 1,)]  # float32: 40 MiB in 7 pieces, 1, 2
+    with shmpipe.from_iterators([Shapes(shapes)] * 2, transport="queue", timeout=60) as pipe:
+        got = sorted((int(b["worker"]), int(b["seq"]), b["x"].shape, crc_of(b["x"]) == int(b["crc"])) for b in pipe)
+    assert got == [(w, s, shape, True) for w in range(2) for s, shape in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("stream", ["small frames", "one huge frame"])
+def test_queue_a_get_keeps_its_deadline_while_a_fast_writer_keeps_the_pipe_full(stream):
+    # A producer process writes for 4 s, as fast as the consumer reads or
+    # faster: ends of passes no one reads (two readv calls a frame for the
+    # consumer: the writer is far ahead), or one frame of 256 GiB through
+    # the largest pipe allowed (a writer that never sleeps). get(wait=0.1)
+    # returns on time all the same. (A read took everything the pipe had
+    # until it found it empty: with small frames, until the writer stopped,
+    # 4 s; with the huge frame, whenever the writer fell behind once.)
+    import fcntl
+    import select
+    import subprocess
+    import sys
+    import time
+
+    from shmpipe.transport import AGAIN
+    from shmpipe.transports.queue import HEADER, MAGIC
+
+    consumer = queue_channel()
+    fd = consumer.handle.pipes[0].fd
+    if stream == "small frames":
+        writer = (f"import os, time; os.set_blocking({fd}, True); frames = {HEADER.pack(MAGIC, 2, 9, 0)!r} * 4096\n"
+                  f"end = time.monotonic() + 4\n"
+                  f"while time.monotonic() < end: os.write({fd}, frames)\n")
+    else:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)  # the most an unprivileged process may ask for
+        except OSError:
+            pass
+        writer = (f"import os, time; os.set_blocking({fd}, True); os.write({fd}, {HEADER.pack(MAGIC, 1, 0, 1 << 38)!r})\n"
+                  f"os.set_blocking({fd}, False); body = bytes(1 << 20); end = time.monotonic() + 4\n"
+                  f"while time.monotonic() < end:\n"
+                  f"    try: os.write({fd}, body)\n"
+                  f"    except BlockingIOError: pass\n")
+    child = subprocess.Popen([sys.executable, "-c", writer], pass_fds=[fd])
+    try:
+        assert select.select([consumer._inbound[0].fd], [], [], 30)[0], "the writer never began"
+        took = []
+        for _ in range(5):
+            t = time.monotonic()
+            assert consumer.get(0, -1, 0, 0.1) is AGAIN
+            took.append(time.monotonic() - t)
+        assert max(took) < 0.1 + 0.3, took
+        assert child.poll() is None, "the writer stopped before the gets were done: nothing was tested"
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        consumer.destroy()

@@ -78,7 +78,32 @@ MAGIC = b"SPQ1"
 KIND_BATCH = 1
 KIND_END = 2
 #: A length beyond this in a header means the stream is broken, not a batch.
-MAX_FRAME = 1 << 46
+#: A producer pickles a batch into one bytes object of its own memory before
+#: it writes it, and the consumer holds it whole too: a real frame is at most
+#: what one process of this machine can hold (a pipe does not leave it).
+#: 1 TiB is beyond the memory of nearly every machine, and would take many
+#: minutes through a pipe, while a pickled batch of many GiB is legitimate.
+#: It is no bound on memory (frames grow with the bytes that arrive: PIECE):
+#: it turns a length no producer can have written into an error at once.
+MAX_FRAME = 1 << 40
+#: A frame's body is read into pieces, each made when the one before is
+#: full: the first of FIRST_PIECE bytes, then each as large as all before
+#: it together, up to PIECE. A header's length is another process's word:
+#: the memory of a frame grows with the bytes that do arrive (at most twice
+#: them, and at most PIECE beyond them), never ahead of them with what a
+#: header claims; and a big frame still takes few allocations (24 for a
+#: GiB). A frame of more than one piece is unpickled from its pieces
+#: (_Pieces), never joined: that would be a second copy of a big batch.
+FIRST_PIECE = 1 << 20
+PIECE = 64 << 20
+#: The most one _Inbound.read takes from its pipe before it returns: bytes,
+#: and readv calls (a stream of small frames takes two a frame). Without a
+#: bound, a writer as fast as the consumer keeps the pipe from ever being
+#: empty, and get() reads on far past its deadline and a close(). A few
+#: milliseconds of reading: the poll and the checks between two calls cost
+#: a few microseconds.
+READ_BYTES = 4 << 20
+READ_CALLS = 256
 
 _TOKEN = b"t"
 #: How long destroy() waits for a get() in another thread to let go of the
@@ -232,34 +257,115 @@ class QueueProducer(ProducerEnd):
             fd.close()
 
 
+class _Pieces:
+    """A frame's body that came in several pieces, as the file that
+    pickle.Unpickler reads: it unpickles without joining them first (a
+    second copy of a big batch, and a third of its memory at the peak), and
+    lets go of each piece once read (an array is made whole before it is
+    read into, as with pickle.loads, but the pieces of the arrays already
+    made are gone)."""
+
+    __slots__ = ("at", "pieces")
+
+    def __init__(self, pieces: list[bytearray]) -> None:
+        self.pieces = collections.deque(pieces)
+        self.at = 0  # bytes of pieces[0] read
+
+    def load(self) -> Any:
+        return pickle.Unpickler(self).load()
+
+    def readinto(self, buffer: Any) -> int:
+        into = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(into) and self.pieces:
+            piece = self.pieces[0]
+            n = min(len(piece) - self.at, len(into) - done)
+            into[done : done + n] = memoryview(piece)[self.at : self.at + n]
+            done += n
+            self._advance(n)
+        return done
+
+    def read(self, size: int = -1) -> bytes:
+        # At most what is there, whatever length a (malformed) pickle asks for.
+        parts = []
+        while size != 0 and self.pieces:
+            piece = self.pieces[0]
+            n = len(piece) - self.at
+            if size > 0:
+                n = min(n, size)
+                size -= n
+            parts.append(memoryview(piece)[self.at : self.at + n])
+            self._advance(n)
+        return b"".join(parts)
+
+    def readline(self) -> bytes:
+        parts = []
+        while self.pieces:
+            piece = self.pieces[0]
+            end = piece.find(b"\n", self.at)
+            n = (end + 1 if end >= 0 else len(piece)) - self.at
+            parts.append(memoryview(piece)[self.at : self.at + n])
+            self._advance(n)
+            if end >= 0:
+                break
+        return b"".join(parts)
+
+    def _advance(self, n: int) -> None:
+        self.at += n
+        if self.at == len(self.pieces[0]):
+            self.pieces.popleft()  # read: let go of its memory now
+            self.at = 0
+
+
+#: A whole frame: (worker, kind, pass number, pickle; None for an END).
+_Frame = tuple[int, int, int, bytearray | _Pieces | None]
+
+
 class _Inbound:
     """One worker's pipe, consumer side: reads what has arrived without
     blocking, and yields whole frames only."""
 
-    __slots__ = ("body", "eof", "fd", "got", "head", "kind", "pass_no", "worker")
+    __slots__ = ("body", "broken", "done", "eof", "fd", "got", "head", "kind", "nbytes", "pass_no", "pieces", "worker")
 
     def __init__(self, fd: int, worker: int) -> None:
         self.fd = fd
         self.worker = worker
         self.head = bytearray(HEADER.size)
-        self.got = 0  # bytes of the header, then of the body, read so far
-        self.body: bytearray | None = None
+        self.got = 0  # bytes of the header, then of the body's current piece, read so far
+        self.body: bytearray | None = None  # the piece being read into
+        self.pieces: list[bytearray] = []  # the body's pieces before it, full
+        self.done = 0  # their bytes
+        self.nbytes = 0  # the body's length
         self.kind = 0
         self.pass_no = 0
         self.eof = False
+        #: Why the stream is corrupt, once it is: the rest of it cannot be
+        #: framed any more, so every later read raises this again (rather
+        #: than read on from the middle of a frame, or see no more bytes
+        #: and look like a pipe whose writer is gone).
+        self.broken: str | None = None
 
     def partial(self) -> tuple[int, int] | None:
         """(bytes arrived, bytes of the frame) of a frame begun, or None."""
         if self.body is not None:
-            return HEADER.size + self.got, HEADER.size + len(self.body)
+            return HEADER.size + self.done + self.got, HEADER.size + self.nbytes
         if self.got:
             return self.got, -1
         return None
 
-    def read(self, arrived: collections.deque[tuple[int, int, int, bytearray | None]]) -> None:
-        """Reads until the pipe is empty; whole frames go to `arrived` as
-        (worker, kind, pass number, pickle)."""
-        while True:
+    def read(self, arrived: collections.deque[_Frame]) -> None:
+        """Reads until the pipe is empty, or READ_BYTES or READ_CALLS are
+        spent (the caller polls again: the pipe is still ready); whole
+        frames go to `arrived` as (worker, kind, pass number, pickle).
+        CorruptSegmentError if the stream is not one of frames, now and on
+        every call after."""
+        if self.broken is not None:
+            raise CorruptSegmentError(self.broken)
+        budget, calls = READ_BYTES, READ_CALLS
+        while budget > 0 and calls > 0:
+            # `into` is never empty: a whole header, piece or body is dealt
+            # with as soon as it is whole, below. So 0 bytes read is the end
+            # of the stream, never the answer to a request for none.
             if self.body is None:
                 into = memoryview(self.head)[self.got :]
             else:
@@ -271,20 +377,48 @@ class _Inbound:
             if n == 0:
                 self.eof = True  # every writer is gone: what is half here stays half
                 return
+            budget -= n
+            calls -= 1
             self.got += n
             if self.body is None:
                 if self.got < HEADER.size:
                     continue
                 magic, kind, pass_no, nbytes = HEADER.unpack(self.head)
-                if magic != MAGIC or kind not in (KIND_BATCH, KIND_END) or nbytes > MAX_FRAME:
-                    raise CorruptSegmentError(
-                        f"worker {self.worker}'s pipe holds a malformed frame header {bytes(self.head)!r}"
+                why = _malformed(magic, kind, nbytes)
+                if why:
+                    self.broken = (
+                        f"worker {self.worker}'s pipe holds a malformed frame header {bytes(self.head)!r} ({why})"
                     )
-                self.kind, self.pass_no, self.got = kind, pass_no, 0
-                self.body = bytearray(nbytes)
-            if self.got == len(self.body):
-                arrived.append((self.worker, self.kind, self.pass_no, self.body if self.kind == KIND_BATCH else None))
-                self.body, self.got = None, 0
+                    raise CorruptSegmentError(self.broken)
+                self.kind, self.pass_no, self.nbytes, self.got = kind, pass_no, nbytes, 0
+                self.body = bytearray(min(nbytes, FIRST_PIECE))
+            if self.got < len(self.body):
+                continue
+            if self.done + self.got < self.nbytes:  # a piece is full: the next one
+                self.pieces.append(self.body)
+                self.done += self.got
+                self.body, self.got = bytearray(min(self.nbytes - self.done, self.done, PIECE)), 0
+                continue
+            body: bytearray | _Pieces | None = None
+            if self.kind == KIND_BATCH:
+                body = _Pieces([*self.pieces, self.body]) if self.pieces else self.body
+            arrived.append((self.worker, self.kind, self.pass_no, body))
+            self.body, self.got, self.pieces, self.done = None, 0, [], 0
+
+
+def _malformed(magic: bytes, kind: int, nbytes: int) -> str:
+    """What is wrong with a frame header, or "" if nothing is."""
+    if magic != MAGIC:
+        return "not a frame"
+    if kind == KIND_END:
+        return f"an end of a pass with {nbytes:,} bytes after it" if nbytes else ""
+    if kind != KIND_BATCH:
+        return f"kind {kind}"
+    if nbytes == 0:
+        return "an empty batch"  # a pickle is never empty
+    if nbytes > MAX_FRAME:
+        return f"a batch of {nbytes:,} bytes: more than any producer can send"
+    return ""
 
 
 class QueueConsumer(ConsumerEnd):
@@ -328,10 +462,11 @@ class QueueConsumer(ConsumerEnd):
         self._poller.register(self._wake_r, select.POLLIN)
         # Whole frames not yet returned: in arrival order (unordered), or per
         # worker (ordered): (worker, kind, pass number, pickle).
-        self._arrived: list[collections.deque[tuple[int, int, int, bytearray | None]]] = [
+        self._arrived: list[collections.deque[_Frame]] = [
             collections.deque() for _ in range(n if self.ordered else 1)
         ]
         self.ended: set[int] = set()  # workers whose current pass is over (unordered)
+        self._broken: str | None = None  # why a pipe's stream is corrupt: get() raises it (see _read_ready)
         self.pass_no = spec.first_pass
         # get() and begin_pass() run in the consumer's thread; destroy() may
         # come from any thread (a close() while another thread waits): it
@@ -371,7 +506,18 @@ class QueueConsumer(ConsumerEnd):
                 continue
             if self._closed:
                 return
-            box.read(self._arrived[box.worker if self.ordered else 0])
+            try:
+                box.read(self._arrived[box.worker if self.ordered else 0])
+            except CorruptSegmentError as exc:
+                # Not raised from here: the whole frames that came before
+                # the corruption are delivered first, then get() raises it,
+                # and goes on raising it (the pipe may never be ready again,
+                # so it cannot wait for the box to say it once more). The
+                # pipe is polled no more: its bytes will never be read.
+                if self._broken is None:
+                    self._broken = str(exc)
+                self._poller.unregister(fd)
+                continue
             if box.eof:
                 self._poller.unregister(fd)
 
@@ -393,7 +539,7 @@ class QueueConsumer(ConsumerEnd):
                     return END
                 continue
             assert body is not None
-            payload = pickle.loads(body)
+            payload = pickle.loads(body) if isinstance(body, bytearray) else body.load()
             self.last_worker = w
             self.last_nbytes = _tree.nbytes(payload)
             return payload
@@ -409,6 +555,8 @@ class QueueConsumer(ConsumerEnd):
                 found = self._take(pass_no, worker)
                 if found is not None:
                     return found
+                if self._broken is not None:
+                    raise CorruptSegmentError(self._broken)
                 left = deadline - time.monotonic()
                 if polled and left <= 0:
                     break
@@ -443,6 +591,9 @@ class QueueConsumer(ConsumerEnd):
         queued = sum(len(a) for a in self._arrived)
         parts = [f"{queued} batches are queued for other workers"] if queued else []
         for box in self._inbound:
+            if box.broken is not None:
+                parts.append(f"worker {box.worker}'s pipe is corrupt")
+                continue
             part = box.partial()
             if part is not None:
                 got, total = part
