@@ -29,10 +29,10 @@ Passes. A client's ``iter()`` says "begin p"; the dispatcher starts pass p
 only when every rank has begun it (a barrier), and ends it with "end p" to
 every rank.
 
-Faults. A rank's connection ending without "bye", or with "bye" in the
-middle of a pass, fails the group: rank 0 releases what that rank held and
-sends every other rank a RankDiedError (at once: the end of a connection is
-seen as soon as the kernel closes the dead process's socket). Rank 0 dying
+Faults. A rank's connection ending without "bye" (or its process ending,
+seen by a pidfd: a child it forked keeps the socket open), or "bye" in the
+middle of a pass, fails the group: rank 0 stops the pipeline, then releases
+what that rank held, and sends every other rank a RankDiedError. Rank 0 dying
 ends every connection: the others raise RankDiedError, and the producers
 exit by their own watchdog (their consumer died). A producer's failure
 reaches the dispatcher as the pipeline's error and every rank as the same
