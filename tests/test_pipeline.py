@@ -461,14 +461,17 @@ def test_errors_pickle():
         assert type(again) is type(exc) and str(again) == str(exc)
 
 
-@pytest.mark.parametrize("transport", ["shm", "queue"])
+@pytest.mark.parametrize("transport", ["shm", "queue", "shm-group"])
 def test_close_from_another_thread_wakes_the_waiting_consumer(transport):
     import threading
     import time
+    import uuid
 
     from shmpipe.testing.sources import Sleeper
 
-    pipe = shmpipe.from_iterators([Sleeper(60.0)], transport=transport, timeout=T)
+    # shm-group: a group of one rank (from_iterators(group=...)), whose wait is the rank's
+    group = {"group": f"t-{uuid.uuid4().hex[:8]}", "rank": 0, "num_ranks": 1} if transport == "shm-group" else {}
+    pipe = shmpipe.from_iterators([Sleeper(60.0)], transport=transport.removesuffix("-group"), timeout=T, **group)
     it = iter(pipe)
     next(it)
     errors = []
