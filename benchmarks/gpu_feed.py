@@ -85,7 +85,7 @@ def check_registration(torch: Any, mib: int) -> dict[str, Any]:
         next(it)  # the ring exists now; time its registration alone
         t0 = time.perf_counter()
         registration = _Registration.of(pipe)
-        registration.register(pipe.channel)
+        registration.register(pipe)
         register_s = time.perf_counter() - t0
         gb = sum(size for _, size in channel_of(pipe).memory_ranges()) / 1e9
         it = iter(batches)  # a new pass, to the GPU (registered already)

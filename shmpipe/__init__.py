@@ -19,8 +19,9 @@ TensorFlow).
 
 from typing import Any
 
+from shmpipe._api import from_iterators
 from shmpipe._group import RankPipeline
-from shmpipe._pipeline import Pipeline, from_iterators
+from shmpipe._pipeline import Pipeline
 from shmpipe._producer_context import WorkerInfo, get_worker_info, reserve
 from shmpipe._spec import ArraySpec
 from shmpipe._stats import GroupStats, PipelineStats

@@ -6,10 +6,8 @@ made, and the result is one small frozen object the pipeline reads.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
-import re
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -23,7 +21,7 @@ from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import ChannelSpec, Transport
 
-__all__ = ["PipelineOptions", "Source", "check_options", "default_start_method"]
+__all__ = ["PipelineOptions", "Source", "check_options", "default_start_method", "is_int"]
 
 #: A producer's source: a picklable zero-argument callable returning batches.
 Source = Callable[[], Iterable[Any]]
@@ -48,13 +46,6 @@ class PipelineOptions:
     timeout: float | None
     slot_size: int | None
     seed: int
-    #: A group of ranks sharing this pipeline (docs/several-ranks.md):
-    #: its name on this node, this process's rank, how many there are, and
-    #: how long they wait for each other to join.
-    group: str | None = None
-    rank: int = 0
-    num_ranks: int = 1
-    group_timeout: float = 60.0
 
     @property
     def num_workers(self) -> int:
@@ -70,7 +61,6 @@ class PipelineOptions:
             slot_size=self.slot_size,
             slot_size_is_limit=self.slot_size is not None,
             mp_context=multiprocessing.get_context(self.start_method),
-            shared_with_ranks=self.group is not None,
         )
 
 
@@ -84,46 +74,33 @@ def check_options(
     timeout: float | None,
     slot_size: int | None,
     seed: int | None,
-    group: str | None = None,
-    rank: int | None = None,
-    num_ranks: int | None = None,
-    group_timeout: float = 60.0,
+    default_capacity: Callable[[int, bool], int] | None = None,
 ) -> PipelineOptions:
     """PipelineOptions from from_iterators' arguments (see its doc), or the
-    ShmpipeTypeError / ShmpipeValueError that says what is wrong."""
+    ShmpipeTypeError / ShmpipeValueError that says what is wrong.
+    `default_capacity(num_workers, ordered)` is the capacity when the user
+    gave none (a group needs more than a pipeline of its own)."""
     checked = _check_sources(sources)
     n = len(checked)
     resolved = resolve_transport(transport)
     if not isinstance(ordered, (bool, np.bool_)):
         raise ShmpipeTypeError(f"ordered must be True or False, got {ordered!r}")
-    grouped = _check_group(group, rank, num_ranks, group_timeout, resolved)
     if capacity is None:
-        capacity = 2 * n + 2
-        if grouped is not None:
-            # What the group needs to make progress, plus two slots per rank
-            # for records on their way to it (a release takes a round trip).
-            # Still fewer slots than a pipeline per rank would take in all.
-            capacity = max(capacity, group_capacity(n, grouped[2], bool(ordered))) + 2 * grouped[2]
-    if not _is_int(capacity) or capacity < 1:
+        capacity = 2 * n + 2 if default_capacity is None else default_capacity(n, bool(ordered))
+    if not is_int(capacity) or capacity < 1:
         raise ShmpipeValueError(f"capacity must be a positive int, got {capacity!r}")
     if ordered and capacity < n + 1:
         raise ShmpipeValueError(
             f"ordered=True with {n} workers needs capacity >= {n + 1} (one slot per worker "
             f"plus one for the batch you hold), got {capacity}"
         )
-    if grouped is not None and capacity < group_capacity(n, grouped[2], bool(ordered)):
-        raise ShmpipeValueError(
-            f"a group of {grouped[2]} ranks fed by {n} {'ordered ' if ordered else ''}sources needs "
-            f"capacity >= {group_capacity(n, grouped[2], bool(ordered))} (a round of one batch per rank "
-            f"being dealt, and two batches held by each rank while it takes the next), got {capacity}"
-        )
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ShmpipeValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    if slot_size is not None and (not _is_int(slot_size) or slot_size <= 0):
+    if slot_size is not None and (not is_int(slot_size) or slot_size <= 0):
         raise ShmpipeValueError(f"slot_size must be a positive int (bytes), got {slot_size!r}")
     if seed is None:
         seed = secrets.randbits(63)
-    elif not _is_int(seed) or seed < 0:
+    elif not is_int(seed) or seed < 0:
         raise ShmpipeValueError(f"seed must be a non-negative int or None, got {seed!r}")
     method = start_method or default_start_method()
     if method not in multiprocessing.get_all_start_methods():
@@ -142,79 +119,11 @@ def check_options(
         slot_size=slot_size,
         seed=seed,
     )
-    if grouped is not None:
-        options = dataclasses.replace(
-            options, group=grouped[0], rank=grouped[1], num_ranks=grouped[2], group_timeout=grouped[3]
-        )
     resolved.check_spec(options.channel_spec())  # what only the transport knows it cannot do
     return options
 
 
-#: What a group's name may hold: it names an abstract Unix socket.
-_GROUP_NAME = re.compile(r"[A-Za-z0-9._:+-]{1,64}")
-
-
-def group_capacity(num_workers: int, num_ranks: int, ordered: bool) -> int:
-    """The fewest slots a group of `num_ranks` ranks needs so that the
-    batches the consumer side may hold (an incomplete round: num_ranks - 1,
-    and two per rank: the one it uses and the one it takes next) never keep
-    the producers from delivering the batch the dispatcher waits for (see
-    ChannelSpec.consumer_may_hold)."""
-    need = 3 * num_ranks - 1
-    capacity = need + 1
-    while True:
-        spec = ChannelSpec(num_workers=num_workers, capacity=capacity, ordered=ordered)
-        if spec.consumer_may_hold >= need:
-            return capacity
-        capacity += 1
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ShmpipeValueError(f"the environment variable {name}={value!r} is not an int") from None
-
-
-def _check_group(
-    group: str | None, rank: int | None, num_ranks: int | None, group_timeout: float, transport: Transport
-) -> tuple[str, int, int, float] | None:
-    """(group, rank, num_ranks, timeout), checked, or None without a group."""
-    if group is None:
-        if rank is not None or num_ranks is not None:
-            raise ShmpipeValueError("rank= and num_ranks= need group= (the name of the pipeline the ranks share)")
-        return None
-    if not isinstance(group, str) or not _GROUP_NAME.fullmatch(group):
-        raise ShmpipeValueError(
-            f"group must be a name of 1 to 64 letters, digits and ._:+- (it names a socket), got {group!r}"
-        )
-    if rank is None:
-        rank = _env_int("LOCAL_RANK")
-    if num_ranks is None:
-        num_ranks = _env_int("LOCAL_WORLD_SIZE")
-    if rank is None or num_ranks is None:
-        raise ShmpipeValueError(
-            "group= needs rank= and num_ranks=, or LOCAL_RANK and LOCAL_WORLD_SIZE in the "
-            "environment (torchrun sets them)"
-        )
-    if not _is_int(num_ranks) or num_ranks < 1:
-        raise ShmpipeValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
-    if not _is_int(rank) or not 0 <= rank < num_ranks:
-        raise ShmpipeValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
-    if not (isinstance(group_timeout, (int, float)) and group_timeout > 0):
-        raise ShmpipeValueError(f"group_timeout must be a positive number of seconds, got {group_timeout!r}")
-    if not transport.capabilities.serves_ranks:
-        raise ShmpipeValueError(
-            f"the {transport.name!r} transport cannot feed several ranks from one pipeline "
-            "(capability serves_ranks); use 'shm' or 'arrow', or one pipeline per rank"
-        )
-    return group, rank, num_ranks, float(group_timeout)
-
-
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

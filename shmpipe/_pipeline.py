@@ -1,44 +1,33 @@
 """Pipeline: N producers, one consumer, one channel.
 
 The consumer (this process) iterates passes, asks the channel for the next
-batch in the order the user wants, keeps the statistics, enforces timeouts,
-and turns a producer's failure into an error once the batches it published
-before failing are delivered. Starting and watching the producers is the
-launcher's job (_launch.py, or the transport's own); moving batches is the
-transport's (transport.py).
+batch in the order the user wants, enforces timeouts, and turns a
+producer's failure into an error once the batches it published before
+failing are delivered. What every stream does around that (passes, close,
+counting, the adapters) is BatchStream's (_stream.py); starting and
+watching the producers is the launcher's job (_launch.py, or the
+transport's own); moving batches is the transport's (transport.py).
 """
 
 from __future__ import annotations
 
-import multiprocessing.process
-import os
 import threading
 import time
 import warnings
-import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, overload
+from collections.abc import Callable
+from typing import Any, NoReturn
 
+from shmpipe._frameworks import FrameworkStream
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._launch import ProcessLauncher
-from shmpipe._options import PipelineOptions, Source, check_options
+from shmpipe._options import PipelineOptions
 from shmpipe._producer_context import seed_for
-from shmpipe._stats import Counters, PipelineStats
-from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeWarning, WorkerError
-from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher, Transport
+from shmpipe._stream import POLL_S, Pass
+from shmpipe.errors import PipelineClosedError, ShmpipeWarning, WorkerError
+from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
 
-if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time here
-    import tensorflow as tf
+__all__ = ["Pipeline"]
 
-    from shmpipe._group import RankPipeline
-    from shmpipe._torch import TorchBatches
-
-__all__ = ["Pipeline", "from_iterators"]
-
-#: How long one wait lasts before the consumer looks at its producers'
-#: health and its deadline again; also the longest a dead producer can go
-#: unnoticed while the consumer waits.
-POLL_S = 0.1
 #: While batches keep coming, how often the consumer still checks that every
 #: producer is alive.
 HEALTH_CHECK_NS = 250_000_000
@@ -46,173 +35,88 @@ HEALTH_CHECK_NS = 250_000_000
 #: told so (once per pass): the batch it waits for may never come.
 STALL_WARNING_NS = 10_000_000_000
 
-
-@overload
-def from_iterators(
-    sources: Sequence[Source],
-    *,
-    transport: str | Transport | type[Transport] = "shm",
-    capacity: int | None = None,
-    ordered: bool = False,
-    start_method: str | None = None,
-    timeout: float | None = None,
-    slot_size: int | None = None,
-    seed: int | None = None,
-    group: None = None,
-    rank: None = None,
-    num_ranks: None = None,
-    group_timeout: float = 60.0,
-) -> Pipeline: ...
+_ANY_WORKER = (-1, 0)
 
 
-@overload
-def from_iterators(
-    sources: Sequence[Source],
-    *,
-    transport: str | Transport | type[Transport] = "shm",
-    capacity: int | None = None,
-    ordered: bool = False,
-    start_method: str | None = None,
-    timeout: float | None = None,
-    slot_size: int | None = None,
-    seed: int | None = None,
-    group: str,
-    rank: int | None = None,
-    num_ranks: int | None = None,
-    group_timeout: float = 60.0,
-) -> RankPipeline: ...
+class _Turns:
+    """Whose batch a pass takes next, for both ways of taking one (the fast
+    path and get()): in ordered mode the workers round-robin, skipping those
+    whose part of the pass is over, each at its next batch number;
+    unordered, anyone's (worker -1)."""
+
+    __slots__ = ("order", "ordered", "turn", "wseq")
+
+    def __init__(self, num_workers: int, ordered: bool) -> None:
+        self.ordered = ordered
+        self.order = list(range(num_workers))  # the workers not yet done
+        self.turn = 0  # index into order
+        self.wseq = [0] * num_workers  # the next batch number of each worker
+
+    def next(self) -> tuple[int, int] | None:
+        """(worker, its batch number) whose turn it is; None when every
+        worker's part is over (ordered mode)."""
+        if not self.ordered:
+            return _ANY_WORKER
+        if not self.order:
+            return None
+        worker = self.order[self.turn]
+        return worker, self.wseq[worker]
+
+    def took(self) -> None:
+        """The batch next() named was delivered."""
+        if self.ordered:
+            worker = self.order[self.turn]
+            self.wseq[worker] += 1
+            self.turn = (self.turn + 1) % len(self.order)
+
+    def retire(self) -> None:
+        """The worker whose turn it is has nothing more this pass."""
+        del self.order[self.turn]
+        if self.turn == len(self.order):
+            self.turn = 0
 
 
-def from_iterators(
-    sources: Sequence[Source],
-    *,
-    transport: str | Transport | type[Transport] = "shm",
-    capacity: int | None = None,
-    ordered: bool = False,
-    start_method: str | None = None,
-    timeout: float | None = None,
-    slot_size: int | None = None,
-    seed: int | None = None,
-    group: str | None = None,
-    rank: int | None = None,
-    num_ranks: int | None = None,
-    group_timeout: float = 60.0,
-) -> Pipeline | RankPipeline:
-    """Starts one producer process per source and returns the Pipeline that
-    delivers their batches.
+class _PipelinePass(Pass):
+    """A pass over a Pipeline: the general path (Pipeline._next), and before
+    it the channel's fast path for a batch that is already there."""
 
-    Each source is a picklable zero-argument callable returning an iterable
-    of batches (a generator function, typically). A batch is any nesting of
-    tuple, list and dict (str keys) whose leaves are NumPy arrays of a
-    fixed-size dtype or scalars (int, float, bool, str, bytes, None, NumPy
-    scalars).
+    __slots__ = ("pipe", "turns")
 
-    Args:
-        transport: how batches travel: ``"shm"`` (the shared-memory ring),
-            ``"arrow"``, ``"ray"``, ``"queue"``, a plugin's name, or a
-            Transport instance (for options: ``RayTransport(address=...)``).
-            See ``shmpipe.available_transports()``.
-        capacity: slots in the ring, i.e. the most batches in flight,
-            including those the consumer still holds. Default ``2 * len(sources) + 2``.
-        ordered: False yields whichever batch is ready first; True yields
-            round-robin by worker (worker 0's first batch, worker 1's first,
-            ...), so deterministic sources give a deterministic stream.
-        start_method: multiprocessing start method; default ``"forkserver"``
-            (or ``"spawn"`` where there is no forkserver).
-        timeout: seconds the consumer waits for one batch before
-            PipelineTimeoutError; None waits as long as producers live.
-        slot_size: bytes per slot. Default: the first batch's size plus 25%,
-            rounded up to a page. A batch larger than a slot raises
-            BatchTooLargeError naming this option.
-        seed: base seed for the producers' seeds (see WorkerInfo); random
-            when None.
-        group: several processes of this node (one per GPU) share one
-            pipeline: every one calls from_iterators with the same
-            arguments and this name; rank 0 starts the producers, each
-            batch goes to exactly one rank, every rank gets the same number
-            per pass. Returns a RankPipeline. See docs/several-ranks.md.
-        rank: this process's rank in the group; default LOCAL_RANK
-            (torchrun sets it).
-        num_ranks: the group's size; default LOCAL_WORLD_SIZE (torchrun
-            sets it).
-        group_timeout: seconds the ranks wait for each other to join.
-
-    Every argument is checked before any process starts.
-    """
-    options = check_options(
-        sources,
-        transport=transport,
-        capacity=capacity,
-        ordered=ordered,
-        start_method=start_method,
-        timeout=timeout,
-        slot_size=slot_size,
-        seed=seed,
-        group=group,
-        rank=rank,
-        num_ranks=num_ranks,
-        group_timeout=group_timeout,
-    )
-    if options.group is not None:
-        from shmpipe._group import join_group
-
-        return join_group(options, Pipeline)
-    return Pipeline(options)
-
-
-class _PassIterator:
-    """The iterator of one pass over a Pipeline (what ``iter(pipe)`` returns)."""
-
-    __slots__ = ("finished", "order", "ordered", "pass_no", "pipe", "started_ns", "turn", "wseq")
-
-    def __init__(self, pipe: Pipeline, pass_no: int, num_workers: int) -> None:
+    def __init__(self, pipe: Pipeline, pass_no: int) -> None:
+        super().__init__(pipe, pass_no)
         self.pipe = pipe
-        self.pass_no = pass_no
-        self.ordered = pipe.options.ordered
-        self.finished = False
-        self.started_ns: int | None = None
-        # ordered mode: the workers not yet exhausted, whose turn it is, and
-        # the number of the next batch expected from each
-        self.order = list(range(num_workers))
-        self.turn = 0
-        self.wseq = [0] * num_workers
-
-    def __iter__(self) -> _PassIterator:
-        return self
+        self.turns = _Turns(pipe.num_workers, pipe.ordered)
 
     def __next__(self) -> Any:
         pipe = self.pipe
         take_ready = pipe._take_ready
-        # The fast path, for a batch that is already there: one call to the
-        # channel takes, decodes and counts it. Only once the pass has
-        # delivered a batch by the general path (which starts its clock)
-        # and until it ends, while the pipeline is open, for the current
-        # pass (checked under the consumer lock, as _get does). take_ready
-        # itself declines (None, having taken nothing) when no batch is
-        # ready, the pass ended, a fault was reported or a look at the
-        # producers is due. Everything else (waiting, ends, failures,
-        # timeouts) is the general path's, below.
+        # The fast path: one call to the channel takes the batch whose turn
+        # it is, if it is already there. Only once the pass has delivered a
+        # batch by the general path (which starts its clock) and until it
+        # ends, while the pipeline is open, for the current pass (checked
+        # under the consumer lock, as _get does). take_ready itself declines
+        # (None, having taken nothing) when no batch is ready, the pass
+        # ended, a fault was reported or a look at the producers is due.
+        # Everything else (waiting, ends, failures, timeouts) is the general
+        # path's.
         if take_ready is not None and self.started_ns is not None and not self.finished and not pipe._closed:
-            with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
-                if self.pass_no != pipe._pass_no:
-                    batch = None
-                elif not self.ordered:
-                    batch = take_ready(self.pass_no, pipe._health_due_ns, pipe._counters)
-                elif self.order:
-                    # The batch whose turn it is, as _take_ordered asks for it.
-                    worker = self.order[self.turn]
-                    batch = take_ready(self.pass_no, pipe._health_due_ns, pipe._counters, worker, self.wseq[worker])
-                    if batch is not None:
-                        self.wseq[worker] += 1
-                        self.turn = (self.turn + 1) % len(self.order)
-                else:
-                    batch = None
-            if batch is not None:
-                return batch
+            turn = self.turns.next()
+            if turn is not None:
+                with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
+                    got = (
+                        take_ready(self.pass_no, turn[0], turn[1], pipe._health_due_ns)
+                        if self.pass_no == pipe._pass_no
+                        else None
+                    )
+                if got is not None:
+                    self.turns.took()
+                    batch, nbytes, worker, wait_ns = got
+                    pipe._counters.delivered_ready(wait_ns, nbytes, worker)
+                    return batch
         return pipe._next(self)
 
 
-class Pipeline:
+class Pipeline(FrameworkStream):
     """Batches from N producer processes, delivered to this process.
 
     Made by :func:`from_iterators`. Iterate it for one pass over the
@@ -223,12 +127,13 @@ class Pipeline:
     reused only once every array of it is gone.
     """
 
+    #: Whether the channel's fast path (capability takes_ready) may serve
+    #: this pipeline: a variant that takes batches another way says no.
+    _offers_fast_path = True
+
     def __init__(self, options: PipelineOptions) -> None:
-        self._closed = True  # until the producers exist
-        self.options = options
+        super().__init__(options)
         self._spec = options.channel_spec()
-        self._pass_no = 0
-        self._first_iter = True  # pass 0 starts with the producers
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
         # A channel has one consumer. Threads may still meet here: a tf.data
         # iterator's thread waiting for a batch of one pass while another
@@ -237,11 +142,11 @@ class Pipeline:
         # old pass would take, or throw away, batches of the new one.
         self._consumer_lock = threading.Lock()
         self._failure: BaseException | None = None  # raised once published batches are out
-        self._counters = Counters(options.num_workers)
         self._last_health_ns = self._counters.created_ns
         self._health_due_ns = self._last_health_ns + HEALTH_CHECK_NS  # the fast path's limit
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
-        self._take_ready: Callable[..., Any] | None = None  # see _fast_path
+        self._channel: ConsumerEnd | None = None  # None while it waits for a first batch
+        self._take_ready: Callable[..., Any] | None = None  # the channel's fast path, where offered
         transport = options.transport
         self._launcher: Launcher
         # A Ctrl-C while the pipeline is made is held back to the end of it
@@ -254,26 +159,18 @@ class Pipeline:
                 else:
                     launcher = ProcessLauncher(transport, options.sources, self._spec)
                 self._launcher = launcher
-                self._finish_making()
+                # The launcher, not this object, owns the processes and the
+                # channel, so a forgotten pipeline is shut down when collected.
+                self._own(launcher.shutdown)
+                self._set_channel(launcher.channel)
+                launcher.begin_pass(0, self._seeds(0))  # pass 0 starts with the producers
         except BaseException:  # nothing started may outlive the call
-            if launcher is not None:
+            if self._finalizer is not None:
+                self._finalizer()
+            elif launcher is not None:
                 launcher.shutdown()
             raise
         self._closed = False
-
-    def _finish_making(self) -> None:
-        # Called, last first, before the channel goes: what adapters did
-        # to its memory is undone there (to_torch's CUDA registration).
-        self._close_hooks: list[Callable[[], None]] = []
-        # The launcher, not this object, owns the processes and the
-        # channel, so a forgotten pipeline is shut down when collected.
-        self._owner_pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, self._launcher, self._owner_pid)
-        self._forked_from: int | None = None  # set in a child forked from this process
-        _live.add(self)
-        self._channel = self._launcher.channel  # None while it waits for a first batch
-        self._take_ready = self._fast_path(self._channel)
-        self._launcher.begin_pass(0, self._seeds(0))
 
     # -- configuration --------------------------------------------------------
 
@@ -284,122 +181,62 @@ class Pipeline:
         return self._spec
 
     @property
-    def transport(self) -> Transport:
-        return self.options.transport
-
-    @property
-    def num_workers(self) -> int:
-        return self.options.num_workers
-
-    @property
-    def capacity(self) -> int:
-        return self.options.capacity
-
-    @property
-    def ordered(self) -> bool:
-        return self.options.ordered
-
-    @property
-    def start_method(self) -> str:
-        return self.options.start_method
-
-    @property
-    def timeout(self) -> float | None:
-        return self.options.timeout
-
-    @property
-    def seed(self) -> int:
-        return self.options.seed
+    def consumer_may_hold(self) -> int:
+        return self._spec.consumer_may_hold
 
     def _seeds(self, pass_no: int) -> list[int]:
         return [seed_for(self.options.seed, pass_no, w) for w in range(self.num_workers)]
 
     # -- start and stop -------------------------------------------------------
 
-    def close(self) -> None:
-        """Stops the producers, joins them and destroys the shared memory.
-
-        Idempotent. Batches you still hold stay valid (their memory is freed
-        when the last array goes); the pipeline cannot be iterated again.
-        """
-        if self._forked_from is not None:
-            return  # a forked child's copy: the pipeline is its parent's to close
-        if not self._closed:
-            self._blocked_s = self._producer_blocked()
-        self._closed = True
-        if hasattr(self, "_finalizer"):
-            self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def call_on_close(self, hook: Callable[[], None]) -> None:
-        """Runs `hook` when the pipeline closes (or is collected unclosed),
-        while its channel's memory still exists; hooks run last registered
-        first. For adapters that must undo what they did to that memory
-        (to_torch unregisters it from CUDA). The hook must not refer to
-        the pipeline, or a forgotten pipeline would never be collected."""
-        if self._closed:
-            raise PipelineClosedError("this pipeline is closed")
-        self._close_hooks.append(hook)
+    def _before_close(self) -> None:
+        self._blocked_s = self._producer_blocked()
 
     def leftovers(self) -> list[str]:
         """After close(): whatever of this pipeline still runs (processes,
         actors), described; empty when close() left nothing behind."""
         return self._launcher.leftovers()
 
-    def __enter__(self) -> Pipeline:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _forget_children(self, children: set[Any]) -> None:
+        for process in self._launcher.children():
+            children.discard(process)
 
     # -- iteration ------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Any]:
-        if self._closed:
-            self._raise_closed()
+    def _begin_pass(self) -> int:
         with self._consumer_lock:  # waits for a get() of the old pass in another thread
-            if self._first_iter:
-                self._first_iter = False
+            if self._pass_no < 0:
+                self._pass_no = 0  # began with the producers
             else:
                 self._pass_no += 1
                 self._launcher.begin_pass(self._pass_no, self._seeds(self._pass_no))
-        self._counters.pass_started()
-        return _PassIterator(self, self._pass_no, self.num_workers)
+            return self._pass_no
 
-    def _next(self, it: _PassIterator) -> Any:
-        if it.finished:
-            raise StopIteration
-        if self._closed:
-            self._raise_closed()
-        if it.pass_no != self._pass_no:
-            raise PipelineClosedError(
-                "this iterator belongs to an earlier pass; iterating the pipeline again started a new one"
-            )
-        t0 = time.perf_counter_ns()
-        if it.started_ns is None:
-            it.started_ns = t0
+    def _new_pass(self, pass_no: int) -> Pass:
+        return _PipelinePass(self, pass_no)
+
+    def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
+        assert isinstance(it, _PipelinePass)
         if t0 - self._last_health_ns > HEALTH_CHECK_NS:
             self._poll_producers(t0)
         try:
             batch = self._take_ordered(it, t0) if self.options.ordered else self._take_any(it, t0)
-        except StopIteration:
-            it.finished = True
-            self._counters.pass_finished(it.started_ns)
-            raise
         except WorkerError as exc:  # a transport that reports failures in stream order (Ray)
             if not self._closed:
                 self._close_and_raise(exc)
             raise
         channel = self._channel
         assert channel is not None  # a batch came through it
-        self._counters.delivered(t0, time.perf_counter_ns(), channel.last_nbytes, channel.last_worker)
-        return batch
+        return batch, channel.last_nbytes, channel.last_worker
 
-    def _get(self, it: _PassIterator, worker: int, wseq: int) -> Any:
-        """One channel.get, under the consumer lock, for a pass still current."""
+    def _take_from(self, channel: ConsumerEnd, pass_no: int, worker: int, wseq: int) -> Any:
+        """One take from the channel: a batch or a sentinel (see
+        ConsumerEnd.get). A variant that takes batches another way
+        overrides this."""
+        return channel.get(pass_no, worker, wseq, POLL_S)
+
+    def _get(self, it: Pass, worker: int, wseq: int) -> Any:
+        """One take, under the consumer lock, for a pass still current."""
         with self._consumer_lock:
             if it.pass_no != self._pass_no:
                 raise PipelineClosedError(
@@ -407,9 +244,9 @@ class Pipeline:
                     "started a new one (while this one waited for a batch)"
                 )
             assert self._channel is not None  # opened before the first get
-            return self._channel.get(it.pass_no, worker, wseq, POLL_S)
+            return self._take_from(self._channel, it.pass_no, worker, wseq)
 
-    def _take_any(self, it: _PassIterator, t0: int) -> Any:
+    def _take_any(self, it: _PipelinePass, t0: int) -> Any:
         if self._channel is None:
             self._wait_for_channel(t0)
         while True:
@@ -426,12 +263,12 @@ class Pipeline:
             else:
                 return r
 
-    def _take_ordered(self, it: _PassIterator, t0: int) -> Any:
+    def _take_ordered(self, it: _PipelinePass, t0: int) -> Any:
         if self._channel is None:
             self._wait_for_channel(t0)
-        while it.order:
-            worker = it.order[it.turn]
-            r = self._get(it, worker, it.wseq[worker])
+        turns = it.turns
+        while (turn := turns.next()) is not None:
+            r = self._get(it, *turn)
             if r is AGAIN and self._failure is None:
                 self._keep_waiting(t0)
             elif r is AGAIN or r is FAULT or r is END:
@@ -440,25 +277,19 @@ class Pipeline:
                 # This worker's part is over: it ended, or production stopped
                 # after a failure and it has nothing more. The others go on,
                 # so what they published before the failure is delivered too.
-                del it.order[it.turn]
-                if it.turn == len(it.order):
-                    it.turn = 0
+                turns.retire()
             else:
-                it.wseq[worker] += 1
-                it.turn = (it.turn + 1) % len(it.order)
+                turns.took()
                 return r
         self._raise_failure_if_any()
         raise StopIteration
 
-    def _fast_path(self, channel: ConsumerEnd | None) -> Callable[..., Any] | None:
-        """The channel's take_ready, where it has one (see
-        _PassIterator.__next__): take_ready(pass_no, due_ns, counters[,
-        worker, wseq]) returns the batch get() would return if it is already
-        there, taken and counted, or None having done nothing."""
-        if channel is None:
-            return None
-        take_ready: Callable[..., Any] | None = getattr(channel, "take_ready", None)
-        return take_ready
+    def _set_channel(self, channel: ConsumerEnd | None) -> None:
+        """The channel is open (or not yet, for None): offer its fast path
+        where the transport has one (capability takes_ready)."""
+        self._channel = channel
+        fast = channel is not None and self._offers_fast_path and self.transport.capabilities.takes_ready
+        self._take_ready = channel.take_ready if fast and channel is not None else None
 
     def _wait_for_channel(self, t0: int) -> ConsumerEnd:
         """No channel yet: wait until the launcher can open it (a transport
@@ -466,8 +297,7 @@ class Pipeline:
         while self._channel is None:
             with self._consumer_lock:  # one thread opens it
                 if self._channel is None:
-                    self._channel = self._launcher.open_channel(POLL_S)
-                    self._take_ready = self._fast_path(self._channel)
+                    self._set_channel(self._launcher.open_channel(POLL_S))
             if self._channel is None:
                 self._keep_waiting(t0)
         return self._channel
@@ -525,14 +355,12 @@ class Pipeline:
         self._poll_producers(now)  # a failure is raised once all is delivered
         if now - t0 >= STALL_WARNING_NS and self._stall_warned != self._pass_no:
             self._warn_if_held_up_by_consumer(now - t0)
-        timeout = self.options.timeout
-        if timeout is not None and now - t0 >= timeout * 1e9:
-            why = (
-                self._channel.describe_wait()
-                if self._channel is not None
-                else "no producer has delivered a first batch yet"
-            )
-            raise PipelineTimeoutError(f"no batch within {timeout:g} s" + (f": {why}" if why else ""))
+        self._raise_if_timed_out(t0, now, self._describe_wait)
+
+    def _describe_wait(self) -> str:
+        if self._channel is None:
+            return "no producer has delivered a first batch yet"
+        return self._channel.describe_wait()
 
     def _warn_if_held_up_by_consumer(self, waited_ns: int) -> None:
         """This process holds so many slots that the batch it waits for may
@@ -552,64 +380,27 @@ class Pipeline:
             f"it waits for): {channel.describe_wait()}. Unless another thread lets go of "
             "batches this waits forever; pass timeout= to get an error instead.",
             ShmpipeWarning,
-            stacklevel=6,  # the caller's next() or for loop
+            stacklevel=7,  # the caller's next() or for loop
         )
-
-    def _raise_closed(self) -> NoReturn:
-        if self._forked_from is not None:
-            raise PipelineClosedError(
-                f"this pipeline belongs to process {self._forked_from}; a process forked from it cannot use "
-                "it (its batches and slots are the parent's): make a pipeline of its own in the child"
-            )
-        raise PipelineClosedError("this pipeline is closed")
 
     def _close_and_raise(self, exc: BaseException) -> NoReturn:
         """Stop everything, then raise."""
         self.close()
         raise exc
 
-    # -- frameworks -------------------------------------------------------------
+    # -- what the adapters read ---------------------------------------------------
 
-    def to_tf_dataset(
-        self, output_signature: Any = None, *, device: str | None = None, batches_per_pass: int | None = None
-    ) -> tf.data.Dataset:
-        """A ``tf.data.Dataset`` of this pipeline's batches, without a copy.
+    def held(self) -> int | None:
+        channel = self._channel
+        return channel.held() if channel is not None else None
 
-        Each iteration of the dataset (each epoch of ``model.fit``) is a new
-        pass of the sources. Elements keep the batches' nesting (lists become
-        tuples: tf.data has none). ``element_spec`` comes from
-        ``output_signature`` or from the first batches of a pass (one per
-        worker, up to four), with None for dimensions that differ between
-        them; those batches are the dataset's first elements. Tensors alias
-        the shared memory where the transport's arrays are 64-byte aligned;
-        a slot goes back when TensorFlow drops the tensor. With ``device``
-        ("/gpu:0"), the last step copies elements to that device in the
-        background (``tf.data.experimental.prefetch_to_device``). If you
-        know how many batches a pass has, say so with ``batches_per_pass``:
-        the dataset then has a known length (Keras 3 warns at the end of
-        every epoch of a dataset of unknown length). See docs/tensorflow.md.
-        """
-        from shmpipe._tf import to_tf_dataset
+    def owns_memory(self) -> bool:
+        channel = self._channel
+        return channel is not None and channel.owns_memory
 
-        return to_tf_dataset(self, output_signature, device=device, batches_per_pass=batches_per_pass)
-
-    def to_torch(self, device: Any = None, pin_memory: bool = False, non_blocking: bool = True) -> TorchBatches:
-        """This pipeline's batches with torch tensors at the array leaves.
-
-        On the host (``device=None`` or "cpu") the tensors are
-        ``torch.from_numpy`` views of the shared memory: no copy, read-only
-        by contract (do not write into them). With a CUDA ``device`` each
-        array is copied once, and with ``non_blocking`` a batch's slot is
-        kept until the CUDA event recorded after its copy has completed.
-        ``pin_memory=True`` registers the ring with ``cudaHostRegister`` once
-        so that copy is a direct DMA, and unregisters it when the pipeline
-        closes (where there is no CUDA, or no CUDA ``device``, it does
-        nothing and warns once). Returns an iterable; each iteration is a
-        new pass. See docs/gpu.md.
-        """
-        from shmpipe._torch import TorchBatches
-
-        return TorchBatches(self, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        channel = self._channel
+        return channel.memory_ranges() if channel is not None else []
 
     # -- observation ----------------------------------------------------------
 
@@ -618,15 +409,6 @@ class Pipeline:
         if channel is None or self._closed:
             return list(self._blocked_s)
         return [channel.producer_blocked_s(w) for w in range(self.num_workers)]
-
-    def stats(self) -> PipelineStats:
-        """Counters of everything delivered so far (see PipelineStats)."""
-        return self._counters.snapshot(
-            producer_blocked_s=self._producer_blocked(),
-            transport=self.transport.name,
-            capacity=self.capacity,
-            slot_size=self.slot_size,
-        )
 
     @property
     def pids(self) -> list[int | None]:
@@ -642,50 +424,12 @@ class Pipeline:
 
     @property
     def slot_size(self) -> int | None:
-        """Bytes per slot, where the transport has slots; None until the
-        first batch sized the ring."""
         made = self._channel.slot_size if self._channel is not None else None
         return made if made is not None else self.options.slot_size
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"pass {self._pass_no}"
+        state = "closed" if self._closed else f"pass {max(self._pass_no, 0)}"
         return (
             f"<shmpipe.Pipeline {self.num_workers} workers, transport={self.transport.name!r}, "
             f"capacity={self.capacity}, ordered={self.ordered}, {state}>"
         )
-
-
-def _shut_down(close_hooks: list[Callable[[], None]], launcher: Launcher, owner_pid: int) -> None:
-    """A pipeline's end: its close hooks, then its producers and channel.
-    A function, not a method: the finalizer must not keep the pipeline
-    alive. In a process forked from the owner (where finalizers run at exit
-    too) it does nothing: the producers and the memory are the parent's."""
-    if os.getpid() != owner_pid:
-        return
-    try:
-        while close_hooks:
-            close_hooks.pop()()
-    finally:
-        launcher.shutdown()
-
-
-#: Every pipeline of this process, for the fork handler below.
-_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """In a child forked (os.fork) from a process with pipelines: each one
-    becomes unusable here and is never stopped from here. multiprocessing
-    would otherwise, at the child's exit, SIGTERM the parent's daemon
-    producers it still lists as children (its own children reset that list
-    themselves; a bare os.fork does not), so they are taken off it."""
-    # The set multiprocessing's exit handler walks (not in its stubs).
-    children: set[Any] = getattr(multiprocessing.process, "_children", set())
-    for pipe in list(_live):
-        pipe._forked_from = pipe._owner_pid
-        pipe._closed = True
-        for process in getattr(pipe._launcher, "processes", ()):
-            children.discard(process)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

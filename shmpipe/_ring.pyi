@@ -5,10 +5,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from shmpipe._stats import Counters
-from shmpipe.transport import AGAIN as AGAIN
-from shmpipe.transport import END as END
-from shmpipe.transport import FAULT as FAULT
+from shmpipe._outcomes import AGAIN as AGAIN
+from shmpipe._outcomes import END as END
+from shmpipe._outcomes import FAULT as FAULT
 
 FREE: Final[int]
 WRITING: Final[int]
@@ -119,6 +118,7 @@ class RingReader:
     def __init__(self, ring: Ring) -> None: ...
     def take(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any: ...
     def take_raw(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any: ...
-    def take_ready(
-        self, pass_no: int, due_ns: int, counters: Counters, worker: int = -1, wseq: int = 0
-    ) -> Any: ...
+    def take_slot(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any: ...
+    def take_ready(self, pass_no: int, worker: int, wseq: int, due_ns: int) -> tuple[Any, int, int, int] | None: ...
+
+def is_external_record(root: np.ndarray) -> bool: ...

@@ -1,7 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Low-level layer over csrc/shmpipe_ring.c: the segment, the ring and its
 two ends. Every C status goes through _raise_status; waits run without the
-GIL. The Pythonic layer is shmpipe/_shm.py.
+GIL. The Pythonic layer is shmpipe/transports/shm.py. This engine imports
+nothing of the package above it: only the errors it raises and the three
+outcomes of a take that are not batches (shmpipe/_outcomes.py).
 
 Lifetime rules (the reason for most of this file):
 
@@ -30,9 +32,8 @@ from libc.string cimport strerror, memcmp
 
 from shmpipe._codec cimport Decoder, Encoder, new_array
 
-from shmpipe import _stats
-from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, ShmpipeValueError
-from shmpipe.transport import AGAIN, END, FAULT, Cancelled, Closed
+from shmpipe._outcomes import AGAIN, END, FAULT
+from shmpipe.errors import BatchTooLargeError, Cancelled, Closed, CorruptSegmentError, ShmpipeValueError
 
 cnp.import_array()
 
@@ -182,35 +183,6 @@ cdef inline int64_t _now_ns() noexcept nogil:
     return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
-# The layout of shmpipe._stats.Counters.tally, which RingReader.take_ready
-# counts into (checked against _stats at import, so the two cannot drift).
-cdef enum:
-    T_BATCHES = 0
-    T_BYTES = 1
-    T_FIRST_BATCH_NS = 2
-    T_WAIT_COUNT = 3
-    T_WAIT_TOTAL_NS = 4
-    T_WAIT_MAX_NS = 5
-    T_TOTALS = 6
-    T_SUB = 32
-    T_BUCKETS = 65 * 32
-if (_stats.BATCHES, _stats.BYTES, _stats.FIRST_BATCH_NS, _stats.WAIT_COUNT, _stats.WAIT_TOTAL_NS,
-        _stats.WAIT_MAX_NS, _stats.TOTALS, _stats.SUB, _stats.BUCKETS) != (
-        T_BATCHES, T_BYTES, T_FIRST_BATCH_NS, T_WAIT_COUNT, T_WAIT_TOTAL_NS, T_WAIT_MAX_NS,
-        T_TOTALS, T_SUB, T_BUCKETS):
-    raise ImportError("shmpipe._ring and shmpipe._stats disagree on the counters' layout: rebuild")
-
-
-cdef inline Py_ssize_t _wait_bucket(int64_t ns) noexcept nogil:
-    """shmpipe._stats.bucket(ns), for 1 <= ns (larger waits than 2**57 ns,
-    about 4.5 years, share the last row used)."""
-    cdef uint64_t v = <uint64_t>ns
-    cdef int e
-    if v > (<uint64_t>1 << 57):
-        v = <uint64_t>1 << 57
-    e = 64 - __builtin_clzll(v)
-    return e * T_SUB + <Py_ssize_t>(((v * 2 * T_SUB) >> e)) - T_SUB
-
 # Slot states, for observers (tests, diagnostics).
 FREE = SHMP_FREE
 WRITING = SHMP_WRITING
@@ -221,8 +193,9 @@ MAX_SLOTS = SHMP_MAX_SLOTS
 MAX_WORKERS = SHMP_MAX_WORKERS
 LAYOUT_VERSION = SHMP_LAYOUT_VERSION
 
-# take() results that are not batches are shmpipe.transport's END, AGAIN
-# and FAULT; a producer's acquire raises its Cancelled and Closed.
+# take() results that are not batches are shmpipe._outcomes' END, AGAIN
+# and FAULT (shmpipe.transport's); a producer's acquire raises Cancelled and
+# Closed.
 
 
 _STATUS_MESSAGES = {
@@ -819,6 +792,13 @@ cdef enum:
 cdef const char *EXTERNAL_MAGIC = b"SPX1"
 
 
+def is_external_record(object root):
+    """Whether a slot's payload (a uint8 root array) is the record of a
+    batch larger than a slot (shmpipe/_external.py) rather than a batch."""
+    cdef cnp.ndarray r = <cnp.ndarray?>root
+    return cnp.PyArray_DIM(r, 0) == EXTERNAL_RECORD_BYTES and memcmp(cnp.PyArray_DATA(r), EXTERNAL_MAGIC, 4) == 0
+
+
 cdef class RingReader:
     """The consumer's end of the ring: takes slots and decodes them into
     read-only views whose root owns the slot (see the module docstring).
@@ -831,13 +811,6 @@ cdef class RingReader:
     cdef readonly int last_worker
     cdef readonly uint64_t last_nbytes
     cdef public object on_external
-    # take_ready's counters: the Counters object, its tally (held as a
-    # buffer, so the array cannot be resized under us), where its histogram
-    # starts.
-    cdef object _counters
-    cdef int64_t[::1] _tally
-    cdef int64_t *_tally_data
-    cdef Py_ssize_t _hist0
 
     def __cinit__(self, Ring ring):
         self.ring = ring
@@ -862,26 +835,22 @@ cdef class RingReader:
             return self._external(root, True)
         return self.dec.decode(data, n, root, False)
 
-    def take_ready(self, uint32_t pass_no, int64_t due_ns, object counters, int worker=-1,
-                   uint64_t wseq=0):
-        """The pipeline's fast path (Pipeline's _PassIterator.__next__): the
-        batch of `pass_no` that take() would return (the oldest, or with
-        worker >= 0 that worker's number `wseq`) if it is READY right now,
-        taken, decoded and counted into `counters` (a
-        shmpipe._stats.Counters) in one call. None, having taken nothing,
-        when no batch is READY, when the pass ended or a fault was reported,
-        or when the clock has reached `due_ns` (the pipeline's next look at
-        its producers): the caller then takes its general path, which waits,
-        ends passes, raises failures. Never waits, never releases the GIL.
-        Same checks as take(): a corrupt slot raises CorruptSegmentError."""
-        cdef int64_t t0 = _now_ns(), t1, ns
-        cdef int64_t *t
+    def take_ready(self, uint32_t pass_no, int worker, uint64_t wseq, int64_t due_ns):
+        """The consumer's fast path (ConsumerEnd.take_ready): the batch of
+        `pass_no` that take() would return (the oldest, or with worker >= 0
+        that worker's number `wseq`) if it is READY right now, taken and
+        decoded, as (batch, payload bytes, worker, ns the call took). None,
+        having taken nothing, when no batch is READY, when the pass ended
+        or a fault was reported, or when the clock (CLOCK_MONOTONIC, that
+        of time.perf_counter_ns) has reached `due_ns`: the caller then
+        takes its general path, which waits, ends passes, raises failures.
+        Never waits, never releases the GIL. Same checks as take(): a
+        corrupt slot raises CorruptSegmentError."""
+        cdef int64_t t0 = _now_ns(), t1
         cdef uint32_t slot = 0
         cdef int rc
         if t0 >= due_ns:
             return None
-        if counters is not self._counters:
-            self._count_into(counters)
         # wait 0: one look, no spin, no sleep, no system call.
         rc = shmp_take(&self.ring.r, worker, pass_no, wseq, 0, &slot)
         if rc != SHMP_OK:
@@ -889,36 +858,8 @@ cdef class RingReader:
                 _raise_status(rc, "taking a batch")
             return None
         batch = self._decode(self._lease_root(slot))
-        # Counted as Counters.delivered counts (the wait: from the call to
-        # the batch; nothing was waited for here but the work itself).
         t1 = _now_ns()
-        ns = t1 - t0 if t1 > t0 else 1
-        t = self._tally_data
-        t[T_BATCHES] += 1
-        t[T_BYTES] += <int64_t>self.last_nbytes
-        t[T_TOTALS + self.last_worker] += 1  # last_worker < nworkers, checked by _lease_root
-        if t[T_FIRST_BATCH_NS] < 0:
-            t[T_FIRST_BATCH_NS] = t1
-        t[self._hist0 + _wait_bucket(ns)] += 1
-        t[T_WAIT_COUNT] += 1
-        t[T_WAIT_TOTAL_NS] += ns
-        if ns > t[T_WAIT_MAX_NS]:
-            t[T_WAIT_MAX_NS] = ns
-        return batch
-
-    cdef int _count_into(self, object counters) except -1:
-        """Binds take_ready to `counters`' tally, after checking it has the
-        room the indexes above need (they run without bounds checks)."""
-        cdef int64_t[::1] tally = counters.tally
-        cdef Py_ssize_t nworkers = counters.num_workers
-        if nworkers != self.ring.r.nworkers or tally.shape[0] != T_TOTALS + nworkers + T_BUCKETS:
-            raise ShmpipeValueError(
-                f"counters for {nworkers} workers do not fit a ring of {self.ring.r.nworkers}")
-        self._tally = tally
-        self._tally_data = &tally[0]
-        self._hist0 = T_TOTALS + nworkers
-        self._counters = counters
-        return 0
+        return batch, self.last_nbytes, self.last_worker, (t1 - t0 if t1 > t0 else 1)
 
     cdef object _external(self, object record, bint decode):
         if self.on_external is None:
@@ -933,10 +874,16 @@ cdef class RingReader:
         root = self._take_raw(pass_no, worker, wseq, wait)
         if root is END or root is AGAIN or root is FAULT:
             return root
-        cdef cnp.ndarray r = <cnp.ndarray>root
-        if cnp.PyArray_DIM(r, 0) == EXTERNAL_RECORD_BYTES and memcmp(cnp.PyArray_DATA(r), EXTERNAL_MAGIC, 4) == 0:
+        if is_external_record(root):
             return self._external(root, False)
         return root
+
+    def take_slot(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
+        """Like take_raw(), but a slot that holds the record of a batch
+        larger than a slot is returned as it is (is_external_record says
+        so): the caller maps that batch itself (a group hands its
+        descriptor to a rank)."""
+        return self._take_raw(pass_no, worker, wseq, wait)
 
     cdef object _lease_root(self, uint32_t slot):
         """The root array of a slot shmp_take just made HELD for us."""

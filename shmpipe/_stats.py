@@ -16,8 +16,7 @@ __all__ = ["Counters", "GroupStats", "PipelineStats", "WaitHistogram"]
 
 #: The layout of Counters.tally, one int64 array: these totals, then one
 #: count per worker, then the wait histogram's buckets (WaitHistogram).
-#: shmpipe/_ring.pyx counts into the same array on the shm transport's fast
-#: path (RingReader.take_ready), so both must agree on it.
+#: Only this module reads or writes it.
 BATCHES, BYTES, FIRST_BATCH_NS, WAIT_COUNT, WAIT_TOTAL_NS, WAIT_MAX_NS = range(6)
 TOTALS = 6
 #: Histogram resolution: buckets per power of two.
@@ -187,10 +186,10 @@ class Counters:
     turns it into PipelineStats. One thread updates it at a time (the one
     iterating); a snapshot may be read from any thread.
 
-    The per-batch counts live in `tally`, one int64 array (layout above),
-    so a transport's compiled fast path can count a batch without calling
-    back into Python. The fast path never takes a pass's first batch, so
-    `delivered` still sees every pass begin.
+    The per-batch counts live in `tally`, one int64 array (layout above):
+    a few item updates per batch, which the consumer's fast path
+    (`delivered_ready`) keeps to. The fast path never takes a pass's first
+    batch, so `delivered` still sees every pass begin.
 
     The wall time counts the pass in progress too, up to the moment of the
     snapshot: a training loop over endless sources never finishes a pass,
@@ -265,6 +264,16 @@ class Counters:
         if t[FIRST_BATCH_NS] < 0:
             t[FIRST_BATCH_NS] = got_ns
 
+    def delivered_ready(self, wait_ns: int, nbytes: int, worker: int) -> None:
+        """A batch that was ready when asked for (the fast path: never a
+        pass's first, so the pass's clock and the first batch's time are
+        already set), after `wait_ns` of taking it."""
+        t = self.tally
+        t[BATCHES] += 1
+        t[BYTES] += nbytes
+        t[TOTALS + worker] += 1
+        self.waits.add(wait_ns)
+
     def snapshot(
         self,
         *,
@@ -272,6 +281,7 @@ class Counters:
         transport: str,
         capacity: int,
         slot_size: int | None,
+        extra: dict[str, Any] | None = None,
     ) -> PipelineStats:
         w = self.waits
         n = w.count
@@ -295,4 +305,5 @@ class Counters:
             num_workers=len(self.per_worker),
             capacity=capacity,
             slot_size=slot_size,
+            extra=dict(extra) if extra else {},
         )

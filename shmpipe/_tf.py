@@ -1,4 +1,4 @@
-"""tf.data from a Pipeline, without a copy on the host.
+"""tf.data from a stream of batches, without a copy on the host.
 
 ``tf.data.Dataset.from_generator`` with an ``output_signature`` of TensorSpecs
 hands each NumPy array to TensorFlow through ``numpy_function``, which
@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmpipe._codec import aligned_empty
+from shmpipe._stream import BatchStream
 from shmpipe._tree import leaves_with_paths, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
-    from shmpipe._pipeline import Pipeline
 
 __all__ = ["to_tf_dataset", "tensorflow_aliases", "signature_of"]
 
@@ -145,11 +145,11 @@ class _Feeder:
     runs a new pass of the pipeline (the first may start with batches that
     were peeked to infer the signature)."""
 
-    def __init__(self, pipe: Pipeline, signature: Any, peeked: tuple[Iterator[Any], list[Any]] | None) -> None:
+    def __init__(self, pipe: BatchStream, signature: Any, peeked: tuple[Iterator[Any], list[Any]] | None) -> None:
         self.pipe = pipe
         # The most slots TensorFlow may hold with the producers still sure
         # to deliver the batch it waits for (see ChannelSpec.consumer_may_hold).
-        self.limit = pipe.spec.consumer_may_hold
+        self.limit = pipe.consumer_may_hold
         self.check = _check_leaf(signature)
         self.peeked = peeked  # (iterator, [batches]) of a pass already started
         self.warned = False
@@ -193,9 +193,9 @@ class _Feeder:
     def _tensorflow_holds_too_many_slots(self) -> bool:
         """Whether the slots held, this batch's included, exceed the limit
         (and stay above it for RELEASE_WAIT_S)."""
-        channel = self.pipe.channel
-        held = channel.held() if channel is not None else None
-        if channel is None or held is None or held <= self.limit:
+        stream = self.pipe
+        held = stream.held()
+        if held is None or held <= self.limit:
             self.copying = False
             return False
         if not self.copying:
@@ -205,7 +205,7 @@ class _Feeder:
             deadline = time.monotonic() + RELEASE_WAIT_S
             while held > self.limit and time.monotonic() < deadline:
                 time.sleep(0.002)
-                held = channel.held() or 0
+                held = stream.held() or 0
         self.copying = held > self.limit
         return self.copying
 
@@ -288,7 +288,7 @@ def _check_leaf(signature: Any) -> Callable[[Any, str], Any]:
 
 
 def to_tf_dataset(
-    pipe: Pipeline,
+    pipe: BatchStream,
     output_signature: Any = None,
     device: str | None = None,
     batches_per_pass: int | None = None,
@@ -303,7 +303,7 @@ def to_tf_dataset(
     if output_signature is None:
         # Infer from the first batches of a pass; each worker's first batch
         # tells which dimensions vary. Those batches are yielded first.
-        k = peek if peek is not None else max(1, min(pipe.num_workers, pipe.spec.consumer_may_hold, 4))
+        k = peek if peek is not None else max(1, min(pipe.num_workers, pipe.consumer_may_hold, 4))
         it = iter(pipe)
         first = []
         for batch in it:

@@ -1,4 +1,5 @@
-"""PyTorch tensors from a Pipeline: views on the host, one copy to a GPU.
+"""PyTorch tensors from a stream of batches (a Pipeline, a rank's share of a
+group's pipeline): views on the host, one copy to a GPU.
 
 On the host, ``torch.from_numpy`` makes a tensor that *is* the array (no
 copy), and the tensor keeps the array -- so the slot -- alive until it is
@@ -14,13 +15,13 @@ rules make that copy safe and cheap:
   completed (``_CopiesInFlight``). Before the next batch is taken at most
   one batch stays in flight: the pipeline's capacity rules count one batch
   held by the consumer, and a copy in flight is such a batch.
-* ``pin_memory=True`` page-locks the channel's memory with
+* ``pin_memory=True`` page-locks the stream's memory with
   ``cudaHostRegister`` once (``_Registration``), and unregisters it when the
   pipeline closes: after every copy from it has finished, and before the
   memory is unmapped. CUDA keeps a registered range's pages past munmap; a
   later mapping at the same address would be refused, or read through the
-  old pages. Only channels that own their memory are registered
-  (``ConsumerEnd.owns_memory``): page-locking Ray's object store would pin
+  old pages. Only streams that own their memory are registered
+  (``BatchStream.owns_memory``): page-locking Ray's object store would pin
   all of it.
 """
 
@@ -30,16 +31,13 @@ import collections
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from shmpipe._stream import BatchStream
 from shmpipe._tree import map_leaves, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
-
-if TYPE_CHECKING:
-    from shmpipe._pipeline import Pipeline
-    from shmpipe.transport import ConsumerEnd
 
 __all__ = ["TorchBatches"]
 
@@ -50,10 +48,12 @@ CUDA_HOST_REGISTER_PORTABLE = 1
 
 
 class TorchBatches:
-    """An iterable over a Pipeline's batches as torch tensors; each
+    """An iterable over a stream's batches as torch tensors; each
     iteration is a new pass (as with the pipeline itself)."""
 
-    def __init__(self, pipe: Pipeline, device: Any = None, pin_memory: bool = False, non_blocking: bool = True) -> None:
+    def __init__(
+        self, pipe: BatchStream, device: Any = None, pin_memory: bool = False, non_blocking: bool = True
+    ) -> None:
         import torch
 
         self.pipe = pipe
@@ -99,7 +99,7 @@ class TorchBatches:
 
     def _to_device(self, host: Any) -> Any:
         if self.pin_memory:
-            _Registration.of(self.pipe).register(self.pipe.channel)
+            _Registration.of(self.pipe).register(self.pipe)
         device, non_blocking = self.device, self.non_blocking
         return _to_each_tensor(host, lambda t: t.to(device, non_blocking=non_blocking))
 
@@ -224,7 +224,7 @@ class _CopiesInFlight:
 
 
 class _Registration:
-    """A pipeline's channel memory, page-locked for CUDA: registered once,
+    """A stream's memory, page-locked for CUDA: registered once,
     unregistered by the pipeline's close (see the module doc)."""
 
     def __init__(self) -> None:
@@ -232,8 +232,8 @@ class _Registration:
         self.ranges: list[tuple[int, int]] = []
 
     @classmethod
-    def of(cls, pipe: Pipeline) -> _Registration:
-        """The registration of `pipe`'s channel memory (one per pipeline,
+    def of(cls, pipe: BatchStream) -> _Registration:
+        """The registration of `pipe`'s memory (one per stream,
         whatever the number of to_torch() iterables over it)."""
         reg = _registrations.get(pipe)
         if reg is None:
@@ -242,13 +242,15 @@ class _Registration:
             pipe.call_on_close(reg.unregister)
         return reg
 
-    def register(self, channel: ConsumerEnd | None) -> None:
-        if self.tried or channel is None:
+    def register(self, stream: BatchStream) -> None:
+        """Page-locks `stream`'s memory, once (called when a batch has come,
+        so the memory exists)."""
+        if self.tried:
             return
         self.tried = True
-        if not getattr(channel, "owns_memory", False):
+        if not stream.owns_memory():
             warnings.warn(
-                f"pin_memory=True has no effect on {type(channel).__name__}: its memory is not the "
+                f"pin_memory=True has no effect on the {stream.transport.name!r} transport: its memory is not the "
                 "pipeline's own (page-locking it would pin memory others use); copies to the GPU "
                 "go from pageable memory",
                 ShmpipeWarning,
@@ -258,7 +260,7 @@ class _Registration:
         import torch
 
         cudart = torch.cuda.cudart()
-        for address, size in channel.memory_ranges():
+        for address, size in stream.memory_ranges():
             # Portable: page-locked for every device's context, not only the
             # current one (copies to "cuda:1" are DMA too).
             err = cudart.cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE)
@@ -287,7 +289,7 @@ class _Registration:
 
 
 #: Each pipeline's registration, for as long as the pipeline lives.
-_registrations: weakref.WeakKeyDictionary[Pipeline, _Registration] = weakref.WeakKeyDictionary()
+_registrations: weakref.WeakKeyDictionary[BatchStream, _Registration] = weakref.WeakKeyDictionary()
 
 
 def _to_each_tensor(batch: Any, fn: Callable[[Any], Any]) -> Any:

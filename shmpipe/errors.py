@@ -45,6 +45,8 @@ __all__ = [
     "GroupError",
     "GroupStartError",
     "RankDiedError",
+    "Cancelled",
+    "Closed",
     "ShmpipeWarning",
 ]
 
@@ -229,6 +231,16 @@ class RankDiedError(GroupError):
 
     def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         return (type(self), (str(self), self.rank))
+
+
+class Cancelled(ShmpipeError):
+    """Producer side: the consumer started another pass; abandon this one.
+    (Re-exported by shmpipe.transport, whose contract it belongs to.)"""
+
+
+class Closed(ShmpipeError):
+    """Producer side: the pipeline is shutting down; stop. (Re-exported by
+    shmpipe.transport.)"""
 
 
 class ShmpipeWarning(UserWarning):

@@ -112,6 +112,27 @@ error reaches the consumer as any producer's error does, after the batches
 the producer put before it: raised as itself, chained to the WorkerError
 that names the worker.
 
+The consumer's fast path (optional)
+-----------------------------------
+
+A transport whose consumer can hand out a batch that is already there in
+one cheap call sets ``capabilities.takes_ready`` and implements
+:meth:`ConsumerEnd.take_ready`: the batch ``get`` would return, taken, with
+what shmpipe counts of it, or None having taken nothing. shmpipe asks it
+first while a pass runs, and falls back to ``get`` (which waits, ends
+passes and reports faults) whenever it declines.
+
+Several ranks (optional)
+------------------------
+
+A transport whose channel can feed several trainer processes of a node
+(``from_iterators(group=...)``) sets ``capabilities.serves_ranks`` and
+implements the protocol gathered at the end of this module: its Transport
+is also a :class:`ServesRanks` (``rank_reader``), and its ConsumerEnd a
+:class:`SharingConsumerEnd` (``take_shared``, ``share_with_ranks``). Rank 0
+takes undecoded :class:`SharedBatch` objects with ``take_shared`` instead
+of ``get``; each rank maps the channel's memory with a :class:`RankReader`.
+
 Producers a transport runs itself
 ---------------------------------
 
@@ -138,9 +159,10 @@ from typing import Any, ClassVar
 
 from shmpipe import _tree
 from shmpipe._batch import check as check_batch
+from shmpipe._outcomes import AGAIN, END, FAULT
 from shmpipe._producer_context import enter_pass
 from shmpipe._spec import new_arrays
-from shmpipe.errors import ShmpipeError, TransportUnavailableError
+from shmpipe.errors import Cancelled, Closed, TransportUnavailableError
 
 __all__ = [
     "AGAIN",
@@ -155,38 +177,14 @@ __all__ = [
     "ProducerControl",
     "ProducerEnd",
     "RankReader",
+    "ServesRanks",
     "SharedBatch",
+    "SharingConsumerEnd",
     "Transport",
     "check_batch",
     "enter_pass",
     "require",
 ]
-
-
-class _Sentinel:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"shmpipe.transport.{self.name}"
-
-    def __reduce__(self) -> str:
-        return self.name  # a module global: unpickles as the same object
-
-
-END = _Sentinel("END")
-AGAIN = _Sentinel("AGAIN")
-FAULT = _Sentinel("FAULT")
-
-
-class Cancelled(ShmpipeError):
-    """Producer side: the consumer started another pass; abandon this one."""
-
-
-class Closed(ShmpipeError):
-    """Producer side: the pipeline is shutting down; stop."""
 
 
 @dataclass(frozen=True)
@@ -221,11 +219,11 @@ class Capabilities:
         checks in its own and sets this too (see "Who checks a batch").
     own_producers: the transport runs producers itself (see ``launch``).
     serves_ranks: one channel can feed several trainer processes of a node
-        (``from_iterators(group=...)``, docs/several-ranks.md): with
-        ``spec.shared_with_ranks`` its ``get`` returns :class:`SharedBatch`
-        objects, ``ConsumerEnd.share_with_ranks`` says how another process
-        maps the channel's memory, and ``Transport.rank_reader`` reads a
-        batch there without a copy.
+        (``from_iterators(group=...)``, docs/several-ranks.md): the
+        transport is a :class:`ServesRanks` and its ConsumerEnd a
+        :class:`SharingConsumerEnd` (see "Several ranks" in the module doc).
+    takes_ready: ``ConsumerEnd.take_ready`` hands out a batch that is
+        already there in one call (the consumer's fast path).
     """
 
     zero_copy_reads: bool = False
@@ -239,6 +237,7 @@ class Capabilities:
     checks_batches: bool = False
     own_producers: bool = False
     serves_ranks: bool = False
+    takes_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,9 +255,6 @@ class ChannelSpec:
     #: The multiprocessing context producers start with: queues and locks
     #: meant for them must come from it.
     mp_context: Any = field(default=None, compare=False)
-    #: The channel feeds a group of ranks (capability ``serves_ranks``):
-    #: ``get`` returns SharedBatch objects, decoded in each rank.
-    shared_with_ranks: bool = False
 
     @property
     def quota(self) -> int:
@@ -306,6 +302,16 @@ class ConsumerEnd(abc.ABC):
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         """A batch, END, AGAIN or FAULT (see the module doc)."""
 
+    def take_ready(self, pass_no: int, worker: int, wseq: int, due_ns: int) -> tuple[Any, int, int, int] | None:
+        """Capability ``takes_ready``: the batch ``get(pass_no, worker, wseq,
+        0)`` would return if it is there right now, taken, as (batch, its
+        payload's bytes, its worker, the nanoseconds taking it took). None,
+        having taken nothing, when no batch is there, when the pass ended
+        or a fault was reported, or once ``time.perf_counter_ns()`` (or the
+        same clock: CLOCK_MONOTONIC) reaches `due_ns` (shmpipe's next look
+        at its producers). Never waits."""
+        raise NotImplementedError(f"{type(self).__name__} has no fast path (capability takes_ready)")
+
     def begin_pass(self, pass_no: int) -> None:
         """Pass `pass_no` starts (called before producers hear of it, for
         every pass; the channel was opened at ``spec.first_pass``, so a call
@@ -329,12 +335,6 @@ class ConsumerEnd(abc.ABC):
         Adapters that buffer batches (tf.data) use it not to hold them all."""
         return None
 
-    def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
-        """Capability ``serves_ranks``: what another process of this user
-        needs to map the channel's memory: (a dict of ints and strs, new
-        descriptors the caller sends and closes)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot serve several ranks")
-
     def producer_blocked_s(self, worker: int) -> float | None:
         """Seconds `worker` spent waiting for room, if the transport knows."""
         return None
@@ -354,52 +354,6 @@ class ConsumerEnd(abc.ABC):
     #: once and unregistered when the pipeline closes). Ray's object store,
     #: for one, is not: pinning it would pin the whole store.
     owns_memory: bool = False
-
-
-@dataclass
-class SharedBatch:
-    """What ``get`` returns on a channel opened ``shared_with_ranks``: one
-    batch, not decoded, for the rank it is dealt to.
-
-    ``root`` holds the batch's place in the channel (its slot) until it is
-    dropped; ``record`` (ints and strs only) tells a :class:`RankReader`
-    where the payload is; ``fd`` is a descriptor of memory of its own the
-    rank must map too (a batch larger than a slot), owned by this object
-    until ``close_fd``."""
-
-    root: Any
-    record: tuple[Any, ...]
-    fd: int | None = None
-
-    def close_fd(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-class RankReader(abc.ABC):
-    """A rank's view of a channel shared by a group (``Transport.rank_reader``):
-    maps the channel's memory read-only and turns each record a rank is
-    dealt into the batch, as views of that memory."""
-
-    #: Whether memory_ranges() is this reader's own mapping (see ConsumerEnd).
-    owns_memory: bool = False
-
-    @abc.abstractmethod
-    def read(self, record: tuple[Any, ...], fd: int | None, release: Callable[[], None]) -> Any:
-        """The batch `record` names (with `fd`, memory of its own, which
-        the caller keeps and closes). `release` must be called exactly once,
-        when the last array of the batch is gone (or at once on error)."""
-
-    def held(self) -> int | None:
-        """Batches read and not yet released."""
-        return None
-
-    def memory_ranges(self) -> list[tuple[int, int]]:
-        return []
-
-    def close(self) -> None:
-        """No more reads; mappings stay while batches live."""
 
 
 class ProducerEnd(abc.ABC):
@@ -471,6 +425,11 @@ class Launcher(abc.ABC):
         the conformance suite asserts it is empty."""
         return []
 
+    def children(self) -> list[Any]:
+        """The multiprocessing processes this launcher started from this
+        process (a process forked from it takes them off its own list)."""
+        return []
+
 
 class Transport(abc.ABC):
     """A way to move batches; see the module doc for the contract."""
@@ -515,11 +474,6 @@ class Transport(abc.ABC):
         pass ended before any batch). Default: `nbytes`, at least 1."""
         return max(1, nbytes)
 
-    def rank_reader(self, share: dict[str, Any], fds: list[int]) -> RankReader:
-        """Capability ``serves_ranks``, in a rank of a group: a reader of the
-        channel `share` (from ``share_with_ranks``) describes; takes `fds`."""
-        raise NotImplementedError(f"the {self.name!r} transport cannot serve several ranks")
-
     def orphaned(self, handle: Any) -> None:
         """Producer side: the consumer process died, and this producer is
         about to exit. Remove what only the consumer would have removed
@@ -527,6 +481,82 @@ class Transport(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<shmpipe transport {self.name!r}>"
+
+
+# -- several ranks: the optional protocol of capability serves_ranks -------------
+
+
+@dataclass
+class SharedBatch:
+    """What ``SharingConsumerEnd.take_shared`` returns: one batch, not
+    decoded, for the rank it is dealt to.
+
+    ``root`` holds the batch's place in the channel (its slot) until it is
+    dropped; ``record`` (ints and strs only) tells a :class:`RankReader`
+    where the payload is; ``fd`` is a descriptor of memory of its own the
+    rank must map too (a batch larger than a slot), owned by this object
+    until ``close_fd``."""
+
+    root: Any
+    record: tuple[Any, ...]
+    fd: int | None = None
+
+    def close_fd(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class RankReader(abc.ABC):
+    """A rank's view of a channel shared by a group (``Transport.rank_reader``):
+    maps the channel's memory read-only and turns each record a rank is
+    dealt into the batch, as views of that memory."""
+
+    #: Whether memory_ranges() is this reader's own mapping (see ConsumerEnd).
+    owns_memory: bool = False
+
+    @abc.abstractmethod
+    def read(self, record: tuple[Any, ...], fd: int | None, release: Callable[[], None]) -> Any:
+        """The batch `record` names (with `fd`, memory of its own, which
+        the caller keeps and closes). `release` must be called exactly once,
+        when the last array of the batch is gone (or at once on error)."""
+
+    def held(self) -> int | None:
+        """Batches read and not yet released."""
+        return None
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        return []
+
+    def close(self) -> None:
+        """No more reads; mappings stay while batches live."""
+
+
+class SharingConsumerEnd(ConsumerEnd):
+    """The consumer end of a channel that feeds several ranks: rank 0's
+    group takes its batches undecoded and deals them to the ranks."""
+
+    @abc.abstractmethod
+    def take_shared(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
+        """As ``get``, but a batch comes as a :class:`SharedBatch` (not
+        decoded: each rank decodes it in its own mapping)."""
+
+    @abc.abstractmethod
+    def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
+        """What another process of this user needs to map the channel's
+        memory: (a dict of ints and strs, new descriptors the caller sends
+        and closes)."""
+
+
+class ServesRanks(abc.ABC):
+    """The transport's side of capability ``serves_ranks``: a Transport
+    that implements it subclasses this too, and its ``open`` returns a
+    :class:`SharingConsumerEnd`."""
+
+    @abc.abstractmethod
+    def rank_reader(self, share: dict[str, Any], fds: list[int]) -> RankReader:
+        """In a rank of a group: a reader of the channel `share` (from
+        ``share_with_ranks``) describes; takes `fds`."""
 
 
 def require(module: str, *, transport: str, extra: str | None = None) -> ModuleType:

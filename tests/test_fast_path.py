@@ -13,7 +13,7 @@ import pytest
 import shmpipe
 from shmpipe import _codec, _ring, _stats
 from shmpipe._stats import Counters
-from shmpipe.errors import CorruptSegmentError, PipelineClosedError, ShmpipeValueError
+from shmpipe.errors import CorruptSegmentError, PipelineClosedError
 from shmpipe.transport import END, FAULT, ChannelSpec
 from shmpipe.transports.shm import ShmConsumer, attach_writer
 
@@ -34,33 +34,37 @@ def ring2():
 
 def test_take_ready_declines_when_nothing_is_ready(ring2):
     c, _ = ring2
-    counters = Counters(2)
-    assert c.take_ready(0, FAR, counters) is None
-    assert counters.batches == 0 and counters.waits.count == 0 and counters.first_batch_ns is None
+    assert c.take_ready(0, -1, 0, FAR) is None
 
 
-def test_take_ready_takes_decodes_and_counts(ring2):
+def test_take_ready_takes_decodes_and_says_what_to_count(ring2):
     c, (w0, w1) = ring2
     a, b = np.arange(10, dtype=np.int32), {"x": np.ones((3, 4), np.float64), "n": 7}
     w0.put(a)
     w1.put(b)
-    counters = Counters(2)
-    before = time.perf_counter_ns()
-    first = c.take_ready(0, FAR, counters)
-    second = c.take_ready(0, FAR, counters)
+    first, first_bytes, first_worker, first_ns = c.take_ready(0, -1, 0, FAR)
+    second, second_bytes, second_worker, second_ns = c.take_ready(0, -1, 0, FAR)
     np.testing.assert_array_equal(first, a)  # in publication order
     assert second["n"] == 7 and np.array_equal(second["x"], b["x"])
     assert not first.flags.writeable and not second["x"].flags.writeable
-    assert counters.batches == 2 and counters.per_worker == [1, 1]
-    assert counters.bytes == _codec.encoded_size(a) + _codec.encoded_size(b)
-    assert counters.first_batch_ns is not None and counters.first_batch_ns >= before
-    w = counters.waits
-    assert w.count == 2 and 0 < w.max_ns <= w.total_ns
-    assert sum(counters.tally[w.first : w.first + _stats.BUCKETS]) == 2  # each wait in one bucket
-    assert 0 < w.quantile(0.5) <= w.max_ns
+    assert (first_worker, second_worker) == (0, 1)
+    assert (first_bytes, second_bytes) == (_codec.encoded_size(a), _codec.encoded_size(b))
+    assert 0 < first_ns < 1e9 and 0 < second_ns < 1e9
     # The slots go back when the batches go.
     del first, second
     assert c.held() == 0
+
+
+def test_counters_count_a_ready_batch_as_any_other():
+    counters = Counters(2)
+    counters.delivered(1_000, 3_000, 100, 0)  # a pass's first batch, by the general path
+    counters.delivered_ready(500, 40, 1)
+    counters.delivered_ready(700, 60, 1)
+    assert counters.batches == 3 and counters.bytes == 200 and counters.per_worker == [1, 2]
+    w = counters.waits
+    assert w.count == 3 and w.total_ns == 2_000 + 500 + 700 and w.max_ns == 2_000
+    assert sum(counters.tally[w.first : w.first + _stats.BUCKETS]) == 3  # each wait in one bucket
+    assert counters.first_batch_ns == 3_000  # set by the first batch, not by the fast path
 
 
 def test_take_ready_in_order_takes_only_the_batch_whose_turn_it_is(ring2):
@@ -68,12 +72,10 @@ def test_take_ready_in_order_takes_only_the_batch_whose_turn_it_is(ring2):
     w1.put(np.full(4, 10))
     w0.put(np.full(4, 0))
     w0.put(np.full(4, 1))
-    counters = Counters(2)
-    assert int(c.take_ready(0, FAR, counters, 0, 0)[0]) == 0
-    assert c.take_ready(0, FAR, counters, 1, 1) is None  # worker 1's second is not there
-    assert int(c.take_ready(0, FAR, counters, 1, 0)[0]) == 10
-    assert int(c.take_ready(0, FAR, counters, 0, 1)[0]) == 1
-    assert counters.per_worker == [2, 1]
+    assert int(c.take_ready(0, 0, 0, FAR)[0][0]) == 0
+    assert c.take_ready(0, 1, 1, FAR) is None  # worker 1's second is not there
+    assert int(c.take_ready(0, 1, 0, FAR)[0][0]) == 10
+    assert int(c.take_ready(0, 0, 1, FAR)[0][0]) == 1
 
 
 def test_an_ordered_pass_goes_round_robin_through_the_fast_path():
@@ -87,29 +89,26 @@ def test_an_ordered_pass_goes_round_robin_through_the_fast_path():
 def test_take_ready_declines_when_a_look_at_the_producers_is_due(ring2):
     c, (w0, _) = ring2
     w0.put(np.zeros(4))
-    counters = Counters(2)
-    assert c.take_ready(0, 0, counters) is None  # due long ago
+    assert c.take_ready(0, -1, 0, 0) is None  # due long ago
     assert c.ring.slot_states().count(_ring.READY) == 1  # nothing was taken
-    assert counters.batches == 0
     assert c.get(0, -1, 0, WAIT) is not None  # the general path still gets it
 
 
 def test_take_ready_leaves_ends_and_faults_to_the_general_path(ring2):
     c, (w0, w1) = ring2
-    counters = Counters(2)
     w0.finish_pass()
     w1.finish_pass()
-    assert c.take_ready(0, FAR, counters) is None
+    assert c.take_ready(0, -1, 0, FAR) is None
     assert c.get(0, -1, 0, WAIT) is END
     c.ring.begin_pass()
     for w in (w0, w1):
         w.start_pass(1)
     w0.put(np.zeros(4))
     c.halt()  # a fault: what is READY is still delivered first, fast or not
-    got = c.take_ready(1, FAR, counters)
-    assert got is not None and counters.batches == 1
+    got = c.take_ready(1, -1, 0, FAR)
+    assert got is not None
     del got
-    assert c.take_ready(1, FAR, counters) is None
+    assert c.take_ready(1, -1, 0, FAR) is None
     assert c.get(1, -1, 0, WAIT) is FAULT
 
 
@@ -123,29 +122,24 @@ def test_take_ready_checks_the_slot_record(ring2):
     offset = 256 + 64 * 2 + 64 * slot + 32
     ctypes.memmove(c.segment.address + offset, (1 << 40).to_bytes(8, "little"), 8)
     with pytest.raises(CorruptSegmentError, match="more than a slot holds"):
-        c.take_ready(0, FAR, Counters(2))
+        c.take_ready(0, -1, 0, FAR)
     assert c.held() == 0  # the lease made before the check gave the slot back
 
 
-def test_take_ready_refuses_counters_of_another_shape(ring2):
-    c, (w0, _) = ring2
-    w0.put(np.zeros(4))
-    with pytest.raises(ShmpipeValueError, match="do not fit"):
-        c.take_ready(0, FAR, Counters(3))
-    assert c.ring.slot_states().count(_ring.READY) == 1
-
-
-def test_subclasses_with_their_own_get_have_no_fast_path():
-    class Other(ShmConsumer):
-        def get(self, pass_no, worker, wseq, wait):  # noqa: ANN001, ANN201
-            return super().get(pass_no, worker, wseq, wait)
-
-    c = Other(ChannelSpec(num_workers=1, capacity=2, slot_size=8192, ordered=False))
-    try:
-        assert not hasattr(c, "take_ready")
-    finally:
-        c.close()
-        c.destroy()
+@pytest.mark.parametrize("name", ["shm", "arrow"])
+def test_the_fast_path_is_offered_where_the_capability_says(name):
+    transport = shmpipe.get_transport(name)()
+    with shmpipe.from_iterators([_Numbers(3)], transport=transport, timeout=30) as pipe:
+        assert [int(b[0]) for b in pipe] == [0, 1, 2]
+        assert (pipe._take_ready is not None) is transport.capabilities.takes_ready
+    if not transport.capabilities.takes_ready:
+        c = transport.open(ChannelSpec(num_workers=1, capacity=2, slot_size=8192, ordered=False))
+        try:
+            with pytest.raises(NotImplementedError, match="takes_ready"):
+                c.take_ready(0, -1, 0, FAR)
+        finally:
+            c.close()
+            c.destroy()
 
 
 def test_the_histogram_buckets_are_log_linear():

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 import shmpipe
-from shmpipe._options import check_options, group_capacity
+from shmpipe._api import check_arguments
+from shmpipe._group import group_capacity
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -280,7 +281,10 @@ def test_a_long_non_ascii_producer_error_reaches_every_rank():
 
 
 def test_error_messages_fit_whatever_their_texts():
-    from shmpipe._group import _MAX_ERROR_BYTES, _encode, _error_from, _error_message
+    from shmpipe._group._wire import MAX_ERROR_BYTES as _MAX_ERROR_BYTES
+    from shmpipe._group._wire import encode as _encode
+    from shmpipe._group._wire import error_from as _error_from
+    from shmpipe._group._wire import error_message as _error_message
 
     huge = "\U0001f600\x00\u2028" * 50_000
     for exc in (
@@ -554,7 +558,7 @@ def _check(**kw: Any) -> Any:
 
     args = dict(transport="shm", capacity=None, ordered=False, start_method=None, timeout=None, slot_size=None, seed=1)
     args.update(kw)
-    return check_options([Counter(1)] * 2, **args)
+    return check_arguments([Counter(1)] * 2, **args)
 
 
 def test_arguments_are_checked_before_anything_starts(monkeypatch):
@@ -574,8 +578,8 @@ def test_arguments_are_checked_before_anything_starts(monkeypatch):
         _check(group="g", rank=0, num_ranks=2, transport="queue")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    options = _check(group="g")
-    assert (options.rank, options.num_ranks) == (1, 3)
+    options, group = _check(group="g")
+    assert (group.rank, group.num_ranks) == (1, 3)
     assert options.capacity >= group_capacity(2, 3, False)
 
 
@@ -637,8 +641,7 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             data = b["data"]
             if adapter == "torch":
                 assert isinstance(data, torch.Tensor)
-                owner = pipe.channel
-                lo, size = owner.memory_ranges()[0]
+                lo, size = pipe.memory_ranges()[0]
                 result["zero_copy"] = lo <= data.data_ptr() < lo + size
                 data = data.numpy()
             elif adapter is None:

@@ -1,7 +1,8 @@
 """Which way the imports go (docs/design.md, "Where things live").
 
 Read from the source, not by importing it: function-level imports count,
-imports only for type checkers (under ``if TYPE_CHECKING:``) do not.
+and so do imports only for type checkers (under ``if TYPE_CHECKING:``): a
+circle closed by a type-only import is still a knot a reader must untie.
 """
 
 import ast
@@ -13,9 +14,34 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "shmpipe"
 
 #: The generic core: it knows the transport contract and nothing below it.
-CORE = ["_pipeline", "_launch", "_worker", "_stats", "_options", "transport", "registry", "_batch"]
+CORE = [
+    "_api",
+    "_stream",
+    "_frameworks",
+    "_pipeline",
+    "_group",
+    "_group._options",
+    "_group._wire",
+    "_group._leader",
+    "_group._rank",
+    "_launch",
+    "_worker",
+    "_stats",
+    "_options",
+    "transport",
+    "registry",
+    "_batch",
+]
 #: The ring engine, and the transports (all of them, the default too).
 ENGINE = {"shmpipe._ring", "shmpipe._codec", "shmpipe._segments"}
+#: What the compiled engine may import of the package: the leaves below
+#: everything. The ring: the errors, the outcomes of a take, the codec it
+#: cimports. The codec: the errors and the batch contract's own leaves
+#: (checking a batch, ArraySpec, walking a tree).
+ENGINE_MAY_IMPORT = {
+    "shmpipe._ring": {"shmpipe.errors", "shmpipe._outcomes", "shmpipe._codec"},
+    "shmpipe._codec": {"shmpipe.errors", "shmpipe._batch", "shmpipe._spec", "shmpipe._tree"},
+}
 
 _CIMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+)?c?import\s+([\w., ]+)", re.M)
 
@@ -47,15 +73,6 @@ def _from_import(base: str, names: list[str], modules: dict[str, Path]) -> set[s
     return subs | ({base} if len(subs) < len(names) else set())
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     text = path.read_text()
     found: set[str] = set()
@@ -67,11 +84,8 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
                 found.update(n.strip().split(" ")[0] for n in names.split(","))
     else:
         tree = ast.parse(text)
-        skip = _type_checking_lines(tree)
         package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
         for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -93,8 +107,31 @@ def test_the_reader_of_imports_sees_what_is_there():
     assert "shmpipe._ring" in graph["shmpipe.transports.shm"]
     assert "shmpipe._codec" in graph["shmpipe._ring"]  # a cimport
     assert "shmpipe._launch" in graph["shmpipe._pipeline"]
-    assert "shmpipe._tf" in graph["shmpipe._pipeline"]  # a function-level import counts
-    assert "shmpipe._torch" in graph["shmpipe._pipeline"]  # ... from to_torch, not from TYPE_CHECKING
+    assert "shmpipe._tf" in graph["shmpipe._frameworks"]  # a function-level import counts
+    assert "shmpipe._torch" in graph["shmpipe._frameworks"]  # ... and one under TYPE_CHECKING too
+    assert "shmpipe._group._leader" in graph["shmpipe._group._rank"]  # inside the group package
+
+
+def test_the_engine_imports_nothing_above_it():
+    graph = _graph()
+    for engine, allowed in ENGINE_MAY_IMPORT.items():
+        above = graph[engine] - allowed
+        assert not above, f"{engine} imports {sorted(above)}"
+    for leaf in ("shmpipe.errors", "shmpipe._outcomes", "shmpipe._tree"):
+        assert graph[leaf] <= {"shmpipe._tree"}, f"{leaf} is no leaf: it imports {sorted(graph[leaf])}"
+
+
+def test_streams_are_made_above_both_shapes():
+    graph = _graph()
+    # The pipeline knows nothing of groups; the API knows both; only the
+    # package's face imports the API.
+    assert not any(m.startswith("shmpipe._group") for m in graph["shmpipe._pipeline"])
+    assert {"shmpipe._pipeline", "shmpipe._group"} <= graph["shmpipe._api"]
+    assert [m for m, deps in graph.items() if "shmpipe._api" in deps] == ["shmpipe"]
+    # The adapters know the base of every stream, never a shape of one.
+    for adapter in ("shmpipe._torch", "shmpipe._tf"):
+        assert "shmpipe._stream" in graph[adapter]
+        assert not graph[adapter] & {"shmpipe._pipeline", "shmpipe._group", "shmpipe._group._rank"}
 
 
 @pytest.mark.parametrize("core", CORE)

@@ -212,10 +212,10 @@ def test_pin_memory_leaves_memory_the_pipeline_does_not_own_alone():
         assert pipe.channel.owns_memory is False
         reg = _Registration.of(pipe)
         assert _Registration.of(pipe) is reg and pipe._close_hooks.count(reg.unregister) == 1
-        with pytest.warns(shmpipe.ShmpipeWarning, match="not the pipeline's own"):
-            reg.register(pipe.channel)
+        with pytest.warns(shmpipe.ShmpipeWarning, match="not the pipeline.s own"):
+            reg.register(pipe)
         assert reg.ranges == []
-        reg.register(pipe.channel)  # tried once: no second warning (pytest errors on one)
+        reg.register(pipe)  # tried once: no second warning (pytest errors on one)
 
 
 def test_pin_memory_without_a_cuda_device_says_it_does_nothing():

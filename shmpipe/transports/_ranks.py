@@ -1,9 +1,9 @@
 """The ring shared by a group of ranks: the shm (and arrow) transport's part
 of ``from_iterators(group=...)`` (capability ``serves_ranks``).
 
-Rank 0's ShmConsumer stays the ring's only consumer. Opened with
-``spec.shared_with_ranks`` its ``get`` returns, instead of a decoded batch,
-a :class:`~shmpipe.transport.SharedBatch`: the payload's root (whose lease
+Rank 0's ShmConsumer stays the ring's only consumer. Its ``take_shared``
+(the SharingConsumerEnd protocol) returns, instead of a decoded batch, a
+:class:`~shmpipe.transport.SharedBatch`: the payload's root (whose lease
 holds the slot, as for any batch) and a record saying where the payload is:
 
 * ``("slot", offset, nbytes)``: in the ring, `offset` bytes from the start
@@ -11,8 +11,8 @@ holds the slot, as for any batch) and a record saying where the payload is:
 * ``("big", nbytes)``: a batch larger than a slot, in sealed memory of its
   own, whose descriptor goes with the record (``SharedBatch.fd``).
 
-The group (shmpipe/_group.py) sends the record to the rank the batch is
-dealt to. That rank maps the ring's memory itself, read-only
+The group (shmpipe/_group) sends the record to the rank the batch is dealt
+to. That rank maps the ring's memory itself, read-only
 (:class:`ShmRankReader`, from ``ShmConsumer.share_with_ranks``), checks the
 record against the geometry it was given once (never against bytes in
 shared memory), and decodes the payload with the transport's own decoder,
@@ -28,62 +28,17 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from shmpipe import _external, _ring, _segments
+from shmpipe import _external, _ring
 from shmpipe.errors import CorruptSegmentError
-from shmpipe.transport import AGAIN, END, FAULT, RankReader, SharedBatch
+from shmpipe.transport import RankReader
 
-if TYPE_CHECKING:
-    from shmpipe.transports.shm import ShmConsumer
-
-__all__ = ["ShmRankReader", "enable_sharing", "share_of"]
+__all__ = ["ShmRankReader"]
 
 _GEOMETRY = ("total", "header", "slot_size", "nslots")
-
-
-def enable_sharing(consumer: ShmConsumer) -> None:
-    """Makes `consumer.get` return SharedBatch objects (for this instance:
-    the class's get, ShmConsumer's or ArrowConsumer's, is left as it is)."""
-    consumer.keeps_external_fds = True
-
-    def get_shared(pass_no: int, worker: int, wseq: int, wait: float) -> Any:
-        root = consumer.reader.take_raw(pass_no, worker, wseq, wait)
-        if root is AGAIN:
-            inbox = consumer.inbox
-            if inbox is not None:
-                inbox.pump()  # see ShmConsumer.get
-            return root
-        if root is END or root is FAULT:
-            return root
-        fd, consumer.last_external_fd = consumer.last_external_fd, None
-        if fd is not None:
-            return SharedBatch(root, ("big", int(root.nbytes)), fd)
-        return SharedBatch(root, ("slot", int(root.ctypes.data) - consumer.segment.address, int(root.nbytes)))
-
-    consumer.get = get_shared  # type: ignore[method-assign]
-
-
-def share_of(consumer: ShmConsumer) -> tuple[dict[str, Any], list[int]]:
-    """The ring's geometry and a new descriptor of its memory, for a rank."""
-    segment = consumer.segment
-    header = consumer.ring.payload_address(0) - segment.address
-    share = {
-        "backing": "posix" if segment.name else "memfd",
-        "total": segment.size,
-        "header": header,
-        "slot_size": consumer.ring.slot_size,
-        "nslots": consumer.ring.nslots,
-    }
-    if segment.name:
-        fd = os.open(os.path.join(_segments.SHM_DIR, segment.name.lstrip("/")), os.O_RDONLY | os.O_CLOEXEC)
-    else:
-        if segment.fd < 0:
-            raise CorruptSegmentError("the ring's memory can no longer be shared (the pipeline is closing)")
-        fd = os.dup(segment.fd)
-    return share, [fd]
 
 
 class _SlotView:

@@ -46,7 +46,7 @@ import numpy as np
 
 from shmpipe import _codec, _external, _ring, _tree
 from shmpipe._spec import new_arrays
-from shmpipe.errors import BatchTooLargeError, CorruptSegmentError
+from shmpipe.errors import CorruptSegmentError
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, require
 from shmpipe.transports.shm import ShmConsumer, ShmProducer, ShmTransport
 
@@ -216,7 +216,10 @@ class ArrowTransport(ShmTransport):
     name = "arrow"
     # The ring's guarantees, except filling slots in place.
     capabilities = dataclasses.replace(
-        ShmTransport.capabilities, in_place_writes=False, serializes="arrow ipc (tensor messages)"
+        ShmTransport.capabilities,
+        in_place_writes=False,
+        serializes="arrow ipc (tensor messages)",
+        takes_ready=False,  # payloads are decoded by Arrow in Python: no compiled one-call take
     )
 
     def _consumer(self, spec: ChannelSpec) -> ShmConsumer:
@@ -236,11 +239,10 @@ class ArrowTransport(ShmTransport):
 class ArrowConsumer(ShmConsumer):
     """The ring's consumer end, decoding Arrow payloads."""
 
-    def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
+    engine_decodes = False
+
+    def _take(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         root = self.reader.take_raw(pass_no, worker, wseq, wait)
-        inbox = self.inbox
-        if root is AGAIN and inbox is not None:
-            inbox.pump()  # see ShmConsumer.get
         if root is AGAIN or root is END or root is FAULT:
             return root
         return decode(root)
@@ -251,20 +253,8 @@ class ArrowProducer(ShmProducer):
     slots, or into memory of their own when larger than a slot."""
 
     def put(self, batch: Any) -> None:
-        plan = _Plan(batch)
-        writer = self.writer
-        if plan.nbytes > writer.ring.slot_size:
-            if self.outbox is None:
-                raise BatchTooLargeError(plan.nbytes, writer.ring.slot_size)
-            self.put_external(plan.nbytes, plan.write)
-            return
-        slot, buf = writer.claim()
-        try:
-            nbytes = plan.write(buf)
-        except BaseException:
-            writer.abandon(slot)
-            raise
-        writer.publish_claimed(slot, nbytes)
+        plan = _Plan(batch)  # refuses a bad batch before a slot is taken
+        self.put_payload(plan.nbytes, plan.write)
 
     def reserve(self, template: Any) -> Any:
         return new_arrays(template)  # Arrow payloads are not filled in place

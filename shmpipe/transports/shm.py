@@ -33,14 +33,19 @@ from shmpipe._process import owner_identity
 from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
 from shmpipe.transport import (
     AGAIN,
+    END,
+    FAULT,
     Capabilities,
     ChannelSpec,
-    ConsumerEnd,
     ProducerControl,
     ProducerEnd,
     RankReader,
+    ServesRanks,
+    SharedBatch,
+    SharingConsumerEnd,
     Transport,
 )
+from shmpipe.transports._ranks import ShmRankReader
 
 __all__ = ["ShmConsumer", "ShmHandle", "ShmProducer", "ShmTransport", "attach_writer"]
 
@@ -127,7 +132,7 @@ def _memory_available() -> tuple[int | None, str]:
     return free, "available memory (MemAvailable)"
 
 
-class ShmTransport(Transport):
+class ShmTransport(Transport, ServesRanks):
     """Batches in a ring of fixed-size slots in shared memory: one copy into
     a slot (none with reserve), read back as views.
 
@@ -148,6 +153,7 @@ class ShmTransport(Transport):
         cancels_passes=True,
         checks_batches=True,  # the codec's plan refuses a bad batch before a slot is taken
         serves_ranks=True,
+        takes_ready=True,  # the compiled reader takes, decodes and times a ready batch in one call
     )
 
     def __init__(self, *, backing: str = "memfd") -> None:
@@ -191,8 +197,6 @@ class ShmTransport(Transport):
         return _codec.encoded_size(batch)
 
     def rank_reader(self, share: dict[str, Any], fds: list[int]) -> RankReader:
-        from shmpipe.transports._ranks import ShmRankReader
-
         return ShmRankReader(share, fds, self._decode_payload, backing=self.backing)
 
     @staticmethod
@@ -273,6 +277,34 @@ class ShmProducer(ProducerEnd):
         if self.outbox is not None:
             self.outbox.close()
 
+    # -- payloads of other encodings --------------------------------------------
+
+    def put_payload(self, nbytes: int, write: Callable[[np.ndarray], int]) -> None:
+        """Publishes a payload of `nbytes` that `write(buffer)` writes
+        (returning the bytes it used): in a slot where it fits, else in
+        memory of its own (where the pipeline allows it). For transports
+        with their own encoding (arrow); shm's own batches are encoded by
+        the compiled writer."""
+        if nbytes > self.writer.ring.slot_size:
+            if self.outbox is None:
+                raise BatchTooLargeError(nbytes, self.writer.ring.slot_size)
+            self.put_external(nbytes, write)
+        else:
+            self._publish(write)
+
+    def _publish(self, write: Callable[[np.ndarray], int], claimed: tuple[int, np.ndarray] | None = None) -> None:
+        """Claims a slot (or takes `claimed`), fills it with `write(slot's
+        buffer)` (the bytes used) and publishes it; the slot goes back to
+        the ring if anything fails before."""
+        writer = self.writer
+        slot, buf = claimed if claimed is not None else writer.claim()
+        try:
+            size = write(buf)
+        except BaseException:
+            writer.abandon(slot)
+            raise
+        writer.publish_claimed(slot, size)
+
     # -- batches larger than a slot (see _external.py) -------------------------
 
     def put_external(
@@ -282,9 +314,10 @@ class ShmProducer(ProducerEnd):
         memory of its own, announced by a record in a slot (`claimed`, or
         one claimed now: the ring's capacity bounds these batches too)."""
         assert self.outbox is not None
+        outbox = self.outbox
         writer = self.writer
-        slot, record = claimed if claimed is not None else writer.claim()
-        try:
+
+        def write_record(record: np.ndarray) -> int:
             fd, mm = _external.new_external(nbytes)
             try:
                 view = np.frombuffer(mm, np.uint8)
@@ -294,14 +327,12 @@ class ShmProducer(ProducerEnd):
                     del view
                 mm.close()  # no writable mapping is left: the memory can be sealed against writes
                 _external.seal(fd, writes=True)
-                self.outbox.send(fd, writer.pass_no, writer.worker, writer.wseq)
+                outbox.send(fd, writer.pass_no, writer.worker, writer.wseq)
             finally:
                 os.close(fd)
-            size = _external.write_record(record, writer.pass_no, writer.worker, writer.wseq, nbytes)
-        except BaseException:
-            writer.abandon(slot)
-            raise
-        writer.publish_claimed(slot, size)
+            return _external.write_record(record, writer.pass_no, writer.worker, writer.wseq, nbytes)
+
+        self._publish(write_record, claimed)
 
     def _reserve_external(self, template: Any) -> Any:
         nbytes = _codec.template_size(template)
@@ -385,10 +416,18 @@ def outbox_of(handle: ShmHandle) -> _external.Outbox | None:
     return _external.Outbox(socket.socket(fileno=handle.outbox.take()))
 
 
-class ShmConsumer(ConsumerEnd):
-    """The consumer's side: creates the segment and reads batches from it."""
+class ShmConsumer(SharingConsumerEnd):
+    """The consumer's side of a ring: creates the memory and takes batches
+    from it. The template of every ring transport's consumer: taking a
+    slot, keeping the inbox of big batches moving while it waits, passing
+    sentinels on, and handing undecoded batches to a group are here; a
+    transport with its own payload encoding (arrow) overrides ``_take``."""
 
     owns_memory = True  # the segment is this pipeline's alone
+    #: Whether the compiled reader decodes this consumer's payloads (shm's
+    #: own encoding): then it is the fast path too. A subclass with another
+    #: encoding says False (and its transport has no takes_ready).
+    engine_decodes = True
 
     def __init__(self, spec: ChannelSpec, *, backing: str = "memfd") -> None:
         if spec.slot_size is None:
@@ -427,34 +466,39 @@ class ShmConsumer(ConsumerEnd):
         )
         self.reader = _ring.RingReader(self.ring)
         self.reader.on_external = self._external
-        # The pipeline's fast path (Pipeline's _PassIterator.__next__): a
-        # READY batch taken, decoded and counted in one compiled call. Only
-        # where get() is this class's, which decodes as take_ready does (a
-        # subclass with its own encoding, like arrow, goes through get()),
-        # and not for a group's ring, whose get() hands out undecoded
-        # batches for the ranks (enable_sharing, below).
-        if type(self).get is ShmConsumer.get and not spec.shared_with_ranks:
-            self.take_ready = self.reader.take_ready
+        if self.engine_decodes:
+            # The fast path (capability takes_ready), bound to the compiled
+            # reader itself: a method of this class in between would cost a
+            # Python call per batch.
+            self.take_ready = self.reader.take_ready  # type: ignore[method-assign]
         self.slot_size = slot_size
         self.capacity = spec.capacity
-        # A group's ring (transports/_ranks.py): get() hands out undecoded
-        # batches, and a big batch's descriptor is kept for its rank.
-        self.keeps_external_fds = False
-        self.last_external_fd: int | None = None
-        if spec.shared_with_ranks:
-            from shmpipe.transports._ranks import enable_sharing
-
-            enable_sharing(self)
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
-        batch = self.reader.take(pass_no, worker, wseq, wait)
-        inbox = self.inbox  # (destroy() may drop it from another thread)
-        if batch is AGAIN and inbox is not None:
-            # Waiting (for one worker, in ordered mode) while others may fill
-            # the outbox: take their descriptors off it so no producer blocks
-            # sending one while it holds the slot waited for.
-            inbox.pump()
+        batch = self._take(pass_no, worker, wseq, wait)
+        if batch is AGAIN:
+            self._pump()
         return batch
+
+    def _take(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
+        """The next batch, decoded, or a sentinel. The hook of a transport
+        with another payload encoding: shm's compiled reader decodes."""
+        return self.reader.take(pass_no, worker, wseq, wait)
+
+    def take_ready(self, pass_no: int, worker: int, wseq: int, due_ns: int) -> tuple[Any, int, int, int] | None:
+        # Where engine_decodes, replaced in __init__ by the reader's own
+        # (the same signature); otherwise there is no fast path.
+        if not self.engine_decodes:
+            return super().take_ready(pass_no, worker, wseq, due_ns)
+        return self.reader.take_ready(pass_no, worker, wseq, due_ns)
+
+    def _pump(self) -> None:
+        """Waiting (for one worker, in ordered mode) while others may fill
+        the outbox: take their descriptors off it so no producer blocks
+        sending one while it holds the slot waited for."""
+        inbox = self.inbox  # (destroy() may drop it from another thread)
+        if inbox is not None:
+            inbox.pump()
 
     # Properties where the contract has plain attributes: read from the
     # reader only when asked, so get() copies nothing.
@@ -470,23 +514,61 @@ class ShmConsumer(ConsumerEnd):
         """The batch (or with `decode` False its root) whose record `record`
         is (the reader calls this for a slot that holds a record), and its
         payload's size."""
+        root, nbytes, fd = self._map_external(record)
+        os.close(fd)
+        return (_codec.decode(root) if decode else root), nbytes
+
+    def _map_external(self, record: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """The root of the batch larger than a slot that `record` announces
+        (mapped read-only; it holds the record's slot too), its payload's
+        size, and its descriptor, which the caller now owns."""
         pass_no, worker, wseq, nbytes = _external.read_record(record)
         if self.inbox is None:
             raise CorruptSegmentError("a slot announces a batch larger than a slot, which this pipeline forbids")
         if worker != self.reader.last_worker:
             raise CorruptSegmentError(f"a slot of worker {self.reader.last_worker} holds a record of worker {worker}")
-        # From take (the descriptor is ours) into the try that closes it, a
-        # Ctrl-C would leak it: held back to the end of the span.
+        # From take (the descriptor is ours) to the return that hands it
+        # over, a Ctrl-C would leak it: held back to the end of the span.
         with ctrl_c_held_back():
             fd = self.inbox.take(pass_no, worker, wseq)
             try:
                 root = _external.map_external(fd, nbytes, record)
-                if self.keeps_external_fds:  # the group sends it to the batch's rank
-                    self.last_external_fd, fd = fd, -1
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        return (_codec.decode(root) if decode else root), nbytes
+            except BaseException:
+                os.close(fd)
+                raise
+        return root, nbytes, fd
+
+    # -- several ranks (SharingConsumerEnd; transports/_ranks.py) ---------------
+
+    def take_shared(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
+        root = self.reader.take_slot(pass_no, worker, wseq, wait)
+        if root is AGAIN:
+            self._pump()
+            return root
+        if root is END or root is FAULT:
+            return root
+        if _ring.is_external_record(root):
+            mapped, nbytes, fd = self._map_external(root)
+            return SharedBatch(mapped, ("big", nbytes), fd)
+        return SharedBatch(root, ("slot", int(root.ctypes.data) - self.segment.address, int(root.nbytes)))
+
+    def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
+        """The ring's geometry and a new descriptor of its memory, for a rank."""
+        segment = self.segment
+        share = {
+            "backing": "posix" if segment.name else "memfd",
+            "total": segment.size,
+            "header": self.ring.payload_address(0) - segment.address,
+            "slot_size": self.ring.slot_size,
+            "nslots": self.ring.nslots,
+        }
+        if segment.name:
+            fd = os.open(os.path.join(_segments.SHM_DIR, segment.name.lstrip("/")), os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            if segment.fd < 0:
+                raise CorruptSegmentError("the ring's memory can no longer be shared (the pipeline is closing)")
+            fd = os.dup(segment.fd)
+        return share, [fd]
 
     def begin_pass(self, pass_no: int) -> None:
         if self.inbox is not None:
@@ -526,11 +608,6 @@ class ShmConsumer(ConsumerEnd):
 
     def held(self) -> int:
         return self.ring.held_count()
-
-    def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
-        from shmpipe.transports._ranks import share_of
-
-        return share_of(self)
 
     def producer_blocked_s(self, worker: int) -> float:
         return self.ring.worker_blocked_ns(worker) / 1e9

@@ -1,0 +1,67 @@
+"""The framework adapters as methods of a stream: ``to_torch`` and
+``to_tf_dataset``.
+
+A mixin above BatchStream, so that the adapters (shmpipe/_torch.py,
+shmpipe/_tf.py) can be typed against BatchStream while the stream's own
+methods import them: the imports go one way (this module -> adapters ->
+_stream), and TensorFlow and torch load only when a method is called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shmpipe._stream import BatchStream
+
+if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time here
+    import tensorflow as tf
+
+    from shmpipe._torch import TorchBatches
+
+__all__ = ["FrameworkStream"]
+
+
+class FrameworkStream(BatchStream):
+    """A BatchStream that hands its batches to TensorFlow and PyTorch."""
+
+    def to_tf_dataset(
+        self, output_signature: Any = None, *, device: str | None = None, batches_per_pass: int | None = None
+    ) -> tf.data.Dataset:
+        """A ``tf.data.Dataset`` of this pipeline's batches, without a copy.
+
+        Each iteration of the dataset (each epoch of ``model.fit``) is a new
+        pass of the sources. Elements keep the batches' nesting (lists become
+        tuples: tf.data has none). ``element_spec`` comes from
+        ``output_signature`` or from the first batches of a pass (one per
+        worker, up to four), with None for dimensions that differ between
+        them; those batches are the dataset's first elements. Tensors alias
+        the shared memory where the transport's arrays are 64-byte aligned;
+        a slot goes back when TensorFlow drops the tensor. With ``device``
+        ("/gpu:0"), the last step copies elements to that device in the
+        background (``tf.data.experimental.prefetch_to_device``). If you
+        know how many batches a pass has, say so with ``batches_per_pass``:
+        the dataset then has a known length (Keras 3 warns at the end of
+        every epoch of a dataset of unknown length). See docs/tensorflow.md.
+        """
+        from shmpipe._tf import to_tf_dataset
+
+        return to_tf_dataset(self, output_signature, device=device, batches_per_pass=batches_per_pass)
+
+    def to_torch(self, device: Any = None, pin_memory: bool = False, non_blocking: bool = True) -> TorchBatches:
+        """This pipeline's batches with torch tensors at the array leaves.
+
+        On the host (``device=None`` or "cpu") the tensors are
+        ``torch.from_numpy`` views of the shared memory: no copy, read-only
+        by contract (do not write into them). With a CUDA ``device`` each
+        array is copied once, and with ``non_blocking`` a batch's slot is
+        kept until the CUDA event recorded after its copy has completed.
+        ``pin_memory=True`` registers the ring with ``cudaHostRegister`` once
+        so that copy is a direct DMA, and unregisters it when the pipeline
+        closes (where there is no CUDA, or no CUDA ``device``, it does
+        nothing and warns once). Returns an iterable; each iteration is a
+        new pass. In a rank of a group, ``device=f"cuda:{rank}"``,
+        typically. See docs/gpu.md.
+        """
+        from shmpipe._torch import TorchBatches
+
+        return TorchBatches(self, device=device, pin_memory=pin_memory, non_blocking=non_blocking)

@@ -1,0 +1,65 @@
+"""Several ranks of one node fed by one pipeline: ``from_iterators(group=...)``.
+
+The package, by job: _options.py (the group's arguments), _wire.py (the
+messages and how they travel), _leader.py (rank 0's leader and the
+pipeline it deals from), _rank.py (every rank's client: RankPipeline).
+
+One process per GPU (``torchrun``) calls the same line; rank 0 runs the
+pipeline (its producers, one per source, and the channel's only consumer)
+and a *leader*: a Unix socket in the abstract namespace named from the uid
+and the group, a service thread and a dispatch thread. Every rank, rank 0
+included, is a *client* of the leader over that socket. docs/several-ranks.md
+is the user's guide; docs/design.md ("Several ranks") the reasons.
+
+Dealing. The dispatch thread takes batches from the pipeline in its usual
+order (ordered=True: the deterministic one) as undecoded SharedBatch objects
+(``SharingConsumerEnd.take_shared``) and deals them in *rounds* of
+``num_ranks``: batch k of a pass goes to rank ``k % num_ranks``, and a round
+is sent only once complete. At the end of a pass the incomplete last round
+(fewer than num_ranks batches) is released unused and counted as dropped, so
+every rank gets the same number of batches in every pass (what DDP needs: a
+rank whose epoch ends early leaves the others waiting in an all-reduce).
+
+Zero copy. A batch dealt to a rank travels as a small record (where its
+payload is in the ring) plus, for a batch larger than a slot, the descriptor
+of its memory; the ring's own descriptor went to each rank once. The rank
+maps the ring read-only and decodes the payload there with the transport's
+decoder (``Transport.rank_reader``), so its arrays are views of the pages
+the producer wrote. Rank 0 keeps the batch's root (which holds the slot)
+until the rank says "release" (when the last array of the batch is gone in
+that rank), or until the rank's connection ends.
+
+Passes. A client's ``iter()`` says "begin p"; the dispatcher starts pass p
+only when every rank has begun it (a barrier), and ends it with "end p" to
+every rank.
+
+Faults. A rank's connection ending without "bye" (or its process ending,
+seen by a pidfd: a child it forked keeps the socket open), or "bye" in the
+middle of a pass, fails the group: rank 0 stops the pipeline, then releases
+what that rank held, and sends every other rank a RankDiedError. Rank 0 dying
+ends every connection: the others raise RankDiedError, and the producers
+exit by their own watchdog (their consumer died). A producer's failure
+reaches the dispatcher as the pipeline's error and every rank as the same
+error.
+
+Wire: JSON arrays in SOCK_SEQPACKET datagrams, never pickle (_wire.py).
+
+The group sits above the pipeline: it knows the Pipeline, the transport
+contract (its optional protocol for several ranks) and nothing below it.
+"""
+
+from __future__ import annotations
+
+from shmpipe._group._options import GroupOptions, check_capacity, check_group, default_capacity, group_capacity
+from shmpipe._group._rank import RankPipeline
+from shmpipe._group._wire import socket_address
+
+__all__ = [
+    "GroupOptions",
+    "RankPipeline",
+    "check_capacity",
+    "check_group",
+    "default_capacity",
+    "group_capacity",
+    "socket_address",
+]

@@ -1,0 +1,530 @@
+"""Rank 0's side of a group: the leader.
+
+It runs the group's pipeline (a DealingPipeline: its batches come
+undecoded), listens for the ranks, and has two threads: the service thread
+(joins, releases, barriers, deaths: it alone reads sockets) and the
+dispatch thread (dealing rounds of batches). See the package doc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import errno
+import itertools
+import os
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+from shmpipe._group import _wire
+from shmpipe._group._options import GroupOptions
+from shmpipe._options import PipelineOptions
+from shmpipe._pipeline import Pipeline
+from shmpipe._stats import GroupStats
+from shmpipe._stream import POLL_S
+from shmpipe.errors import GroupError, GroupStartError, RankDiedError
+from shmpipe.transport import ConsumerEnd, SharedBatch, SharingConsumerEnd
+
+__all__ = ["DealingPipeline", "Leader"]
+
+
+class DealingPipeline(Pipeline):
+    """Rank 0's pipeline of a group: the channel's batches come undecoded
+    (SharedBatch objects: each rank decodes its own in its own mapping), so
+    it takes them with ``take_shared`` and never by the fast path."""
+
+    _offers_fast_path = False
+
+    def _take_from(self, channel: ConsumerEnd, pass_no: int, worker: int, wseq: int) -> Any:
+        if not isinstance(channel, SharingConsumerEnd):
+            raise GroupError(
+                f"the {self.transport.name!r} transport claims serves_ranks, but its consumer end "
+                f"{type(channel).__name__} is not a SharingConsumerEnd"
+            )
+        return channel.take_shared(pass_no, worker, wseq, POLL_S)
+
+
+class LinkState(enum.Enum):
+    #: In the group.
+    LIVE = "live"
+    #: Said bye: its connection stays open until the batches it still holds
+    #: are gone, so their slots stay pinned; only its releases count.
+    LEFT = "left"
+    #: The connection ended: nothing is pinned any more.
+    CLOSED = "closed"
+
+
+class _Watched(enum.Enum):
+    """What a descriptor the service thread polls is."""
+
+    LISTENER = "listener"
+    HELLO = "hello"  # a connection whose hello has not been read
+    RANK = "rank"  # a rank's connection
+    EXIT = "exit"  # a rank's pidfd
+
+
+class _Link:
+    """The leader's end of one rank's connection."""
+
+    __slots__ = ("dealt", "held", "pid", "pidfd", "rank", "sock", "state")
+
+    def __init__(self, sock: socket.socket, rank: int, pid: int, pidfd: int | None) -> None:
+        self.sock = sock
+        self.rank = rank
+        self.pid = pid  # from SO_PEERCRED (the kernel's word, not the rank's)
+        self.pidfd = pidfd
+        self.state = LinkState.LIVE
+        #: token -> the batch dealt to this rank and not yet released: its
+        #: root holds the slot, so dropping it frees the slot.
+        self.held: dict[int, SharedBatch] = {}
+        self.dealt = 0
+
+
+class Leader:
+    """Rank 0's side of a group: the listening socket, the pipeline, the
+    service thread and the dispatch thread. See the package doc.
+
+    Threads. The service thread alone reads sockets, and alone registers,
+    unregisters and closes what it polls (a descriptor closed while another
+    thread polls it could be reused under it). The dispatch thread and
+    fail() only send, and shut a link's sending side down."""
+
+    def __init__(self, options: PipelineOptions, group: GroupOptions) -> None:
+        self.options = options
+        self.group_options = group
+        self.n = group.num_ranks
+        self.group = group.name
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(_wire.socket_address(group.name))
+        except OSError as exc:
+            listener.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise GroupStartError(
+                    f"group {self.group!r} already has a rank 0 on this node (another run with the "
+                    "same group name, or two processes given rank 0)"
+                ) from None
+            raise
+        listener.listen(self.n + 8)
+        self.listener = listener
+        self.lock = threading.Condition()
+        self.links: dict[int, _Link] = {}
+        #: Connected, hello not yet read: socket -> (pid, pidfd) from SO_PEERCRED.
+        self.pending: dict[socket.socket, tuple[int, int | None]] = {}
+        # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE),
+        # which a trainer with many open files easily has.
+        self.poller = select.poll()
+        self.watched: dict[int, tuple[_Watched | None, Any]] = {}  # fd -> (what, its object)
+        self._watch(listener.fileno(), _Watched.LISTENER, listener)
+        self.begun = [-1] * self.n  # the last pass each rank began
+        self.ready = False
+        self.failure: list[Any] | None = None  # the "error" message sent to every rank
+        self.stopping = threading.Event()
+        self.in_pass: int | None = None  # the pass being dealt
+        self.dropped_per_pass: list[int] = []
+        self.tokens = itertools.count()
+        self.deadline = time.monotonic() + group.timeout
+        self.next_alive_check = 0.0
+        self.ring_shared = False  # the ring's memory went to the ranks (with the first batch)
+        try:
+            # The pipeline waits without a deadline: a rank that trains
+            # slowly holds slots, which is backpressure, not a stuck
+            # producer. Each rank applies `timeout` to its own waits.
+            self.pipe = DealingPipeline(dataclasses.replace(options, timeout=None))  # starts the producers
+        except BaseException:
+            listener.close()
+            raise
+        self.service = threading.Thread(target=self._serve, name=f"shmpipe-group-{self.group}-service", daemon=True)
+        self.dispatch = threading.Thread(
+            target=self._dispatch, name=f"shmpipe-group-{self.group}-dispatch", daemon=True
+        )
+        self.service.start()
+
+    # -- the service thread ------------------------------------------------------
+
+    def _watch(self, fd: int, what: _Watched, obj: Any) -> None:
+        self.poller.register(fd, select.POLLIN)
+        self.watched[fd] = (what, obj)
+
+    def _unwatch(self, fd: int | None) -> None:
+        if fd is not None and self.watched.pop(fd, None) is not None:
+            self.poller.unregister(fd)
+
+    def _serve(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._serve_once()
+        except BaseException as exc:  # a bug here must not leave the ranks waiting
+            if not self.stopping.is_set():
+                self.fail(exc)
+
+    def _serve_once(self) -> None:
+        """One poll: what arrived, the ranks that ended, the start deadline."""
+        ended: list[_Link] = []
+        for fd, _ in self.poller.poll(int(POLL_S * 1000)):
+            if self.stopping.is_set():
+                return
+            what, obj = self.watched.get(fd, (None, None))  # obj: what `what` says it is
+            if what is _Watched.LISTENER:
+                self._accept()
+            elif what is _Watched.HELLO:
+                self._hello(obj)
+            elif what is _Watched.RANK:
+                self._from_rank(obj)
+            elif what is _Watched.EXIT:
+                ended.append(obj)
+        for link in ended + self._ended_without_pidfd():
+            if link.state is not LinkState.CLOSED:
+                self._from_rank(link)  # its last words (releases, bye) first
+            if link.state is not LinkState.CLOSED:  # a child it forked holds its socket open
+                self._connection_ended(link)
+        if not self.ready and time.monotonic() > self.deadline and self.failure is None:
+            with self.lock:
+                missing = [r for r in range(self.n) if r not in self.links]
+            self.fail(
+                GroupStartError(
+                    f"group {self.group!r}: rank(s) {', '.join(map(str, missing))} of {self.n} did "
+                    f"not join within {self.group_options.timeout:g} s (group_timeout)"
+                )
+            )
+
+    def _ended_without_pidfd(self) -> list[_Link]:
+        """Ranks without a pidfd whose process is gone (looked at every POLL_S)."""
+        now = time.monotonic()
+        if now < self.next_alive_check:
+            return []
+        self.next_alive_check = now + POLL_S
+        with self.lock:
+            links = [link for link in self.links.values() if link.pidfd is None and link.state is not LinkState.CLOSED]
+        return [link for link in links if not _wire.process_alive(link.pid)]
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            pid, uid = _wire.peer(sock)
+        except OSError:
+            pid, uid = 0, -1
+        if uid != os.getuid():
+            sock.close()  # only this user's processes may join (the name is no protection)
+            return
+        self.pending[sock] = (pid, _wire.watch_process(pid))
+        self._watch(sock.fileno(), _Watched.HELLO, sock)
+
+    def _reject(self, sock: socket.socket, pidfd: int | None, message: list[Any] | None) -> None:
+        if message is not None:
+            _wire.send_quietly(sock, message)
+        sock.close()
+        if pidfd is not None:
+            os.close(pidfd)
+
+    def _hello(self, sock: socket.socket) -> None:
+        self._unwatch(sock.fileno())
+        pid, pidfd = self.pending.pop(sock)
+        try:
+            message, fds = _wire.recv(sock)
+        except (GroupError, OSError):
+            self._reject(sock, pidfd, None)
+            return
+        for fd in fds:
+            os.close(fd)
+        if message is None or len(message) != 4 or message[0] != "hello":
+            self._reject(sock, pidfd, None)  # not one of ours
+            return
+        if self.failure is not None:  # tell it why the group failed, as the others heard
+            self._reject(sock, pidfd, self.failure)
+            return
+        _, rank, fingerprint, _ = message
+        problem = self._problem_with(rank, fingerprint, pid)
+        if self.ready:
+            # The group runs, in step: a latecomer (a stray process, a rank
+            # started twice) is turned away, the group goes on.
+            problem = problem or f"rank {rank} (pid {pid}) joined a group that already started"
+            self._reject(sock, pidfd, _wire.error_message(GroupStartError(f"group {self.group!r}: {problem}")))
+            return
+        if problem is not None:
+            # Before the start, the group itself is misconfigured (ranks
+            # disagree): every rank hears it now rather than at the timeout.
+            exc = GroupStartError(f"group {self.group!r}: {problem}")
+            self._reject(sock, pidfd, _wire.error_message(exc))
+            self.fail(exc)
+            return
+        self._join(_Link(sock, rank, pid, pidfd))
+
+    def _problem_with(self, rank: Any, fingerprint: Any, pid: int) -> str | None:
+        """What is wrong with a hello from `pid` (None: nothing)."""
+        ours = _wire.fingerprint(self.options, self.group_options)
+        if type(rank) is not int or not 0 <= rank < self.n:
+            return f"a process (pid {pid}) asked to join as rank {rank!r:.20}; the group has ranks 0 to {self.n - 1}"
+        if rank in self.links:
+            return f"two processes (pids {self.links[rank].pid} and {pid}) joined as rank {rank}"
+        if fingerprint != ours:
+            return (
+                f"rank {rank} (pid {pid}) calls from_iterators with other arguments than rank 0: "
+                f"{fingerprint!r:.300} vs {ours}"
+            )
+        return None
+
+    def _join(self, link: _Link) -> None:
+        """`link`'s rank joined; the last one to join starts the group."""
+        self._watch(link.sock.fileno(), _Watched.RANK, link)
+        if link.pidfd is not None:
+            self._watch(link.pidfd, _Watched.EXIT, link)
+        with self.lock:
+            self.links[link.rank] = link
+            if len(self.links) == self.n:
+                self.ready = True
+        if self.ready:
+            for joined in self.links.values():
+                _wire.send_quietly(joined.sock, ["ready"])
+            self.dispatch.start()
+
+    def _from_rank(self, link: _Link) -> None:
+        """Every message `link`'s rank has sent (releases come in bursts:
+        one wake-up of this thread serves them all)."""
+        while link.state is not LinkState.CLOSED:
+            try:
+                message, fds = _wire.recv(link.sock)
+            except BlockingIOError:
+                return
+            except (GroupError, OSError):
+                message, fds = None, []
+            for fd in fds:
+                os.close(fd)  # ranks send no descriptors
+            if message is None:
+                self._connection_ended(link)
+            else:
+                self._handle_from_rank(link, message)
+
+    def _handle_from_rank(self, link: _Link, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == "release" and len(message) == 2 and type(message[1]) is int:
+            with self.lock:
+                batch = link.held.pop(message[1], None)
+            del batch  # its root held the slot: the slot is free now
+        elif link.state is not LinkState.LIVE:
+            return  # it said bye: only its releases count now
+        elif kind == "begin" and len(message) == 2 and type(message[1]) is int:
+            with self.lock:
+                self.begun[link.rank] = message[1]
+                self.lock.notify_all()
+        elif kind == "bye":
+            self._said_bye(link)
+        else:
+            self.fail(
+                RankDiedError(
+                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} sent a malformed message "
+                    f"{message!r:.80}",
+                    link.rank,
+                )
+            )
+            self._connection_ended(link)
+
+    def _said_bye(self, link: _Link) -> None:
+        with self.lock:
+            link.state = LinkState.LEFT
+            mid_pass = self.in_pass
+            self.lock.notify_all()
+        if mid_pass is not None:
+            self.fail(
+                RankDiedError(
+                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} closed its pipeline in the "
+                    f"middle of pass {mid_pass}; the other ranks cannot stay in step",
+                    link.rank,
+                )
+            )
+
+    def _connection_ended(self, link: _Link) -> None:
+        """`link`'s connection ended, or its process did: what the rank held
+        is released (its slots go back to the producers). Without "bye"
+        first, the rank died: the group fails, and fail() stops the
+        producers *before* the slots are freed."""
+        if link.state is LinkState.LIVE:
+            self.fail(
+                RankDiedError(
+                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} died; the other ranks cannot "
+                    "stay in step",
+                    link.rank,
+                )
+            )
+        self._unwatch(link.sock.fileno())
+        self._unwatch(link.pidfd)
+        with self.lock:
+            held, link.held = link.held, {}
+            link.state = LinkState.CLOSED
+            self.lock.notify_all()
+        link.sock.close()
+        if link.pidfd is not None:
+            os.close(link.pidfd)
+            link.pidfd = None
+        held.clear()
+
+    def fail(self, exc: BaseException) -> None:
+        """The group cannot go on: every rank hears why (once), its
+        connection's sending side is shut (so a rank whose message was lost
+        still sees the group end, never waits for ever), and the pipeline
+        stops (producers end, slots free as batches go). Any thread."""
+        with self.lock:
+            if self.failure is not None:
+                return
+            self.failure = _wire.error_message(exc)
+            links = [link for link in self.links.values() if link.state is not LinkState.CLOSED]
+            self.lock.notify_all()
+        for link in links:
+            if link.state is LinkState.LIVE and not _wire.send_quietly(link.sock, self.failure):
+                # Too large for this socket's buffer (net.core.wmem_default
+                # set low), or the rank is going: a short one, then.
+                short = ["error", "group", [f"group {self.group!r} failed: {type(exc).__name__}"]]
+                _wire.send_quietly(link.sock, short)
+            try:
+                link.sock.shutdown(socket.SHUT_WR)  # releases still come in
+            except OSError:
+                pass
+        self.pipe.close()  # wakes the dispatcher if it waits in the pipeline
+
+    # -- the dispatch thread -------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        # Batches taken and not yet dealt: each may own a descriptor (a batch
+        # larger than a slot), closed here whatever ends the dispatch.
+        current: list[tuple[SharedBatch, int, int]] = []
+        try:
+            for pass_no in itertools.count():
+                if not self._wait_until_all_began(pass_no):
+                    return
+                self._deal_pass(pass_no, current)
+        except BaseException as exc:
+            if not self.stopping.is_set():
+                self.fail(exc)
+        finally:
+            for batch, _, _ in current:
+                batch.close_fd()
+            current.clear()
+
+    def _wait_until_all_began(self, pass_no: int) -> bool:
+        """Waits until every rank began `pass_no` (then it is being dealt);
+        False if the group failed or stops meanwhile."""
+        with self.lock:
+            while not self._all_began(pass_no):
+                if self.failure is not None or self.stopping.is_set():
+                    return False
+                self.lock.wait(POLL_S)
+            self.in_pass = pass_no
+        return True
+
+    def _deal_pass(self, pass_no: int, current: list[tuple[SharedBatch, int, int]]) -> None:
+        """Deals pass `pass_no` in complete rounds; the incomplete last
+        round is dropped (its slots go back) and counted."""
+        for batch in self.pipe:  # the first iteration starts pass 0, the pipeline's first
+            channel = self.pipe.channel
+            assert channel is not None
+            current.append((batch, channel.last_worker, channel.last_nbytes))
+            del batch
+            if not self.ring_shared:
+                self._share_ring()
+            if len(current) == self.n:
+                self._deal(pass_no, current)
+        dropped = len(current)
+        for batch, _, _ in current:
+            batch.close_fd()
+        current.clear()
+        with self.lock:
+            self.dropped_per_pass.append(dropped)
+            self.in_pass = None
+            links = [link for link in self.links.values() if link.state is LinkState.LIVE]
+        for link in links:
+            _wire.send_quietly(link.sock, ["end", pass_no, dropped])
+
+    def _all_began(self, pass_no: int) -> bool:
+        """Every rank began `pass_no` (a rank that left between passes makes
+        the next one impossible: that is a failure, not a wait)."""
+        for rank, link in self.links.items():
+            if link.state is not LinkState.LIVE:
+                raise RankDiedError(
+                    f"rank {rank} (pid {link.pid}) of group {self.group!r} closed its pipeline, so pass "
+                    f"{pass_no} cannot start in step",
+                    rank,
+                )
+        return all(b >= pass_no for b in self.begun)
+
+    def _share_ring(self) -> None:
+        """Sends every rank the ring's geometry and a descriptor of its
+        memory (once, after the first batch is recorded: the ring of a
+        transport sized by its first batch exists only then)."""
+        self.ring_shared = True
+        channel = self.pipe.channel
+        assert isinstance(channel, SharingConsumerEnd)
+        share, fds = channel.share_with_ranks()
+        try:
+            with self.lock:
+                links = [link for link in self.links.values() if link.state is LinkState.LIVE]
+            for link in links:
+                _wire.send_quietly(link.sock, ["ring", share], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _deal(self, pass_no: int, batches: list[tuple[SharedBatch, int, int]]) -> None:
+        """One complete round: batch i to rank i. Each batch's descriptor is
+        closed once sent (the rank has its own now); on an error the caller
+        closes those of the batches not reached."""
+        for rank, (batch, worker, nbytes) in enumerate(batches):
+            try:
+                self._deal_one(self.links[rank], pass_no, batch, worker, nbytes)
+            finally:
+                batch.close_fd()
+        batches.clear()
+
+    def _deal_one(self, link: _Link, pass_no: int, batch: SharedBatch, worker: int, nbytes: int) -> None:
+        token = next(self.tokens)
+        with self.lock:
+            if link.state is not LinkState.LIVE:
+                return
+            link.held[token] = batch  # before the send: a release may come at once
+            link.dealt += 1
+        # A failed send means the rank is gone: its end is read by the
+        # service thread, which releases what it held.
+        message = ["batch", pass_no, token, list(batch.record), worker, nbytes]
+        _wire.send_quietly(link.sock, message, [batch.fd] if batch.fd is not None else None)
+
+    # -- the end --------------------------------------------------------------
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.pipe.close()  # the producers stop before any slot is freed below
+        for thread in (self.service, self.dispatch):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(5.0)
+        with self.lock:
+            links = list(self.links.values())
+            for link in links:
+                link.held.clear()
+                link.state = LinkState.CLOSED
+        for link in links:
+            link.sock.close()
+            if link.pidfd is not None:
+                os.close(link.pidfd)
+                link.pidfd = None
+        for sock, (_, pidfd) in list(self.pending.items()):
+            self._reject(sock, pidfd, None)
+        self.pending.clear()
+        self.listener.close()
+
+    def stats(self) -> GroupStats:
+        with self.lock:
+            dealt = tuple(self.links[r].dealt if r in self.links else 0 for r in range(self.n))
+            dropped = tuple(self.dropped_per_pass)
+        return GroupStats(
+            group=self.group,
+            num_ranks=self.n,
+            batches_per_rank=dealt,
+            dropped_per_pass=dropped,
+            dropped_remainder=sum(dropped),
+            passes=len(dropped),
+            pipeline=self.pipe.stats(),
+        )

@@ -1,0 +1,413 @@
+"""Every rank's side of a group: RankPipeline, a client of rank 0's leader.
+
+A rank connects to the leader (rank 0's, or its own in rank 0), says hello,
+waits for the group to be ready, and then in each pass says "begin" and
+reads what rank 0 deals it: the ring's memory once, then records of batches
+it decodes without a copy (``Transport.rank_reader``). See the package doc.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import select
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from shmpipe._frameworks import FrameworkStream
+from shmpipe._group import _wire
+from shmpipe._group._leader import Leader
+from shmpipe._group._options import GroupOptions
+from shmpipe._interrupts import ctrl_c_held_back
+from shmpipe._options import PipelineOptions
+from shmpipe._stats import GroupStats
+from shmpipe._stream import POLL_S, Pass
+from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError
+from shmpipe.transport import ChannelSpec, RankReader, ServesRanks
+
+__all__ = ["RankPipeline"]
+
+#: What _handle_message returns for a message that is not a batch.
+_NOTHING = object()
+_END = object()
+
+
+def _connect(address: str, group: str, deadline: float) -> socket.socket:
+    """Connects to rank 0 of `group`, trying again until `deadline` (ranks
+    start in any order)."""
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(address)
+            return sock
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+        except BaseException:
+            sock.close()
+            raise
+        if time.monotonic() > deadline:
+            raise GroupStartError(f"group {group!r}: rank 0 did not start listening within the group_timeout")
+        time.sleep(0.02)
+
+
+class _Connection:
+    """A rank's connection to rank 0, shared by the rank and the leases of
+    the batches it holds (a batch's last array can go in any thread).
+
+    Lifetime. Rank 0 frees a batch's slot when the rank says "release", or
+    when this connection ends. So close() says "bye" but keeps the socket
+    open while batches dealt to this rank are alive, and the last release
+    closes it: ending it at close() would let the producers overwrite arrays
+    the user still holds ("batches still held stay valid"). A rank that
+    never lets go of a batch keeps its socket until it exits, as a pipeline
+    keeps a slot.
+
+    Sends need no lock (a datagram is written whole, see _wire.py); the
+    lock only orders the count of batches held against the close, and is
+    reentrant because a batch can be freed by the garbage collector in this
+    very thread, inside the locked span."""
+
+    __slots__ = ("closing", "held", "leader_pidfd", "lock", "sock")
+
+    def __init__(self, sock: socket.socket, leader_pidfd: int | None) -> None:
+        self.sock = sock
+        self.leader_pidfd = leader_pidfd
+        self.lock = threading.RLock()
+        self.held = 0
+        self.closing = False
+
+    def send(self, message: list[Any]) -> bool:
+        return self.sock.fileno() >= 0 and _wire.send_quietly(self.sock, message)
+
+    def releaser(self, token: int) -> Callable[[], None]:
+        """What a batch's lease calls, once, when the batch's last array goes."""
+        with self.lock:
+            self.held += 1
+
+        def release() -> None:
+            self.send(["release", token])  # a no-op once rank 0 is gone: it released everything
+            with self.lock:
+                self.held -= 1
+                if self.closing and self.held == 0:
+                    self.sock.close()
+
+        return release
+
+    def close(self) -> None:
+        """The rank's end (idempotent): "bye", then the socket goes with
+        the last batch held (now, if none is)."""
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+        self.send(["bye"])
+        if self.leader_pidfd is not None:
+            os.close(self.leader_pidfd)
+            self.leader_pidfd = None
+        with self.lock:
+            if self.held == 0:
+                self.sock.close()
+
+
+def _leave(conn: _Connection, leader: Leader | None) -> None:
+    """What a rank's close shuts down: its connection ("bye"), and in rank 0
+    the group."""
+    try:
+        conn.close()
+    finally:
+        if leader is not None:
+            leader.close()
+
+
+class RankPipeline(FrameworkStream):
+    """One rank's share of a pipeline that a group of ranks of this node
+    shares (``from_iterators(group=...)``; docs/several-ranks.md).
+
+    Iterate it for one pass (every rank iterates every pass; a pass starts
+    when all have begun it); each batch of the group's pipeline goes to
+    exactly one rank, and every rank gets the same number per pass. Arrays
+    are read-only views of the shared ring. In rank 0 it also owns the
+    producers: close it last, or with the others.
+    """
+
+    def __init__(self, options: PipelineOptions, group: GroupOptions) -> None:
+        super().__init__(options)
+        self.group_options = group
+        self.rank = group.rank
+        self.num_ranks = group.num_ranks
+        self.group = group.name
+        self._reader: RankReader | None = None
+        self._failure: ShmpipeError | None = None
+        self._dropped: list[int] = []
+        self._leader = Leader(options, group) if group.rank == 0 else None
+        try:
+            self._conn = self._join(options, group)
+        except BaseException:
+            if self._leader is not None:
+                self._leader.close()
+            raise
+        self._own(functools.partial(_leave, self._conn, self._leader))
+        self._closed = False
+
+    def _join(self, options: PipelineOptions, group: GroupOptions) -> _Connection:
+        """Connects to rank 0, says hello and waits until every rank has."""
+        deadline = time.monotonic() + group.timeout
+        sock = _connect(_wire.socket_address(self.group), self.group, deadline)
+        leader_pidfd = None
+        try:
+            self._leader_pid, uid = _wire.peer(sock)
+            if uid != os.getuid():
+                raise GroupStartError(
+                    f"group {self.group!r}: the process listening as rank 0 (pid {self._leader_pid}) "
+                    f"runs as uid {uid}, not as this user: refusing to join"
+                )
+            # Rank 0's death is seen by its pidfd too: a child it forked
+            # may hold its end of this socket open.
+            if self._leader_pid != os.getpid():
+                leader_pidfd = _wire.watch_process(self._leader_pid)
+            # poll, not select: select fails on a descriptor >= 1024.
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN)
+            if leader_pidfd is not None:
+                self._poller.register(leader_pidfd, select.POLLIN)
+            conn = _Connection(sock, leader_pidfd)
+            _wire.send(sock, ["hello", self.rank, _wire.fingerprint(options, group), os.getpid()])
+            # Rank 0 reports missing ranks at its deadline; a little later
+            # here, so its message (which names them) comes first.
+            self._wait_ready(conn, deadline + 5.0)
+            return conn
+        except BaseException:
+            sock.close()
+            if leader_pidfd is not None:
+                os.close(leader_pidfd)
+            raise
+
+    def _receive(self, conn: _Connection, events: list[tuple[int, int]]) -> tuple[list[Any] | None, list[int]] | None:
+        """The message `events` announce (poll's answer), (None, []) when
+        rank 0's end or death was seen, None when nothing came after all."""
+        try:
+            return _wire.recv(conn.sock)
+        except BlockingIOError:
+            pidfd = conn.leader_pidfd
+            if pidfd is not None and any(fd == pidfd for fd, _ in events):
+                return None, []  # rank 0 ended; a child of it holds the socket open
+            return None
+
+    def _leader_gone_without_pidfd(self, conn: _Connection) -> bool:
+        return conn.leader_pidfd is None and not _wire.process_alive(self._leader_pid)
+
+    def _wait_ready(self, conn: _Connection, deadline: float) -> None:
+        while True:
+            events = self._poller.poll(int(POLL_S * 1000))
+            got = self._receive(conn, events) if events else None
+            if got is None and self._leader_gone_without_pidfd(conn):
+                got = None, []
+            if got is not None:
+                message, fds = got
+                for fd in fds:
+                    os.close(fd)
+                if message is None:
+                    raise RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) ended", 0)
+                if message[0] == "ready":
+                    return
+                if message[0] == "error":
+                    raise _wire.error_from(message)
+                raise GroupError(f"group {self.group!r}: unexpected message before start: {message!r:.80}")
+            if time.monotonic() > deadline:
+                raise GroupStartError(f"group {self.group!r}: the ranks did not all join in time")
+
+    # -- iteration ------------------------------------------------------------
+
+    def _begin_pass(self) -> int:
+        self._pass_no += 1
+        if not self._conn.send(["begin", self._pass_no]):
+            self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
+        return self._pass_no
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        super()._check_usable()
+
+    def _fail(self, exc: ShmpipeError) -> NoReturn:
+        """The group failed: this rank lets go of the group (the batches it
+        holds stay valid) and raises `exc`, now and on any later use."""
+        self._failure = exc
+        self.close()
+        raise exc
+
+    def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
+        while True:
+            events = self._poller.poll(int(POLL_S * 1000))  # a Ctrl-C here is the user's to have
+            if self._closed:  # by another thread (or a hook)
+                self._check_usable()
+            if events:
+                got = self._take_message(events, it)
+                if got is _END:
+                    raise StopIteration
+                if got is not _NOTHING:
+                    return got
+                continue
+            if self._leader_gone_without_pidfd(self._conn):
+                self._fail(RankDiedError(f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died", 0))
+            self._raise_if_timed_out(
+                t0, time.perf_counter_ns(), lambda: f"rank {self.rank} of group {self.group!r} waits for rank 0"
+            )
+
+    def _take_message(self, events: list[tuple[int, int]], it: Pass) -> Any:
+        """The message poll announced, handled: (batch, nbytes, worker),
+        _END or _NOTHING. From the receive to the batch (or the descriptors
+        closed), a Ctrl-C would leak a descriptor, or a token whose slot
+        rank 0 then pins until this rank exits: held back to the end."""
+        with ctrl_c_held_back():
+            try:
+                got = self._receive(self._conn, events)
+            except GroupError as exc:  # not a message of ours
+                self._fail(exc)
+            except OSError as exc:
+                self._check_usable()  # closed by another thread meanwhile
+                self._fail(GroupError(f"group {self.group!r}: reading from rank 0 failed: {exc}"))
+            return _NOTHING if got is None else self._handle(*got, it)
+
+    def _handle(self, message: list[Any] | None, fds: list[int], it: Pass) -> Any:
+        """One message from rank 0 (None: its end): (batch, nbytes, worker)
+        of this pass, _END or _NOTHING. Anything wrong fails the group for
+        this rank, as a ShmpipeError (a malformed message too: never a
+        TypeError)."""
+        failure: ShmpipeError
+        try:
+            if message is None:
+                raise RankDiedError(
+                    f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died or closed the group", 0
+                )
+            return self._handle_message(message, fds, it)
+        except ShmpipeError as exc:  # first: some are ValueErrors too
+            failure = exc
+        except _wire.MALFORMED as exc:
+            failure = GroupError(f"group {self.group!r}: a malformed message from rank 0 ({exc}): {message!r:.80}")
+            failure.__cause__ = exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+            fds.clear()
+        self._fail(failure)
+
+    def _handle_message(self, message: list[Any], fds: list[int], it: Pass) -> Any:
+        kind = message[0]
+        if kind == "batch":
+            return self._read_batch(message, fds, it)
+        if kind == "ring" and len(message) == 2 and isinstance(message[1], dict) and self._reader is None:
+            taken = fds[:]
+            fds.clear()
+            transport = self.options.transport
+            assert isinstance(transport, ServesRanks)  # checked with the options (capability serves_ranks)
+            self._reader = transport.rank_reader(message[1], taken)  # closes `taken`
+            return _NOTHING
+        if kind == "end" and len(message) == 3:
+            _, pass_no, dropped = message
+            _wire.expect(pass_no, int)
+            _wire.expect(dropped, int)
+            if pass_no != it.pass_no:
+                return _NOTHING
+            self._dropped.append(dropped)
+            return _END
+        if kind == "error":
+            raise _wire.error_from(message)
+        raise GroupError(f"group {self.group!r}: unexpected message from rank 0: {message!r:.80}")
+
+    def _read_batch(self, message: list[Any], fds: list[int], it: Pass) -> Any:
+        _, pass_no, token, record, worker, nbytes = message
+        _wire.expect(pass_no, int)
+        _wire.expect(token, int)
+        _wire.expect(record, list)
+        _wire.expect(nbytes, int)
+        release = self._conn.releaser(token)
+        if pass_no != it.pass_no:
+            release()  # a pass this rank left early: not for it any more
+            return _NOTHING
+        if self._reader is None:
+            release()
+            raise GroupError(f"group {self.group!r}: a batch came before the ring")
+        if type(worker) is not int or not 0 <= worker < self.options.num_workers:
+            release()
+            raise GroupError(f"group {self.group!r}: a batch record names worker {worker!r:.20}")
+        if len(fds) > 1:
+            release()
+            raise GroupError(f"group {self.group!r}: a batch came with {len(fds)} descriptors")
+        fd = fds[0] if fds else None
+        batch = self._reader.read(tuple(record), fd, release)  # fd: ours to close (the caller does)
+        return batch, nbytes, worker
+
+    # -- start and stop ---------------------------------------------------------
+
+    def close(self) -> None:
+        """Leaves the group (in rank 0: stops the producers and the group).
+        Idempotent, and from any thread (a wait for a batch in another
+        thread raises PipelineClosedError). Batches still held stay valid.
+        Closing in the middle of a pass fails the group for the other ranks
+        (they could not stay in step); close every rank after the same pass."""
+        super().close()
+
+    def _before_close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+
+    # -- what adapters and users read ------------------------------------------------
+
+    @property
+    def reader(self) -> RankReader | None:
+        """This rank's reader of the shared ring (None before the first batch)."""
+        return self._reader
+
+    @property
+    def channel(self) -> RankReader | None:
+        """Deprecated: this rank's ``reader`` (a RankReader, not a channel)."""
+        warnings.warn("RankPipeline.channel is deprecated: use RankPipeline.reader", DeprecationWarning, stacklevel=2)
+        return self._reader
+
+    @property
+    def consumer_may_hold(self) -> int:
+        spec = ChannelSpec(num_workers=self.num_workers, capacity=self.capacity, ordered=self.ordered)
+        per_rank = (spec.consumer_may_hold - (self.num_ranks - 1)) // self.num_ranks
+        return max(1, per_rank)
+
+    def held(self) -> int | None:
+        return self._reader.held() if self._reader is not None else None
+
+    def owns_memory(self) -> bool:
+        return self._reader is not None and self._reader.owns_memory
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        return self._reader.memory_ranges() if self._reader is not None else []
+
+    def _stats_extra(self) -> dict[str, Any]:
+        """``stats().extra`` in a rank: rank, num_ranks, group,
+        dropped_remainder (batches of the group's passes dealt to no rank:
+        the incomplete last rounds) and dropped_per_pass."""
+        return {
+            "rank": self.rank,
+            "num_ranks": self.num_ranks,
+            "group": self.group,
+            "dropped_remainder": sum(self._dropped),
+            "dropped_per_pass": list(self._dropped),
+        }
+
+    def group_stats(self) -> GroupStats:
+        """Rank 0 only: batches dealt to each rank, the remainders dropped,
+        and the stats of the pipeline that feeds the group."""
+        if self._leader is None:
+            raise GroupError("group_stats() is rank 0's: the other ranks see their own stats()")
+        return self._leader.stats()
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Rank 0: the producers' process ids; other ranks: []."""
+        return self._leader.pipe.pids if self._leader is not None else []
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"pass {max(self._pass_no, 0)}"
+        return f"<shmpipe.RankPipeline rank {self.rank} of {self.num_ranks}, group {self.group!r}, {state}>"

@@ -1,0 +1,276 @@
+"""The group's wire: how rank 0 and the ranks talk.
+
+SOCK_SEQPACKET in the abstract namespace (the address is named from the uid
+and the group). Each message is one datagram, sent whole by one sendmsg, so
+threads (a batch's release runs in whichever thread drops it) send without
+a lock and a message never interleaves with another. A message is a JSON
+array whose first element names it (never pickle: a peer's bytes choose no
+code to run), with descriptors as SCM_RIGHTS beside it. Both ends check
+with SO_PEERCRED that the other runs as the same user: the abstract
+namespace has no permissions.
+
+Messages (rank -> rank 0): ``["hello", rank, fingerprint, pid]``,
+``["begin", pass]``, ``["release", token]``, ``["bye"]``.
+(rank 0 -> rank): ``["ready"]``, ``["ring", share]`` + the ring's
+descriptor, ``["batch", pass, token, record, worker, nbytes]`` (+ a
+descriptor for a batch larger than a slot), ``["end", pass, dropped]``,
+``["error", kind, args]``.
+
+Everything read here is untrusted: a malformed message is a GroupError,
+never a TypeError from deep inside, and an error message builds only
+shmpipe's own exceptions from values of the types they expect.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+from shmpipe._group._options import GroupOptions
+from shmpipe._options import PipelineOptions
+from shmpipe.errors import (
+    GroupError,
+    GroupStartError,
+    PipelineTimeoutError,
+    RankDiedError,
+    ShmpipeError,
+    WorkerDiedError,
+    WorkerError,
+)
+
+__all__ = [
+    "MALFORMED",
+    "MAX_ERROR_BYTES",
+    "encode",
+    "error_from",
+    "error_message",
+    "expect",
+    "fingerprint",
+    "peer",
+    "process_alive",
+    "recv",
+    "send",
+    "send_quietly",
+    "socket_address",
+    "watch_process",
+]
+
+#: The largest message. Each receive allocates this much, so it stays small
+#: (below malloc's mmap threshold). Every message but an error is a few
+#: hundred bytes; an error's texts are clipped until its *encoded* form fits
+#: (JSON writes a non-ASCII character as up to 12 bytes: clipping characters
+#: is not enough).
+MAX_MESSAGE = 1 << 16
+MAX_ERROR_BYTES = MAX_MESSAGE // 2
+_MAX_TEXT = 12_000
+MAX_FDS = 4
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_FD = array.array("i")
+#: What a malformed message from a peer can raise while it is taken apart
+#: (beyond the checks made field by field): turned into a GroupError.
+MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
+
+
+def socket_address(group: str) -> str:
+    """The abstract-namespace address of `group` for this user."""
+    return f"\0shmpipe-group-{os.getuid()}-{group}"
+
+
+def encode(message: list[Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def send(sock: socket.socket, message: list[Any], fds: list[int] | None = None) -> None:
+    data = encode(message)
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def send_quietly(sock: socket.socket, message: list[Any], fds: list[int] | None = None) -> bool:
+    """send to a peer that may be gone (its end is handled where it is read)."""
+    try:
+        send(sock, message, fds)
+        return True
+    except OSError:
+        return False
+
+
+def _recvmsg(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
+    """One datagram and the descriptors with it (socket.recv_fds would
+    drop `flags`: MSG_DONTWAIT would block). Descriptors arrive close-on-exec."""
+    data, ancdata, got, _ = sock.recvmsg(
+        MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * _FD.itemsize), flags | socket.MSG_CMSG_CLOEXEC
+    )
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), got
+
+
+def recv(sock: socket.socket) -> tuple[list[Any] | None, list[int]]:
+    """The next message and its descriptors, without waiting; (None, []) at
+    the end of the connection; BlockingIOError when there is none. A
+    malformed message is a GroupError (its descriptors closed)."""
+    flags = socket.MSG_DONTWAIT
+    try:
+        data, fds, got = _recvmsg(sock, flags)
+    except ConnectionResetError:
+        # The peer closed with messages of ours unread: the kernel reports
+        # that (once) before the messages it sent us that are still queued.
+        # They count (rank 0 sends "end" and then may close), so read on.
+        try:
+            data, fds, got = _recvmsg(sock, flags)
+        except ConnectionResetError:
+            return None, []
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    try:
+        if got & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise GroupError("a group message was larger than allowed (the peer is broken)")
+        try:
+            message = json.loads(data)
+        except (ValueError, RecursionError):  # RecursionError: a deeply nested array
+            raise GroupError("a group message is not JSON (the peer is broken)") from None
+        if not isinstance(message, list) or not message or not isinstance(message[0], str):
+            raise GroupError(f"a malformed group message: {data[:80]!r}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return message, fds
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end (SO_PEERCRED)."""
+    pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
+def fingerprint(options: PipelineOptions, group: GroupOptions) -> dict[str, Any]:
+    """What every rank of a group must agree on (each passes its own
+    arguments; a rank with other ones is a mistake to report, not to
+    paper over)."""
+    return {
+        "num_ranks": group.num_ranks,
+        "sources": options.num_workers,
+        "transport": options.transport.name,
+        "ordered": options.ordered,
+        "capacity": options.capacity,
+    }
+
+
+# -- errors ---------------------------------------------------------------------
+
+
+def error_message(exc: BaseException) -> list[Any]:
+    """An exception as an "error" message every rank turns back into one.
+    Long texts (a deep traceback, a huge message) are clipped until the
+    message's encoded form fits in MAX_ERROR_BYTES: a message too large to
+    send would be lost, and the ranks would learn only that the group ended."""
+    message = _error_message_unclipped(exc)
+    limit = _MAX_TEXT
+    while True:
+        args = [_clip(a, limit) for a in message[2]]
+        clipped = [message[0], message[1], args]
+        if len(encode(clipped)) <= MAX_ERROR_BYTES:
+            return clipped
+        if limit == 0:  # not the texts (a bug): say at least what failed
+            return ["error", "group", [f"rank 0's pipeline failed: {type(exc).__name__} (its message was too large)"]]
+        limit //= 4
+
+
+def _clip(value: Any, limit: int) -> Any:
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + " [...]"
+    return value
+
+
+def _error_message_unclipped(exc: BaseException) -> list[Any]:
+    if isinstance(exc, WorkerDiedError):
+        return ["error", "worker_died", list(exc.__reduce__()[1])]
+    if isinstance(exc, WorkerError):
+        return ["error", "worker", list(exc.__reduce__()[1])]
+    if isinstance(exc, RankDiedError):
+        return ["error", "rank_died", [str(exc), exc.rank]]
+    if isinstance(exc, GroupStartError):
+        return ["error", "start", [str(exc)]]
+    if isinstance(exc, PipelineTimeoutError):
+        return ["error", "timeout", [str(exc)]]
+    return ["error", "group", [f"rank 0's pipeline failed: {type(exc).__name__}: {exc}"]]
+
+
+def error_from(message: list[Any]) -> ShmpipeError:
+    """The exception an "error" message describes: only shmpipe's own
+    classes, built from plain values of the types they expect (a malformed
+    message is a GroupError that says so)."""
+    try:
+        _, kind, args = message
+        if not isinstance(args, list):
+            raise TypeError("arguments are not a list")
+        if kind == "worker_died":
+            worker, pid, exitcode, reason = args
+            expect(worker, int)
+            expect(pid, int, None)
+            expect(exitcode, int, None)
+            expect(reason, str, None)
+            return WorkerDiedError(worker, pid, exitcode, reason)
+        if kind == "worker":
+            worker, pid, exc_type, text, remote_traceback = args
+            expect(worker, int)
+            expect(pid, int, None)
+            expect(exc_type, str)
+            expect(text, str)
+            expect(remote_traceback, str)
+            return WorkerError(worker, pid, exc_type, text, remote_traceback)
+        (text, *rest) = args
+        expect(text, str)
+        if kind == "rank_died":
+            (rank,) = rest
+            expect(rank, int)
+            return RankDiedError(text, rank)
+        if kind == "start":
+            return GroupStartError(text)
+        if kind == "timeout":
+            return PipelineTimeoutError(text)
+        return GroupError(text)
+    except MALFORMED:
+        return GroupError(f"rank 0 reported an error in a malformed message: {message!r:.200}")
+
+
+def expect(value: Any, *types: type | None) -> None:
+    """`value` is exactly of one of `types` (None: is None; bool is not an int)."""
+    if not any(value is None if t is None else type(value) is t for t in types):
+        raise TypeError(f"{value!r:.40} is not {types}")
+
+
+# -- the peer's process ------------------------------------------------------------
+
+
+def watch_process(pid: int) -> int | None:
+    """A pidfd of `pid`: readable once the process has ended. A socket's end
+    is not enough to see a process die: a child it forked keeps the socket
+    open. None where the kernel has no pidfd (Linux < 5.3, some sandboxes):
+    then process_alive is asked every POLL_S."""
+    try:
+        return os.pidfd_open(pid)  # close-on-exec
+    except (AttributeError, OSError):
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists (as another user: the uid was checked at connect)
+    return True
