@@ -2,11 +2,12 @@
 
     python benchmarks/run_all.py            # about 6 minutes on 2 cores
 
-Runs the three `shmpipe bench` commands (the seed experiment twice: with the
-article's cpu_count() producers, and with 8 so the transports show), writes
-JSON and PNG files to docs/results/, and rewrites docs/results/README.md
-with the date, versions, exact commands and tables. One run each, on this
-machine: compare ratios within a run, not numbers across machines.
+Runs the three `shmpipe bench` commands (`bench feed`, the wait for the
+next batch, twice: with its default of cpu_count() producers, and with 8 so
+the transports show), writes JSON and PNG files to docs/results/, and
+rewrites docs/results/README.md with the date, versions, exact commands and
+tables. One run each, on this machine: compare ratios within a run, not
+numbers across machines.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "results"
 
 RUNS = [
-    ("seed", "The article's experiment, cpu_count() producers",
-     ["bench", "seed", "--json", "seed.json", "--plot", "seed.png"]),
-    ("seed-8", "The article's experiment, 8 producers",
-     ["bench", "seed", "--workers", "8", "--json", "seed-8.json", "--plot", "seed-8.png"]),
+    ("feed", "Wait for the next batch, every recipe, cpu_count() producers",
+     ["bench", "feed", "--json", "feed.json", "--plot", "feed.png"]),
+    ("feed-8", "Wait for the next batch, every recipe, 8 producers",
+     ["bench", "feed", "--workers", "8", "--json", "feed-8.json", "--plot", "feed-8.png"]),
     ("throughput", "Transport-bound throughput, every transport",
      ["bench", "throughput", "--json", "throughput.json", "--plot", "throughput.png"]),
     ("serialize", "Serialization paths",

@@ -1,6 +1,6 @@
 """The shmpipe command line.
 
-    shmpipe bench seed         the article's experiment, every recipe side by side
+    shmpipe bench feed         how long a training loop waits for its next batch, every way of feeding it
     shmpipe bench throughput   transport-bound GB/s and batches/s, every transport
     shmpipe bench serialize    every serialization path, in one process
     shmpipe bench train        end to end: a JPEG pipeline into Keras and torch training, every loader
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from shmpipe import _doctor
 from shmpipe import clean as do_clean
-from shmpipe.bench import ranks, seed, serialize, throughput, train
+from shmpipe.bench import feed, ranks, serialize, throughput, train
 from shmpipe.bench._report import Progress, environment, human_size, parse_size
 from shmpipe.bench._report import output_captured as _output_captured
 from shmpipe.errors import ShmpipeError, TransportUnavailableError
@@ -67,8 +67,8 @@ def _write_json(path: str | None, kind: str, payload: dict[str, Any], quiet: boo
             print(f"wrote {path}")
 
 
-def _bench_seed(args: argparse.Namespace) -> int:
-    cfg = seed.SeedConfig(
+def _bench_feed(args: argparse.Namespace) -> int:
+    cfg = feed.FeedConfig(
         workers=args.workers or multiprocessing.cpu_count(),
         batches=args.batches,
         shape=args.shape,
@@ -76,45 +76,45 @@ def _bench_seed(args: argparse.Namespace) -> int:
         compute_s=args.compute,
         train_s=args.train,
     )
-    recipes = args.recipes or list(seed.available_recipes())
+    recipes = args.recipes or list(feed.available_recipes())
     # The second run: only where the first is producer-bound, and only for
     # the recipes with producer processes (the plain generator and tf.data
     # have one producer whatever the setting).
-    bound_cfg: seed.SeedConfig | None = None
+    bound_cfg: feed.FeedConfig | None = None
     bound_recipes = [r for r in recipes if r not in ("generator", "tf.data")]
     if not args.recipes:  # the comparison that matters; `bench throughput` has every transport
         bound_recipes = [r for r in bound_recipes if r in ("mp.Queue", "ray.util.iter", "shmpipe:shm",
                                                            "shmpipe:shm+reserve")]
     if args.transport_bound_workers != 0 and cfg.producer_bound and bound_recipes:
-        bound_cfg = seed.transport_bound(cfg, args.transport_bound_batches)
+        bound_cfg = feed.transport_bound(cfg, args.transport_bound_batches)
         if args.transport_bound_workers:
             bound_cfg = dataclasses.replace(bound_cfg, workers=args.transport_bound_workers)
-    out_dir = args.out or time.strftime("shmpipe-bench-seed-%Y%m%d-%H%M%S")
+    out_dir = args.out or time.strftime("shmpipe-bench-feed-%Y%m%d-%H%M%S")
     os.makedirs(out_dir, exist_ok=True)
     log_path = None if args.verbose else os.path.join(out_dir, "output.log")
 
-    def batches(c: seed.SeedConfig, names: list[str]) -> int:
+    def batches(c: feed.FeedConfig, names: list[str]) -> int:
         single = sum(1 for r in names if r in ("generator", "tf.data"))
         return single * c.batches + (len(names) - single) * c.batches * c.workers
 
     total = batches(cfg, recipes) + (batches(bound_cfg, bound_recipes) if bound_cfg else 0)
     print(
-        f"shmpipe bench seed: how long a training loop waits for its next batch, fed every way side by side "
+        f"shmpipe bench feed: how long a training loop waits for its next batch, fed every way side by side "
         f"(a batch: {cfg.shape} float32, {_mb(cfg.shape)} MB, and {cfg.target_shape}; a producer takes "
         f"fetch {cfg.fetch_s} s + compute {cfg.compute_s} s per batch; train step {cfg.train_s} s)",
         flush=True,
     )
-    bound: list[seed.RecipeResult] | None = None
+    bound: list[feed.RecipeResult] | None = None
     ray_recipes = {"ray.util.iter", "shmpipe:ray"} & set(recipes + bound_recipes)
     try:
         with _output_captured(log_path) as terminal:
-            progress = Progress(total, "bench seed", file=terminal)
+            progress = Progress(total, "bench feed", file=terminal)
             workers = max(cfg.workers, bound_cfg.workers if bound_cfg else 0)
-            with progress.running(), seed.one_ray(workers + 1, bool(ray_recipes)) as ray_start_s:
-                results = seed.run(cfg, recipes, progress=lambda name, n: progress.step(name, n or 0))
+            with progress.running(), feed.one_ray(workers + 1, bool(ray_recipes)) as ray_start_s:
+                results = feed.run(cfg, recipes, progress=lambda name, n: progress.step(name, n or 0))
                 if bound_cfg is not None:
                     tag = f" ({bound_cfg.workers} producers)"
-                    bound = seed.run(
+                    bound = feed.run(
                         bound_cfg, bound_recipes, progress=lambda name, n: progress.step(name + tag, n or 0)
                     )
     except BaseException:
@@ -122,16 +122,16 @@ def _bench_seed(args: argparse.Namespace) -> int:
             print(f"(other libraries' output is in {log_path})", file=sys.stderr)
         raise
 
-    article = "cpu_count()" if not args.workers else "--workers"
-    print(f"\n{cfg.workers} producers ({article}), {cfg.batches} batches each"
+    workers_from = "cpu_count()" if not args.workers else "--workers"
+    print(f"\n{cfg.workers} producers ({workers_from}), {cfg.batches} batches each"
           + (": producer-bound, the floor sets the pace" if cfg.producer_bound else ""))
-    print(seed.table(results))
+    print(feed.table(results))
     if bound_cfg is not None and bound is not None:
         print(f"\nTransport-bound: {bound_cfg.workers} producers, {bound_cfg.batches} batches each "
               f"(together they outpace the {cfg.train_s} s step: the wait above the floor is the transport's)")
-        print(seed.table(bound))
+        print(feed.table(bound))
     print()
-    for line in seed.summary(results, bound):
+    for line in feed.summary(results, bound):
         print(line)
     if ray_start_s is not None:
         print(f"Ray started once, in {ray_start_s:.1f} s, for {' and '.join(sorted(ray_recipes))} "
@@ -146,12 +146,12 @@ def _bench_seed(args: argparse.Namespace) -> int:
     payload: dict[str, Any] = {"config": cfg.__dict__, "results": [r.as_dict() for r in results]}
     if bound_cfg is not None and bound is not None:
         payload["transport_bound"] = {"config": bound_cfg.__dict__, "results": [r.as_dict() for r in bound]}
-    json_path = args.json or os.path.join(out_dir, "seed.json")
-    _write_json(json_path, "seed", payload, quiet=True)
+    json_path = args.json or os.path.join(out_dir, "feed.json")
+    _write_json(json_path, "feed", payload, quiet=True)
     saved = [json_path]
-    plot_path = args.plot or os.path.join(out_dir, "seed.png")
+    plot_path = args.plot or os.path.join(out_dir, "feed.png")
     try:
-        seed.plot(
+        feed.plot(
             results, plot_path, f"Wait per batch, {cfg.workers} producers", bound=bound,
             bound_title=f"Transport-bound: {bound_cfg.workers} producers" if bound_cfg else "",
         )
@@ -297,36 +297,38 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON instead of text")
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: seed, train, throughput, serialize, ranks", formatter_class=_HelpFormatter
+        "bench", help="benchmarks: feed, train, throughput, serialize, ranks", formatter_class=_HelpFormatter
     )
     kinds = bench.add_subparsers(dest="kind", required=True)
 
-    s = kinds.add_parser("seed", help="the article's experiment, every recipe side by side",
-                         description=seed.__doc__, formatter_class=_HelpFormatter)
-    s.add_argument("--workers", type=int, default=None,
-                   help=f"producer processes (default: cpu_count(), {multiprocessing.cpu_count()} here, "
-                        "as the article)")
-    s.add_argument("--batches", type=_positive(int), default=10, help="batches per producer")
-    s.add_argument("--shape", type=_shape, default=(4, 1000000, 3), help="sample shape, float32 (4,1000000,3 is 48 MB)")
-    s.add_argument("--fetch", type=_positive(float), default=0.5, help="simulated fetch per batch (a sleep), seconds")
-    s.add_argument("--compute", type=_positive(float), default=0.0,
+    # "seed": the benchmark's old name, deprecated (main() says so and runs "feed")
+    f = kinds.add_parser("feed", aliases=["seed"],
+                         help="how long a training loop waits for its next batch, every way of feeding it "
+                              "side by side (seed: its old name, deprecated)",
+                         description=feed.__doc__, formatter_class=_HelpFormatter)
+    f.add_argument("--workers", type=int, default=None,
+                   help=f"producer processes (default: cpu_count(), {multiprocessing.cpu_count()} here)")
+    f.add_argument("--batches", type=_positive(int), default=10, help="batches per producer")
+    f.add_argument("--shape", type=_shape, default=(4, 1000000, 3), help="sample shape, float32 (4,1000000,3 is 48 MB)")
+    f.add_argument("--fetch", type=_positive(float), default=0.5, help="simulated fetch per batch (a sleep), seconds")
+    f.add_argument("--compute", type=_positive(float), default=0.0,
                    help="simulated compute per batch (a busy loop), seconds")
-    s.add_argument("--train", type=_positive(float), default=0.1, help="simulated training step (a sleep), seconds")
-    s.add_argument("--transport-bound-workers", type=_positive(int), default=None, metavar="N",
+    f.add_argument("--train", type=_positive(float), default=0.1, help="simulated training step (a sleep), seconds")
+    f.add_argument("--transport-bound-workers", type=_positive(int), default=None, metavar="N",
                    help="producers of the second, transport-bound run; it runs where the first is producer-bound "
                         "(default: enough to make batches 1.5x as fast as the loop takes them: 8 at the defaults; "
                         "0: no second run)")
-    s.add_argument("--transport-bound-batches", type=_positive(int), default=4, metavar="N",
+    f.add_argument("--transport-bound-batches", type=_positive(int), default=4, metavar="N",
                    help="batches per producer in the transport-bound run")
-    s.add_argument("--recipes", nargs="+", metavar="RECIPE",
+    f.add_argument("--recipes", nargs="+", metavar="RECIPE",
                    help="recipes to run (default: all): generator tf.data mp.Queue ray.util.iter "
                         "shmpipe:<transport> shmpipe:shm+reserve")
-    s.add_argument("--out", metavar="DIR",
-                   help="folder for the results: seed.json, seed.png and output.log "
-                        "(default: ./shmpipe-bench-seed-<date>-<time>)")
-    s.add_argument("--json", metavar="FILE", help="write the results as JSON here instead (default: DIR/seed.json)")
-    s.add_argument("--plot", metavar="FILE.png", help="draw the waits here instead (default: DIR/seed.png)")
-    s.add_argument("-v", "--verbose", action="store_true",
+    f.add_argument("--out", metavar="DIR",
+                   help="folder for the results: feed.json, feed.png and output.log "
+                        "(default: ./shmpipe-bench-feed-<date>-<time>)")
+    f.add_argument("--json", metavar="FILE", help="write the results as JSON here instead (default: DIR/feed.json)")
+    f.add_argument("--plot", metavar="FILE.png", help="draw the waits here instead (default: DIR/feed.png)")
+    f.add_argument("-v", "--verbose", action="store_true",
                    help="show other libraries' output (TensorFlow, Ray, the producers) instead of saving it "
                         "to DIR/output.log")
 
@@ -411,8 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "doctor":
         return _doctor.main(as_json=args.json)
+    if args.kind == "seed":  # the old name of `bench feed`
+        print("shmpipe bench seed is deprecated: use `shmpipe bench feed` (the same benchmark)", file=sys.stderr)
+        args.kind = "feed"
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
-        "seed": _bench_seed, "throughput": _bench_throughput, "serialize": _bench_serialize,
+        "feed": _bench_feed, "throughput": _bench_throughput, "serialize": _bench_serialize,
         "train": _bench_train, "ranks": _bench_ranks,
     }
     try:

@@ -18,7 +18,7 @@ from shmpipe.bench._report import parse_size
 from shmpipe.transports.queue import QueueTransport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_SEED = ["--workers", "2", "--batches", "2", "--shape", "2,100,3", "--fetch", "0.01", "--compute", "0.002", "--train", "0.002",
+TINY_FEED = ["--workers", "2", "--batches", "2", "--shape", "2,100,3", "--fetch", "0.01", "--compute", "0.002", "--train", "0.002",
              "--transport-bound-workers", "0"]
 
 
@@ -27,11 +27,11 @@ def png(path) -> bool:
         return f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 5000
 
 
-def test_seed_every_option(tmp_path, capfd):
-    out_json, out_png = tmp_path / "seed.json", tmp_path / "seed.png"
+def test_feed_every_option(tmp_path, capfd):
+    out_json, out_png = tmp_path / "feed.json", tmp_path / "feed.png"
     recipes = ["generator", "tf.data", "mp.Queue", "shmpipe:shm", "shmpipe:shm+reserve", "shmpipe:arrow",
                "shmpipe:queue", "shmpipe:example-pipe"]
-    rc = main(["bench", "seed", *TINY_SEED[:-2], "--transport-bound-workers", "3", "--transport-bound-batches", "2",
+    rc = main(["bench", "feed", *TINY_FEED[:-2], "--transport-bound-workers", "3", "--transport-bound-batches", "2",
                "--recipes", *recipes, "--out", str(tmp_path / "out"), "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     captured = capfd.readouterr()
@@ -39,7 +39,7 @@ def test_seed_every_option(tmp_path, capfd):
     assert "2 producers (--workers), 2 batches each" in text
     assert "fetch 0.01 s + compute 0.002 s per batch; train step 0.002 s" in text
     data = json.loads(out_json.read_text())
-    assert data["benchmark"] == "seed" and data["config"]["shape"] == [2, 100, 3]
+    assert data["benchmark"] == "feed" and data["config"]["shape"] == [2, 100, 3]
     assert "python" in data["environment"] and "numpy" in data["environment"]
     got = {r["recipe"]: r for r in data["results"]}
     assert list(got) == recipes
@@ -70,33 +70,33 @@ def test_seed_every_option(tmp_path, capfd):
     assert f"Results: {out_json}, {out_png}" in text
     assert (tmp_path / "out" / "output.log").exists() and f"{tmp_path / 'out' / 'output.log'}" in text
     # one progress line per recipe and run, none twice
-    progress = [line for line in captured.err.splitlines() if line.startswith("  bench seed: ")]
+    progress = [line for line in captured.err.splitlines() if line.startswith("  bench feed: ")]
     assert len(progress) == len(set(progress)) == len(recipes) + len(recipes) - 2, captured.err
 
 
-def test_seed_floor():
-    from shmpipe.bench.seed import SeedConfig, transport_bound, wait_floor
+def test_feed_floor():
+    from shmpipe.bench.feed import FeedConfig, transport_bound, wait_floor
 
     # 2 producers at 0.5 s a batch: one every 0.25 s, of which the loop trains 0.1 s
     assert wait_floor(2, 0.5, 0.1) == pytest.approx(0.15)
     assert wait_floor(0, 0.5, 0.1) == 0.5  # the loop makes its batches itself
     assert wait_floor(1, 0.5, 0.1) == pytest.approx(0.4)  # tf.data's one prefetching thread
     assert wait_floor(8, 0.5, 0.1) == 0.0  # 8 producers outpace the step
-    cfg = SeedConfig(workers=2)
+    cfg = FeedConfig(workers=2)
     assert cfg.producer_bound and transport_bound(cfg).workers == 8
-    assert not transport_bound(cfg).producer_bound and not SeedConfig(workers=8).producer_bound
+    assert not transport_bound(cfg).producer_bound and not FeedConfig(workers=8).producer_bound
 
 
-def test_seed_ray_recipes(tmp_path):
+def test_feed_ray_recipes(tmp_path):
     # a child process, as a user runs it: Ray's logging holds the stderr of
     # the process it started in
     out = subprocess.run(
-        [sys.executable, "-m", "shmpipe", "bench", "seed", *TINY_SEED, "--recipes", "ray.util.iter", "shmpipe:ray",
+        [sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", "ray.util.iter", "shmpipe:ray",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert out.returncode == 0, out.stderr
-    got = {r["recipe"]: r for r in json.loads((tmp_path / "seed.json").read_text())["results"]}
+    got = {r["recipe"]: r for r in json.loads((tmp_path / "feed.json").read_text())["results"]}
     assert len(got["ray.util.iter"]["waits_s"]) == 4 and len(got["shmpipe:ray"]["waits_s"]) == 4
     assert "Started a local Ray instance" not in out.stdout + out.stderr
     assert "Started a local Ray instance" in (tmp_path / "output.log").read_text()
@@ -108,16 +108,32 @@ class Missing(QueueTransport):
     extra = "demo"
 
 
-def test_seed_skips_what_cannot_run_here_and_refuses_unknown_recipes(tmp_path, capsys):
+def test_feed_skips_what_cannot_run_here_and_refuses_unknown_recipes(tmp_path, capsys):
     registry.register_transport("missing-dep", Missing)
     try:
-        rc = main(["bench", "seed", *TINY_SEED, "--recipes", "generator", "shmpipe:missing-dep", "--out", str(tmp_path)])
+        rc = main(["bench", "feed", *TINY_FEED, "--recipes", "generator", "shmpipe:missing-dep", "--out", str(tmp_path)])
     finally:
         registry._registered.pop("missing-dep")
     assert rc == 0
     assert 'skipped: the \'missing-dep\' transport needs a_module_nobody_installed_xyz' in capsys.readouterr().out
-    assert main(["bench", "seed", *TINY_SEED, "--recipes", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "feed", *TINY_FEED, "--recipes", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown recipes ['nope']" in capsys.readouterr().err
+
+
+def test_seed_is_a_deprecated_alias_of_feed(tmp_path, capsys):
+    # `bench seed`, the old name: the same benchmark, the same results, and one line on stderr saying so
+    rc = main(["bench", "seed", *TINY_FEED, "--recipes", "generator", "--out", str(tmp_path)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    said = [line for line in captured.err.splitlines() if "deprecated" in line]
+    assert said == ["shmpipe bench seed is deprecated: use `shmpipe bench feed` (the same benchmark)"], captured.err
+    assert "shmpipe bench feed: how long a training loop waits" in captured.out and "| generator |" in captured.out
+    data = json.loads((tmp_path / "feed.json").read_text())
+    assert data["benchmark"] == "feed" and [r["recipe"] for r in data["results"]] == ["generator"]
+    assert len(data["results"][0]["waits_s"]) == 2
+    # the new name says nothing of the kind
+    assert main(["bench", "feed", *TINY_FEED, "--recipes", "generator", "--out", str(tmp_path / "new")]) == 0
+    assert "deprecated" not in capsys.readouterr().err
 
 
 def test_throughput_every_option(tmp_path, capsys):
@@ -176,22 +192,22 @@ def test_serialize_every_option(tmp_path, capsys):
 
 def test_the_console_script(tmp_path):
     out = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "seed", *TINY_SEED,
+        [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "feed", *TINY_FEED,
          "--recipes", "tf.data", "shmpipe:shm"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr
     assert "| shmpipe:shm | 2 |" in out.stdout
     # the results land in a folder it names; TensorFlow's start-up lines in its log, not on the screen
-    (folder,) = tmp_path.glob("shmpipe-bench-seed-*")
-    assert {p.name for p in folder.iterdir()} == {"seed.json", "seed.png", "output.log"}
-    assert f"Results: {folder.name}/seed.json, {folder.name}/seed.png" in out.stdout
+    (folder,) = tmp_path.glob("shmpipe-bench-feed-*")
+    assert {p.name for p in folder.iterdir()} == {"feed.json", "feed.png", "output.log"}
+    assert f"Results: {folder.name}/feed.json, {folder.name}/feed.png" in out.stdout
     log = (folder / "output.log").read_text().splitlines()
     assert log, "TensorFlow says nothing when it starts?"
     for line in log:
         assert line not in out.stdout and line not in out.stderr
     verbose = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "seed", *TINY_SEED,
+        [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "feed", *TINY_FEED,
          "--recipes", "tf.data", "--out", "v", "--verbose"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
@@ -221,12 +237,12 @@ def test_help_describes_every_option_with_its_default():
     assert len(options) > 25
     for command, action in options:
         assert action.help and len(action.help) > 10, (command, action.option_strings)
-    seed_help = build_parser()._subparsers._group_actions[0].choices["bench"]._subparsers._group_actions[0].choices[
-        "seed"].format_help()
-    seed_help = " ".join(seed_help.split())
+    feed_help = build_parser()._subparsers._group_actions[0].choices["bench"]._subparsers._group_actions[0].choices[
+        "feed"].format_help()
+    feed_help = " ".join(feed_help.split())
     for text in ("--compute COMPUTE", "(default: 0.0)", "(default: 0.5)", "(default: 4,1000000,3)",
                  "(default: 4)", "(default: ./shmpipe-bench-"):
-        assert text in seed_help, text
+        assert text in feed_help, text
     for kind in ("throughput", "serialize"):
         out = subprocess.run([sys.executable, "-m", "shmpipe", "bench", kind, "--help"], capture_output=True,
                              text=True, timeout=120)

@@ -141,7 +141,7 @@ def test_corrupted_array_header_raises():
         _codec.decode(payload)
 
 
-# -- what a hostile payload may not do (issue 11) ----------------------------
+# -- what a hostile payload may not do (another process can write the ring) --
 
 
 def _replace(payload, old: bytes, new: bytes) -> None:
@@ -318,7 +318,7 @@ def test_empty_numpy_scalars_round_trip(value):
     assert type(out["v"]) is type(value) and out["v"] == value
 
 
-# -- every byte written is defined (issue 11, point 10) ------------------------
+# -- every byte written is defined (no stale bytes of a slot in the padding) --
 
 _PADDED = np.dtype({"names": ["x", "y"], "formats": ["u1", "<f4"], "offsets": [0, 8], "itemsize": 16})
 

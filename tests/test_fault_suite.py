@@ -234,7 +234,7 @@ def run_script(tmp_path, name: str, text: str, *args: str, timeout: float = 60) 
     return proc.returncode, out, err
 
 
-# -- issue 11: a producer killed while it writes a large batch ------------------
+# -- a producer killed while it writes a large batch ---------------------------
 
 KILLED_WHILE_IT_PUTS = textwrap.dedent(
     """
@@ -267,7 +267,7 @@ KILLED_WHILE_IT_PUTS = textwrap.dedent(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_producer_sigkilled_while_it_puts_a_4_mib_batch(tmp_path, transport):
-    # The reproduction of issue 11: with the queue transport built on
+    # The hang this reproduces: with the queue transport built on
     # multiprocessing.Queue the consumer hung for good in Connection._recv
     # (timeout=5 or not), and the resource tracker warned about leaked
     # semaphores at exit.

@@ -1,4 +1,4 @@
-"""Where the ring's memory lives (issue: the ring in sealed anonymous memory).
+"""Where the ring's memory lives: by default, in sealed anonymous memory.
 
 Anonymous memory (memfd_create) is the default: sealed against resizing
 before any producer sees it, in no file system, passed to producers as a

@@ -1,4 +1,4 @@
-"""The "queue" transport: batches pickled through a pipe, the article's recipe.
+"""The "queue" transport: batches pickled through a pipe, the plain multiprocessing recipe.
 
 Every batch is pickled by its producer, written into a pipe, read and
 unpickled by the consumer: copies and the CPU of both sides, at a size that
@@ -12,8 +12,10 @@ benchmarks compare against.
 It is built from plain pipes rather than ``multiprocessing.Queue``, whose
 consumer can hang for good on a producer killed while it writes: once a
 message has begun, ``Queue.get(timeout=...)`` blocks until the rest of it
-arrives, which never happens (issue 11), and a producer killed while it
-holds the queue's shared writer lock blocks every other producer. Here:
+arrives, which never happens (tests/test_fault_suite.py reproduces it: a
+producer SIGKILLed half way through putting a 4 MiB batch), and a producer
+killed while it holds the queue's shared writer lock blocks every other
+producer. Here:
 
 * Each worker writes into a pipe of its own, so a dead writer can only
   leave half a message in its own pipe, and holds no lock anyone else needs.

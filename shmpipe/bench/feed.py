@@ -1,4 +1,7 @@
-"""The article's experiment: how long does a training loop wait for its next batch?
+"""How long does a training loop wait for its next batch, fed every way side by side?
+
+The experiment this project starts from: producers that take 0.5 s to fetch
+each 48 MB batch, and a 0.1 s training step.
 
 A data generator simulates fetching (a sleep) and computing (a busy loop,
 then drawing the arrays), and yields (sample, target) batches, by default
@@ -9,7 +12,7 @@ each batch. Recipes:
   generator          the plain generator, in the training process
   tf.data            tf.data.Dataset.from_generator(...).prefetch(AUTOTUNE)
   mp.Queue           cpu_count() processes putting batches on a
-                     multiprocessing.Queue(cpu_count() * 2), as the article writes it
+                     multiprocessing.Queue(cpu_count() * 2), the plain multiprocessing recipe
   ray.util.iter      ray.util.iter.from_iterators([gen] * n).gather_async()
   shmpipe:<name>     shmpipe.from_iterators([gen] * n, transport=<name>), every
                      available transport
@@ -51,7 +54,7 @@ import shmpipe
 from shmpipe.bench._report import process_context, pyplot
 
 __all__ = [
-    "SeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot", "summary", "transport_bound",
+    "FeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot", "summary", "transport_bound",
     "wait_floor", "one_ray",
 ]
 
@@ -65,7 +68,7 @@ OnProgress = Callable[[str, int | None], None]
 
 
 @dataclass(frozen=True)
-class SeedConfig:
+class FeedConfig:
     workers: int = field(default_factory=lambda: multiprocessing.cpu_count())
     batches: int = 10  # per producer (the plain generator and tf.data make this many)
     shape: tuple[int, ...] = (4, 1000000, 3)
@@ -98,9 +101,9 @@ def wait_floor(producers: int, produce_s: float, train_s: float) -> float:
     return max(0.0, produce_s / producers - train_s)
 
 
-def transport_bound(cfg: SeedConfig, batches: int = 4) -> SeedConfig:
+def transport_bound(cfg: FeedConfig, batches: int = 4) -> FeedConfig:
     """`cfg` with enough producers that they make batches 1.5 times as fast as
-    the loop takes them (8 at the article's 0.5 s fetch and 0.1 s step):
+    the loop takes them (8 at the default 0.5 s fetch and 0.1 s step):
     every millisecond of wait above the floor is then the transport's."""
     workers = math.ceil(1.5 * cfg.produce_s / cfg.train_s) if cfg.train_s > 0 else 2 * cfg.workers
     return dataclasses.replace(cfg, workers=max(workers, cfg.workers, 2), batches=batches)
@@ -177,19 +180,20 @@ class RecipeResult:
 
 
 #: A recipe: runs the experiment with a config, calling on_batch after each batch.
-Recipe = Callable[[SeedConfig, OnBatch | None], RecipeResult]
+Recipe = Callable[[FeedConfig, OnBatch | None], RecipeResult]
 
 
 # -- the data generator (top level: producer processes unpickle it) -----------
 
 
 class DataGenerator:
-    """The article's data_generator, with its costs as parameters. The
+    """The experiment's data generator (a sleep to fetch, a busy loop to
+    compute, then random arrays), with its costs as parameters. The
     target's first element carries the producing process's pid (exact in
     float32: pids stay below 2**24), so the loop can tell when every
     producer has delivered its first batch."""
 
-    def __init__(self, cfg: SeedConfig, reserve: bool = False) -> None:
+    def __init__(self, cfg: FeedConfig, reserve: bool = False) -> None:
         self.cfg, self.reserve = cfg, reserve
 
     def __call__(self) -> Iterator[Batch]:
@@ -224,7 +228,7 @@ def _producer_of(batch: Any) -> int | None:
     return int(target.flat[0]) if target.size else None
 
 
-def _article_producer(q: multiprocessing.Queue[Batch | str], cfg: SeedConfig) -> None:
+def _queue_producer(q: multiprocessing.Queue[Batch | str], cfg: FeedConfig) -> None:
     for batch in DataGenerator(cfg)():
         q.put(batch)
     q.put("DONE")
@@ -234,7 +238,7 @@ def _article_producer(q: multiprocessing.Queue[Batch | str], cfg: SeedConfig) ->
 
 
 def _measure(
-    name: str, producers: int, cfg: SeedConfig, make_iter: Callable[[], Iterator[Any]], on_batch: OnBatch | None = None
+    name: str, producers: int, cfg: FeedConfig, make_iter: Callable[[], Iterator[Any]], on_batch: OnBatch | None = None
 ) -> RecipeResult:
     """Times the consumer's wait for each batch of iterator make_iter(), and
     the CPU time this process spends from the first batch on. `producers`
@@ -271,11 +275,11 @@ def _measure(
     )
 
 
-def recipe_generator(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
+def recipe_generator(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
     return _measure("generator", 0, cfg, lambda: iter(DataGenerator(cfg)()), on_batch)
 
 
-def recipe_tf_data(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
+def recipe_tf_data(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
     import tensorflow as tf
 
     def make() -> Iterator[Any]:
@@ -288,9 +292,10 @@ def recipe_tf_data(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeRe
     return _measure("tf.data", 1, cfg, make, on_batch)  # one thread prefetches
 
 
-def recipe_mp_queue(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
-    """The article's multiprocessing recipe (its queue.join() aside, which
-    multiprocessing.Queue does not have)."""
+def recipe_mp_queue(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
+    """The plain multiprocessing recipe: cpu_count() processes put batches on
+    one multiprocessing.Queue (without the queue.join() it is often written
+    with, which multiprocessing.Queue does not have)."""
     n = cfg.workers
     ctx = process_context()
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -298,7 +303,7 @@ def recipe_mp_queue(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeR
     def make() -> Iterator[Batch]:
         q: multiprocessing.Queue[Batch | str] = ctx.Queue(n * 2)
         for _ in range(n):
-            p = ctx.Process(target=_article_producer, args=(q, cfg), daemon=True)
+            p = ctx.Process(target=_queue_producer, args=(q, cfg), daemon=True)
             p.start()
             procs.append(p)
 
@@ -338,7 +343,7 @@ def ray_util_iter_available() -> str | None:
     return None
 
 
-def recipe_ray_util_iter(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
+def recipe_ray_util_iter(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
     import ray
     import ray.util.iter
 
@@ -347,7 +352,7 @@ def recipe_ray_util_iter(cfg: SeedConfig, on_batch: OnBatch | None = None) -> Re
     n = cfg.workers
     started = not ray.is_initialized()
 
-    def make() -> Iterator[Any]:  # Ray's start-up counts towards the first batch, as the article's
+    def make() -> Iterator[Any]:  # Ray's start-up counts towards the first batch: ray.init() is part of the recipe
         if started:
             with _away_from_a_checkout():
                 ray.init(address="local", num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
@@ -362,7 +367,7 @@ def recipe_ray_util_iter(cfg: SeedConfig, on_batch: OnBatch | None = None) -> Re
 
 
 def recipe_shmpipe(transport: str, reserve: bool = False) -> Recipe:
-    def run_recipe(cfg: SeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
+    def run_recipe(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
         n = cfg.workers
         pipes: list[shmpipe.Pipeline] = []
 
@@ -412,7 +417,7 @@ def _why_not(name: str) -> str | None:
     return None
 
 
-def run(cfg: SeedConfig, recipes: list[str] | None = None, progress: OnProgress | None = None) -> list[RecipeResult]:
+def run(cfg: FeedConfig, recipes: list[str] | None = None, progress: OnProgress | None = None) -> list[RecipeResult]:
     """Runs the recipes one after the other; returns their results (a
     recipe that cannot run here comes back with `skipped` saying why)."""
     known = available_recipes()
@@ -446,8 +451,8 @@ def _fmt_s(s: float) -> str:
 def table(results: list[RecipeResult]) -> str:
     """Markdown: per recipe the steady-state wait per batch, the producers'
     floor and the wait above it, the median, the first batch, the trainer's
-    CPU per batch and (where tf.data ran) the speed-up over the article's
-    tf.data recipe."""
+    CPU per batch and (where tf.data ran) the speed-up over the tf.data
+    recipe."""
     base = next((r for r in results if r.recipe == "tf.data" and r.waits_s), None)
     head = ["recipe", "producers", "wait per batch", "floor", "above floor", "median wait", "first batch",
             "trainer CPU per batch"] + (["speed-up vs tf.data"] if base else [])
@@ -469,14 +474,14 @@ def table(results: list[RecipeResult]) -> str:
     return "\n".join(lines)
 
 
-def summary(article: list[RecipeResult], bound: list[RecipeResult] | None) -> list[str]:
+def summary(results: list[RecipeResult], bound: list[RecipeResult] | None) -> list[str]:
     """A few sentences: what shmpipe buys on this machine, from the results."""
 
     def find(results: list[RecipeResult] | None, name: str) -> RecipeResult | None:
         return next((r for r in results or [] if r.recipe == name and r.waits_s), None)
 
     lines: list[str] = []
-    parallel = [r for r in article if r.waits_s and r.recipe not in ("generator", "tf.data")]
+    parallel = [r for r in results if r.waits_s and r.recipe not in ("generator", "tf.data")]
     if parallel and parallel[0].floor_s > 0:
         waits = sorted(r.wait_s for r in parallel)
         lines.append(
@@ -484,7 +489,7 @@ def summary(article: list[RecipeResult], bound: list[RecipeResult] | None) -> li
             f"the floor, {_fmt_s(parallel[0].floor_s)} per batch (the parallel recipes wait {_fmt_s(waits[0])} "
             f"to {_fmt_s(waits[-1])}); more producers lower it."
         )
-    source = bound if bound else article
+    source = bound if bound else results
     shm = find(source, "shmpipe:shm")
     if shm is not None:
         others = [r for r in (find(source, "mp.Queue"), find(source, "ray.util.iter")) if r]
