@@ -28,7 +28,7 @@ from shmpipe._stats import GroupStats, PipelineStats
 from shmpipe.errors import (
     BatchTooLargeError,
     BatchTypeError,
-    CorruptSegmentError,
+    CorruptChannelError,
     GroupError,
     GroupStartError,
     PipelineClosedError,
@@ -51,7 +51,7 @@ __all__ = [
     "ArraySpec",
     "BatchTooLargeError",
     "BatchTypeError",
-    "CorruptSegmentError",
+    "CorruptChannelError",
     "GroupError",
     "GroupStartError",
     "GroupStats",
@@ -79,6 +79,15 @@ __all__ = [
     "reserve",
     "signature_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated names (shmpipe.errors says which), with a DeprecationWarning."""
+    from shmpipe import errors
+
+    if name in errors._DEPRECATED:
+        return getattr(errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def clean(dry_run: bool = False) -> list[str]:

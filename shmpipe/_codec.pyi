@@ -22,5 +22,5 @@ def dtype_name(dt: np.dtype) -> bytes | None:
 def dtype_from_name(spec: bytes) -> np.dtype:
     """The dtype `spec` names, looked up in a closed table (NumPy's own
     dtypes, and extension dtypes of modules this process has imported);
-    CorruptSegmentError for any other name, or one that holds objects."""
+    CorruptChannelError for any other name, or one that holds objects."""
     ...

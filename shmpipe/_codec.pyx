@@ -29,7 +29,7 @@ Meta nodes (one tag byte, then the node's fields)::
            makes a dtype that holds Python objects.
 
 The decoder checks every length and offset against the payload, so a
-corrupted or hostile slot gives CorruptSegmentError, never a crash.
+corrupted or hostile slot gives CorruptChannelError, never a crash.
 """
 
 import ast
@@ -53,7 +53,7 @@ from libc.string cimport memcmp, memcpy, memset
 from shmpipe import _batch
 from shmpipe._batch import format_path
 from shmpipe._spec import ArraySpec
-from shmpipe.errors import BatchTypeError, CorruptSegmentError
+from shmpipe.errors import BatchTypeError, CorruptChannelError
 
 cnp.import_array()
 
@@ -178,7 +178,7 @@ cdef str _shown(bytes spec):
 
 
 def dtype_from_name(bytes spec):
-    """The dtype `spec` names; CorruptSegmentError if it names none shmpipe
+    """The dtype `spec` names; CorruptChannelError if it names none shmpipe
     makes from shared memory. Runs no code the name chooses."""
     dt = _spec_cache.get(spec)
     if dt is not None:
@@ -204,33 +204,33 @@ cdef object _plain_dtype(bytes name, bytes spec):
     """A NumPy built-in dtype, from its dtype.str (`name`, inside `spec`)."""
     if _OBJECT_SPEC.fullmatch(name) is not None:
         # Refused here already, before any dtype is made (see _refuse_references).
-        raise CorruptSegmentError(f"payload names dtype {_shown(name)}, which holds Python "
+        raise CorruptChannelError(f"payload names dtype {_shown(name)}, which holds Python "
                                   "objects and is never made from shared memory")
     m = _PLAIN_SPEC.fullmatch(name)
     if m is None:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not a NumPy "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which is not a NumPy "
                                   "dtype shmpipe carries")
     _, kind, size, _, unit = m.groups()
     sizes = _PLAIN_KINDS.get(kind[0], False)
     if sizes is False:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose kind "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose kind "
                                   f"{kind.decode()!r} is not one shmpipe carries")
     n = int(size)
     if (n not in sizes) if sizes is not None else (n * (4 if kind == b"U" else 1) > _MAX_ITEMSIZE):
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size is "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose item size is "
                                   "impossible for its kind")
     if unit is not None and (kind not in (b"M", b"m") or unit not in _DATETIME_UNITS):
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose time unit is "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose time unit is "
                                   "not one of NumPy's")
     try:
         # The name is now one of the forms above: NumPy parses it as a
         # built-in type code, nothing else.
         dt = np.dtype(name.decode("ascii"))
     except Exception as exc:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which NumPy does "
                                   f"not accept: {exc}") from None
     if dt.num >= 256 or dt.str.encode("ascii") != name:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not spelled "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which is not spelled "
                                   "as shmpipe spells it")
     return dt
 
@@ -240,10 +240,10 @@ cdef object _structured_dtype(bytes spec):
     try:
         text = spec[1:].decode("utf-8")
     except UnicodeDecodeError:
-        raise CorruptSegmentError(f"payload names a structured dtype that is not UTF-8 text: "
+        raise CorruptChannelError(f"payload names a structured dtype that is not UTF-8 text: "
                                   f"{spec!r}") from None
     if _DESCR_TEXT.fullmatch(text) is None:
-        raise CorruptSegmentError(f"payload names a structured dtype that is not a dtype "
+        raise CorruptChannelError(f"payload names a structured dtype that is not a dtype "
                                   f"description: {_shown(spec)}")
     try:
         # A literal only (lists, tuples, str, int): literal_eval runs no code.
@@ -251,10 +251,10 @@ cdef object _structured_dtype(bytes spec):
         # odd about the text: every one of those is a corrupt name.
         descr = ast.literal_eval(text)
     except Exception as exc:
-        raise CorruptSegmentError(f"payload names a structured dtype that cannot be read: "
+        raise CorruptChannelError(f"payload names a structured dtype that cannot be read: "
                                   f"{_shown(spec)} ({type(exc).__name__})") from None
     if type(descr) is not list:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not a "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which is not a "
                                   "structured dtype")
     dt = _descr_dtype(descr, spec, 0)
     try:
@@ -262,7 +262,7 @@ cdef object _structured_dtype(bytes spec):
     except Exception:
         same = False
     if not same:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which is not spelled "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which is not spelled "
                                   "as shmpipe spells it")
     return dt
 
@@ -272,17 +272,17 @@ cdef object _descr_dtype(object descr, bytes spec, int depth):
     built-in, names str, shapes small tuples of ints, sizes bounded."""
     cdef Py_ssize_t offset = 0
     if depth > _MAX_STRUCT_DEPTH:
-        raise CorruptSegmentError(f"payload names a structured dtype nested more than "
+        raise CorruptChannelError(f"payload names a structured dtype nested more than "
                                   f"{_MAX_STRUCT_DEPTH} levels deep")
     if type(descr) is str:
         try:
             leaf = (<str>descr).encode("ascii")
         except UnicodeEncodeError:
-            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose field "
+            raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose field "
                                       f"type {descr!r} is not a NumPy dtype shmpipe carries") from None
         return _plain_dtype(leaf, spec)
     if type(descr) is not list:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose fields are "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose fields are "
                                   "not a list")
     names = []
     formats = []
@@ -290,18 +290,18 @@ cdef object _descr_dtype(object descr, bytes spec, int depth):
     offsets = []
     for field in <list>descr:
         if type(field) is not tuple or not (2 <= len(<tuple>field) <= 3):
-            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose fields "
+            raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose fields "
                                       "are not (name, type[, shape])")
         name = field[0]
         if type(name) is tuple and len(<tuple>name) == 2:
             title, name = name
             if type(title) is not str:
-                raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a "
+                raise CorruptChannelError(f"payload names dtype {_shown(spec)}, with a "
                                           "field title that is not text")
         else:
             title = None
         if type(name) is not str:
-            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field "
+            raise CorruptChannelError(f"payload names dtype {_shown(spec)}, with a field "
                                       "name that is not text")
         dt = _descr_dtype(field[1], spec, depth + 1)
         if len(<tuple>field) == 3:
@@ -315,13 +315,13 @@ cdef object _descr_dtype(object descr, bytes spec, int depth):
             offsets.append(offset)
         offset += dt.itemsize
         if offset > _MAX_ITEMSIZE:
-            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size "
+            raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose item size "
                                       "is impossible")
     try:
         return np.dtype({"names": names, "formats": formats, "titles": titles,
                          "offsets": offsets, "itemsize": offset})
     except Exception as exc:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which NumPy does "
                                   f"not accept: {exc}") from None
 
 
@@ -329,20 +329,20 @@ cdef object _subarray(object dt, object shape, bytes spec):
     """`dt` with a subarray `shape` (a field "('c', '<i4', (2, 3))")."""
     cdef Py_ssize_t itemsize = dt.itemsize
     if type(shape) is not tuple or len(<tuple>shape) > _MAX_SUBARRAY_NDIM:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field shape "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, with a field shape "
                                   "that is not a short tuple")
     for dim in <tuple>shape:
         if type(dim) is not int or not (0 <= dim <= _MAX_ITEMSIZE):
-            raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, with a field "
+            raise CorruptChannelError(f"payload names dtype {_shown(spec)}, with a field "
                                       "shape that is not sizes")
         itemsize = itemsize * dim if itemsize * dim <= _MAX_ITEMSIZE else _MAX_ITEMSIZE + 1
     if itemsize > _MAX_ITEMSIZE:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, whose item size is "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, whose item size is "
                                   "impossible")
     try:
         return np.dtype((dt, shape))
     except Exception as exc:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which NumPy does "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which NumPy does "
                                   f"not accept: {exc}") from None
 
 
@@ -352,23 +352,23 @@ cdef object _extension_dtype(bytes spec):
     try:
         module, sep, qualname = spec[1:].decode("utf-8").partition(":")
     except UnicodeDecodeError:
-        raise CorruptSegmentError(f"payload names an extension dtype that is not UTF-8 text: "
+        raise CorruptChannelError(f"payload names an extension dtype that is not UTF-8 text: "
                                   f"{spec!r}") from None
     if not sep:
-        raise CorruptSegmentError(f"payload names extension dtype {_shown(spec)} without "
+        raise CorruptChannelError(f"payload names extension dtype {_shown(spec)} without "
                                   "module:name")
     mod = sys.modules.get(module)
     if mod is None:
         # Importing it would run code the payload chose (a module's import
         # is its code: "@this:s" printed the Zen of Python).
-        raise CorruptSegmentError(
+        raise CorruptChannelError(
             f"payload names dtype {_shown(spec)} from module {module!r}, which this process "
             "has not imported; shmpipe never imports a module named in shared memory (import "
             "it in the consumer first)"
         )
     dt = _extension_table(module, mod).get(qualname)
     if dt is None:
-        raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, but module {module!r} "
+        raise CorruptChannelError(f"payload names dtype {_shown(spec)}, but module {module!r} "
                                   f"defines no NumPy extension dtype {qualname!r}")
     return dt
 
@@ -415,7 +415,7 @@ cdef int _refuse_references(object dt, str shown) except -1:
     # whichever way the payload spells it: "|O8", or a structured dtype with
     # an object field somewhere inside.
     if dt.hasobject:
-        raise CorruptSegmentError(
+        raise CorruptChannelError(
             f"payload names dtype {shown}, which holds Python objects and is never made "
             "from shared memory"
         )
@@ -774,14 +774,14 @@ cdef class Decoder:
         cdef uint32_t magic, meta_len
         cdef uint64_t total
         if nbytes < PAYLOAD_PREFIX:
-            raise CorruptSegmentError(f"a slot payload of {nbytes} bytes is too short")
+            raise CorruptChannelError(f"a slot payload of {nbytes} bytes is too short")
         memcpy(&magic, payload, 4)
         memcpy(&meta_len, payload + 4, 4)
         memcpy(&total, payload + 8, 8)
         if magic != PAYLOAD_MAGIC:
-            raise CorruptSegmentError("a slot does not start with the payload magic")
+            raise CorruptChannelError("a slot does not start with the payload magic")
         if total != <uint64_t>nbytes or <uint64_t>data_start(meta_len) > total:
-            raise CorruptSegmentError(
+            raise CorruptChannelError(
                 f"a slot's sizes disagree with its header (payload of {nbytes} bytes, header "
                 f"says {total}, with {meta_len} bytes of structure)")
         # One _Reader is kept for the next call (allocating one per batch is
@@ -803,7 +803,7 @@ cdef class Decoder:
         try:
             result = r.node(0)
             if r.pos != r.end:
-                raise CorruptSegmentError("a slot's structure has trailing bytes")
+                raise CorruptChannelError("a slot's structure has trailing bytes")
         finally:
             # Nothing of this batch stays referenced from here.
             r.root = None
@@ -825,7 +825,7 @@ cdef class _Reader:
 
     cdef inline int need(self, Py_ssize_t n) except -1:
         if n < 0 or n > self.end - self.pos:
-            raise CorruptSegmentError("a slot's structure runs past its end")
+            raise CorruptChannelError("a slot's structure runs past its end")
         return 0
 
     cdef inline uint32_t u32(self) except? 0xFFFFFFFF:
@@ -848,7 +848,7 @@ cdef class _Reader:
         try:
             s = PyUnicode_DecodeUTF8(<const char *>self.pos, n, NULL)
         except UnicodeDecodeError as exc:
-            raise CorruptSegmentError(f"a slot's structure holds {what} that is not UTF-8 "
+            raise CorruptChannelError(f"a slot's structure holds {what} that is not UTF-8 "
                                       f"({exc.reason} at byte {exc.start})") from None
         self.pos += n
         return s
@@ -884,10 +884,10 @@ cdef class _Reader:
         if dt is None:
             try:
                 dt = dtype_from_name(spec)
-            except CorruptSegmentError:
+            except CorruptChannelError:
                 raise
             except Exception as exc:
-                raise CorruptSegmentError(f"payload names dtype {_shown(spec)}, which cannot be "
+                raise CorruptChannelError(f"payload names dtype {_shown(spec)}, which cannot be "
                                           f"read: {exc}") from exc
             if len(dtypes) >= 256:  # a hostile producer may name many
                 dtypes.clear()
@@ -903,7 +903,7 @@ cdef class _Reader:
         cdef int64_t iv
         cdef double fv
         if depth > MAX_DEPTH:
-            raise CorruptSegmentError("a slot's structure is nested too deep")
+            raise CorruptChannelError("a slot's structure is nested too deep")
         self.need(1)
         tag = <char>self.pos[0]
         self.pos += 1
@@ -913,7 +913,7 @@ cdef class _Reader:
             n = self.u32()
             # Each entry takes at least 5 bytes (key length, value tag).
             if n > <uint32_t>((self.end - self.pos) // 5):
-                raise CorruptSegmentError(f"a slot's structure claims a dict of {n} entries, "
+                raise CorruptChannelError(f"a slot's structure claims a dict of {n} entries, "
                                           "more than it has room for")
             d = {}
             for i in range(n):
@@ -921,13 +921,13 @@ cdef class _Reader:
                 if key in d:
                     # The encoder writes a dict's keys once each: a repeat
                     # is a corrupt structure, not a batch with fewer keys.
-                    raise CorruptSegmentError(f"a slot's structure repeats the dict key {key!r}")
+                    raise CorruptChannelError(f"a slot's structure repeats the dict key {key!r}")
                 d[key] = self.node(depth + 1)
             return d
         if tag == b"(" or tag == b"[":
             n = self.u32()
             if n > <uint32_t>(self.end - self.pos):  # each item takes at least one byte
-                raise CorruptSegmentError(f"a slot's structure claims a {'tuple' if tag == b'(' else 'list'} "
+                raise CorruptChannelError(f"a slot's structure claims a {'tuple' if tag == b'(' else 'list'} "
                                           f"of {n} items, more than it has room for")
             items = [self.node(depth + 1) for i in range(n)]
             return tuple(items) if tag == b"(" else items
@@ -963,7 +963,7 @@ cdef class _Reader:
             # np.frombuffer: it refuses an item size of 0, and np.bytes_(b"")
             # is a "|S0" scalar the encoder writes.
             return np.ndarray((), dtype=dt, buffer=raw)[()]
-        raise CorruptSegmentError(f"a slot's structure has an unknown tag {bytes([<uint8_t>tag])!r}")
+        raise CorruptChannelError(f"a slot's structure has an unknown tag {bytes([<uint8_t>tag])!r}")
 
     cdef object array(self):
         cdef cnp.npy_intp dims[MAX_NDIM]
@@ -975,7 +975,7 @@ cdef class _Reader:
         ndim = self.pos[0]
         self.pos += 1
         if ndim > MAX_NDIM:
-            raise CorruptSegmentError(f"a slot holds an array of {ndim} dimensions, more than "
+            raise CorruptChannelError(f"a slot holds an array of {ndim} dimensions, more than "
                                       f"NumPy's {MAX_NDIM}")
         nbytes = <uint64_t>(<cnp.dtype>dt).itemsize
         # NumPy's own check (PyArray_NewFromDescr): the product of the
@@ -987,13 +987,13 @@ cdef class _Reader:
             if (dim > <uint64_t>0x7FFFFFFFFFFFFFFF or shmp_mul_overflow(nbytes, dim, &nbytes)
                     or (dim != 0 and shmp_mul_overflow(numpy_size, dim, &numpy_size))
                     or numpy_size > <uint64_t>0x7FFFFFFFFFFFFFFF):
-                raise CorruptSegmentError(f"a slot holds an array of impossible size (dim {d} "
+                raise CorruptChannelError(f"a slot holds an array of impossible size (dim {d} "
                                           f"is {dim})")
             dims[d] = <cnp.npy_intp>dim
         off = self.u64()
         if (off % ARRAY_ALIGN != 0 or off > <uint64_t>(self.data_end - self.data)
                 or nbytes > <uint64_t>(self.data_end - self.data) - off):
-            raise CorruptSegmentError(
+            raise CorruptChannelError(
                 f"a slot holds an array outside its payload ({nbytes} bytes at offset {off} "
                 f"of a data region of {self.data_end - self.data} bytes, arrays "
                 f"{ARRAY_ALIGN}-byte aligned)")

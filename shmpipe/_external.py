@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from shmpipe._interrupts import ctrl_c_held_back
-from shmpipe.errors import CorruptSegmentError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
+from shmpipe.errors import CorruptChannelError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
 
 __all__ = ["RECORD", "ExternalMemory", "Inbox", "Outbox", "new_external", "outbox_pair", "read_record", "write_record"]
 
@@ -81,13 +81,13 @@ def write_record(slot: np.ndarray, pass_no: int, worker: int, wseq: int, nbytes:
 
 
 def read_record(payload: np.ndarray) -> tuple[int, int, int, int]:
-    """(pass, worker, wseq, nbytes) of a record; CorruptSegmentError if it
+    """(pass, worker, wseq, nbytes) of a record; CorruptChannelError if it
     is not one."""
     if payload.nbytes != RECORD.size:
-        raise CorruptSegmentError(f"an external batch's record has {payload.nbytes} bytes, not {RECORD.size}")
+        raise CorruptChannelError(f"an external batch's record has {payload.nbytes} bytes, not {RECORD.size}")
     magic, pass_no, nbytes, worker, zero, wseq = RECORD.unpack(payload.data)
     if magic != MAGIC or zero != 0:
-        raise CorruptSegmentError("a slot holds neither a batch nor an external batch's record")
+        raise CorruptChannelError("a slot holds neither a batch nor an external batch's record")
     return pass_no, worker, wseq, nbytes
 
 
@@ -211,7 +211,7 @@ class Inbox:
             if len(msg) != _TAG.size or len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
-                raise CorruptSegmentError("a malformed message on the external batches' socket")
+                raise CorruptChannelError("a malformed message on the external batches' socket")
             tag = _TAG.unpack(msg)
             if tag[0] < self.pass_no or tag in self.stash:
                 os.close(fds[0])  # a batch of a pass no one reads any more (or a duplicate)
@@ -232,7 +232,7 @@ class Inbox:
                 raise PipelineClosedError("the pipeline was closed while a batch larger than a slot arrived") from None
         fd = self.stash.pop(key, None)
         if fd is None:
-            raise CorruptSegmentError(
+            raise CorruptChannelError(
                 f"the memory of batch {wseq} of worker {worker} (pass {pass_no}) never came, "
                 "though its slot says it was sent"
             )
@@ -260,12 +260,12 @@ def map_external(fd: int, nbytes: int, lease: Any) -> np.ndarray:
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
-        raise CorruptSegmentError(f"an external batch's descriptor is not sealable memory: {exc}") from None
+        raise CorruptChannelError(f"an external batch's descriptor is not sealable memory: {exc}") from None
     if seals & _RESIZE_SEALS != _RESIZE_SEALS:
-        raise CorruptSegmentError("an external batch's memory is not sealed against resizing; refusing to map it")
+        raise CorruptChannelError("an external batch's memory is not sealed against resizing; refusing to map it")
     size = os.fstat(fd).st_size
     if nbytes > size:
-        raise CorruptSegmentError(f"an external batch claims {nbytes:,} bytes in memory of {size:,}")
+        raise CorruptChannelError(f"an external batch claims {nbytes:,} bytes in memory of {size:,}")
     if nbytes == 0:
         return ExternalMemory(mmap.mmap(-1, 1), 0, False, lease).root()
     mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)

@@ -33,7 +33,7 @@ from libc.string cimport strerror, memcmp
 from shmpipe._codec cimport Decoder, Encoder, new_array
 
 from shmpipe._outcomes import AGAIN, END, FAULT
-from shmpipe.errors import BatchTooLargeError, Cancelled, Closed, CorruptSegmentError, ShmpipeValueError
+from shmpipe.errors import BatchTooLargeError, Cancelled, Closed, CorruptChannelError, ShmpipeValueError
 
 cnp.import_array()
 
@@ -218,7 +218,7 @@ cdef int _raise_status(int status, str context) except -1:
     if status == SHMP_CLOSED:
         raise Closed(context)
     if status in _STATUS_MESSAGES:
-        raise CorruptSegmentError(f"{context}: {_STATUS_MESSAGES[status]}")
+        raise CorruptChannelError(f"{context}: {_STATUS_MESSAGES[status]}")
     if status == SHMP_E_ARG:
         raise ShmpipeValueError(f"{context}: argument out of range (a bug, or a corrupted ring)")
     if status == SHMP_E_SYS:
@@ -332,13 +332,13 @@ cdef class Segment:
         cdef Segment seg = Segment.__new__(Segment)
         seals = fcntl(fd, F_GET_SEALS)
         if seals < 0:
-            raise CorruptSegmentError(f"the ring's descriptor is not sealable memory: {strerror(errno).decode()}")
+            raise CorruptChannelError(f"the ring's descriptor is not sealable memory: {strerror(errno).decode()}")
         if (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW):
-            raise CorruptSegmentError("the ring's memory is not sealed against resizing; refusing to map it")
+            raise CorruptChannelError("the ring's memory is not sealed against resizing; refusing to map it")
         if fstat(fd, &st) != 0:
             raise OSError(errno, f"fstat(memfd): {strerror(errno).decode()}")
         if st.st_size <= 0:
-            raise CorruptSegmentError("the ring's memory is empty")
+            raise CorruptChannelError("the ring's memory is empty")
         seg._map(fd, st.st_size, "")
         return seg
 
@@ -393,7 +393,7 @@ cdef class Segment:
             if fstat(fd, &st) != 0:
                 raise OSError(errno, f"fstat({name!r}): {strerror(errno).decode()}")
             if st.st_size <= 0:
-                raise CorruptSegmentError(f"segment {name!r} is empty")
+                raise CorruptChannelError(f"segment {name!r} is empty")
             seg._map(fd, st.st_size, name)
         finally:
             close(fd)
@@ -845,7 +845,7 @@ cdef class RingReader:
         of time.perf_counter_ns) has reached `due_ns`: the caller then
         takes its general path, which waits, ends passes, raises failures.
         Never waits, never releases the GIL. Same checks as take(): a
-        corrupt slot raises CorruptSegmentError."""
+        corrupt slot raises CorruptChannelError."""
         cdef int64_t t0 = _now_ns(), t1
         cdef uint32_t slot = 0
         cdef int rc
@@ -863,7 +863,7 @@ cdef class RingReader:
 
     cdef object _external(self, object record, bint decode):
         if self.on_external is None:
-            raise CorruptSegmentError("a slot holds the record of a batch larger than a slot, which this ring cannot take")
+            raise CorruptChannelError("a slot holds the record of a batch larger than a slot, which this ring cannot take")
         batch, nbytes = self.on_external(record, decode)
         self.last_nbytes = nbytes
         return batch
@@ -899,10 +899,10 @@ cdef class RingReader:
         # released: on error, the root is dropped and the lease with it.
         lease = _lease(ring, slot, True)
         if nbytes > ring.r.slot_size:
-            raise CorruptSegmentError(
+            raise CorruptChannelError(
                 f"slot {slot} claims {nbytes} bytes, more than a slot holds ({ring.r.slot_size})")
         if from_worker >= ring.r.nworkers:
-            raise CorruptSegmentError(
+            raise CorruptChannelError(
                 f"slot {slot} names worker {from_worker}, but the ring has {ring.r.nworkers} workers")
         self.last_worker = <int>from_worker
         self.last_nbytes = nbytes

@@ -9,7 +9,7 @@ work as they would anywhere else::
     │   └── BatchTypeError            a batch holds something shmpipe cannot carry
     ├── ShmpipeValueError(ValueError)
     │   ├── BatchTooLargeError        a batch does not fit in a slot
-    │   └── CorruptSegmentError       a segment's header is not what it must be
+    │   └── CorruptChannelError       what another process wrote breaks the protocol
     ├── SharedMemoryFullError(OSError)  /dev/shm has no room for the ring
     ├── TransportUnavailableError(ImportError)  a transport's dependency is missing
     ├── PipelineTimeoutError(TimeoutError)
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno as _errno
 import signal as _signal
+import warnings
 from typing import Any
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "ShmpipeValueError",
     "BatchTypeError",
     "BatchTooLargeError",
-    "CorruptSegmentError",
+    "CorruptChannelError",
     "SharedMemoryFullError",
     "TransportUnavailableError",
     "PipelineTimeoutError",
@@ -99,8 +100,25 @@ def _round_mib(nbytes: int) -> str:
     return f"{mib} << 20" if mib > 1 else "1 << 20"
 
 
-class CorruptSegmentError(ShmpipeValueError):
-    """A shared-memory segment's header failed validation."""
+class CorruptChannelError(ShmpipeValueError):
+    """What another process wrote into a channel breaks its protocol: the
+    ring's memory (a header, a slot's record, a payload), a queue's pipe
+    frame, a batch's descriptor or its count, a record dealt to a rank.
+    Never anything but this error (or a clear one of its kin): bytes from
+    another process are untrusted. Formerly CorruptSegmentError, which
+    stays as a deprecated alias."""
+
+
+_DEPRECATED = {"CorruptSegmentError": ("CorruptChannelError", CorruptChannelError)}
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated names, with a DeprecationWarning that gives the new one."""
+    if name in _DEPRECATED:
+        new, value = _DEPRECATED[name]
+        warnings.warn(f"shmpipe.{name} is deprecated: use shmpipe.{new}", DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SharedMemoryFullError(ShmpipeError, OSError):

@@ -15,7 +15,7 @@ from conftest import assert_same
 
 import shmpipe
 from shmpipe import _codec
-from shmpipe.errors import BatchTypeError, CorruptSegmentError
+from shmpipe.errors import BatchTypeError, CorruptChannelError
 from shmpipe.testing.batches import SCALARS, matrix, non_contiguous
 
 try:
@@ -125,7 +125,7 @@ def test_reserve_template_outside_a_producer_gives_plain_arrays():
 def test_corrupted_payload_raises_not_crashes(corrupt):
     payload = _codec.encode({"x": np.arange(10), "y": "text"})
     corrupt(payload)
-    with pytest.raises(CorruptSegmentError):
+    with pytest.raises(CorruptChannelError):
         _codec.decode(payload)
 
 
@@ -134,10 +134,10 @@ def test_corrupted_array_header_raises():
     # layout: prefix(16) 'a' u16 len, "<i8", u8 ndim, u64 dim, u64 offset
     dim_at = 16 + 1 + 2 + 3 + 1
     payload[dim_at : dim_at + 8] = np.frombuffer(np.uint64(1 << 40).tobytes(), np.uint8)
-    with pytest.raises(CorruptSegmentError, match="outside its payload"):
+    with pytest.raises(CorruptChannelError, match="outside its payload"):
         _codec.decode(payload)
     payload[dim_at : dim_at + 8] = 0xFF
-    with pytest.raises(CorruptSegmentError):
+    with pytest.raises(CorruptChannelError):
         _codec.decode(payload)
 
 
@@ -169,7 +169,7 @@ def test_object_dtype_is_never_made_from_a_payload(batch, old, new):
     # whose first read crashed it.
     payload = _codec.encode(batch)
     _replace(payload, old, new)
-    with pytest.raises(CorruptSegmentError, match="holds Python objects"):
+    with pytest.raises(CorruptChannelError, match="holds Python objects"):
         _codec.decode(payload)
 
 
@@ -190,7 +190,7 @@ def test_a_payload_never_imports_a_module(monkeypatch, capsys):
     # "@this:s" used to make the consumer import `this` (which prints the Zen
     # of Python): a payload chose code for the consumer to run.
     monkeypatch.delitem(sys.modules, "this", raising=False)
-    with pytest.raises(CorruptSegmentError, match="has not imported"):
+    with pytest.raises(CorruptChannelError, match="has not imported"):
         _codec.decode(_array_payload(b"@this:s"))
     assert "this" not in sys.modules
     assert capsys.readouterr().out == ""
@@ -210,7 +210,7 @@ def test_a_payload_never_gets_an_attribute_by_name(monkeypatch):
         b"@shmpipe_test_lazy:__getattr__",
         b"@numpy:testing",
     ):
-        with pytest.raises(CorruptSegmentError, match="defines no NumPy extension dtype"):
+        with pytest.raises(CorruptChannelError, match="defines no NumPy extension dtype"):
             _codec.decode(_array_payload(spec))
     assert asked == []
 
@@ -236,7 +236,7 @@ def test_a_payload_never_gets_an_attribute_by_name(monkeypatch):
     ],
 )
 def test_dtype_names_come_from_a_closed_table(spec, words):
-    with pytest.raises(CorruptSegmentError, match=re.escape(words)):
+    with pytest.raises(CorruptChannelError, match=re.escape(words)):
         _codec.decode(_array_payload(spec))
 
 
@@ -247,7 +247,7 @@ def test_extension_dtypes_only_from_modules_the_consumer_imported(monkeypatch):
     assert b"@ml_dtypes:bfloat16" in payload.tobytes()
     assert_same(_codec.decode(payload), batch)
     monkeypatch.delitem(sys.modules, "ml_dtypes")
-    with pytest.raises(CorruptSegmentError, match="'ml_dtypes', which this process has not imported"):
+    with pytest.raises(CorruptChannelError, match="'ml_dtypes', which this process has not imported"):
         _codec.decode(payload)
 
 
@@ -287,7 +287,7 @@ _DIMS_AT = 16 + 1 + 2 + 3 + 1
 def test_malformed_payloads_say_what_is_wrong(batch, corrupt, words):
     payload = _codec.encode(batch)
     corrupt(payload)
-    with pytest.raises(CorruptSegmentError, match=re.escape(words)):
+    with pytest.raises(CorruptChannelError, match=re.escape(words)):
         _codec.decode(payload)
 
 
@@ -296,7 +296,7 @@ def test_a_short_buffer_is_corrupt_not_unaligned(n):
     # An empty buffer has no meaningful address: it used to be refused as
     # "not 64-byte aligned", a ValueError, depending on where NumPy put it.
     buf = _codec.aligned_empty(64)[1 : 1 + n]
-    with pytest.raises(CorruptSegmentError, match="too short"):
+    with pytest.raises(CorruptChannelError, match="too short"):
         _codec.decode(buf)
 
 
@@ -306,7 +306,7 @@ def test_deep_nesting_is_corrupt_not_a_recursion_error():
     payload[:] = 0
     payload[:16] = np.frombuffer(b"SPB1" + struct.pack("<IQ", len(meta), len(payload)), np.uint8)
     payload[16 : 16 + len(meta)] = np.frombuffer(meta, np.uint8)
-    with pytest.raises(CorruptSegmentError, match="nested too deep"):
+    with pytest.raises(CorruptChannelError, match="nested too deep"):
         _codec.decode(payload)
 
 

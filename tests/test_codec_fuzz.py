@@ -6,7 +6,7 @@ shape and offset fields set to extreme values, dtype names replaced (object
 dtypes, module-looking names, other valid names), tags swapped, the header's
 sizes rewritten, the payload cut short or extended; plain random bytes too.
 Whatever the bytes, _codec.decode() returns a batch whose arrays all lie
-inside the payload, or raises CorruptSegmentError: no other exception, no
+inside the payload, or raises CorruptChannelError: no other exception, no
 crash, no module imported.
 
 SHMPIPE_FUZZ_EXAMPLES=N sets how many examples each test runs (a long run:
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmpipe import _codec
-from shmpipe.errors import CorruptSegmentError
+from shmpipe.errors import CorruptChannelError
 from shmpipe.testing.batches import DTYPES, make_array
 
 EXAMPLES = int(os.environ.get("SHMPIPE_FUZZ_EXAMPLES", "1000"))
@@ -350,8 +350,8 @@ def check_decode(payload: bytes) -> None:
     modules = set(sys.modules)
     try:
         out = _codec.decode(buf)
-    except CorruptSegmentError as exc:
-        assert str(exc), "a CorruptSegmentError must say what was wrong"
+    except CorruptChannelError as exc:
+        assert str(exc), "a CorruptChannelError must say what was wrong"
         out = None
     new = set(sys.modules) - modules
     assert not new, f"decoding imported {sorted(new)}"

@@ -13,7 +13,7 @@ import pytest
 import shmpipe
 from shmpipe import _codec, _ring, _stats
 from shmpipe._stats import Counters
-from shmpipe.errors import CorruptSegmentError, PipelineClosedError
+from shmpipe.errors import CorruptChannelError, PipelineClosedError
 from shmpipe.transport import END, FAULT, ChannelSpec
 from shmpipe.transports.shm import ShmConsumer, attach_writer
 
@@ -121,7 +121,7 @@ def test_take_ready_checks_the_slot_record(ring2):
     # record is 64 bytes at + 64 k; nbytes at +32.
     offset = 256 + 64 * 2 + 64 * slot + 32
     ctypes.memmove(c.segment.address + offset, (1 << 40).to_bytes(8, "little"), 8)
-    with pytest.raises(CorruptSegmentError, match="more than a slot holds"):
+    with pytest.raises(CorruptChannelError, match="more than a slot holds"):
         c.take_ready(0, -1, 0, FAR)
     assert c.held() == 0  # the lease made before the check gave the slot back
 

@@ -484,7 +484,7 @@ def test_a_rank_turns_any_malformed_message_from_rank_0_into_a_shmpipe_error(wha
     if what.startswith("error worker") or what.startswith("error died") or what == "error args not list":
         assert "malformed" in str(error)
     if what == "unsealed ring called posix":
-        assert isinstance(error, shmpipe.CorruptSegmentError) and "backing" in str(error)
+        assert isinstance(error, shmpipe.CorruptChannelError) and "backing" in str(error)
     assert json.loads(heard[-1]) == ["bye"]  # it left the group
 
 

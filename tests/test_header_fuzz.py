@@ -5,9 +5,9 @@ A real ring's header (docs/design.md, "Byte layout") is copied into fresh
 sealed anonymous memory with mutations that know its layout: each geometry
 field set to extreme or near-valid values, worker and slot records filled
 with garbage, random bytes flipped. Attaching must give a Ring or a
-CorruptSegmentError; a ring that attaches must then take, publish and
+CorruptChannelError; a ring that attaches must then take, publish and
 release within its own mapping (a timeout-bounded take returns, or raises
-CorruptSegmentError): no other exception, no crash, no hang.
+CorruptChannelError): no other exception, no crash, no hang.
 
 SHMPIPE_FUZZ_EXAMPLES=N sets how many examples each test runs (see
 test_codec_fuzz.py).
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmpipe import _ring
-from shmpipe.errors import CorruptSegmentError, ShmpipeValueError
+from shmpipe.errors import CorruptChannelError, ShmpipeValueError
 from shmpipe.transport import AGAIN, END, FAULT
 
 EXAMPLES = int(os.environ.get("SHMPIPE_FUZZ_EXAMPLES", "1000"))
@@ -99,7 +99,7 @@ def _exercise(header: bytes) -> None:
     os.pwrite(seg.fd, header, 0)
     try:
         ring = _ring.Ring.attach(seg)
-    except CorruptSegmentError:
+    except CorruptChannelError:
         return
     # It attached: every geometry value it keeps is consistent and inside the mapping.
     assert HEADER <= TOTAL and ring.nslots * ring.slot_size <= seg.size
@@ -107,7 +107,7 @@ def _exercise(header: bytes) -> None:
     for pass_no, worker in ((0, -1), (0, 0), (0, 1), (1, -1)):
         try:
             got = reader.take(pass_no, worker, 0, 0.0)
-        except (CorruptSegmentError, ShmpipeValueError):
+        except (CorruptChannelError, ShmpipeValueError):
             continue
         if got not in (AGAIN, END, FAULT):
             assert isinstance(got, dict) and np.asarray(got["x"]).nbytes <= ring.slot_size
@@ -116,7 +116,7 @@ def _exercise(header: bytes) -> None:
         writer = _ring.RingWriter(ring, 0)
         writer.start_pass(ring.current_pass)
         writer.put({"x": np.zeros(10)})
-    except (CorruptSegmentError, ShmpipeValueError, ValueError):
+    except (CorruptChannelError, ShmpipeValueError, ValueError):
         pass
     except Exception as exc:  # Cancelled/Closed from the protocol words: fine, they are the ring's answers
         assert type(exc).__name__ in ("Cancelled", "Closed"), repr(exc)

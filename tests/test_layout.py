@@ -162,3 +162,40 @@ def test_no_import_circles():
         if node not in state:
             visit(node)
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+#: Statements that open a block (an ``elif`` continues its ``if``'s block).
+_BLOCKS = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith, ast.Match)
+MAX_NESTING = 4
+
+
+def _nesting(node: ast.AST, depth: int = 0) -> int:
+    deepest = depth
+    elif_ = node.orelse[0] if isinstance(node, ast.If) and len(node.orelse) == 1 else None
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue  # measured on its own
+        opens = isinstance(child, _BLOCKS) and not (child is elif_ and isinstance(child, ast.If))
+        deepest = max(deepest, _nesting(child, depth + opens))
+    return deepest
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_the_core_nests_no_block_deeper_than_four(core):
+    modules = _modules()
+    path = modules[f"shmpipe.{core}"]
+    deep = [
+        f"{node.name} ({_nesting(node)})"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _nesting(node) > MAX_NESTING
+    ]
+    assert not deep, f"shmpipe.{core}: {', '.join(deep)} nest blocks more than {MAX_NESTING} deep"
+
+
+def test_the_nesting_reader_counts_blocks_not_elifs():
+    def measure(src: str) -> int:
+        (fn,) = ast.parse(src).body
+        return _nesting(fn)
+
+    assert measure("def f():\n    if a:\n        pass\n    elif b:\n        pass\n    elif c:\n        pass\n") == 1
+    assert measure("def f():\n    while a:\n        with b:\n            for c in d:\n                pass\n") == 3

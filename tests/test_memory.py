@@ -20,7 +20,7 @@ import pytest
 
 import shmpipe
 from shmpipe import _ring
-from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
+from shmpipe.errors import CorruptChannelError, SharedMemoryFullError
 from shmpipe.testing.sources import ChangedReservation, Counter, ReserveThenOther, Shapes, crc_of, payload_for
 from shmpipe.transport import ChannelSpec
 from shmpipe.transports.shm import ShmConsumer, ShmTransport
@@ -73,16 +73,16 @@ def test_memory_that_could_be_resized_is_refused():
     fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, 1 << 16)
-        with pytest.raises(CorruptSegmentError, match="not sealed"):
+        with pytest.raises(CorruptChannelError, match="not sealed"):
             _ring.Segment.attach_fd(fd)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # shrinking alone is not enough
-        with pytest.raises(CorruptSegmentError, match="not sealed"):
+        with pytest.raises(CorruptChannelError, match="not sealed"):
             _ring.Segment.attach_fd(fd)
     finally:
         os.close(fd)
     r, w = os.pipe()
     try:
-        with pytest.raises(CorruptSegmentError, match="not sealable"):
+        with pytest.raises(CorruptChannelError, match="not sealable"):
             _ring.Segment.attach_fd(r)
     finally:
         os.close(r)

@@ -27,3 +27,16 @@ def test_public_api():
     assert issubclass(shmpipe.PipelineTimeoutError, TimeoutError)
     assert issubclass(shmpipe.BatchTypeError, TypeError)
     assert issubclass(shmpipe.SharedMemoryFullError, OSError)
+
+
+def test_deprecated_names_still_work_and_say_what_replaces_them():
+    import pytest
+
+    from shmpipe import errors
+
+    for module in (shmpipe, errors):
+        with pytest.warns(DeprecationWarning, match="use shmpipe.CorruptChannelError"):
+            old = module.CorruptSegmentError
+        assert old is shmpipe.CorruptChannelError
+        with pytest.raises(AttributeError):
+            module.NoSuchName  # noqa: B018

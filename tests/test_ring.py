@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from shmpipe import _process, _ring, _segments
-from shmpipe.errors import CorruptSegmentError, SharedMemoryFullError
+from shmpipe.errors import CorruptChannelError, SharedMemoryFullError
 from shmpipe.transport import Cancelled, ChannelSpec, Closed
 from shmpipe.transports.shm import ShmConsumer, ShmHandle, attach_writer
 
@@ -353,13 +353,13 @@ def _corrupt(name, offset, data):
 def test_corrupted_header_is_an_error(make_ring, offset, data, words):
     c, _ = make_ring()
     _corrupt(c.handle.name, offset, data)
-    with pytest.raises(CorruptSegmentError, match=words):
+    with pytest.raises(CorruptChannelError, match=words):
         attach_writer(c.handle, 0)
 
 
 def test_a_segment_of_someone_else_is_refused(make_ring):
     c, _ = make_ring()
-    with pytest.raises(CorruptSegmentError, match="belongs to pid"):
+    with pytest.raises(CorruptChannelError, match="belongs to pid"):
         attach_writer(ShmHandle(c.handle.name, c.handle.fd, 1, 1), 0)
 
 
@@ -430,7 +430,7 @@ _HOSTILE_PRELUDE = textwrap.dedent(
     import numpy as np
     signal.alarm(60)  # a hang nothing else catches kills the process (SIGALRM)
     from shmpipe import _ring, _segments
-    from shmpipe.errors import CorruptSegmentError
+    from shmpipe.errors import CorruptChannelError
     from shmpipe.transport import ChannelSpec
     from shmpipe.transports.shm import ShmConsumer, attach_writer
 
@@ -541,7 +541,7 @@ def test_live_geometry_rewrite_changes_nothing(tmp_path, field, value, ordered):
         assert ws[0].ring.slot_size == 8192 and ws[1].ring.nslots == c.capacity
         try:
             attach_writer(c.handle, 0)
-        except CorruptSegmentError as exc:
+        except CorruptChannelError as exc:
             print("attach refused:", exc)
         c.close(); c.destroy()
         """,
@@ -610,7 +610,7 @@ def test_garbage_in_a_ready_slots_record(tmp_path, field, value, ordered, outcom
         poke(c.handle.name, base + {SLOT_FIELDS[field][0]}, {SLOT_FIELDS[field][1]}, {value})
         try:
             b = c.get(0, 0 if {ordered} else -1, 5, 0.5)
-        except CorruptSegmentError as exc:
+        except CorruptChannelError as exc:
             print("error:", exc)
         else:
             if b is _ring.AGAIN:
@@ -634,7 +634,7 @@ def test_garbage_in_a_workers_inflight_count(tmp_path):
     # Ordered: 2 workers, 3 slots, quota 1. (a) A count set to 0 while a
     # batch is in flight must not wrap below 0 when the consumer takes it
     # (that would hold the worker at its quota for good); (b) an impossible
-    # count is a CorruptSegmentError for the producer, not a wait forever.
+    # count is a CorruptChannelError for the producer, not a wait forever.
     lines = _run_hostile(
         tmp_path,
         """
@@ -649,7 +649,7 @@ def test_garbage_in_a_workers_inflight_count(tmp_path):
         poke(name, 256 + 64, 4, 0xFFFFFFFF)  # worker 1's inflight
         try:
             bounded(ws[1].put, batch(7))
-        except CorruptSegmentError as exc:
+        except CorruptChannelError as exc:
             print("error:", exc)
         poke(name, 256 + 64, 4, 0)
         bounded(ws[1].put, batch(7))
@@ -683,7 +683,7 @@ def test_live_pipeline_survives_its_header_being_rewritten(tmp_path):
                 seen.add((b["worker"], b["seq"]))
                 # Once every producer has attached (a batch from each came),
                 # one field per batch; a producer attaching after this would
-                # refuse the segment (CorruptSegmentError), tested above.
+                # refuse the segment (CorruptChannelError), tested above.
                 if pokes and len({{w for w, _ in seen}}) == n:
                     poke(pipe.channel.segment.name, *pokes.pop())
         assert not pokes

@@ -9,7 +9,7 @@ import pytest
 
 import shmpipe
 from shmpipe import registry
-from shmpipe.errors import BatchTypeError, CorruptSegmentError
+from shmpipe.errors import BatchTypeError, CorruptChannelError
 from shmpipe.testing.sources import Counter, Fixed
 from shmpipe.transport import Capabilities, ChannelSpec, ProducerControl, Transport
 from shmpipe.transports import arrow
@@ -126,11 +126,11 @@ def test_arrow_bad_batches_and_corrupt_payloads():
     payload = arrow.encode({"x": np.arange(10)})
     bad = payload.copy()
     bad[:4] = 0
-    with pytest.raises(CorruptSegmentError):
+    with pytest.raises(CorruptChannelError):
         arrow.decode(bad)
     bad = payload.copy()
     bad[8:12] = np.frombuffer(b"{{{{", np.uint8)
-    with pytest.raises(CorruptSegmentError):
+    with pytest.raises(CorruptChannelError):
         arrow.decode(bad)
 
 
@@ -253,14 +253,14 @@ def test_queue_a_malformed_frame_is_a_clear_error():
         box.read(arrived)
         assert len(arrived) == 1 and box.partial() == (HEADER.size + 5, HEADER.size + 10)
         os.write(w, b"67890" + HEADER.pack(b"JUNK", 1, 7, 10))
-        with pytest.raises(CorruptSegmentError, match="worker 3's pipe holds a malformed frame header"):
+        with pytest.raises(CorruptChannelError, match="worker 3's pipe holds a malformed frame header"):
             box.read(arrived)
         assert arrived[-1] == (3, 1, 7, bytearray(b"1234567890"))
         # The rest of the stream cannot be framed: it stays corrupt (it used
         # to ask the pipe for no bytes next, get 0 and take that for the
         # end of the stream).
         os.write(w, b"more")
-        with pytest.raises(CorruptSegmentError, match="worker 3's pipe holds a malformed frame header b'JUNK"):
+        with pytest.raises(CorruptChannelError, match="worker 3's pipe holds a malformed frame header b'JUNK"):
             box.read(arrived)
         assert not box.eof
     finally:
@@ -306,17 +306,17 @@ def test_queue_a_corrupt_pipe_stays_corrupt_for_every_get(ordered):
         assert consumer.get(0, worker, 0, 5.0)["x"].tolist() == list(range(10))
         expected = r"worker 1's pipe holds a malformed frame header b'JUNK"
         for _ in range(3):
-            with pytest.raises(CorruptSegmentError, match=expected):
+            with pytest.raises(CorruptChannelError, match=expected):
                 consumer.get(0, worker, 1, 0.1)
         os.write(pipe_w.fd, b"and more bytes")
-        with pytest.raises(CorruptSegmentError, match=expected):
+        with pytest.raises(CorruptChannelError, match=expected):
             consumer.get(0, worker, 1, 0.1)
         pipe_w.close()  # the last writer of that pipe is gone: still corrupt, not closed
-        with pytest.raises(CorruptSegmentError, match=expected):
+        with pytest.raises(CorruptChannelError, match=expected):
             consumer.get(0, worker, 1, 0.1)
         assert "worker 1's pipe is corrupt" in consumer.describe_wait()
         if ordered:  # a get for the other worker says it too, rather than wait on
-            with pytest.raises(CorruptSegmentError, match=expected):
+            with pytest.raises(CorruptChannelError, match=expected):
                 consumer.get(0, 0, 0, 0.1)
     finally:
         consumer.destroy()
@@ -358,7 +358,7 @@ def test_queue_a_header_no_producer_can_have_written_is_corrupt_at_once():
         consumer = queue_channel()
         try:
             os.write(consumer.handle.pipes[0].fd, header)
-            with pytest.raises(CorruptSegmentError, match=rf"worker 0's pipe holds a malformed frame header .*\({why}\)"):
+            with pytest.raises(CorruptChannelError, match=rf"worker 0's pipe holds a malformed frame header .*\({why}\)"):
                 consumer.get(0, -1, 0, 5.0)
         finally:
             consumer.destroy()

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from shmpipe import _external, _ring
-from shmpipe.errors import CorruptSegmentError
+from shmpipe.errors import CorruptChannelError
 from shmpipe.transport import RankReader
 
 __all__ = ["ShmRankReader"]
@@ -93,10 +93,10 @@ class ShmRankReader(RankReader):
         self._held = 0
         try:
             if len(fds) != 1:
-                raise CorruptSegmentError(f"a ring is shared with one descriptor, {len(fds)} came")
+                raise CorruptChannelError(f"a ring is shared with one descriptor, {len(fds)} came")
             geometry = [share.get(k) for k in _GEOMETRY]
             if not all(type(v) is int and v > 0 for v in geometry):
-                raise CorruptSegmentError(f"a shared ring's geometry is malformed: {share!r}")
+                raise CorruptChannelError(f"a shared ring's geometry is malformed: {share!r}")
             total, header, slot_size, nslots = (int(v) for v in geometry)  # type: ignore[arg-type]
             page = _ring.PAGE_SIZE
             if (
@@ -105,13 +105,13 @@ class ShmRankReader(RankReader):
                 or nslots > _ring.MAX_SLOTS
                 or total != header + nslots * slot_size
             ):
-                raise CorruptSegmentError(f"a shared ring's geometry is inconsistent: {share!r}")
+                raise CorruptChannelError(f"a shared ring's geometry is inconsistent: {share!r}")
             fd = fds[0]
             # What backs the ring is this rank's own transport's setting (every
             # rank passes the same transport), never the peer's word: a
             # "backing" field saying "posix" must not skip the seal check.
             if share.get("backing") != backing:
-                raise CorruptSegmentError(
+                raise CorruptChannelError(
                     f"rank 0 shares a ring backed by {share.get('backing')!r:.20}, this rank's transport "
                     f"uses backing={backing!r}: pass the same transport in every rank"
                 )
@@ -124,10 +124,10 @@ class ShmRankReader(RankReader):
                 except OSError:
                     seals = 0  # not memory that can be sealed at all
                 if not seals & fcntl.F_SEAL_SHRINK:
-                    raise CorruptSegmentError("the shared ring's memory is not sealed against shrinking")
+                    raise CorruptChannelError("the shared ring's memory is not sealed against shrinking")
             size = os.fstat(fd).st_size
             if size < total:
-                raise CorruptSegmentError(f"the shared ring's memory has {size:,} bytes, its geometry says {total:,}")
+                raise CorruptChannelError(f"the shared ring's memory has {size:,} bytes, its geometry says {total:,}")
             mm = mmap.mmap(fd, total, prot=mmap.PROT_READ)
         finally:
             for fd in fds:
@@ -156,15 +156,15 @@ class ShmRankReader(RankReader):
             mapping = self._mapping
             if mapping is None:
                 released()
-                raise CorruptSegmentError("a batch came after the ring was closed in this rank")
+                raise CorruptChannelError("a batch came after the ring was closed in this rank")
             _, offset, nbytes = record
             if type(offset) is not int or type(nbytes) is not int:
                 released()
-                raise CorruptSegmentError(f"a malformed batch record: {record!r}")
+                raise CorruptChannelError(f"a malformed batch record: {record!r}")
             slot, rest = divmod(offset - self._header, self._slot_size)
             if rest or not 0 <= slot < self._nslots or not 0 <= nbytes <= self._slot_size:
                 released()
-                raise CorruptSegmentError(
+                raise CorruptChannelError(
                     f"a batch record points outside the ring's slots: offset {offset}, {nbytes} bytes"
                 )
             root = np.asarray(_SlotView(mapping, offset, nbytes, released))
@@ -174,7 +174,7 @@ class ShmRankReader(RankReader):
             del lease
         else:
             released()
-            raise CorruptSegmentError(f"a malformed batch record: {record!r}")
+            raise CorruptChannelError(f"a malformed batch record: {record!r}")
         return self._decode(root)  # on error the root goes, and the slot with it
 
     def held(self) -> int:

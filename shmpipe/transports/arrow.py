@@ -32,7 +32,7 @@ are 64-byte aligned: TensorFlow can alias them. (Arrow *record batches* in
 IPC are only 8-byte aligned; that is why this transport uses tensors.) The
 header is read from shared memory, so decode() treats it as untrusted: every
 offset, index, shape and dtype is checked, and anything malformed is a
-CorruptSegmentError.
+CorruptChannelError.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 
 from shmpipe import _codec, _external, _ring, _tree
 from shmpipe._spec import new_arrays
-from shmpipe.errors import CorruptSegmentError
+from shmpipe.errors import CorruptChannelError
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, require
 from shmpipe.transports.shm import ShmConsumer, ShmProducer, ShmTransport
 
@@ -155,22 +155,22 @@ def decode(root: np.ndarray) -> Any:
     views of it; every array keeps `root` alive."""
     n = root.nbytes
     if n < 8:
-        raise CorruptSegmentError("an arrow payload is too short")
+        raise CorruptChannelError("an arrow payload is too short")
     magic, hlen = (int(x) for x in np.frombuffer(root[:8], "<u4"))
     if magic != MAGIC or 8 + hlen > n:
-        raise CorruptSegmentError("not an arrow payload of shmpipe")
+        raise CorruptChannelError("not an arrow payload of shmpipe")
     try:
         header = json.loads(bytes(root[8 : 8 + hlen]))
         tree, described, spans = header["tree"], header["leaves"], header["tensors"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptSegmentError(f"an arrow payload's header cannot be read: {exc}") from None
+        raise CorruptChannelError(f"an arrow payload's header cannot be read: {exc}") from None
     buf = pa.foreign_buffer(root.ctypes.data, n, base=root)
     try:
         arrays = [_read_tensor(root, buf, span) for span in spans]
         leaves = [_leaf(node, arrays) for node in described]
         return _tree.unflatten(tree, leaves)
     except (ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as exc:
-        raise CorruptSegmentError(f"an arrow payload's header is malformed: {exc}") from None
+        raise CorruptChannelError(f"an arrow payload's header is malformed: {exc}") from None
 
 
 def _read_tensor(root: np.ndarray, buf: Any, span: Any) -> np.ndarray:
@@ -181,7 +181,7 @@ def _read_tensor(root: np.ndarray, buf: Any, span: Any) -> np.ndarray:
     n = root.nbytes
     off, size = span
     if not (type(off) is int and type(size) is int and 0 <= off and off % ALIGN == 0 and 0 <= size <= n - off):
-        raise CorruptSegmentError("an arrow payload's tensor lies outside it")
+        raise CorruptChannelError("an arrow payload's tensor lies outside it")
     parsed = pa.ipc.read_tensor(pa.BufferReader(buf.slice(off, size))).to_numpy()
     if parsed.nbytes == 0:
         empty = np.empty(parsed.shape, parsed.dtype)
@@ -189,7 +189,7 @@ def _read_tensor(root: np.ndarray, buf: Any, span: Any) -> np.ndarray:
         return empty
     start = parsed.ctypes.data - root.ctypes.data
     if not (parsed.flags.c_contiguous and off <= start and start + parsed.nbytes <= off + size):
-        raise CorruptSegmentError("an arrow payload's tensor body is not where its message says")
+        raise CorruptChannelError("an arrow payload's tensor body is not where its message says")
     view = root[start : start + parsed.nbytes].view(parsed.dtype).reshape(parsed.shape)
     return view  # root is read-only and owns no buffer NumPy could make writable: nor can this be
 

@@ -55,7 +55,7 @@ from typing import Any
 
 from shmpipe import _tree
 from shmpipe._control import PassFd
-from shmpipe.errors import CorruptSegmentError
+from shmpipe.errors import CorruptChannelError
 from shmpipe.transport import (
     AGAIN,
     END,
@@ -359,10 +359,10 @@ class _Inbound:
         """Reads until the pipe is empty, or READ_BYTES or READ_CALLS are
         spent (the caller polls again: the pipe is still ready); whole
         frames go to `arrived` as (worker, kind, pass number, pickle).
-        CorruptSegmentError if the stream is not one of frames, now and on
+        CorruptChannelError if the stream is not one of frames, now and on
         every call after."""
         if self.broken is not None:
-            raise CorruptSegmentError(self.broken)
+            raise CorruptChannelError(self.broken)
         budget, calls = READ_BYTES, READ_CALLS
         while budget > 0 and calls > 0:
             # `into` is never empty: a whole header, piece or body is dealt
@@ -391,7 +391,7 @@ class _Inbound:
                     self.broken = (
                         f"worker {self.worker}'s pipe holds a malformed frame header {bytes(self.head)!r} ({why})"
                     )
-                    raise CorruptSegmentError(self.broken)
+                    raise CorruptChannelError(self.broken)
                 self.kind, self.pass_no, self.nbytes, self.got = kind, pass_no, nbytes, 0
                 self.body = bytearray(min(nbytes, FIRST_PIECE))
             if self.got < len(self.body):
@@ -510,7 +510,7 @@ class QueueConsumer(ConsumerEnd):
                 return
             try:
                 box.read(self._arrived[box.worker if self.ordered else 0])
-            except CorruptSegmentError as exc:
+            except CorruptChannelError as exc:
                 # Not raised from here: the whole frames that came before
                 # the corruption are delivered first, then get() raises it,
                 # and goes on raising it (the pipe may never be ready again,
@@ -558,7 +558,7 @@ class QueueConsumer(ConsumerEnd):
                 if found is not None:
                     return found
                 if self._broken is not None:
-                    raise CorruptSegmentError(self._broken)
+                    raise CorruptChannelError(self._broken)
                 left = deadline - time.monotonic()
                 if polled and left <= 0:
                     break

@@ -30,7 +30,7 @@ from shmpipe import _codec, _external, _ring, _segments, _tree
 from shmpipe._control import PassFd
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._process import owner_identity
-from shmpipe.errors import BatchTooLargeError, CorruptSegmentError, SharedMemoryFullError, ShmpipeValueError
+from shmpipe.errors import BatchTooLargeError, CorruptChannelError, SharedMemoryFullError, ShmpipeValueError
 from shmpipe.transport import (
     AGAIN,
     END,
@@ -524,9 +524,9 @@ class ShmConsumer(SharingConsumerEnd):
         size, and its descriptor, which the caller now owns."""
         pass_no, worker, wseq, nbytes = _external.read_record(record)
         if self.inbox is None:
-            raise CorruptSegmentError("a slot announces a batch larger than a slot, which this pipeline forbids")
+            raise CorruptChannelError("a slot announces a batch larger than a slot, which this pipeline forbids")
         if worker != self.reader.last_worker:
-            raise CorruptSegmentError(f"a slot of worker {self.reader.last_worker} holds a record of worker {worker}")
+            raise CorruptChannelError(f"a slot of worker {self.reader.last_worker} holds a record of worker {worker}")
         # From take (the descriptor is ours) to the return that hands it
         # over, a Ctrl-C would leak it: held back to the end of the span.
         with ctrl_c_held_back():
@@ -566,7 +566,7 @@ class ShmConsumer(SharingConsumerEnd):
             fd = os.open(os.path.join(_segments.SHM_DIR, segment.name.lstrip("/")), os.O_RDONLY | os.O_CLOEXEC)
         else:
             if segment.fd < 0:
-                raise CorruptSegmentError("the ring's memory can no longer be shared (the pipeline is closing)")
+                raise CorruptChannelError("the ring's memory can no longer be shared (the pipeline is closing)")
             fd = os.dup(segment.fd)
         return share, [fd]
 
@@ -668,7 +668,7 @@ def attach_writer(handle: ShmHandle, worker: int) -> _ring.RingWriter:
         what = f"segment {handle.name!r}"
     ring = _ring.Ring.attach(segment)
     if (ring.owner_pid, ring.owner_start) != (handle.owner_pid, handle.owner_start):
-        raise CorruptSegmentError(
+        raise CorruptChannelError(
             f"{what} belongs to pid {ring.owner_pid}, not to the pipeline owner {handle.owner_pid}"
         )
     return _ring.RingWriter(ring, worker)
