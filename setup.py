@@ -1,4 +1,4 @@
-"""Builds the two Cython extensions; the metadata lives in pyproject.toml."""
+"""Builds the Cython extensions; the metadata lives in pyproject.toml."""
 
 import numpy
 from Cython.Build import cythonize
@@ -13,6 +13,7 @@ common = dict(
 extensions = [
     Extension("shmpipe._codec", ["shmpipe/_codec.pyx"], **common),
     Extension("shmpipe._ring", ["shmpipe/_ring.pyx", "csrc/shmpipe_ring.c"], **common),
+    Extension("shmpipe._tally", ["shmpipe/_tally.pyx"], **common),
 ]
 
 setup(

@@ -7,16 +7,19 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from shmpipe._tally import ReadyCounter
 
 __all__ = ["Counters", "GroupStats", "PipelineStats", "WaitHistogram"]
 
 
 #: The layout of Counters.tally, one int64 array: these totals, then one
 #: count per worker, then the wait histogram's buckets (WaitHistogram).
-#: Only this module reads or writes it.
+#: Only this module reads or writes it (and the one compiled step it hands
+#: every index to: _tally.ReadyCounter, the fast path's count).
 BATCHES, BYTES, FIRST_BATCH_NS, WAIT_COUNT, WAIT_TOTAL_NS, WAIT_MAX_NS = range(6)
 TOTALS = 6
 #: Histogram resolution: buckets per power of two.
@@ -195,7 +198,16 @@ class Counters:
     snapshot: a training loop over endless sources never finishes a pass,
     and its stats must still say how much of its time it waited."""
 
-    __slots__ = ("created_ns", "current_started_ns", "num_workers", "passes", "tally", "waits", "wall_ns")
+    __slots__ = (
+        "created_ns",
+        "current_started_ns",
+        "delivered_ready",
+        "num_workers",
+        "passes",
+        "tally",
+        "waits",
+        "wall_ns",
+    )
 
     def __init__(self, num_workers: int) -> None:
         self.created_ns = time.perf_counter_ns()
@@ -203,6 +215,24 @@ class Counters:
         self.tally = array("q", bytes(8 * (TOTALS + num_workers + BUCKETS)))
         self.tally[FIRST_BATCH_NS] = -1  # none yet
         self.waits = WaitHistogram(self.tally, TOTALS + num_workers)
+        #: delivered_ready(wait_ns, nbytes, worker): a batch that was ready
+        #: when asked for (the fast path: never a pass's first, so the
+        #: pass's clock and the first batch's time are already set), after
+        #: `wait_ns` of taking it. Compiled (_tally.pyx says why), with
+        #: this module's layout.
+        self.delivered_ready: Callable[[int, int, int], None] = ReadyCounter(
+            self.tally,
+            BATCHES,
+            BYTES,
+            TOTALS,
+            num_workers,
+            TOTALS + num_workers,
+            BUCKETS,
+            SUB,
+            WAIT_COUNT,
+            WAIT_TOTAL_NS,
+            WAIT_MAX_NS,
+        ).count
         self.wall_ns = 0  # of passes that ended
         # when the pass in progress first asked for a batch (None: no pass
         # in progress, or it has not asked yet)
@@ -263,16 +293,6 @@ class Counters:
         t[TOTALS + worker] += 1
         if t[FIRST_BATCH_NS] < 0:
             t[FIRST_BATCH_NS] = got_ns
-
-    def delivered_ready(self, wait_ns: int, nbytes: int, worker: int) -> None:
-        """A batch that was ready when asked for (the fast path: never a
-        pass's first, so the pass's clock and the first batch's time are
-        already set), after `wait_ns` of taking it."""
-        t = self.tally
-        t[BATCHES] += 1
-        t[BYTES] += nbytes
-        t[TOTALS + worker] += 1
-        self.waits.add(wait_ns)
 
     def snapshot(
         self,

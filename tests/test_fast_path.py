@@ -67,6 +67,24 @@ def test_counters_count_a_ready_batch_as_any_other():
     assert counters.first_batch_ns == 3_000  # set by the first batch, not by the fast path
 
 
+def test_the_compiled_count_puts_each_wait_where_python_does():
+    import random
+
+    rng = random.Random(7)
+    waits = [1, 2, 3, 31, 32, 33, 1000, 65_535, 65_536, 10**9, (1 << 57) - 1]
+    waits += [rng.randrange(1, 1 << 50) for _ in range(2000)]
+    compiled, python = Counters(3), Counters(3)
+    for i, ns in enumerate(waits):
+        compiled.delivered_ready(ns, i, i % 3)
+        python.waits.add(ns)
+        python.tally[_stats.BATCHES] += 1
+        python.tally[_stats.BYTES] += i
+        python.tally[_stats.TOTALS + i % 3] += 1
+    assert compiled.tally == python.tally
+    with pytest.raises(ValueError, match="worker 3"):
+        compiled.delivered_ready(5, 1, 3)  # the layout's bounds are checked, not trusted
+
+
 def test_take_ready_in_order_takes_only_the_batch_whose_turn_it_is(ring2):
     c, (w0, w1) = ring2
     w1.put(np.full(4, 10))
