@@ -50,7 +50,6 @@ This module is core: it knows the transport contract only.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import errno
 import itertools
@@ -66,6 +65,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
+from shmpipe import _fdpass
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, GroupStats, PipelineStats
@@ -102,7 +102,6 @@ _MAX_ERROR_BYTES = MAX_MESSAGE // 2
 _MAX_TEXT = 12_000
 MAX_FDS = 4
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-_FD = array.array("i")
 #: What a malformed message from a peer can raise while it is taken apart
 #: (beyond the checks made field by field): turned into a GroupError.
 _MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
@@ -121,11 +120,7 @@ def _encode(message: list[Any]) -> bytes:
 
 
 def _send(sock: socket.socket, message: list[Any], fds: list[int] | None = None) -> None:
-    data = _encode(message)
-    if fds:
-        socket.send_fds(sock, [data], fds)
-    else:
-        sock.send(data)
+    _fdpass.send_fds(sock, _encode(message), fds or ())
 
 
 def _send_quietly(sock: socket.socket, message: list[Any], fds: list[int] | None = None) -> bool:
@@ -158,17 +153,10 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _recvmsg(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
-    """One datagram and the descriptors with it (socket.recv_fds would
-    drop `flags`: MSG_DONTWAIT would block). Descriptors arrive close-on-exec."""
-    data, ancdata, got, _ = sock.recvmsg(
-        MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * _FD.itemsize), flags | socket.MSG_CMSG_CLOEXEC
-    )
-    fds = array.array("i")
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds), got
+def _recvmsg(sock: socket.socket, flags: int) -> _fdpass.Received:
+    """One datagram and the descriptors with it (close-on-exec; `flags`
+    honoured: MSG_DONTWAIT does not block)."""
+    return _fdpass.recv_fds(sock, MAX_MESSAGE, MAX_FDS, flags)
 
 
 def _recv(sock: socket.socket, flags: int = 0) -> tuple[list[Any] | None, list[int]]:
@@ -176,13 +164,13 @@ def _recv(sock: socket.socket, flags: int = 0) -> tuple[list[Any] | None, list[i
     connection. A malformed message is a GroupError (descriptors closed).
     With MSG_DONTWAIT, BlockingIOError when there is none."""
     try:
-        data, fds, got = _recvmsg(sock, flags)
+        data, fds, truncated, fds_cut = _recvmsg(sock, flags)
     except ConnectionResetError:
         # The peer closed with messages of ours unread: the kernel reports
         # that (once) before the messages it sent us that are still queued.
         # They count (rank 0 sends "end" and then may close), so read on.
         try:
-            data, fds, got = _recvmsg(sock, flags)
+            data, fds, truncated, fds_cut = _recvmsg(sock, flags)
         except ConnectionResetError:
             return None, []
     if not data:
@@ -190,7 +178,7 @@ def _recv(sock: socket.socket, flags: int = 0) -> tuple[list[Any] | None, list[i
             os.close(fd)
         return None, []
     try:
-        if got & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if truncated or fds_cut:
             raise GroupError("a group message was larger than allowed (the peer is broken)")
         try:
             message = json.loads(data)
