@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 from shmpipe import _fdpass
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
+from shmpipe._process import open_pidfd, process_alive
 from shmpipe._stats import Counters, GroupStats, PipelineStats
 from shmpipe.errors import (
     GroupError,
@@ -130,27 +131,6 @@ def _send_quietly(sock: socket.socket, message: list[Any], fds: list[int] | None
         return True
     except OSError:
         return False
-
-
-def _watch_process(pid: int) -> int | None:
-    """A pidfd of `pid`: readable once the process has ended. A socket's end
-    is not enough to see a process die: a child it forked keeps the socket
-    open. None where the kernel has no pidfd (Linux < 5.3, some sandboxes):
-    then _process_alive is asked every POLL_S."""
-    try:
-        return os.pidfd_open(pid)  # close-on-exec
-    except (AttributeError, OSError):
-        return None
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists (as another user: the uid was checked at connect)
-    return True
 
 
 def _recvmsg(sock: socket.socket, flags: int) -> _fdpass.Received:
@@ -428,7 +408,7 @@ class _Leader:
         self.next_alive_check = now + POLL_S
         with self.lock:
             links = [link for link in self.links.values() if link.pidfd is None and link.state != "closed"]
-        return [link for link in links if not _process_alive(link.pid)]
+        return [link for link in links if not process_alive(link.pid)]
 
     def _accept(self) -> None:
         try:
@@ -442,7 +422,7 @@ class _Leader:
         if uid != os.getuid():
             sock.close()  # only this user's processes may join (the name is no protection)
             return
-        self.pending[sock] = (pid, _watch_process(pid))
+        self.pending[sock] = (pid, open_pidfd(pid))
         self._watch(sock.fileno(), "hello", sock)
 
     def _reject(self, sock: socket.socket, pidfd: int | None, message: list[Any] | None) -> None:
@@ -878,7 +858,7 @@ class RankPipeline:
                 # Rank 0's death is seen by its pidfd too: a child it forked
                 # may hold its end of this socket open.
                 if self._leader_pid != os.getpid():
-                    leader_pidfd = _watch_process(self._leader_pid)
+                    leader_pidfd = open_pidfd(self._leader_pid)
                 # poll, not select: select fails on a descriptor >= 1024.
                 self._poller = select.poll()
                 self._poller.register(sock.fileno(), select.POLLIN)
@@ -919,7 +899,7 @@ class RankPipeline:
             return None
 
     def _leader_gone_without_pidfd(self) -> bool:
-        return self._conn.leader_pidfd is None and not _process_alive(self._leader_pid)
+        return self._conn.leader_pidfd is None and not process_alive(self._leader_pid)
 
     def _wait_ready(self, deadline: float) -> None:
         while True:
