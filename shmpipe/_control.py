@@ -5,8 +5,9 @@ made by multiprocessing: ``Pipe(duplex=True)``). Messages are small pickled
 tuples (the protocol is in _worker.py). A message may hold :class:`PassFd`
 objects, file descriptors the other process needs (a ring's memory, say):
 their numbers mean nothing in another process, so the descriptors
-themselves travel beside the message, as SCM_RIGHTS ancillary data, and
-arrive as new PassFd objects holding the receiver's own numbers.
+themselves travel beside the message, as SCM_RIGHTS ancillary data
+(_fdpass), and arrive as new PassFd objects holding the receiver's own
+numbers (close-on-exec).
 
 Framing: one ``send_bytes`` of ``<u16 count of descriptors> <pickle>``, then,
 if the count is not zero, one byte with the descriptors attached. Connection
@@ -25,6 +26,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
 from typing import Any
+
+from shmpipe import _fdpass
 
 __all__ = ["PassFd", "recv", "send"]
 
@@ -116,7 +119,7 @@ def send(conn: Connection, message: Any) -> None:
     conn.send_bytes(data)
     if fds:
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            socket.send_fds(sock, [b"F"], fds)
+            _fdpass.send_fds(sock, b"F", fds)
 
 
 def recv(conn: Connection) -> Any:
@@ -128,16 +131,12 @@ def recv(conn: Connection) -> Any:
         if count > MAX_FDS:
             raise OSError(f"a control message claims {count} descriptors (the peer is broken)")
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            _, fds, _, _ = socket.recv_fds(sock, 1, count)
-        for fd in fds:
-            os.set_inheritable(fd, False)  # as every descriptor Python makes
-        if len(fds) != count:
-            for fd in fds:
-                os.close(fd)
+            fds = _fdpass.recv_fds(sock, 1, count).fds  # close-on-exec, as every descriptor Python makes
+        if len(fds) != count:  # fewer: cut by the kernel (no room for them), or the stream ended
+            _fdpass.close_all(fds)
             raise OSError(f"a control message said {count} descriptors and {len(fds)} came")
     try:
         return _Unpickler(io.BytesIO(data[_COUNT.size :]), fds).load()
     except BaseException:
-        for fd in fds:
-            os.close(fd)
+        _fdpass.close_all(fds)
         raise

@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from shmpipe import _fdpass
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe.errors import CorruptChannelError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
 
@@ -157,7 +158,7 @@ class Outbox:
         self.sock = sock
 
     def send(self, fd: int, pass_no: int, worker: int, wseq: int) -> None:
-        socket.send_fds(self.sock, [_TAG.pack(pass_no, worker, wseq)], [fd])
+        _fdpass.send_fds(self.sock, _TAG.pack(pass_no, worker, wseq), [fd])
 
     def close(self) -> None:
         self.sock.close()
@@ -193,13 +194,14 @@ class Inbox:
     def _receive_all_now(self) -> None:
         while True:
             try:
-                msg, fds, flags, _ = socket.recv_fds(self.sock, _TAG.size, 4)
+                # Close-on-exec: a batch's memory must not live on in a
+                # program this process (or another thread) starts.
+                msg, fds, _, fds_cut = _fdpass.recv_fds(self.sock, _TAG.size, 4)
             except (BlockingIOError, InterruptedError):
                 return
-            if flags & socket.MSG_CTRUNC:
+            if fds_cut:
                 # The kernel dropped a descriptor it could not install here.
-                for fd in fds:
-                    os.close(fd)
+                _fdpass.close_all(fds)
                 soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
                 raise ShmpipeError(
                     f"this process ran out of file descriptors (ulimit -n is {soft}) while receiving a batch larger "
@@ -209,8 +211,7 @@ class Inbox:
             if not msg and not fds:
                 return  # every producer's end is closed
             if len(msg) != _TAG.size or len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
+                _fdpass.close_all(fds)
                 raise CorruptChannelError("a malformed message on the external batches' socket")
             tag = _TAG.unpack(msg)
             if tag[0] < self.pass_no or tag in self.stash:

@@ -5,6 +5,13 @@ channel is opened here: at once, or -- for a transport sized by its first
 batch, when the user gave no slot size -- once a producer reports the size
 of its first batch ("need_channel"), after which every producer is told to
 "attach".
+
+A producer's end is seen by a pidfd (_process.ProcessWatch) as well as by
+multiprocessing's sentinel. With fork and spawn the sentinel is a pipe whose
+write end the producer holds, and so does any child it forks: while such a
+child runs, the sentinel says nothing, and waiting on it alone (a join with
+a timeout) waited out the whole timeout for a producer long gone. Its exit
+code, read as before through multiprocessing, says how it ended.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from shmpipe import _control
-from shmpipe._process import owner_identity
+from shmpipe._process import ProcessWatch, owner_identity
 from shmpipe._worker import producer_main
 from shmpipe.errors import WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
@@ -55,6 +62,7 @@ class ProcessLauncher(Launcher):
         self.spec = spec
         self.channel: ConsumerEnd | None = None
         self.processes: list[BaseProcess] = []
+        self.watches: list[ProcessWatch] = []  # one per process, in the same order
         self.conns: list[Connection] = []
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._failure: BaseException | None = None
@@ -90,6 +98,9 @@ class ProcessLauncher(Launcher):
                 )
                 p.start()
                 self.processes.append(p)
+                # No start time needed: until it is reaped (by us, or by
+                # the forkserver), its pid is not reused.
+                self.watches.append(ProcessWatch(p.pid))
                 child_end.close()
                 block_again()
 
@@ -120,7 +131,7 @@ class ProcessLauncher(Launcher):
             _control.send(conn, ("pass", pass_no, seed))
 
     def wait_for_event(self, timeout: float) -> None:
-        multiprocessing.connection.wait(self.conns + [p.sentinel for p in self.processes], timeout)
+        _wait_for_event(self.processes, self.watches, self.conns, timeout)
 
     def first_failure(self) -> BaseException | None:
         """Reads the producers' messages; the first failure, or None."""
@@ -185,7 +196,9 @@ class ProcessLauncher(Launcher):
                 channel.destroy()  # shared names go now; live arrays keep their memory
             except OSError:
                 pass
-        _reap(self.processes)
+        _reap(self.processes, self.watches)
+        for watch in self.watches:
+            watch.close()
         for conn in self.conns:
             conn.close()
         self.channel = None
@@ -193,6 +206,9 @@ class ProcessLauncher(Launcher):
     def leftovers(self) -> list[str]:
         """What is still running after shutdown (for tests): nothing, we hope."""
         return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
+
+    def children(self) -> list[Any]:
+        return list(self.processes)
 
 
 @contextlib.contextmanager
@@ -262,17 +278,64 @@ def _refuse_while_bootstrapping() -> None:
         os._exit(BOOTSTRAP_EXIT_CODE)
 
 
-def _reap(processes: list[BaseProcess]) -> None:
-    deadline = time.monotonic() + GRACE_S
-    for p in processes:
+def _wait_for_event(
+    processes: Sequence[BaseProcess], watches: Sequence[ProcessWatch], conns: Sequence[Connection], timeout: float
+) -> None:
+    """Waits up to `timeout` seconds for a message on one of `conns` or the
+    end of one of `processes` (returns at once if one has ended already).
+    A process is waited on by its sentinel and, while it runs, its pidfd."""
+    deadline = time.monotonic() + timeout
+    waiting: list[Any] = [*conns]
+    pidfds: dict[int, BaseProcess] = {}
+    for p, watch in zip(processes, watches, strict=True):
+        waiting.append(p.sentinel)
+        fd = watch.fileno()
+        if fd is None:
+            continue
+        if watch.alive():
+            pidfds[fd] = p
+            waiting.append(fd)
+        elif p.exitcode is not None:
+            return  # ended (a sentinel a child holds would not say so)
+    ready = multiprocessing.connection.wait(waiting, timeout)
+    for p in [pidfds[fd] for fd in ready if isinstance(fd, int) and fd in pidfds]:
+        if p.exitcode is None:
+            _exit_code_soon(p, deadline)
+
+
+def _join(p: BaseProcess, watch: ProcessWatch, deadline: float) -> None:
+    """p.join() until `deadline` (monotonic), its end seen by its pidfd too."""
+    if watch.fileno() is not None:
+        watch.wait(max(0.0, deadline - time.monotonic()))
+        if watch.alive() or p.exitcode is not None:
+            return  # still running at the deadline, or ended and reaped
+        _exit_code_soon(p, deadline)
+    else:
         p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _exit_code_soon(p: BaseProcess, deadline: float) -> None:
+    """`p` has ended (its pidfd says so) and its exit code is not known yet:
+    under the forkserver, p's parent, which writes it to p's sentinel once
+    it has reaped p (a moment later). Waits for that, until `deadline`.
+    (Not for fork and spawn, where the exit code is known as soon as the
+    pidfd says the process ended: there a join waits on a sentinel that a
+    child of p may hold open.)"""
+    p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _reap(processes: list[BaseProcess], watches: list[ProcessWatch]) -> None:
+    """Gives the processes GRACE_S to exit, then SIGTERMs those still
+    running and gives them GRACE_S, then SIGKILLs the rest and waits GRACE_S."""
+    deadline = time.monotonic() + GRACE_S
+    for p, watch in zip(processes, watches, strict=True):
+        _join(p, watch, deadline)
     for sig_method in ("terminate", "kill"):
-        alive = [p for p in processes if p.exitcode is None]
+        alive = [(p, w) for p, w in zip(processes, watches, strict=True) if p.exitcode is None]
         if not alive:
             break
-        for p in alive:
+        for p, _ in alive:
             getattr(p, sig_method)()
         deadline = time.monotonic() + GRACE_S
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-
+        for p, watch in alive:
+            _join(p, watch, deadline)

@@ -1,16 +1,39 @@
-"""Who a process is: its pid and start time, and whether it still lives.
+"""Who a process is: its pid and start time, whether it still lives, and
+when it ends: the one place shmpipe asks.
 
 A pid alone is not an identity: the kernel reuses pids. The pair (pid, start
 time) is, where the start time is field 22 of /proc/<pid>/stat (clock ticks
 since boot). Producers watch their consumer by it, and segment names carry
 their owner's, so a dead owner's memory can be told from a live one's.
+
+A process's end is seen by a *pidfd* (pidfd_open, Linux 5.3): a descriptor
+that becomes readable when the process exits, so a thread can wait for it in
+poll() beside sockets and pipes, without a timer. Nothing else tells as
+well: the end of a socket or pipe the process held comes only once every
+holder is gone, and a child it forked holds them all (multiprocessing's
+sentinel pipe, a pipeline's control pipe, a group's socket). Where the
+kernel has no pidfd (older kernels, some seccomp sandboxes), the process is
+looked at in turn: its start time in /proc, or kill(pid, 0).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import select
+import time
 
-__all__ = ["owner_alive", "owner_identity", "process_start_time"]
+__all__ = [
+    "ProcessWatch",
+    "open_pidfd",
+    "owner_alive",
+    "owner_identity",
+    "process_alive",
+    "process_start_time",
+]
+
+#: How often ProcessWatch.wait looks at a process it has no pidfd of.
+FALLBACK_POLL_S = 0.25
 
 
 def process_start_time(pid: int) -> int | None:
@@ -39,3 +62,113 @@ def owner_identity() -> tuple[int, int]:
 def owner_alive(pid: int, start: int) -> bool:
     """Whether the process (pid, start) still runs."""
     return process_start_time(pid) == start
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists: kill(pid, 0), where a process of
+    another user (PermissionError) exists too. A zombie exists (it has
+    exited; its parent has not yet read its status). For a process whose
+    start time is known, owner_alive says more: a pid can be reused."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (close-on-exec; readable once the process has
+    exited), or None where the kernel has none (Linux < 5.3, a sandbox
+    that forbids it) or `pid` is gone already. The caller closes it."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+class ProcessWatch:
+    """Watches one process: whether it is alive, and a descriptor that
+    becomes readable when it ends (to wait on beside others).
+
+    With `start` (its start time: process_start_time), the watch is of the
+    process (pid, start): a pid already reused by another process is seen
+    as the watched one having ended. Without, of whatever process has the
+    pid now: where its end is the caller's to reap (its own child), the pid
+    cannot be reused before.
+
+    Thread-safe for alive() and wait() from any thread; close() once, when
+    no thread uses the watch any more.
+    """
+
+    __slots__ = ("_ended", "_fd", "pid", "start")
+
+    def __init__(self, pid: int, start: int | None = None) -> None:
+        self.pid = pid
+        self.start = start
+        self._ended = False
+        self._fd = open_pidfd(pid)
+        # The pidfd first, the start time after: if it still matches, the
+        # pidfd is of that process (it cannot change process afterwards).
+        if start is not None and process_start_time(pid) != start:
+            self._ended = True  # gone already, or the pid is someone else's now
+            self.close()
+
+    def fileno(self) -> int | None:
+        """The pidfd: readable once the process has ended (and from then on);
+        None where there is none (the kernel has no pidfds, or the process
+        had already ended when the watch began): then ask alive() in turn."""
+        return self._fd
+
+    def alive(self) -> bool:
+        """Whether the process still runs. An exited process whose status
+        its parent has not read yet (a zombie) has ended, except where only
+        kill(pid, 0) can tell (no pidfd, no start time): until it is reaped."""
+        if self._ended:
+            return False
+        fd = self._fd
+        if fd is not None:
+            poller = select.poll()  # poll, not select: the descriptor may be >= 1024 (FD_SETSIZE)
+            poller.register(fd, select.POLLIN)
+            ended = bool(poller.poll(0))
+        elif self.start is not None:
+            ended = process_start_time(self.pid) != self.start
+        else:
+            ended = not process_alive(self.pid)
+        if ended:
+            self._ended = True
+        return not ended
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until the process has ended (True) or `timeout` seconds
+        have passed (False); None waits as long as it takes."""
+        fd = self._fd
+        if fd is not None and not self._ended:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            if poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))):
+                self._ended = True
+            return self._ended
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.alive():
+            left = FALLBACK_POLL_S if deadline is None else min(FALLBACK_POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            time.sleep(left)
+        return True
+
+    def close(self) -> None:
+        """Closes the pidfd (alive() still answers, without it)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> ProcessWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ProcessWatch(pid={self.pid}, start={self.start}, fd={self._fd})"

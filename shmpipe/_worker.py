@@ -17,7 +17,6 @@ Batches and the end of a pass travel through the transport's channel.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import threading
 import traceback
@@ -27,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from shmpipe import _batch, _control, _producer_context
-from shmpipe._process import owner_alive, process_start_time
+from shmpipe._process import ProcessWatch
 from shmpipe._spec import new_arrays
 from shmpipe.errors import ShmpipeError
 from shmpipe.transport import Cancelled, Closed, ProducerControl, ProducerEnd, Transport
@@ -190,19 +189,11 @@ class _Watchdog:
         threading.Thread(target=self._watch, name="shmpipe-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        try:
-            fd: int | None = os.pidfd_open(self.owner_pid)
-        except (AttributeError, OSError):
-            fd = None
-        if fd is not None and process_start_time(self.owner_pid) == self.owner_start:
-            # poll, not select: a producer forked from a process with many
-            # open files can get a descriptor >= 1024 (FD_SETSIZE).
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            poller.poll()  # readable once the owner has exited
-        else:
-            while owner_alive(self.owner_pid, self.owner_start):
-                threading.Event().wait(0.25)
+        # By pidfd where there is one (a pipe's end would not do: the
+        # consumer's children may hold it), else by its start time in turn.
+        # Returns at once if the owner (pid, start) is gone already. Never
+        # closed: this process ends right after.
+        ProcessWatch(self.owner_pid, self.owner_start).wait()
         try:
             self.on_orphan()
         except Exception:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _process, _ring, _segments
-from shmpipe.testing.sources import Counter, Exiter, HalfWriter, Killer, Raiser, Sleeper
+from shmpipe import _launch, _process, _ring, _segments
+from shmpipe.testing.sources import Counter, Exiter, ForksAChild, HalfWriter, Killer, Raiser, Sleeper
 
 T = 30.0
 
@@ -77,6 +77,53 @@ def test_a_producer_killed_by_a_signal_is_reported_within_a_second():
     assert isinstance(err, shmpipe.WorkerError) and isinstance(err, shmpipe.ShmpipeError)
     assert last_from_0 is not None and noticed - last_from_0 < 1.5
     assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+@pytest.mark.parametrize("end", ["killed", "closed"])
+def test_a_producer_whose_child_holds_its_descriptors_is_seen_ending(tmp_path, monkeypatch, start_method, end):
+    """A child the producer forked keeps the producer's end of
+    multiprocessing's sentinel pipe (and of its control pipe) open for 20 s.
+    Killed, the producer must still be reported at once (it was: its exit
+    code is polled, whatever the sentinel says). Stopped by close(), its
+    exit must be seen at once too: with fork and spawn, close() waited on
+    the sentinel alone, the whole grace period (stretched to 10 s here to
+    tell the two apart), before it saw the producer gone."""
+    monkeypatch.setattr(_launch, "GRACE_S", 10.0)
+    pid_file = tmp_path / "child"
+    child = None
+    try:
+        pipe = shmpipe.from_iterators([ForksAChild(str(pid_file))], start_method=start_method, timeout=10.0)
+        with pipe:
+            it = iter(pipe)
+            next(it)
+            assert wait_until(pid_file.exists, 10.0), "the producer never forked its child"
+            child = int(pid_file.read_text())
+            producer = pipe.pids[0]
+            t0 = time.monotonic()
+            if end == "killed":
+                os.kill(producer, signal.SIGKILL)
+                with pytest.raises(shmpipe.WorkerDiedError) as info:
+                    for _ in it:
+                        pass
+                assert info.value.pid == producer and info.value.signal == signal.SIGKILL
+            else:
+                pipe.close()
+        took = time.monotonic() - t0
+        assert took < 5.0, f"the producer's end was seen after {took:.1f} s"
+        assert gone(producer)
+        if end == "closed":
+            assert pipe._launcher.processes[0].exitcode == 0  # it stopped, as asked
+        assert not gone(child), "the child must hold the descriptors throughout, or the test means nothing"
+    finally:
+        if child is None and pid_file.exists():
+            child = int(pid_file.read_text())
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)  # not ours to reap: its parent was the producer
+            except ProcessLookupError:
+                pass
+            assert wait_until(lambda: gone(child), 5.0)
 
 
 def test_a_half_written_slot_is_never_delivered():

@@ -361,6 +361,29 @@ def test_an_ordered_pipeline_never_waits_on_a_full_outbox():
     assert got == [(w, s) for s in range(len(shapes)) for w in range(2)]
 
 
+def test_the_descriptors_of_batches_larger_than_a_slot_arrive_close_on_exec():
+    """A batch larger than a slot's memory waits in the consumer as a
+    descriptor until its turn. It must be close-on-exec, as every descriptor
+    Python makes: a program the trainer starts meanwhile (os.system, a
+    fork+exec in another thread) must not inherit the batch's memory.
+    socket.recv_fds gave them without FD_CLOEXEC."""
+    shapes = [(100,)] + [(20_000,)] * 4  # uint8: the first batch sizes the slots, the others do not fit
+    with shmpipe.from_iterators([Shapes(shapes, np.uint8)], capacity=8, timeout=T) as pipe:
+        it = iter(pipe)
+        check_delivered(next(it))
+        inbox = pipe.channel.inbox
+        deadline = time.monotonic() + 10.0
+        while len(inbox.stash) < len(shapes) - 1 and time.monotonic() < deadline:
+            inbox.pump()  # what get() does while it waits: the descriptors go to the stash
+            time.sleep(0.01)
+        assert len(inbox.stash) == len(shapes) - 1, inbox.stash
+        flags = {fd: fcntl.fcntl(fd, fcntl.F_GETFD) for fd in inbox.stash.values()}
+        assert all(f & fcntl.FD_CLOEXEC for f in flags.values()), f"inheritable: {flags}"
+        for b in it:
+            check_delivered(b)
+            del b
+
+
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
 def test_a_reservation_yielded_as_a_larger_batch_takes_no_second_slot(ordered):
     # capacity 3 with 2 workers: an ordered worker may hold one slot; the

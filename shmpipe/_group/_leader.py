@@ -23,6 +23,7 @@ from shmpipe._group import _wire
 from shmpipe._group._options import GroupOptions
 from shmpipe._options import PipelineOptions
 from shmpipe._pipeline import Pipeline
+from shmpipe._process import open_pidfd, process_alive
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S
 from shmpipe.errors import GroupError, GroupStartError, RankDiedError
@@ -199,7 +200,7 @@ class Leader:
         self.next_alive_check = now + POLL_S
         with self.lock:
             links = [link for link in self.links.values() if link.pidfd is None and link.state is not LinkState.CLOSED]
-        return [link for link in links if not _wire.process_alive(link.pid)]
+        return [link for link in links if not process_alive(link.pid)]
 
     def _accept(self) -> None:
         try:
@@ -213,7 +214,7 @@ class Leader:
         if uid != os.getuid():
             sock.close()  # only this user's processes may join (the name is no protection)
             return
-        self.pending[sock] = (pid, _wire.watch_process(pid))
+        self.pending[sock] = (pid, open_pidfd(pid))
         self._watch(sock.fileno(), _Watched.HELLO, sock)
 
     def _reject(self, sock: socket.socket, pidfd: int | None, message: list[Any] | None) -> None:

@@ -24,6 +24,7 @@ from shmpipe._group._leader import Leader
 from shmpipe._group._options import GroupOptions
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
+from shmpipe._process import open_pidfd, process_alive
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S, Pass
 from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError
@@ -168,7 +169,7 @@ class RankPipeline(FrameworkStream):
             # Rank 0's death is seen by its pidfd too: a child it forked
             # may hold its end of this socket open.
             if self._leader_pid != os.getpid():
-                leader_pidfd = _wire.watch_process(self._leader_pid)
+                leader_pidfd = open_pidfd(self._leader_pid)
             # poll, not select: select fails on a descriptor >= 1024.
             self._poller = select.poll()
             self._poller.register(sock.fileno(), select.POLLIN)
@@ -198,7 +199,7 @@ class RankPipeline(FrameworkStream):
             return None
 
     def _leader_gone_without_pidfd(self, conn: _Connection) -> bool:
-        return conn.leader_pidfd is None and not _wire.process_alive(self._leader_pid)
+        return conn.leader_pidfd is None and not process_alive(self._leader_pid)
 
     def _wait_ready(self, conn: _Connection, deadline: float) -> None:
         while True:

@@ -23,13 +23,13 @@ shmpipe's own exceptions from values of the types they expect.
 
 from __future__ import annotations
 
-import array
 import json
 import os
 import socket
 import struct
 from typing import Any
 
+from shmpipe import _fdpass
 from shmpipe._group._options import GroupOptions
 from shmpipe._options import PipelineOptions
 from shmpipe.errors import (
@@ -51,12 +51,10 @@ __all__ = [
     "expect",
     "fingerprint",
     "peer",
-    "process_alive",
     "recv",
     "send",
     "send_quietly",
     "socket_address",
-    "watch_process",
 ]
 
 #: The largest message. Each receive allocates this much, so it stays small
@@ -69,7 +67,6 @@ MAX_ERROR_BYTES = MAX_MESSAGE // 2
 _MAX_TEXT = 12_000
 MAX_FDS = 4
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-_FD = array.array("i")
 #: What a malformed message from a peer can raise while it is taken apart
 #: (beyond the checks made field by field): turned into a GroupError.
 MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError)
@@ -85,11 +82,7 @@ def encode(message: list[Any]) -> bytes:
 
 
 def send(sock: socket.socket, message: list[Any], fds: list[int] | None = None) -> None:
-    data = encode(message)
-    if fds:
-        socket.send_fds(sock, [data], fds)
-    else:
-        sock.send(data)
+    _fdpass.send_fds(sock, encode(message), fds or ())
 
 
 def send_quietly(sock: socket.socket, message: list[Any], fds: list[int] | None = None) -> bool:
@@ -101,32 +94,19 @@ def send_quietly(sock: socket.socket, message: list[Any], fds: list[int] | None 
         return False
 
 
-def _recvmsg(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
-    """One datagram and the descriptors with it (socket.recv_fds would
-    drop `flags`: MSG_DONTWAIT would block). Descriptors arrive close-on-exec."""
-    data, ancdata, got, _ = sock.recvmsg(
-        MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * _FD.itemsize), flags | socket.MSG_CMSG_CLOEXEC
-    )
-    fds = array.array("i")
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds), got
-
-
 def recv(sock: socket.socket) -> tuple[list[Any] | None, list[int]]:
     """The next message and its descriptors, without waiting; (None, []) at
     the end of the connection; BlockingIOError when there is none. A
     malformed message is a GroupError (its descriptors closed)."""
     flags = socket.MSG_DONTWAIT
     try:
-        data, fds, got = _recvmsg(sock, flags)
+        data, fds, truncated, fds_cut = _fdpass.recv_fds(sock, MAX_MESSAGE, MAX_FDS, flags)
     except ConnectionResetError:
         # The peer closed with messages of ours unread: the kernel reports
         # that (once) before the messages it sent us that are still queued.
         # They count (rank 0 sends "end" and then may close), so read on.
         try:
-            data, fds, got = _recvmsg(sock, flags)
+            data, fds, truncated, fds_cut = _fdpass.recv_fds(sock, MAX_MESSAGE, MAX_FDS, flags)
         except ConnectionResetError:
             return None, []
     if not data:
@@ -134,7 +114,7 @@ def recv(sock: socket.socket) -> tuple[list[Any] | None, list[int]]:
             os.close(fd)
         return None, []
     try:
-        if got & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if truncated or fds_cut:
             raise GroupError("a group message was larger than allowed (the peer is broken)")
         try:
             message = json.loads(data)
@@ -250,27 +230,3 @@ def expect(value: Any, *types: type | None) -> None:
     """`value` is exactly of one of `types` (None: is None; bool is not an int)."""
     if not any(value is None if t is None else type(value) is t for t in types):
         raise TypeError(f"{value!r:.40} is not {types}")
-
-
-# -- the peer's process ------------------------------------------------------------
-
-
-def watch_process(pid: int) -> int | None:
-    """A pidfd of `pid`: readable once the process has ended. A socket's end
-    is not enough to see a process die: a child it forked keeps the socket
-    open. None where the kernel has no pidfd (Linux < 5.3, some sandboxes):
-    then process_alive is asked every POLL_S."""
-    try:
-        return os.pidfd_open(pid)  # close-on-exec
-    except (AttributeError, OSError):
-        return None
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists (as another user: the uid was checked at connect)
-    return True

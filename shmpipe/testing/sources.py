@@ -34,6 +34,7 @@ __all__ = [
     "LinearXY",
     "HalfWriter",
     "Sleeper",
+    "ForksAChild",
     "ChangedReservation",
     "ReserveThenOther",
     "Shapes",
@@ -258,6 +259,35 @@ class Sleeper:
         for seq in range(self.n):
             yield {"worker": worker, "seq": seq}
             time.sleep(self.seconds)
+
+
+class ForksAChild:
+    """Forks a child that sleeps `child_s` seconds holding every descriptor
+    the producer had (its control pipe, multiprocessing's sentinel pipe, the
+    channel's), writes the child's pid to `pid_file` (whole, by a rename),
+    then yields {"worker", "seq"} every `delay` seconds, for ever. Whoever
+    uses it kills the child (its pid is in the file) when done."""
+
+    def __init__(self, pid_file: str, child_s: float = 20.0, delay: float = 0.01) -> None:
+        self.pid_file, self.child_s, self.delay = pid_file, child_s, delay
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = _worker_info().id
+        pid = os.fork()
+        if pid == 0:
+            try:
+                time.sleep(self.child_s)
+            finally:
+                os._exit(0)  # never back into the producer's code
+        partial = f"{self.pid_file}.{os.getpid()}"
+        with open(partial, "w") as f:
+            f.write(str(pid))
+        os.rename(partial, self.pid_file)
+        seq = 0
+        while True:
+            yield {"worker": worker, "seq": seq}
+            seq += 1
+            time.sleep(self.delay)
 
 
 class Progress:

@@ -1,0 +1,73 @@
+"""shmpipe._process: who a process is, whether it lives, when it ends (with
+real processes)."""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shmpipe._process import ProcessWatch, process_alive, process_start_time
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_a_watch_sees_the_end_of_a_process_whoever_holds_its_pipes(sleeper):
+    watch = ProcessWatch(sleeper.pid, process_start_time(sleeper.pid))
+    try:
+        assert watch.alive() and process_alive(sleeper.pid)
+        assert watch.fileno() is not None, "this kernel has no pidfd: the rest of the test means less"
+        assert not watch.wait(0.05)
+        sleeper.kill()
+        t0 = time.monotonic()
+        assert watch.wait(10.0) and time.monotonic() - t0 < 5.0
+        assert not watch.alive()  # a zombie (not reaped yet) has ended
+        assert process_alive(sleeper.pid)  # ... though kill(pid, 0) finds it until it is reaped
+        # the pidfd stays readable: something to poll beside other descriptors
+        poller = select.poll()
+        poller.register(watch.fileno(), select.POLLIN)
+        assert poller.poll(0)
+    finally:
+        watch.close()
+    assert watch.fileno() is None
+    sleeper.wait(timeout=10)
+    assert not process_alive(sleeper.pid)
+
+
+def test_without_its_pidfd_a_watch_asks_in_turn(sleeper):
+    """What a kernel without pidfds gets: the start time, or kill(pid, 0)."""
+    with ProcessWatch(sleeper.pid, process_start_time(sleeper.pid)) as by_start, ProcessWatch(sleeper.pid) as by_pid:
+        by_start.close()
+        by_pid.close()
+        assert by_start.alive() and by_pid.alive()
+        assert not by_start.wait(0.05)
+        sleeper.kill()
+        assert by_start.wait(10.0)  # a zombie has no start time: ended
+        sleeper.wait(timeout=10)
+        assert by_pid.wait(10.0) and not by_pid.alive()
+
+
+def test_a_watch_of_a_process_that_is_gone_or_someone_else_has_ended(sleeper):
+    start = process_start_time(sleeper.pid)
+    assert start is not None
+    with ProcessWatch(sleeper.pid, start + 1) as other:  # the pid, reused by another process
+        assert not other.alive() and other.fileno() is None and other.wait(0)
+    sleeper.kill()
+    sleeper.wait(timeout=10)
+    with ProcessWatch(sleeper.pid, start) as gone:
+        assert not gone.alive() and gone.wait(0)
+
+
+def test_process_alive_counts_other_users_processes():
+    assert process_alive(os.getpid())
+    assert process_alive(1)  # init: someone else's unless we are root, and alive
