@@ -83,11 +83,9 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """Deprecated names (shmpipe.errors says which), with a DeprecationWarning."""
-    from shmpipe import errors
+    from shmpipe.errors import deprecated
 
-    if name in errors._DEPRECATED:
-        return getattr(errors, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return deprecated(name, __name__)
 
 
 def clean(dry_run: bool = False) -> list[str]:

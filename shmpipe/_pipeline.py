@@ -92,14 +92,14 @@ class _PipelinePass(Pass):
         take_ready = pipe._take_ready
         # The fast path: one call to the channel takes the batch whose turn
         # it is, if it is already there. Only once the pass has delivered a
-        # batch by the general path (which starts its clock) and until it
-        # ends, while the pipeline is open, for the current pass (checked
+        # batch by the general path (which starts its clock and counts the
+        # first batch's time) and until it ends, while the pipeline is open, for the current pass (checked
         # under the consumer lock, as _get does). take_ready itself declines
         # (None, having taken nothing) when no batch is ready, the pass
         # ended, a fault was reported or a look at the producers is due.
         # Everything else (waiting, ends, failures, timeouts) is the general
         # path's.
-        if take_ready is not None and self.started_ns is not None and not self.finished and not pipe._closed:
+        if take_ready is not None and self.delivered and not self.finished and not pipe._closed:
             turn = self.turns.next()
             if turn is not None:
                 with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
@@ -358,9 +358,8 @@ class Pipeline(FrameworkStream):
         self._raise_if_timed_out(t0, now, self._describe_wait)
 
     def _describe_wait(self) -> str:
-        if self._channel is None:
-            return "no producer has delivered a first batch yet"
-        return self._channel.describe_wait()
+        why = "no producer has delivered a first batch yet" if self._channel is None else self._channel.describe_wait()
+        return f": {why}" if why else ""
 
     def _warn_if_held_up_by_consumer(self, waited_ns: int) -> None:
         """This process holds so many slots that the batch it waits for may

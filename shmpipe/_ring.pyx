@@ -809,7 +809,9 @@ cdef class RingReader:
     cdef readonly Ring ring
     cdef Decoder dec
     cdef readonly int last_worker
-    cdef readonly uint64_t last_nbytes
+    # Set by the consumer too, for a batch it resolves itself (a group's
+    # big batch: take_slot returns its record, the consumer maps it).
+    cdef public uint64_t last_nbytes
     cdef public object on_external
 
     def __cinit__(self, Ring ring):

@@ -22,7 +22,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, PipelineStats
@@ -37,15 +37,20 @@ __all__ = ["POLL_S", "BatchStream", "Pass"]
 POLL_S = 0.1
 
 
+_Stream = TypeVar("_Stream", bound="BatchStream")
+
+
 class Pass:
     """The iterator of one pass over a stream (what ``iter(stream)`` returns)."""
 
-    __slots__ = ("finished", "pass_no", "started_ns", "stream")
+    __slots__ = ("delivered", "finished", "pass_no", "started_ns", "stream")
 
     def __init__(self, stream: BatchStream, pass_no: int) -> None:
         self.stream = stream
         self.pass_no = pass_no
         self.finished = False
+        #: Whether _next delivered a batch of this pass (and counted it).
+        self.delivered = False
         #: When the pass first asked for a batch (its clock starts there).
         self.started_ns: int | None = None
 
@@ -148,7 +153,7 @@ class BatchStream(abc.ABC):
             raise PipelineClosedError("this pipeline is closed")
         self._close_hooks.append(hook)
 
-    def __enter__(self) -> Any:  # the subclass's own type, for `with ... as pipe`
+    def __enter__(self: _Stream) -> _Stream:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -193,6 +198,7 @@ class BatchStream(abc.ABC):
             self._counters.pass_finished(it.started_ns)
             raise
         self._counters.delivered(t0, time.perf_counter_ns(), nbytes, worker)
+        it.delivered = True
         return batch
 
     @abc.abstractmethod
@@ -214,11 +220,11 @@ class BatchStream(abc.ABC):
 
     def _raise_if_timed_out(self, t0: int, now: int, why: Callable[[], str]) -> None:
         """PipelineTimeoutError once a wait begun at `t0` has lasted
-        ``timeout`` seconds; `why` says what the wait is stuck on."""
+        ``timeout`` seconds; `why()` ends its message (what the wait is
+        stuck on, punctuation included)."""
         timeout = self.options.timeout
         if timeout is not None and now - t0 >= timeout * 1e9:
-            detail = why()
-            raise PipelineTimeoutError(f"no batch within {timeout:g} s" + (f": {detail}" if detail else ""))
+            raise PipelineTimeoutError(f"no batch within {timeout:g} s{why()}")
 
     # -- what the adapters read -------------------------------------------------
 

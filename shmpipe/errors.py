@@ -112,13 +112,20 @@ class CorruptChannelError(ShmpipeValueError):
 _DEPRECATED = {"CorruptSegmentError": ("CorruptChannelError", CorruptChannelError)}
 
 
+def deprecated(name: str, module: str, stacklevel: int = 2) -> Any:
+    """The value of the deprecated `name`, after a DeprecationWarning that
+    gives the new one (at the user's line: `stacklevel` above the caller's
+    __getattr__). AttributeError for a name that is not deprecated."""
+    if name not in _DEPRECATED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new, value = _DEPRECATED[name]
+    warnings.warn(f"shmpipe.{name} is deprecated: use shmpipe.{new}", DeprecationWarning, stacklevel=stacklevel + 1)
+    return value
+
+
 def __getattr__(name: str) -> Any:
     """The deprecated names, with a DeprecationWarning that gives the new one."""
-    if name in _DEPRECATED:
-        new, value = _DEPRECATED[name]
-        warnings.warn(f"shmpipe.{name} is deprecated: use shmpipe.{new}", DeprecationWarning, stacklevel=2)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return deprecated(name, __name__)
 
 
 class SharedMemoryFullError(ShmpipeError, OSError):

@@ -427,7 +427,9 @@ class Launcher(abc.ABC):
 
     def children(self) -> list[Any]:
         """The multiprocessing processes this launcher started from this
-        process (a process forked from it takes them off its own list)."""
+        process. A launcher that starts local processes must list them: a
+        process the user forks from the trainer takes them off its own list
+        of children, or its exit would stop them."""
         return []
 
 

@@ -4,6 +4,8 @@ iterator's __next__) and the waiters' spin: real rings, real processes."""
 from __future__ import annotations
 
 import ctypes
+import os
+import socket
 import threading
 import time
 
@@ -11,11 +13,12 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _codec, _ring, _stats
+from shmpipe import _codec, _external, _ring, _stats
 from shmpipe._stats import Counters
 from shmpipe.errors import CorruptChannelError, PipelineClosedError
+from shmpipe.testing.sources import Counter
 from shmpipe.transport import END, FAULT, ChannelSpec
-from shmpipe.transports.shm import ShmConsumer, attach_writer
+from shmpipe.transports.shm import ShmConsumer, ShmProducer, attach_writer
 
 WAIT = 2.0
 FAR = 1 << 62  # a due time that never comes
@@ -158,6 +161,46 @@ def test_the_fast_path_is_offered_where_the_capability_says(name):
         finally:
             c.close()
             c.destroy()
+
+
+def test_a_pass_whose_first_wait_timed_out_still_counts_its_first_batch(monkeypatch):
+    # The first next() times out (the pipeline stays usable); the batch that
+    # comes later is the pass's first delivered: the general path takes it,
+    # so the time to the first batch is counted, not left None. (No look at
+    # the producers falls due meanwhile, which would hide a fast path that
+    # took it.)
+    from shmpipe import _pipeline
+
+    monkeypatch.setattr(_pipeline, "HEALTH_CHECK_NS", 60_000_000_000)
+    with shmpipe.from_iterators([Counter(2, delay=1.0)], slot_size=1 << 16, timeout=0.3) as pipe:
+        it = iter(pipe)
+        with pytest.raises(shmpipe.PipelineTimeoutError):
+            next(it)
+        deadline = time.monotonic() + WAIT + 2
+        while pipe.channel.ring.slot_states().count(_ring.READY) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert int(next(it)["seq"]) == 0
+        s = pipe.stats()
+    assert s.batches == 1 and s.time_to_first_batch_s is not None and s.time_to_first_batch_s > 0.9
+
+
+def test_a_shared_batch_larger_than_a_slot_counts_its_payload_not_its_record():
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=2, slot_size=8192, ordered=False))
+    try:
+        writer = attach_writer(c.handle, 0)
+        writer.start_pass(0)
+        producer = ShmProducer(writer, _external.Outbox(socket.socket(fileno=os.dup(c.handle.outbox.fd))))
+        big = np.arange(50_000, dtype=np.int64)
+        producer.put(big)
+        shared = c.take_shared(0, -1, 0, WAIT)
+        assert shared.record == ("big", _codec.encoded_size(big))
+        assert c.last_nbytes == _codec.encoded_size(big) and c.last_worker == 0
+        shared.close_fd()
+        del shared
+        producer.close()
+    finally:
+        c.close()
+        c.destroy()
 
 
 def test_the_histogram_buckets_are_log_linear():

@@ -35,8 +35,13 @@ def test_deprecated_names_still_work_and_say_what_replaces_them():
     from shmpipe import errors
 
     for module in (shmpipe, errors):
-        with pytest.warns(DeprecationWarning, match="use shmpipe.CorruptChannelError"):
+        with pytest.warns(DeprecationWarning, match="use shmpipe.CorruptChannelError") as caught:
             old = module.CorruptSegmentError
         assert old is shmpipe.CorruptChannelError
+        assert caught[0].filename == __file__  # the user's line, where the old name is
+    with pytest.warns(DeprecationWarning) as caught:
+        from shmpipe import CorruptSegmentError  # noqa: F401
+    assert caught[0].filename == __file__
+    for module in (shmpipe, errors):
         with pytest.raises(AttributeError):
             module.NoSuchName  # noqa: B018

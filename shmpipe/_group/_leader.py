@@ -23,7 +23,7 @@ from shmpipe._group import _wire
 from shmpipe._group._options import GroupOptions
 from shmpipe._options import PipelineOptions
 from shmpipe._pipeline import Pipeline
-from shmpipe._process import open_pidfd, process_alive
+from shmpipe._process import ProcessWatch
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S
 from shmpipe.errors import GroupError, GroupStartError, RankDiedError
@@ -64,19 +64,21 @@ class _Watched(enum.Enum):
     LISTENER = "listener"
     HELLO = "hello"  # a connection whose hello has not been read
     RANK = "rank"  # a rank's connection
-    EXIT = "exit"  # a rank's pidfd
+    EXIT = "exit"  # a rank's process watch (its pidfd)
 
 
 class _Link:
     """The leader's end of one rank's connection."""
 
-    __slots__ = ("dealt", "held", "pid", "pidfd", "rank", "sock", "state")
+    __slots__ = ("dealt", "held", "pid", "rank", "sock", "state", "watch")
 
-    def __init__(self, sock: socket.socket, rank: int, pid: int, pidfd: int | None) -> None:
+    def __init__(self, sock: socket.socket, rank: int, pid: int, watch: ProcessWatch) -> None:
         self.sock = sock
         self.rank = rank
         self.pid = pid  # from SO_PEERCRED (the kernel's word, not the rank's)
-        self.pidfd = pidfd
+        #: Its process's end: a socket's end is not enough (a child it
+        #: forked keeps the socket open).
+        self.watch = watch
         self.state = LinkState.LIVE
         #: token -> the batch dealt to this rank and not yet released: its
         #: root holds the slot, so dropping it frees the slot.
@@ -113,8 +115,8 @@ class Leader:
         self.listener = listener
         self.lock = threading.Condition()
         self.links: dict[int, _Link] = {}
-        #: Connected, hello not yet read: socket -> (pid, pidfd) from SO_PEERCRED.
-        self.pending: dict[socket.socket, tuple[int, int | None]] = {}
+        #: Connected, hello not yet read: socket -> (pid from SO_PEERCRED, its watch).
+        self.pending: dict[socket.socket, tuple[int, ProcessWatch]] = {}
         # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE),
         # which a trainer with many open files easily has.
         self.poller = select.poll()
@@ -177,7 +179,7 @@ class Leader:
                 self._from_rank(obj)
             elif what is _Watched.EXIT:
                 ended.append(obj)
-        for link in ended + self._ended_without_pidfd():
+        for link in ended + self._ended_unpolled():
             if link.state is not LinkState.CLOSED:
                 self._from_rank(link)  # its last words (releases, bye) first
             if link.state is not LinkState.CLOSED:  # a child it forked holds its socket open
@@ -192,15 +194,17 @@ class Leader:
                 )
             )
 
-    def _ended_without_pidfd(self) -> list[_Link]:
-        """Ranks without a pidfd whose process is gone (looked at every POLL_S)."""
+    def _ended_unpolled(self) -> list[_Link]:
+        """Ranks whose watch has no pidfd to poll and whose process is gone
+        (looked at every POLL_S)."""
         now = time.monotonic()
         if now < self.next_alive_check:
             return []
         self.next_alive_check = now + POLL_S
         with self.lock:
-            links = [link for link in self.links.values() if link.pidfd is None and link.state is not LinkState.CLOSED]
-        return [link for link in links if not process_alive(link.pid)]
+            unpolled = [link for link in self.links.values() if link.watch.fileno() is None]
+            links = [link for link in unpolled if link.state is not LinkState.CLOSED]
+        return [link for link in links if not link.watch.alive()]
 
     def _accept(self) -> None:
         try:
@@ -214,31 +218,30 @@ class Leader:
         if uid != os.getuid():
             sock.close()  # only this user's processes may join (the name is no protection)
             return
-        self.pending[sock] = (pid, open_pidfd(pid))
+        self.pending[sock] = (pid, ProcessWatch(pid))
         self._watch(sock.fileno(), _Watched.HELLO, sock)
 
-    def _reject(self, sock: socket.socket, pidfd: int | None, message: list[Any] | None) -> None:
+    def _reject(self, sock: socket.socket, watch: ProcessWatch, message: list[Any] | None) -> None:
         if message is not None:
             _wire.send_quietly(sock, message)
         sock.close()
-        if pidfd is not None:
-            os.close(pidfd)
+        watch.close()
 
     def _hello(self, sock: socket.socket) -> None:
         self._unwatch(sock.fileno())
-        pid, pidfd = self.pending.pop(sock)
+        pid, watch = self.pending.pop(sock)
         try:
             message, fds = _wire.recv(sock)
         except (GroupError, OSError):
-            self._reject(sock, pidfd, None)
+            self._reject(sock, watch, None)
             return
         for fd in fds:
             os.close(fd)
         if message is None or len(message) != 4 or message[0] != "hello":
-            self._reject(sock, pidfd, None)  # not one of ours
+            self._reject(sock, watch, None)  # not one of ours
             return
         if self.failure is not None:  # tell it why the group failed, as the others heard
-            self._reject(sock, pidfd, self.failure)
+            self._reject(sock, watch, self.failure)
             return
         _, rank, fingerprint, _ = message
         problem = self._problem_with(rank, fingerprint, pid)
@@ -246,16 +249,16 @@ class Leader:
             # The group runs, in step: a latecomer (a stray process, a rank
             # started twice) is turned away, the group goes on.
             problem = problem or f"rank {rank} (pid {pid}) joined a group that already started"
-            self._reject(sock, pidfd, _wire.error_message(GroupStartError(f"group {self.group!r}: {problem}")))
+            self._reject(sock, watch, _wire.error_message(GroupStartError(f"group {self.group!r}: {problem}")))
             return
         if problem is not None:
             # Before the start, the group itself is misconfigured (ranks
             # disagree): every rank hears it now rather than at the timeout.
             exc = GroupStartError(f"group {self.group!r}: {problem}")
-            self._reject(sock, pidfd, _wire.error_message(exc))
+            self._reject(sock, watch, _wire.error_message(exc))
             self.fail(exc)
             return
-        self._join(_Link(sock, rank, pid, pidfd))
+        self._join(_Link(sock, rank, pid, watch))
 
     def _problem_with(self, rank: Any, fingerprint: Any, pid: int) -> str | None:
         """What is wrong with a hello from `pid` (None: nothing)."""
@@ -274,8 +277,9 @@ class Leader:
     def _join(self, link: _Link) -> None:
         """`link`'s rank joined; the last one to join starts the group."""
         self._watch(link.sock.fileno(), _Watched.RANK, link)
-        if link.pidfd is not None:
-            self._watch(link.pidfd, _Watched.EXIT, link)
+        pidfd = link.watch.fileno()
+        if pidfd is not None:
+            self._watch(pidfd, _Watched.EXIT, link)
         with self.lock:
             self.links[link.rank] = link
             if len(self.links) == self.n:
@@ -354,15 +358,13 @@ class Leader:
                 )
             )
         self._unwatch(link.sock.fileno())
-        self._unwatch(link.pidfd)
+        self._unwatch(link.watch.fileno())
         with self.lock:
             held, link.held = link.held, {}
             link.state = LinkState.CLOSED
             self.lock.notify_all()
         link.sock.close()
-        if link.pidfd is not None:
-            os.close(link.pidfd)
-            link.pidfd = None
+        link.watch.close()
         held.clear()
 
     def fail(self, exc: BaseException) -> None:
@@ -508,11 +510,9 @@ class Leader:
                 link.state = LinkState.CLOSED
         for link in links:
             link.sock.close()
-            if link.pidfd is not None:
-                os.close(link.pidfd)
-                link.pidfd = None
-        for sock, (_, pidfd) in list(self.pending.items()):
-            self._reject(sock, pidfd, None)
+            link.watch.close()
+        for sock, (_, watch) in list(self.pending.items()):
+            self._reject(sock, watch, None)
         self.pending.clear()
         self.listener.close()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shmpipe._options import PipelineOptions, is_int
 from shmpipe.errors import ShmpipeValueError
-from shmpipe.transport import ChannelSpec, Transport
+from shmpipe.transport import ChannelSpec, ServesRanks, Transport
 
 __all__ = ["GroupOptions", "check_capacity", "check_group", "default_capacity", "group_capacity"]
 
@@ -115,5 +115,10 @@ def check_group(
         raise ShmpipeValueError(
             f"the {transport.name!r} transport cannot feed several ranks from one pipeline "
             "(capability serves_ranks); use 'shm' or 'arrow', or one pipeline per rank"
+        )
+    if not isinstance(transport, ServesRanks):
+        raise ShmpipeValueError(
+            f"the {transport.name!r} transport claims serves_ranks but does not implement the protocol "
+            "(shmpipe.transport.ServesRanks: rank_reader, and a SharingConsumerEnd)"
         )
     return GroupOptions(group, rank, num_ranks, float(group_timeout))

@@ -16,6 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from shmpipe._frameworks import FrameworkStream
@@ -24,7 +25,7 @@ from shmpipe._group._leader import Leader
 from shmpipe._group._options import GroupOptions
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
-from shmpipe._process import open_pidfd, process_alive
+from shmpipe._process import ProcessWatch
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S, Pass
 from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError
@@ -72,11 +73,13 @@ class _Connection:
     reentrant because a batch can be freed by the garbage collector in this
     very thread, inside the locked span."""
 
-    __slots__ = ("closing", "held", "leader_pidfd", "lock", "sock")
+    __slots__ = ("closing", "held", "leader", "lock", "sock")
 
-    def __init__(self, sock: socket.socket, leader_pidfd: int | None) -> None:
+    def __init__(self, sock: socket.socket, leader: ProcessWatch | None) -> None:
         self.sock = sock
-        self.leader_pidfd = leader_pidfd
+        #: Rank 0's process (None in rank 0 itself): its end is seen by its
+        #: pidfd too, since a child it forked may hold its socket open.
+        self.leader = leader
         self.lock = threading.RLock()
         self.held = 0
         self.closing = False
@@ -106,12 +109,19 @@ class _Connection:
                 return
             self.closing = True
         self.send(["bye"])
-        if self.leader_pidfd is not None:
-            os.close(self.leader_pidfd)
-            self.leader_pidfd = None
+        if self.leader is not None:
+            self.leader.close()
         with self.lock:
             if self.held == 0:
                 self.sock.close()
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    """What the deprecated ``RankPipeline.spec`` returns (what adapters
+    read of a spec): the rank's consumer_may_hold."""
+
+    consumer_may_hold: int
 
 
 def _leave(conn: _Connection, leader: Leader | None) -> None:
@@ -158,7 +168,7 @@ class RankPipeline(FrameworkStream):
         """Connects to rank 0, says hello and waits until every rank has."""
         deadline = time.monotonic() + group.timeout
         sock = _connect(_wire.socket_address(self.group), self.group, deadline)
-        leader_pidfd = None
+        leader: ProcessWatch | None = None
         try:
             self._leader_pid, uid = _wire.peer(sock)
             if uid != os.getuid():
@@ -169,13 +179,14 @@ class RankPipeline(FrameworkStream):
             # Rank 0's death is seen by its pidfd too: a child it forked
             # may hold its end of this socket open.
             if self._leader_pid != os.getpid():
-                leader_pidfd = open_pidfd(self._leader_pid)
+                leader = ProcessWatch(self._leader_pid)
             # poll, not select: select fails on a descriptor >= 1024.
             self._poller = select.poll()
             self._poller.register(sock.fileno(), select.POLLIN)
-            if leader_pidfd is not None:
-                self._poller.register(leader_pidfd, select.POLLIN)
-            conn = _Connection(sock, leader_pidfd)
+            leader_fd = leader.fileno() if leader is not None else None
+            if leader_fd is not None:
+                self._poller.register(leader_fd, select.POLLIN)
+            conn = _Connection(sock, leader)
             _wire.send(sock, ["hello", self.rank, _wire.fingerprint(options, group), os.getpid()])
             # Rank 0 reports missing ranks at its deadline; a little later
             # here, so its message (which names them) comes first.
@@ -183,8 +194,8 @@ class RankPipeline(FrameworkStream):
             return conn
         except BaseException:
             sock.close()
-            if leader_pidfd is not None:
-                os.close(leader_pidfd)
+            if leader is not None:
+                leader.close()
             raise
 
     def _receive(self, conn: _Connection, events: list[tuple[int, int]]) -> tuple[list[Any] | None, list[int]] | None:
@@ -193,19 +204,21 @@ class RankPipeline(FrameworkStream):
         try:
             return _wire.recv(conn.sock)
         except BlockingIOError:
-            pidfd = conn.leader_pidfd
+            pidfd = conn.leader.fileno() if conn.leader is not None else None
             if pidfd is not None and any(fd == pidfd for fd, _ in events):
                 return None, []  # rank 0 ended; a child of it holds the socket open
             return None
 
-    def _leader_gone_without_pidfd(self, conn: _Connection) -> bool:
-        return conn.leader_pidfd is None and not process_alive(self._leader_pid)
+    def _leader_gone_unpolled(self, conn: _Connection) -> bool:
+        """Rank 0's process ended, where its watch has no pidfd to poll."""
+        leader = conn.leader
+        return leader is not None and leader.fileno() is None and not leader.alive()
 
     def _wait_ready(self, conn: _Connection, deadline: float) -> None:
         while True:
             events = self._poller.poll(int(POLL_S * 1000))
             got = self._receive(conn, events) if events else None
-            if got is None and self._leader_gone_without_pidfd(conn):
+            if got is None and self._leader_gone_unpolled(conn):
                 got = None, []
             if got is not None:
                 message, fds = got
@@ -253,11 +266,9 @@ class RankPipeline(FrameworkStream):
                 if got is not _NOTHING:
                     return got
                 continue
-            if self._leader_gone_without_pidfd(self._conn):
+            if self._leader_gone_unpolled(self._conn):
                 self._fail(RankDiedError(f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died", 0))
-            self._raise_if_timed_out(
-                t0, time.perf_counter_ns(), lambda: f"rank {self.rank} of group {self.group!r} waits for rank 0"
-            )
+            self._raise_if_timed_out(t0, time.perf_counter_ns(), lambda: f" (rank {self.rank} of group {self.group!r})")
 
     def _take_message(self, events: list[tuple[int, int]], it: Pass) -> Any:
         """The message poll announced, handled: (batch, nbytes, worker),
@@ -302,10 +313,11 @@ class RankPipeline(FrameworkStream):
         if kind == "batch":
             return self._read_batch(message, fds, it)
         if kind == "ring" and len(message) == 2 and isinstance(message[1], dict) and self._reader is None:
+            transport = self.options.transport
+            if not isinstance(transport, ServesRanks):  # checked with the options; a clear error all the same
+                raise GroupError(f"the {transport.name!r} transport cannot read a shared ring (ServesRanks)")
             taken = fds[:]
             fds.clear()
-            transport = self.options.transport
-            assert isinstance(transport, ServesRanks)  # checked with the options (capability serves_ranks)
             self._reader = transport.rank_reader(message[1], taken)  # closes `taken`
             return _NOTHING
         if kind == "end" and len(message) == 3:
@@ -369,6 +381,14 @@ class RankPipeline(FrameworkStream):
         """Deprecated: this rank's ``reader`` (a RankReader, not a channel)."""
         warnings.warn("RankPipeline.channel is deprecated: use RankPipeline.reader", DeprecationWarning, stacklevel=2)
         return self._reader
+
+    @property
+    def spec(self) -> _RankSpec:
+        """Deprecated: use ``consumer_may_hold``, the one thing it held."""
+        warnings.warn(
+            "RankPipeline.spec is deprecated: use RankPipeline.consumer_may_hold", DeprecationWarning, stacklevel=2
+        )
+        return _RankSpec(self.consumer_may_hold)
 
     @property
     def consumer_may_hold(self) -> int:

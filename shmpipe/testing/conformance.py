@@ -298,7 +298,7 @@ class TransportConformance:
         with self.pipe(transport, [Counter(6, shape=(512,))] * 2) as pipe:
             it = iter(pipe)
             first = next(it)
-            if not getattr(pipe.channel, "owns_memory", False):
+            if not pipe.owns_memory():
                 pytest.skip("the transport's memory is not its own (owns_memory is False)")
             assert self.caps(transport).zero_copy_reads, "owns_memory needs zero_copy_reads"
             ranges = _channel(pipe).memory_ranges()
@@ -310,6 +310,44 @@ class TransportConformance:
                     for arr in _arrays(b):
                         assert _in_ranges(arr, ranges), "a batch lies outside the ranges of the first"
             assert _channel(pipe).memory_ranges() == ranges
+
+    def test_takes_ready(self, transport: TransportArg) -> None:
+        # The fast path's contract: never waits; None having taken nothing
+        # when nothing is there or a look is due; else the batch get() would
+        # give that worker's turn, with its size, worker and time.
+        if not self.caps(transport).takes_ready:
+            pytest.skip("the transport does not claim takes_ready")
+        with self.pipe(transport, [Counter(4, shape=(64,))] * 2, ordered=True, capacity=6) as pipe:
+            it = iter(pipe)
+            first = next(it)  # the general path: opens the channel
+            assert (first["worker"], first["seq"]) == (0, 0)
+            channel = _channel(pipe)
+            t0 = time.perf_counter()
+            assert channel.take_ready(0, 1, 1, 0) is None  # a look is due: nothing taken
+            deadline = time.monotonic() + self.timeout
+            got = None
+            while got is None and time.monotonic() < deadline:  # worker 1's first batch, once it is there
+                got = channel.take_ready(0, 1, 0, 1 << 62)
+                if got is None:
+                    time.sleep(0.005)
+            assert got is not None, "worker 1's first batch never came by the fast path"
+            batch, nbytes, worker, ns = got
+            assert (batch["worker"], batch["seq"], worker) == (1, 0, 1)
+            assert nbytes > 0 and ns > 0
+            assert channel.take_ready(0, 0, 99, 1 << 62) is None  # not there: never waits
+            assert time.perf_counter() - t0 < self.timeout
+            del batch, got
+
+    def test_serves_ranks_claims_the_protocol(self, transport: TransportArg) -> None:
+        from shmpipe.transport import ServesRanks, SharingConsumerEnd
+
+        resolved = resolve_transport(transport)
+        if not resolved.capabilities.serves_ranks:
+            pytest.skip("the transport does not claim serves_ranks")
+        assert isinstance(resolved, ServesRanks), "serves_ranks without ServesRanks.rank_reader"
+        with self.pipe(transport, [Counter(2)]) as pipe:
+            assert len(list(pipe)) == 2
+            assert isinstance(_channel(pipe), SharingConsumerEnd), "serves_ranks without a SharingConsumerEnd"
 
     def test_alignment(self, transport: TransportArg) -> None:
         caps = self.caps(transport)

@@ -173,7 +173,17 @@ class ShmTransport(Transport, ServesRanks):
 
     def open(self, spec: ChannelSpec) -> ShmConsumer:
         _segments.sweep()  # named segments of pipelines whose process died
-        return self._consumer(spec)
+        consumer = self._consumer(spec)
+        if consumer.engine_decodes != self.capabilities.takes_ready:
+            # The capability announces the fast path; only a consumer whose
+            # payloads the compiled reader decodes has one.
+            consumer.close()
+            consumer.destroy()
+            raise ShmpipeValueError(
+                f"the {self.name!r} transport's capability takes_ready={self.capabilities.takes_ready} "
+                f"disagrees with its consumer {type(consumer).__name__} (engine_decodes={consumer.engine_decodes})"
+            )
+        return consumer
 
     def _consumer(self, spec: ChannelSpec) -> ShmConsumer:
         """The ConsumerEnd open() makes (a ring transport with another
@@ -514,14 +524,14 @@ class ShmConsumer(SharingConsumerEnd):
         """The batch (or with `decode` False its root) whose record `record`
         is (the reader calls this for a slot that holds a record), and its
         payload's size."""
-        root, nbytes, fd = self._map_external(record)
-        os.close(fd)
+        root, nbytes, _ = self._map_external(record, keep_fd=False)
         return (_codec.decode(root) if decode else root), nbytes
 
-    def _map_external(self, record: np.ndarray) -> tuple[np.ndarray, int, int]:
+    def _map_external(self, record: np.ndarray, *, keep_fd: bool) -> tuple[np.ndarray, int, int]:
         """The root of the batch larger than a slot that `record` announces
         (mapped read-only; it holds the record's slot too), its payload's
-        size, and its descriptor, which the caller now owns."""
+        size, and with `keep_fd` its descriptor, which the caller then owns
+        (else -1: closed here)."""
         pass_no, worker, wseq, nbytes = _external.read_record(record)
         if self.inbox is None:
             raise CorruptChannelError("a slot announces a batch larger than a slot, which this pipeline forbids")
@@ -536,6 +546,9 @@ class ShmConsumer(SharingConsumerEnd):
             except BaseException:
                 os.close(fd)
                 raise
+            if not keep_fd:
+                os.close(fd)
+                fd = -1
         return root, nbytes, fd
 
     # -- several ranks (SharingConsumerEnd; transports/_ranks.py) ---------------
@@ -548,7 +561,8 @@ class ShmConsumer(SharingConsumerEnd):
         if root is END or root is FAULT:
             return root
         if _ring.is_external_record(root):
-            mapped, nbytes, fd = self._map_external(root)
+            mapped, nbytes, fd = self._map_external(root, keep_fd=True)
+            self.reader.last_nbytes = nbytes  # the payload's size, not the record's (as get() counts it)
             return SharedBatch(mapped, ("big", nbytes), fd)
         return SharedBatch(root, ("slot", int(root.ctypes.data) - self.segment.address, int(root.nbytes)))
 
