@@ -733,3 +733,81 @@ def _rank_main(cfg: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     _rank_main(json.loads(sys.argv[1]))
+
+
+# -- what a stray connection to rank 0 can do ------------------------------------
+
+
+def _rank_in_thread(group: str, rank: int, made: dict[int, Any]) -> Any:
+    import threading
+
+    from shmpipe.testing.sources import Counter
+
+    def run() -> None:
+        try:
+            made[rank] = shmpipe.from_iterators(
+                [Counter(1)], group=group, rank=rank, num_ranks=2, timeout=10, group_timeout=20
+            )
+        except BaseException as exc:  # reported by the test
+            made[rank] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _connect_raw(group: str) -> Any:
+    import socket
+
+    from shmpipe._group import socket_address
+
+    deadline = time.monotonic() + 15
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(socket_address(group))
+            sock.settimeout(5)
+            return sock
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            assert time.monotonic() < deadline, "rank 0 never listened"
+            time.sleep(0.05)
+
+
+def _finish_group(group: str, made: dict[int, Any], threads: list[Any]) -> None:
+    threads.append(_rank_in_thread(group, 1, made))
+    try:
+        for thread in threads:
+            thread.join(30)
+        assert all(not t.is_alive() for t in threads)
+        assert all(isinstance(made.get(r), shmpipe.RankPipeline) for r in (0, 1)), made
+    finally:
+        for r in (1, 0):
+            if isinstance(made.get(r), shmpipe.RankPipeline):
+                made[r].close()
+
+
+@pytest.mark.parametrize("how", ["silent", "crowd"])
+def test_connections_that_never_say_hello_are_closed(monkeypatch, how):
+    from shmpipe._group import _leader
+
+    monkeypatch.setattr(_leader, "HELLO_TIMEOUT_S", 0.5 if how == "silent" else 60.0)
+    monkeypatch.setattr(_leader, "MAX_PENDING", 2)
+    group = _group()
+    made: dict[int, Any] = {}
+    threads = [_rank_in_thread(group, 0, made)]
+    socks = [_connect_raw(group)]
+    try:
+        if how == "crowd":  # more silent connections than rank 0 keeps: the oldest goes
+            socks += [_connect_raw(group), _connect_raw(group)]
+        start = time.monotonic()
+        assert socks[0].recv(64) == b"", "rank 0 should have closed the connection"
+        assert time.monotonic() - start < 3
+        if how == "crowd":
+            socks[-1].setblocking(False)
+            with pytest.raises(BlockingIOError):
+                socks[-1].recv(64)  # the newest is still kept
+    finally:  # whatever failed, the group completes and closes: nothing left running
+        for sock in socks:
+            sock.close()
+        _finish_group(group, made, threads)

@@ -31,6 +31,14 @@ from shmpipe.transport import ConsumerEnd, SharedBatch, SharingConsumerEnd
 
 __all__ = ["DealingPipeline", "Leader"]
 
+#: How long a connection may take to say hello: a rank sends it at once, so
+#: this is generous; a connection that says nothing is closed after it (it
+#: would hold two descriptors for ever).
+HELLO_TIMEOUT_S = 5.0
+#: Connections waiting to say hello, at most (beyond the ranks to come): a
+#: new one beyond it closes the oldest.
+MAX_PENDING = 16
+
 
 class DealingPipeline(Pipeline):
     """Rank 0's pipeline of a group: the channel's batches come undecoded
@@ -115,8 +123,13 @@ class Leader:
         self.listener = listener
         self.lock = threading.Condition()
         self.links: dict[int, _Link] = {}
-        #: Connected, hello not yet read: socket -> (pid from SO_PEERCRED, its watch).
-        self.pending: dict[socket.socket, tuple[int, ProcessWatch]] = {}
+        #: Connected, hello not yet read: socket -> (pid from SO_PEERCRED, its
+        #: watch, the monotonic time by which it must have said hello);
+        #: oldest first.
+        self.pending: dict[socket.socket, tuple[int, ProcessWatch, float]] = {}
+        #: When accept() failed (out of descriptors), the listener is not
+        #: polled until then: it stays readable, and polling it would spin.
+        self.listener_resumes: float | None = None
         # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE),
         # which a trainer with many open files easily has.
         self.poller = select.poll()
@@ -184,6 +197,8 @@ class Leader:
                 self._from_rank(link)  # its last words (releases, bye) first
             if link.state is not LinkState.CLOSED:  # a child it forked holds its socket open
                 self._connection_ended(link)
+        self._expire_pending()
+        self._resume_listener()
         if not self.ready and time.monotonic() > self.deadline and self.failure is None:
             with self.lock:
                 missing = [r for r in range(self.n) if r not in self.links]
@@ -206,10 +221,29 @@ class Leader:
             links = [link for link in unpolled if link.state is not LinkState.CLOSED]
         return [link for link in links if not link.watch.alive()]
 
+    def _expire_pending(self) -> None:
+        """Closes the connections that did not say hello in time."""
+        now = time.monotonic()
+        for sock, (_, watch, deadline) in list(self.pending.items()):
+            if now > deadline:
+                self._unwatch(sock.fileno())
+                del self.pending[sock]
+                self._reject(sock, watch, None)
+
+    def _resume_listener(self) -> None:
+        if self.listener_resumes is not None and time.monotonic() >= self.listener_resumes:
+            self.listener_resumes = None
+            self._watch(self.listener.fileno(), _Watched.LISTENER, self.listener)
+
     def _accept(self) -> None:
         try:
             sock, _ = self.listener.accept()
         except OSError:
+            # Out of descriptors (EMFILE, ENFILE) or a connection gone at
+            # once: the listener stays readable. Look at it again in a
+            # moment, not at once (that would spin this thread).
+            self._unwatch(self.listener.fileno())
+            self.listener_resumes = time.monotonic() + POLL_S
             return
         try:
             pid, uid = _wire.peer(sock)
@@ -218,7 +252,12 @@ class Leader:
         if uid != os.getuid():
             sock.close()  # only this user's processes may join (the name is no protection)
             return
-        self.pending[sock] = (pid, ProcessWatch(pid))
+        if len(self.pending) >= MAX_PENDING:  # the oldest goes: a rank says hello at once
+            oldest = next(iter(self.pending))
+            _, watch, _ = self.pending.pop(oldest)
+            self._unwatch(oldest.fileno())
+            self._reject(oldest, watch, None)
+        self.pending[sock] = (pid, ProcessWatch(pid), time.monotonic() + HELLO_TIMEOUT_S)
         self._watch(sock.fileno(), _Watched.HELLO, sock)
 
     def _reject(self, sock: socket.socket, watch: ProcessWatch, message: list[Any] | None) -> None:
@@ -229,9 +268,13 @@ class Leader:
 
     def _hello(self, sock: socket.socket) -> None:
         self._unwatch(sock.fileno())
-        pid, watch = self.pending.pop(sock)
+        pid, watch, deadline = self.pending.pop(sock)
         try:
             message, fds = _wire.recv(sock)
+        except BlockingIOError:  # woken for a descriptor number now another's: not yet
+            self.pending[sock] = (pid, watch, deadline)
+            self._watch(sock.fileno(), _Watched.HELLO, sock)
+            return
         except (GroupError, OSError):
             self._reject(sock, watch, None)
             return
@@ -511,7 +554,7 @@ class Leader:
         for link in links:
             link.sock.close()
             link.watch.close()
-        for sock, (_, watch) in list(self.pending.items()):
+        for sock, (_, watch, _) in list(self.pending.items()):
             self._reject(sock, watch, None)
         self.pending.clear()
         self.listener.close()
