@@ -811,3 +811,62 @@ def test_connections_that_never_say_hello_are_closed(monkeypatch, how):
         for sock in socks:
             sock.close()
         _finish_group(group, made, threads)
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, sys, threading, time
+import shmpipe
+from shmpipe.testing.sources import Counter
+
+if __name__ == "__main__":
+    group = sys.argv[1]
+    made = {}
+
+    def rank0():
+        try:
+            made[0] = shmpipe.from_iterators([Counter(1)], group=group, rank=0, num_ranks=2, timeout=10, group_timeout=6)
+        except shmpipe.GroupStartError as exc:
+            made[0] = exc
+
+    thread = threading.Thread(target=rank0, daemon=True)
+    thread.start()
+    time.sleep(1.0)  # rank 0 listens now
+    # No descriptor left: the listener's next accept() fails (EMFILE).
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print("limited", flush=True)
+    thread.join(20)
+    print("done", type(made.get(0)).__name__, flush=True)
+"""
+
+
+def test_rank_0_out_of_descriptors_does_not_spin(tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(OUT_OF_DESCRIPTORS)
+    group = _group()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, str(script), group], stdout=subprocess.PIPE, text=True, env=env)
+    socks = []
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "limited"
+        for _ in range(3):  # connections the kernel queues and rank 0 cannot accept
+            socks.append(_connect_raw(group))
+
+        def cpu_s() -> float:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        before = cpu_s()
+        time.sleep(2.0)
+        spent = cpu_s() - before
+        assert spent < 0.5, f"rank 0 spent {spent:.2f} s of CPU in 2 s, waiting for descriptors"
+        out, _ = proc.communicate(timeout=30)
+        assert "done GroupStartError" in out  # rank 1 never joined: the group times out, as it should
+    finally:
+        for sock in socks:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
