@@ -486,6 +486,28 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
                 }
             }
         }
+        if (best >= 0 && worker < 0) {
+            /* Each worker's batches in the order it published them. The
+             * scan reads the slots one after another, so a batch published
+             * after its slot was read can be seen without the one its
+             * worker published just before it (in a slot read earlier). A
+             * worker publishes its batches one at a time, and `best` was
+             * loaded READY with acquire: every earlier batch of its worker
+             * is visible now, READY or already taken. So the earliest READY
+             * one of that worker is taken instead. (The tickets, being
+             * shared words, cannot reorder a worker's batches either.) */
+            const uint32_t bw = LOAD_ONCE(s[best].worker);
+            uint64_t bq = LOAD_ONCE(s[best].wseq);
+            for (uint32_t k = 0; k < n; k++) {
+                if (atomic_load_explicit(&s[k].state, memory_order_acquire) != SHMP_READY) continue;
+                if (LOAD_ONCE(s[k].pass) != pass || LOAD_ONCE(s[k].worker) != bw) continue;
+                const uint64_t q = LOAD_ONCE(s[k].wseq);
+                if (q < bq) {
+                    best = k;
+                    bq = q;
+                }
+            }
+        }
         if (best >= 0) {
             shmp_slot *b = &s[best];
             /* Only the consumer leaves READY; producers look for FREE only,

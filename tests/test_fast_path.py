@@ -133,6 +133,27 @@ def test_take_ready_leaves_ends_and_faults_to_the_general_path(ring2):
     assert c.get(1, -1, 0, WAIT) is FAULT
 
 
+@pytest.mark.parametrize("how", ["take_ready", "get"])
+def test_each_workers_batches_come_in_the_order_it_published_them(ring2, how):
+    # Tickets (publication order across workers) are shared words: one set
+    # out of order, by another process or by a scan that saw a worker's
+    # later batch before its earlier one, never reorders a worker's batches.
+    c, (w0, w1) = ring2
+    for k in range(3):
+        w0.put(np.full(4, k))
+    w1.put(np.full(4, 10))
+    (slot,) = [k for k in range(4) if c.ring.slot_info(k)[1:4] == (0, 0, 0)]  # worker 0's batch 0
+    offset = 256 + 64 * 2 + 64 * slot + 24  # its ticket
+    ctypes.memmove(c.segment.address + offset, (1 << 60).to_bytes(8, "little"), 8)
+    taken = []
+    for _ in range(4):
+        got = c.take_ready(0, -1, 0, FAR)[0] if how == "take_ready" else c.get(0, -1, 0, WAIT)
+        taken.append(int(got[0]))
+        del got
+    assert [k for k in taken if k < 10] == [0, 1, 2]
+    assert sorted(taken) == [0, 1, 2, 10]
+
+
 def test_take_ready_checks_the_slot_record(ring2):
     c, (w0, _) = ring2
     w0.put(np.zeros(4))
