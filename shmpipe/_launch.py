@@ -6,6 +6,13 @@ batch, when the user gave no slot size -- once a producer reports the size
 of its first batch ("need_channel"), after which every producer is told to
 "attach".
 
+What a producer sends is untrusted: it is read without ever blocking, by
+an _control.Inbox per producer (JSON, checked field by field, reassembled
+from whatever has arrived), at each health check. A message cut short by
+a producer that stopped or died waits in its inbox, and no wait here
+outlasts the pipeline's timeout; a malformed one is a CorruptChannelError
+that names the producer.
+
 A producer's end is seen by a pidfd (_process.ProcessWatch) as well as by
 multiprocessing's sentinel. With fork and spawn the sentinel is a pipe whose
 write end the producer holds, and so does any child it forks: while such a
@@ -23,6 +30,7 @@ import multiprocessing.process
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import resource_tracker
@@ -33,7 +41,7 @@ from typing import Any
 from shmpipe import _control
 from shmpipe._process import ProcessWatch, owner_identity
 from shmpipe._worker import producer_main
-from shmpipe.errors import WorkerDiedError, WorkerError
+from shmpipe.errors import CorruptChannelError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
 __all__ = ["GRACE_S", "ProcessLauncher"]
@@ -64,6 +72,10 @@ class ProcessLauncher(Launcher):
         self.processes: list[BaseProcess] = []
         self.watches: list[ProcessWatch] = []  # one per process, in the same order
         self.conns: list[Connection] = []
+        # What each producer says, read without blocking (made once every
+        # producer has started: no producer forked later inherits them).
+        self.inboxes: list[_control.Inbox] = []
+        self._reading = threading.Lock()  # one thread at a time takes apart what arrived
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._failure: BaseException | None = None
         self._down = False
@@ -103,6 +115,8 @@ class ProcessLauncher(Launcher):
                 self.watches.append(ProcessWatch(p.pid))
                 child_end.close()
                 block_again()
+        for worker, (p, conn) in enumerate(zip(self.processes, self.conns, strict=True)):
+            self.inboxes.append(_control.Inbox(conn, f"worker {worker} (pid {p.pid})"))
 
     def _send_all(self, message: tuple[Any, ...]) -> None:
         """The same message to every producer (the channel's handle goes
@@ -131,7 +145,12 @@ class ProcessLauncher(Launcher):
             _control.send(conn, ("pass", pass_no, seed))
 
     def wait_for_event(self, timeout: float) -> None:
-        _wait_for_event(self.processes, self.watches, self.conns, timeout)
+        if self._down:
+            return
+        # A producer's connection at its end is ready for ever: not waited on
+        # (its process's end is, and says more).
+        readable = [inbox for inbox in self.inboxes if not inbox.eof]
+        _wait_for_event(self.processes, self.watches, readable, timeout)
 
     def first_failure(self) -> BaseException | None:
         """Reads the producers' messages; the first failure, or None."""
@@ -150,24 +169,31 @@ class ProcessLauncher(Launcher):
         return self._failure
 
     def _read_messages(self) -> None:
-        for worker, conn in enumerate(self.conns):
-            try:
-                while conn.poll():
-                    self._on_message(worker, _control.recv(conn))
-            except (EOFError, OSError):
-                pass  # it died; its exit code says how
+        """Takes what every producer has sent so far, without blocking (a
+        message not whole yet waits in its inbox)."""
+        with self._reading:
+            for worker, inbox in enumerate(self.inboxes):
+                try:
+                    messages = inbox.read()
+                except CorruptChannelError as exc:
+                    if self._failure is None:
+                        self._failure = exc
+                    continue
+                for msg in messages:
+                    self._on_message(worker, msg)
 
-    def _on_message(self, worker: int, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "need_channel":
-            self._need = max(self._need or 0, msg[1])
-        elif kind == "error" and self._failure is None:
-            _, exc_type, message, tb, own = msg
-            error = WorkerError(worker, self.processes[worker].pid, exc_type, message, tb)
+    def _on_message(self, worker: int, msg: _control.Message) -> None:
+        if isinstance(msg, _control.NeedChannel):
+            self._need = max(self._need or 0, msg.nbytes)
+        elif self._failure is None:
+            pid = self.processes[worker].pid
+            error: BaseException = WorkerError(worker, pid, msg.exc_type, msg.message, msg.traceback)
+            own = msg.own
             if own is not None:
-                # shmpipe's own error in the producer (BatchTypeError, ...):
-                # raise its type, so `except TypeError` works, chained to the
-                # WorkerError that says which worker and where.
+                # shmpipe's own error in the producer (BatchTypeError, ...),
+                # rebuilt from its arguments: raise its type, so `except
+                # TypeError` works, chained to the WorkerError that says
+                # which worker and where.
                 own.__cause__ = error
                 error = own
             self._failure = error
@@ -199,6 +225,9 @@ class ProcessLauncher(Launcher):
         _reap(self.processes, self.watches)
         for watch in self.watches:
             watch.close()
+        with self._reading:  # not under a read in another thread (each is short: nothing blocks)
+            for inbox in self.inboxes:
+                inbox.close()
         for conn in self.conns:
             conn.close()
         self.channel = None
@@ -279,13 +308,14 @@ def _refuse_while_bootstrapping() -> None:
 
 
 def _wait_for_event(
-    processes: Sequence[BaseProcess], watches: Sequence[ProcessWatch], conns: Sequence[Connection], timeout: float
+    processes: Sequence[BaseProcess], watches: Sequence[ProcessWatch], readable: Sequence[Any], timeout: float
 ) -> None:
-    """Waits up to `timeout` seconds for a message on one of `conns` or the
-    end of one of `processes` (returns at once if one has ended already).
-    A process is waited on by its sentinel and, while it runs, its pidfd."""
+    """Waits up to `timeout` seconds for bytes on one of `readable` (objects
+    with a fileno()) or the end of one of `processes` (returns at once if
+    one has ended already). A process is waited on by its sentinel and,
+    while it runs, its pidfd."""
     deadline = time.monotonic() + timeout
-    waiting: list[Any] = [*conns]
+    waiting: list[Any] = [*readable]
     pidfds: dict[int, BaseProcess] = {}
     for p, watch in zip(processes, watches, strict=True):
         waiting.append(p.sentinel)
