@@ -11,7 +11,9 @@ an _control.Inbox per producer (JSON, checked field by field, reassembled
 from whatever has arrived), at each health check. A message cut short by
 a producer that stopped or died waits in its inbox, and no wait here
 outlasts the pipeline's timeout; a malformed one is a CorruptChannelError
-that names the producer.
+that names the producer. A message to a producer that is gone (the next
+pass, attach) is the WorkerDiedError that names it, not the socket's
+BrokenPipeError.
 
 A producer's end is seen by a pidfd (_process.ProcessWatch) as well as by
 multiprocessing's sentinel. With fork and spawn the sentinel is a pipe whose
@@ -118,11 +120,37 @@ class ProcessLauncher(Launcher):
         for worker, (p, conn) in enumerate(zip(self.processes, self.conns, strict=True)):
             self.inboxes.append(_control.Inbox(conn, f"worker {worker} (pid {p.pid})"))
 
-    def _send_all(self, message: tuple[Any, ...]) -> None:
-        """The same message to every producer (the channel's handle goes
-        through the control connections, descriptors and all: _control)."""
+    def _send(self, worker: int, message: tuple[Any, ...]) -> None:
+        """`message` to producer `worker`. One that is gone (its end of the
+        connection closed: BrokenPipeError, ConnectionResetError) is the
+        pipeline's failure, raised: the WorkerDiedError that names it (or
+        the error it reported before it went)."""
+        try:
+            _control.send(self.conns[worker], message)
+        except OSError:
+            raise self._lost(worker) from None
+
+    def _send_quietly(self, message: tuple[Any, ...]) -> None:
+        """`message` to every producer still there (stop: one that is gone
+        needs no telling, and its end is reported where it is read)."""
         for conn in self.conns:
-            _control.send(conn, message)
+            try:
+                _control.send(conn, message)
+            except (OSError, ValueError):  # ValueError: a connection closed already
+                pass
+
+    def _lost(self, worker: int) -> BaseException:
+        """Producer `worker`'s connection is closed: the failure to raise.
+        It is ending, if it has not ended (its connection closes as it
+        exits): its exit code comes within GRACE_S."""
+        p = self.processes[worker]
+        _join(p, self.watches[worker], time.monotonic() + GRACE_S)
+        failure = self.first_failure()  # an error it reported before it went comes first
+        if failure is None:
+            failure = self._failure = WorkerDiedError(
+                worker, p.pid, None, reason="its control connection closed while it was still running"
+            )
+        return failure
 
     @property
     def pids(self) -> list[int | None]:
@@ -135,14 +163,15 @@ class ProcessLauncher(Launcher):
             if self._need is not None:
                 spec = dataclasses.replace(self.spec, slot_size=self.transport.slot_size_for(self._need))
                 self.channel = self.transport.open(spec)
-                self._send_all(("attach", self.channel.handle))
+                for worker in range(len(self.conns)):
+                    self._send(worker, ("attach", self.channel.handle))
         return self.channel
 
     def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
-        for conn, seed in zip(self.conns, seeds, strict=True):
-            _control.send(conn, ("pass", pass_no, seed))
+        for worker, seed in enumerate(seeds):
+            self._send(worker, ("pass", pass_no, seed))
 
     def wait_for_event(self, timeout: float) -> None:
         if self._down:
@@ -160,13 +189,16 @@ class ProcessLauncher(Launcher):
         if self._failure is None:
             for worker, p in enumerate(self.processes):
                 code = p.exitcode  # read once: each read polls the process
-                if code == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
-                    self._failure = WorkerDiedError(worker, p.pid, code, reason=_unguarded_script())
-                    break
                 if code is not None:
-                    self._failure = WorkerDiedError(worker, p.pid, code)
+                    self._failure = self._died(worker, code)
                     break
         return self._failure
+
+    def _died(self, worker: int, code: int) -> WorkerDiedError:
+        p = self.processes[worker]
+        if code == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
+            return WorkerDiedError(worker, p.pid, code, reason=_unguarded_script())
+        return WorkerDiedError(worker, p.pid, code)
 
     def _read_messages(self) -> None:
         """Takes what every producer has sent so far, without blocking (a
@@ -199,11 +231,7 @@ class ProcessLauncher(Launcher):
             self._failure = error
 
     def halt(self) -> None:
-        for conn in self.conns:
-            try:
-                _control.send(conn, ("stop",))
-            except (OSError, ValueError):
-                pass
+        self._send_quietly(("stop",))
 
     def shutdown(self) -> None:
         if self._down:
@@ -212,11 +240,7 @@ class ProcessLauncher(Launcher):
         channel = self.channel
         if channel is not None:
             channel.close()  # producers waiting for room return at once
-        for conn in self.conns:
-            try:
-                _control.send(conn, ("stop",))
-            except (OSError, ValueError):
-                pass
+        self._send_quietly(("stop",))
         if channel is not None:
             try:
                 channel.destroy()  # shared names go now; live arrays keep their memory
