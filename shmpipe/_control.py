@@ -1,39 +1,128 @@
-"""Messages on a pipeline's control connections, with file descriptors.
+"""Messages on a pipeline's control connections.
 
-Each producer has one duplex connection to the consumer (a Unix socket pair
-made by multiprocessing: ``Pipe(duplex=True)``). Messages are small pickled
-tuples (the protocol is in _worker.py). A message may hold :class:`PassFd`
-objects, file descriptors the other process needs (a ring's memory, say):
-their numbers mean nothing in another process, so the descriptors
-themselves travel beside the message, as SCM_RIGHTS ancillary data
-(_fdpass), and arrive as new PassFd objects holding the receiver's own
-numbers (close-on-exec).
+Each producer has one duplex connection to the consumer (a Unix stream
+socket pair made by multiprocessing: ``Pipe(duplex=True)``). The two
+directions are not alike, because the two ends do not trust each other
+alike (the protocol itself is in _worker.py).
 
-Framing: one ``send_bytes`` of ``<u16 count of descriptors> <pickle>``, then,
-if the count is not zero, one byte with the descriptors attached. Connection
-reads exactly what each message says, never ahead, so the descriptors are
-the next thing on the socket when the message has been read.
+**Consumer -> producer** (``attach``, ``pass``, ``stop``): small pickled
+tuples. The consumer is the trusted end: it started the producer and
+chose the code it runs, so a producer may unpickle what it sends (it is no
+more than what the consumer could already make it do). A message may hold
+:class:`PassFd` objects, file descriptors the producer needs (a ring's
+memory, say): their numbers mean nothing in another process, so the
+descriptors themselves travel beside the message, as SCM_RIGHTS ancillary
+data (_fdpass), and arrive as new PassFd objects holding the receiver's own
+numbers (close-on-exec). Framing: one ``send_bytes`` of ``<u16 count of
+descriptors> <pickle>``, then, if the count is not zero, one byte with the
+descriptors attached. Connection reads exactly what each message says,
+never ahead, so the descriptors are the next thing on the socket when the
+message has been read. (:func:`send`, :func:`recv`.)
+
+**Producer -> consumer** (``need_channel``, ``error``): untrusted. A
+producer runs a source, and a source must not be able to make the
+consumer run code, so nothing a producer sends is unpickled: a message is
+a JSON array whose first element names it, in a frame as
+``Connection.send_bytes`` writes one (a 4-byte big-endian signed length,
+then that many bytes; multiprocessing's wire format, which its Listener and
+Client keep stable across Python versions), of at most
+:data:`MAX_MESSAGE` bytes, and never with descriptors::
+
+    ["need_channel", nbytes]                   0 <= nbytes <= MAX_NBYTES
+    ["error", exc_type, message, traceback, own]
+        own: null, or [class name, [arguments]] for shmpipe's own errors
+
+:func:`decode` checks every field for its exact type and bounds; ``own``
+is rebuilt only from a closed table of shmpipe's exception classes
+(:data:`OWN_ERRORS`) and arguments of the types each expects, so a
+producer's BatchTypeError is raised as itself in the consumer and a
+forged message can name no other class. Anything else is a
+CorruptChannelError. The producer clips an error's texts (a long
+traceback) until its frame fits (:func:`error`), so a real error always
+arrives. (:func:`tell` sends one.)
+
+The consumer reads these with an :class:`Inbox` per producer, which never
+blocks: it takes what the socket holds (MSG_DONTWAIT), keeps the part of
+a frame that has arrived, and hands over whole messages only. A producer
+that stops (or dies, leaving a child holding the socket) in the middle of
+a message leaves that part in the inbox and nothing else: the consumer's
+waits go on honouring ``timeout=``, and a death is seen by the launcher
+through the process itself.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import socket
 import struct
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
-from typing import Any
+from typing import Any, NamedTuple
 
 from shmpipe import _fdpass
+from shmpipe.errors import (
+    BatchTooLargeError,
+    BatchTypeError,
+    CorruptChannelError,
+    GroupError,
+    GroupStartError,
+    PipelineClosedError,
+    PipelineTimeoutError,
+    RankDiedError,
+    SharedMemoryFullError,
+    ShmpipeError,
+    ShmpipeTypeError,
+    ShmpipeValueError,
+    TransportUnavailableError,
+    WorkerDiedError,
+    WorkerError,
+)
 
-__all__ = ["PassFd", "recv", "send"]
+__all__ = [
+    "MAX_MESSAGE",
+    "MAX_NBYTES",
+    "OWN_ERRORS",
+    "ErrorReport",
+    "Inbox",
+    "NeedChannel",
+    "PassFd",
+    "decode",
+    "encode",
+    "error",
+    "need_channel",
+    "recv",
+    "send",
+    "tell",
+]
 
 _COUNT = struct.Struct("<H")
 #: More than this in one message is a bug (or a hostile peer).
 MAX_FDS = 64
+
+#: The largest message a producer may send (its JSON, without the frame's
+#: length). A need_channel is a few dozen bytes; an error's texts are
+#: clipped until it fits.
+MAX_MESSAGE = 1 << 16
+#: The largest first batch a producer may ask a channel for (1 TiB, the
+#: queue transport's largest frame): beyond any real batch, and small
+#: enough that the ring's size stays far from overflowing 64 bits.
+MAX_NBYTES = 1 << 40
+#: How long an error's texts may be before clipping starts (each keeps its
+#: head and its tail: a traceback's last lines say the most).
+_MAX_TEXT = 16_000
+_LENGTH = struct.Struct("!i")  # Connection's frame header
+#: What the inbox takes from a socket at one call (then the socket is
+#: looked at again at the next health check: a producer that writes
+#: without end cannot keep the consumer reading).
+_READ_BUDGET = 4 * MAX_MESSAGE
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_SIZE = (0, (1 << 63) - 1)
+_PID = (1, (1 << 31) - 1)
 
 
 class PassFd:
@@ -82,6 +171,18 @@ def _passed_at_start(dup: Any) -> PassFd:
     return PassFd(dup.detach())
 
 
+def _socket_of(conn: Connection) -> socket.socket:
+    """A socket object over a duplicate of `conn`'s descriptor, blocking
+    whatever socket.setdefaulttimeout() says (a timeout would make the
+    descriptor, shared with `conn`, non-blocking)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    sock.setblocking(True)
+    return sock
+
+
+# -- consumer -> producer: pickles from the trusted end ----------------------------
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -106,7 +207,9 @@ class _Unpickler(pickle.Unpickler):
 
 
 def send(conn: Connection, message: Any) -> None:
-    """Sends `message` (and the descriptors of the PassFds in it)."""
+    """Consumer side: sends `message` (and the descriptors of the PassFds in
+    it) to a producer. Pickled: only ever read by a producer, which trusts
+    the consumer (never the other way: see :func:`tell`)."""
     buf = io.BytesIO()
     buf.write(_COUNT.pack(0))
     pickler = _Pickler(buf)
@@ -118,19 +221,21 @@ def send(conn: Connection, message: Any) -> None:
     data[: _COUNT.size] = _COUNT.pack(len(fds))
     conn.send_bytes(data)
     if fds:
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        with _socket_of(conn) as sock:
             _fdpass.send_fds(sock, b"F", fds)
 
 
 def recv(conn: Connection) -> Any:
-    """The next message; its PassFds hold descriptors of this process."""
+    """Producer side: the consumer's next message (it blocks: the consumer
+    is trusted to send whole messages); its PassFds hold descriptors of this
+    process. Never used by the consumer, which reads with an Inbox."""
     data = conn.recv_bytes()
     (count,) = _COUNT.unpack_from(data)
     fds: list[int] = []
     if count:
         if count > MAX_FDS:
             raise OSError(f"a control message claims {count} descriptors (the peer is broken)")
-        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        with _socket_of(conn) as sock:
             fds = _fdpass.recv_fds(sock, 1, count).fds  # close-on-exec, as every descriptor Python makes
         if len(fds) != count:  # fewer: cut by the kernel (no room for them), or the stream ended
             _fdpass.close_all(fds)
@@ -140,3 +245,265 @@ def recv(conn: Connection) -> Any:
     except BaseException:
         _fdpass.close_all(fds)
         raise
+
+
+# -- producer -> consumer: JSON, checked field by field ----------------------------
+
+
+class NeedChannel(NamedTuple):
+    """``need_channel``: a producer's first batch needs `nbytes`."""
+
+    nbytes: int
+
+
+class ErrorReport(NamedTuple):
+    """``error``: the producer raised; `own` is shmpipe's own error it
+    raised, rebuilt (None for any other exception)."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    own: ShmpipeError | None
+
+
+Message = NeedChannel | ErrorReport
+
+#: The types a field may have, and for ints their bounds (inclusive).
+_Field = tuple[tuple[type | None, ...], tuple[int, int] | None]
+_TEXT: _Field = ((str,), None)
+_SIZE_FIELD: _Field = ((int,), _SIZE)
+_WORKER: _Field = ((int,), (0, _INT32[1]))
+_MAYBE_PID: _Field = ((int, None), _PID)
+_MAYBE_CODE: _Field = ((int, None), _INT32)
+_MAYBE_TEXT: _Field = ((str, None), None)
+_RANK: _Field = ((int,), _INT32)
+
+#: shmpipe's own errors that travel as themselves: the class, the types of
+#: its constructor's arguments, and how to read them back off an instance
+#: (None: the message, ``str(exc)``, its one argument). Exact classes only:
+#: a subclass defined elsewhere travels as a WorkerError alone.
+OWN_ERRORS: dict[str, tuple[type[ShmpipeError], tuple[_Field, ...], Callable[[Any], tuple[Any, ...]] | None]] = {
+    cls.__name__: (cls, fields, args)
+    for cls, fields, args in [
+        (ShmpipeError, (_TEXT,), None),
+        (ShmpipeTypeError, (_TEXT,), None),
+        (ShmpipeValueError, (_TEXT,), None),
+        (CorruptChannelError, (_TEXT,), None),
+        (TransportUnavailableError, (_TEXT,), None),
+        (PipelineTimeoutError, (_TEXT,), None),
+        (PipelineClosedError, (_TEXT,), None),
+        (GroupError, (_TEXT,), None),
+        (GroupStartError, (_TEXT,), None),
+        (BatchTypeError, (_TEXT, _TEXT), lambda e: (e.message, e.path)),
+        (BatchTooLargeError, (_SIZE_FIELD, _SIZE_FIELD), lambda e: (e.nbytes, e.slot_size)),
+        (SharedMemoryFullError, (_SIZE_FIELD, _SIZE_FIELD, _TEXT), lambda e: (e.needed, e.available, e.where)),
+        (WorkerError, (_WORKER, _MAYBE_PID, _TEXT, _TEXT, _TEXT),
+         lambda e: (e.worker_id, e.pid, e.exc_type, e.message, e.remote_traceback)),
+        (WorkerDiedError, (_WORKER, _MAYBE_PID, _MAYBE_CODE, _MAYBE_TEXT), lambda e: e.__reduce__()[1]),
+        (RankDiedError, (_TEXT, _RANK), lambda e: (str(e), e.rank)),
+    ]
+}
+
+
+def _fits(value: Any, field: _Field) -> bool:
+    """`value` is exactly of one of the field's types (bool is not an int;
+    None: is None), within its bounds."""
+    types, bounds = field
+    if value is None:
+        return None in types
+    if type(value) not in types:
+        return False
+    return bounds is None or type(value) is not int or bounds[0] <= value <= bounds[1]
+
+
+def encode(message: list[Any]) -> bytes:
+    """A producer's message as it travels (ASCII JSON)."""
+    return json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+
+
+def need_channel(nbytes: int) -> list[Any]:
+    """The message that asks for a channel sized for a first batch of `nbytes`."""
+    return ["need_channel", int(nbytes)]
+
+
+def error(exc: BaseException, traceback: str) -> list[Any]:
+    """The message that reports `exc` (formatted as `traceback`). Its texts
+    are clipped until it fits in MAX_MESSAGE: an error too large to send
+    would be lost, and the consumer would learn only that the producer
+    ended. shmpipe's own error (of OWN_ERRORS) goes with its arguments, so
+    the consumer raises the same type."""
+    exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    message = ["error", exc_type, _str(exc), traceback, _own(exc)]
+    limit = _MAX_TEXT
+    while True:
+        clipped = _clip_all(message, limit)
+        if len(encode(clipped)) <= MAX_MESSAGE:
+            return clipped
+        if limit == 0:  # not the texts (a bug): say at least what failed
+            return ["error", _clip(exc_type, 200), "(its message was too large to send)", "", None]
+        limit //= 4
+
+
+def _str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # an exception whose __str__ raises, as traceback prints it
+        return f"<exception str() failed: {type(exc).__name__}>"
+
+
+def _own(exc: BaseException) -> list[Any] | None:
+    """[class name, arguments] of shmpipe's own error, or None."""
+    entry = OWN_ERRORS.get(type(exc).__name__)
+    if entry is None or type(exc) is not entry[0]:
+        return None
+    _, fields, read = entry
+    try:
+        args = list(read(exc)) if read is not None else [str(exc)]
+    except Exception:
+        return None
+    if len(args) != len(fields) or not all(_fits(a, f) for a, f in zip(args, fields, strict=True)):
+        return None  # made by hand with other values: it travels as a WorkerError alone
+    return [type(exc).__name__, args]
+
+
+def _clip_all(value: Any, limit: int) -> Any:
+    if isinstance(value, list):
+        return [_clip_all(v, limit) for v in value]
+    return _clip(value, limit)
+
+
+def _clip(value: Any, limit: int) -> Any:
+    if not isinstance(value, str) or len(value) <= limit:
+        return value
+    head = value[: limit // 2]
+    tail = value[len(value) - limit // 2 :] if limit >= 2 else ""
+    return f"{head}\n[...] ({len(value) - len(head) - len(tail):,} characters clipped)\n{tail}"
+
+
+def tell(conn: Connection, message: list[Any]) -> None:
+    """Producer side: sends `message` (need_channel or error) to the consumer."""
+    data = encode(message)
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"a control message of {len(data):,} bytes (at most {MAX_MESSAGE:,})")
+    conn.send_bytes(data)
+
+
+def decode(data: bytes) -> Message:
+    """A producer's message from its bytes (a frame's body). Anything but a
+    well-formed message is a CorruptChannelError that says what is wrong:
+    the bytes choose no code to run, and no class but shmpipe's own errors."""
+    try:
+        message = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: deep nesting
+        raise _malformed(data, "not JSON") from None
+    if type(message) is not list or not message or type(message[0]) is not str:
+        raise _malformed(data, "not an array that begins with its name")
+    kind = message[0]
+    if kind == "need_channel":
+        if len(message) != 2 or not _fits(message[1], ((int,), (0, MAX_NBYTES))):
+            raise _malformed(data, f"need_channel wants one size of 0 to {MAX_NBYTES:,} bytes")
+        return NeedChannel(message[1])
+    if kind == "error":
+        if len(message) != 5 or not all(type(v) is str for v in message[1:4]):
+            raise _malformed(data, "error wants a type, a message and a traceback (texts) and an error or null")
+        _, exc_type, text, tb, own = message
+        return ErrorReport(exc_type, text, tb, None if own is None else _rebuild(own, data))
+    raise _malformed(data, f"unknown kind {kind!r:.40}")
+
+
+def _rebuild(own: Any, data: bytes) -> ShmpipeError:
+    """shmpipe's own error from [class name, arguments]: a class of the
+    closed table, with arguments of its types."""
+    if type(own) is not list or len(own) != 2 or type(own[0]) is not str or type(own[1]) is not list:
+        raise _malformed(data, "an error's own exception wants [class name, [arguments]]")
+    name, args = own
+    entry = OWN_ERRORS.get(name)
+    if entry is None:
+        raise _malformed(data, f"{name!r:.60} is not one of shmpipe's errors")
+    cls, fields, _ = entry
+    if len(args) != len(fields) or not all(_fits(a, f) for a, f in zip(args, fields, strict=True)):
+        raise _malformed(data, f"the arguments of {name} are not of its types")
+    try:
+        return cls(*args)
+    except (TypeError, ValueError, OverflowError) as exc:  # a bug of the table: still only this error
+        raise _malformed(data, f"{name} could not be made ({exc})") from None
+
+
+def _malformed(data: bytes, why: str) -> CorruptChannelError:
+    return CorruptChannelError(f"a malformed control message ({why}): {bytes(data[:80])!r}")
+
+
+class Inbox:
+    """The consumer's reader of one producer's messages: never blocks.
+
+    ``read()`` takes what the socket holds (MSG_DONTWAIT, at most
+    _READ_BUDGET bytes a call), keeps the part of a frame that has arrived,
+    and returns the whole messages, decoded. Not thread-safe: the caller
+    reads one inbox from one thread at a time. The inbox owns a duplicate
+    of the connection's descriptor: close() it."""
+
+    def __init__(self, conn: Connection, who: str) -> None:
+        #: Who sends (``worker 0 (pid 123)``), for the errors.
+        self.who = who
+        self._sock = _socket_of(conn)
+        self._buf = bytearray()
+        #: The producer closed its end (or reset it): no more will come.
+        self.eof = False
+        #: Why the stream is corrupt, once it is: it cannot be framed any
+        #: more, so every later read raises this again.
+        self.broken: str | None = None
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def pending(self) -> int:
+        """Bytes of a message begun and not whole yet."""
+        return len(self._buf)
+
+    def read(self) -> list[Message]:
+        """The messages that arrived whole since the last read. A malformed
+        one (or a frame larger than MAX_MESSAGE) is a CorruptChannelError
+        that names the producer: raised at once if no message came before
+        it, else at the next read."""
+        messages: list[Message] = []
+        budget = _READ_BUDGET
+        while self.broken is None and not self.eof and budget > 0:
+            try:
+                chunk = self._sock.recv(min(budget, MAX_MESSAGE), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # ECONNRESET: the producer went with messages of ours unread
+                self.eof = True
+                break
+            if not chunk:
+                self.eof = True
+                break
+            budget -= len(chunk)
+            self._buf += chunk
+            self._take(messages)
+        if self.broken is not None and not messages:
+            raise CorruptChannelError(self.broken)
+        return messages
+
+    def _take(self, into: list[Message]) -> None:
+        buf = self._buf
+        while self.broken is None and len(buf) >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(buf)
+            if not 0 < size <= MAX_MESSAGE:
+                self.broken = (
+                    f"{self.who} sent a malformed control message (a frame of {size:,} bytes; "
+                    f"one holds 1 to {MAX_MESSAGE:,}): {bytes(buf[:80])!r}"
+                )
+                return
+            end = _LENGTH.size + size
+            if len(buf) < end:
+                return
+            data = bytes(buf[_LENGTH.size : end])
+            del buf[:end]
+            try:
+                into.append(decode(data))
+            except CorruptChannelError as exc:
+                self.broken = f"{self.who} sent {exc}"
+
+    def close(self) -> None:
+        self._sock.close()

@@ -6,6 +6,15 @@ batch, when the user gave no slot size -- once a producer reports the size
 of its first batch ("need_channel"), after which every producer is told to
 "attach".
 
+What a producer sends is untrusted: it is read without ever blocking, by
+an _control.Inbox per producer (JSON, checked field by field, reassembled
+from whatever has arrived), at each health check. A message cut short by
+a producer that stopped or died waits in its inbox, and no wait here
+outlasts the pipeline's timeout; a malformed one is a CorruptChannelError
+that names the producer. A message to a producer that is gone (the next
+pass, attach) is the WorkerDiedError that names it, not the socket's
+BrokenPipeError.
+
 A producer's end is seen by a pidfd (_process.ProcessWatch) as well as by
 multiprocessing's sentinel. With fork and spawn the sentinel is a pipe whose
 write end the producer holds, and so does any child it forks: while such a
@@ -23,6 +32,7 @@ import multiprocessing.process
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import resource_tracker
@@ -33,7 +43,7 @@ from typing import Any
 from shmpipe import _control
 from shmpipe._process import ProcessWatch, owner_identity
 from shmpipe._worker import producer_main
-from shmpipe.errors import WorkerDiedError, WorkerError
+from shmpipe.errors import CorruptChannelError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
 __all__ = ["GRACE_S", "ProcessLauncher"]
@@ -64,6 +74,10 @@ class ProcessLauncher(Launcher):
         self.processes: list[BaseProcess] = []
         self.watches: list[ProcessWatch] = []  # one per process, in the same order
         self.conns: list[Connection] = []
+        # What each producer says, read without blocking (made once every
+        # producer has started: no producer forked later inherits them).
+        self.inboxes: list[_control.Inbox] = []
+        self._reading = threading.Lock()  # one thread at a time takes apart what arrived
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._failure: BaseException | None = None
         self._down = False
@@ -103,12 +117,40 @@ class ProcessLauncher(Launcher):
                 self.watches.append(ProcessWatch(p.pid))
                 child_end.close()
                 block_again()
+        for worker, (p, conn) in enumerate(zip(self.processes, self.conns, strict=True)):
+            self.inboxes.append(_control.Inbox(conn, f"worker {worker} (pid {p.pid})"))
 
-    def _send_all(self, message: tuple[Any, ...]) -> None:
-        """The same message to every producer (the channel's handle goes
-        through the control connections, descriptors and all: _control)."""
+    def _send(self, worker: int, message: tuple[Any, ...]) -> None:
+        """`message` to producer `worker`. One that is gone (its end of the
+        connection closed: BrokenPipeError, ConnectionResetError) is the
+        pipeline's failure, raised: the WorkerDiedError that names it (or
+        the error it reported before it went)."""
+        try:
+            _control.send(self.conns[worker], message)
+        except OSError:
+            raise self._lost(worker) from None
+
+    def _send_quietly(self, message: tuple[Any, ...]) -> None:
+        """`message` to every producer still there (stop: one that is gone
+        needs no telling, and its end is reported where it is read)."""
         for conn in self.conns:
-            _control.send(conn, message)
+            try:
+                _control.send(conn, message)
+            except (OSError, ValueError):  # ValueError: a connection closed already
+                pass
+
+    def _lost(self, worker: int) -> BaseException:
+        """Producer `worker`'s connection is closed: the failure to raise.
+        It is ending, if it has not ended (its connection closes as it
+        exits): its exit code comes within GRACE_S."""
+        p = self.processes[worker]
+        _join(p, self.watches[worker], time.monotonic() + GRACE_S)
+        failure = self.first_failure()  # an error it reported before it went comes first
+        if failure is None:
+            failure = self._failure = WorkerDiedError(
+                worker, p.pid, None, reason="its control connection closed while it was still running"
+            )
+        return failure
 
     @property
     def pids(self) -> list[int | None]:
@@ -121,17 +163,23 @@ class ProcessLauncher(Launcher):
             if self._need is not None:
                 spec = dataclasses.replace(self.spec, slot_size=self.transport.slot_size_for(self._need))
                 self.channel = self.transport.open(spec)
-                self._send_all(("attach", self.channel.handle))
+                for worker in range(len(self.conns)):
+                    self._send(worker, ("attach", self.channel.handle))
         return self.channel
 
     def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
-        for conn, seed in zip(self.conns, seeds, strict=True):
-            _control.send(conn, ("pass", pass_no, seed))
+        for worker, seed in enumerate(seeds):
+            self._send(worker, ("pass", pass_no, seed))
 
     def wait_for_event(self, timeout: float) -> None:
-        _wait_for_event(self.processes, self.watches, self.conns, timeout)
+        if self._down:
+            return
+        # A producer's connection at its end is ready for ever: not waited on
+        # (its process's end is, and says more).
+        readable = [inbox for inbox in self.inboxes if not inbox.eof]
+        _wait_for_event(self.processes, self.watches, readable, timeout)
 
     def first_failure(self) -> BaseException | None:
         """Reads the producers' messages; the first failure, or None."""
@@ -141,43 +189,49 @@ class ProcessLauncher(Launcher):
         if self._failure is None:
             for worker, p in enumerate(self.processes):
                 code = p.exitcode  # read once: each read polls the process
-                if code == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
-                    self._failure = WorkerDiedError(worker, p.pid, code, reason=_unguarded_script())
-                    break
                 if code is not None:
-                    self._failure = WorkerDiedError(worker, p.pid, code)
+                    self._failure = self._died(worker, code)
                     break
         return self._failure
 
-    def _read_messages(self) -> None:
-        for worker, conn in enumerate(self.conns):
-            try:
-                while conn.poll():
-                    self._on_message(worker, _control.recv(conn))
-            except (EOFError, OSError):
-                pass  # it died; its exit code says how
+    def _died(self, worker: int, code: int) -> WorkerDiedError:
+        p = self.processes[worker]
+        if code == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
+            return WorkerDiedError(worker, p.pid, code, reason=_unguarded_script())
+        return WorkerDiedError(worker, p.pid, code)
 
-    def _on_message(self, worker: int, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "need_channel":
-            self._need = max(self._need or 0, msg[1])
-        elif kind == "error" and self._failure is None:
-            _, exc_type, message, tb, own = msg
-            error = WorkerError(worker, self.processes[worker].pid, exc_type, message, tb)
+    def _read_messages(self) -> None:
+        """Takes what every producer has sent so far, without blocking (a
+        message not whole yet waits in its inbox)."""
+        with self._reading:
+            for worker, inbox in enumerate(self.inboxes):
+                try:
+                    messages = inbox.read()
+                except CorruptChannelError as exc:
+                    if self._failure is None:
+                        self._failure = exc
+                    continue
+                for msg in messages:
+                    self._on_message(worker, msg)
+
+    def _on_message(self, worker: int, msg: _control.Message) -> None:
+        if isinstance(msg, _control.NeedChannel):
+            self._need = max(self._need or 0, msg.nbytes)
+        elif self._failure is None:
+            pid = self.processes[worker].pid
+            error: BaseException = WorkerError(worker, pid, msg.exc_type, msg.message, msg.traceback)
+            own = msg.own
             if own is not None:
-                # shmpipe's own error in the producer (BatchTypeError, ...):
-                # raise its type, so `except TypeError` works, chained to the
-                # WorkerError that says which worker and where.
+                # shmpipe's own error in the producer (BatchTypeError, ...),
+                # rebuilt from its arguments: raise its type, so `except
+                # TypeError` works, chained to the WorkerError that says
+                # which worker and where.
                 own.__cause__ = error
                 error = own
             self._failure = error
 
     def halt(self) -> None:
-        for conn in self.conns:
-            try:
-                _control.send(conn, ("stop",))
-            except (OSError, ValueError):
-                pass
+        self._send_quietly(("stop",))
 
     def shutdown(self) -> None:
         if self._down:
@@ -186,11 +240,7 @@ class ProcessLauncher(Launcher):
         channel = self.channel
         if channel is not None:
             channel.close()  # producers waiting for room return at once
-        for conn in self.conns:
-            try:
-                _control.send(conn, ("stop",))
-            except (OSError, ValueError):
-                pass
+        self._send_quietly(("stop",))
         if channel is not None:
             try:
                 channel.destroy()  # shared names go now; live arrays keep their memory
@@ -199,6 +249,9 @@ class ProcessLauncher(Launcher):
         _reap(self.processes, self.watches)
         for watch in self.watches:
             watch.close()
+        with self._reading:  # not under a read in another thread (each is short: nothing blocks)
+            for inbox in self.inboxes:
+                inbox.close()
         for conn in self.conns:
             conn.close()
         self.channel = None
@@ -279,13 +332,14 @@ def _refuse_while_bootstrapping() -> None:
 
 
 def _wait_for_event(
-    processes: Sequence[BaseProcess], watches: Sequence[ProcessWatch], conns: Sequence[Connection], timeout: float
+    processes: Sequence[BaseProcess], watches: Sequence[ProcessWatch], readable: Sequence[Any], timeout: float
 ) -> None:
-    """Waits up to `timeout` seconds for a message on one of `conns` or the
-    end of one of `processes` (returns at once if one has ended already).
-    A process is waited on by its sentinel and, while it runs, its pidfd."""
+    """Waits up to `timeout` seconds for bytes on one of `readable` (objects
+    with a fileno()) or the end of one of `processes` (returns at once if
+    one has ended already). A process is waited on by its sentinel and,
+    while it runs, its pidfd."""
     deadline = time.monotonic() + timeout
-    waiting: list[Any] = [*conns]
+    waiting: list[Any] = [*readable]
     pidfds: dict[int, BaseProcess] = {}
     for p, watch in zip(processes, watches, strict=True):
         waiting.append(p.sentinel)

@@ -207,10 +207,14 @@ class Pipeline(FrameworkStream):
         with self._consumer_lock:  # waits for a get() of the old pass in another thread
             if self._pass_no < 0:
                 self._pass_no = 0  # began with the producers
-            else:
-                self._pass_no += 1
+                return 0
+            self._pass_no += 1
+            try:
                 self._launcher.begin_pass(self._pass_no, self._seeds(self._pass_no))
-            return self._pass_no
+                return self._pass_no
+            except WorkerError as exc:  # a producer gone between passes (WorkerDiedError)
+                failure = exc
+        self._close_and_raise(failure)
 
     def _new_pass(self, pass_no: int) -> Pass:
         return _PipelinePass(self, pass_no)

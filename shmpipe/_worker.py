@@ -1,15 +1,26 @@
 """The producer process: runs one source per pass and puts its batches into
 the pipeline's channel (through the transport's ProducerEnd).
 
-Control protocol (small pickled tuples on one duplex pipe per worker):
+Control protocol (one duplex pipe per worker; framing and checks in
+_control.py):
 
-    consumer -> producer   ("attach", handle)       the channel exists now (the
-                                                    handle's descriptors ride along)
-                           ("pass", pass_no, seed)  run the source (again)
-                           ("stop",)                exit
-    producer -> consumer   ("need_channel", nbytes) a first batch is ready (and
-                                                    the channel is sized from it)
-                           ("error", type, message, traceback, shmpipe error or None)
+    consumer -> producer: pickled tuples (from the consumer, which is trusted)
+        ("attach", handle)        the channel exists now (the handle's
+                                  descriptors ride along)
+        ("pass", pass_no, seed)   run the source (again)
+        ("stop",)                 exit
+    producer -> consumer: JSON arrays, every field checked for its type and
+    bounds (the consumer unpickles nothing a producer sends)
+        ["need_channel", nbytes]  a first batch is ready (and the channel is
+                                  sized from it)
+        ["error", type, message, traceback, own]
+                                  the source failed; own: null, or [class,
+                                  [arguments]] of shmpipe's own error
+                                  (BatchTypeError, ...), rebuilt in the
+                                  consumer from a closed table of classes
+
+A producer's error texts are clipped to fit a message (_control.error), so
+a real error always arrives whole.
 
 Batches and the end of a pass travel through the transport's channel.
 """
@@ -28,7 +39,6 @@ from typing import Any
 from shmpipe import _batch, _control, _producer_context
 from shmpipe._process import ProcessWatch
 from shmpipe._spec import new_arrays
-from shmpipe.errors import ShmpipeError
 from shmpipe.transport import Cancelled, Closed, ProducerControl, ProducerEnd, Transport
 
 __all__ = ["producer_main"]
@@ -91,7 +101,10 @@ class _Producer(ProducerControl):
 
     def _wait_for_channel(self, nbytes: int) -> ProducerEnd:
         """Asks the consumer for a channel sized for a first batch of nbytes."""
-        _control.send(self.conn, ("need_channel", nbytes))
+        try:
+            _control.tell(self.conn, _control.need_channel(nbytes))
+        except OSError:
+            raise Closed("the consumer is gone") from None
         while self.end is None:
             msg = self._recv()
             if msg[0] == "attach":
@@ -157,17 +170,12 @@ class _Producer(ProducerControl):
     def report(self, exc: BaseException) -> None:
         """Sends the error to the consumer, then waits to be stopped."""
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        # shmpipe's own errors (a bad batch, a batch too large) travel as
-        # themselves, so the consumer can raise the same type.
-        own = exc if isinstance(exc, ShmpipeError) else None
+        # shmpipe's own errors (a bad batch, a batch too large) travel with
+        # their arguments, so the consumer can raise the same type.
         try:
-            _control.send(self.conn, ("error", exc_type, str(exc), tb, own))
-        except Exception:
-            try:
-                _control.send(self.conn, ("error", exc_type, str(exc), tb, None))
-            except (OSError, ValueError):
-                return
+            _control.tell(self.conn, _control.error(exc, tb))
+        except (OSError, ValueError):
+            return
         try:
             while self._recv()[0] != "stop":
                 pass

@@ -103,7 +103,8 @@ def _round_mib(nbytes: int) -> str:
 class CorruptChannelError(ShmpipeValueError):
     """What another process wrote into a channel breaks its protocol: the
     ring's memory (a header, a slot's record, a payload), a queue's pipe
-    frame, a batch's descriptor or its count, a record dealt to a rank.
+    frame, a batch's descriptor or its count, a record dealt to a rank, a
+    producer's control message.
     Never anything but this error (or a clear one of its kin): bytes from
     another process are untrusted. Formerly CorruptSegmentError, which
     stays as a deprecated alias."""
