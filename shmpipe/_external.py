@@ -28,8 +28,10 @@ side:
    seen READY (sendmsg returns after queueing; the publish comes after it).
 4. The consumer, taking a slot whose payload is a record, receives the
    descriptor with that tag (datagrams of other batches wait in a stash),
-   checks the seals and the size, maps it read-only and decodes the batch
-   from it. The batch's root holds the mapping *and* the slot: the slot goes
+   checks the seals and that the memory holds `nbytes`, maps exactly
+   `nbytes` of it (the kernel rounds up to a page: never the file's own
+   size, which could be far larger) read-only and decodes the batch from
+   it. The batch's root holds the mapping *and* the slot: the slot goes
    back, and the memory is unmapped (and freed: no one else holds it), when
    the last array of the batch is gone.
 
@@ -49,6 +51,7 @@ and when the pipeline closes.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -254,20 +257,68 @@ class Inbox:
         self.sock.close()
 
 
+def _address_space_left() -> tuple[int, str]:
+    """Roughly how much address space this process may still map, and what
+    limits it (RLIMIT_AS where set, else the 128 TiB of a user's space)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    used = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    used = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if soft != resource.RLIM_INFINITY:
+        return max(0, soft - used), f"this process's address space (ulimit -v: {soft:,} bytes)"
+    return max(0, (1 << 47) - used), "this process's address space (or vm.max_map_count)"
+
+
 def map_external(fd: int, nbytes: int, lease: Any) -> np.ndarray:
-    """Maps the external batch `fd` read-only after checking it cannot be
-    resized and holds `nbytes`; returns its root array (which keeps the
-    mapping and `lease`). The caller keeps (and closes) `fd`."""
+    """Maps exactly `nbytes` of the external batch `fd` read-only (whole
+    pages: the last one rounded up; never the file's own size) after
+    checking it cannot be resized and holds `nbytes`; returns its root
+    array (which keeps the mapping and `lease`). The caller keeps (and closes) `fd`.
+    Every failure is a ShmpipeError naming the sizes."""
+    if type(nbytes) is not int or nbytes < 0:
+        raise CorruptChannelError(f"an external batch's size is {nbytes!r:.40}")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
         raise CorruptChannelError(f"an external batch's descriptor is not sealable memory: {exc}") from None
     if seals & _RESIZE_SEALS != _RESIZE_SEALS:
         raise CorruptChannelError("an external batch's memory is not sealed against resizing; refusing to map it")
-    size = os.fstat(fd).st_size
+    try:
+        size = os.fstat(fd).st_size
+    except OSError as exc:
+        raise CorruptChannelError(f"an external batch's descriptor cannot be examined: {exc}") from None
     if nbytes > size:
         raise CorruptChannelError(f"an external batch claims {nbytes:,} bytes in memory of {size:,}")
     if nbytes == 0:
         return ExternalMemory(mmap.mmap(-1, 1), 0, False, lease).root()
-    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    try:
+        # Python's mmap may raise ValueError or OverflowError for sizes it
+        # refuses itself; nbytes <= size rules those out, but not ENOMEM.
+        mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+    except OSError as exc:
+        mapped = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        if exc.errno == errno.ENOMEM:
+            left, where = _address_space_left()
+            raise SharedMemoryFullError(
+                mapped,
+                left,
+                where,
+                what=f"mapping a batch larger than a slot ({nbytes:,} bytes in memory of {size:,})",
+                fix="hold fewer batches at once, raise the limit, or make batches smaller",
+            ) from None
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            raise ShmpipeError(
+                f"this process ran out of file descriptors (ulimit -n is {soft}) while mapping a batch larger "
+                f"than a slot ({nbytes:,} bytes); raise the limit (ulimit -n) or hold fewer batches at once"
+            ) from None
+        raise CorruptChannelError(
+            f"an external batch's memory ({nbytes:,} of {size:,} bytes) cannot be mapped: {exc}"
+        ) from None
     return ExternalMemory(mm, nbytes, False, lease).root()

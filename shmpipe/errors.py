@@ -132,25 +132,38 @@ def __getattr__(name: str) -> Any:
 class SharedMemoryFullError(ShmpipeError, OSError):
     """There is no room for the ring: in /dev/shm (named segments), or in
     the memory that backs anonymous shared memory (RAM and the cgroup's
-    limit). The message names the bytes needed and free, and what to change."""
+    limit); or for a batch larger than a slot (its memory, or the address
+    space to map it). The message names the bytes needed and free, and what
+    to change."""
 
-    def __init__(self, needed: int, available: int, where: str = "/dev/shm") -> None:
-        if where == "/dev/shm" or where.startswith("/"):
-            fix = "free space there, or enlarge it (docker run --shm-size=...)"
+    def __init__(
+        self, needed: int, available: int, where: str = "/dev/shm", what: str | None = None, fix: str | None = None
+    ) -> None:
+        # `what` needs the memory (the ring by default) and `fix` is what to
+        # change (by default: the ring's settings, and what backs it).
+        if fix is not None:
+            advice = fix
+        elif where == "/dev/shm" or where.startswith("/"):
+            advice = "lower capacity or slot_size, free space there, or enlarge it (docker run --shm-size=...)"
         else:
-            fix = "or give the process more memory (its cgroup's memory.max, docker run --memory=...)"
+            advice = (
+                "lower capacity or slot_size, or give the process more memory "
+                "(its cgroup's memory.max, docker run --memory=...)"
+            )
         OSError.__init__(
             self,
             _errno.ENOSPC,
-            f"the ring needs {needed:,} bytes of shared memory but {where} has {available:,} "
-            f"bytes free; lower capacity or slot_size, {fix}",
+            f"{what or 'the ring'} needs {needed:,} bytes of shared memory but {where} has {available:,} "
+            f"bytes free; {advice}",
         )
         self.needed = needed
         self.available = available
         self.where = where
+        self.what = what
+        self.fix = fix
 
     def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
-        return (type(self), (self.needed, self.available, self.where))
+        return (type(self), (self.needed, self.available, self.where, self.what, self.fix))
 
 
 class TransportUnavailableError(ShmpipeError, ImportError):

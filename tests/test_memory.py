@@ -8,8 +8,11 @@ descriptor, and freed by the kernel with the last process that holds it.
 import errno
 import fcntl
 import json
+import mmap
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -19,13 +22,16 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _ring
+from shmpipe import _codec, _external, _fdpass, _ring
 from shmpipe.errors import CorruptChannelError, SharedMemoryFullError
+from shmpipe.testing.memory import ring_descriptors
 from shmpipe.testing.sources import ChangedReservation, Counter, ReserveThenOther, Shapes, crc_of, payload_for
 from shmpipe.transport import ChannelSpec
-from shmpipe.transports.shm import ShmConsumer, ShmTransport
+from shmpipe.transports._ranks import ShmRankReader
+from shmpipe.transports.shm import ShmConsumer, ShmProducer, ShmTransport, attach_writer
 
 T = 60.0
+WAIT = 5.0  # the longest a take waits for a batch that is already published
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -391,3 +397,179 @@ def test_a_reservation_yielded_as_a_larger_batch_takes_no_second_slot(ordered):
     with shmpipe.from_iterators([ReserveThenOther(1_000_000)] * 2, ordered=ordered, capacity=3, timeout=30) as pipe:
         got = sorted((int(b["worker"]), b["x"].nbytes) for b in pipe)
     assert got == [(0, 100), (0, 100), (0, 1_000_000), (1, 100), (1, 100)]
+
+
+# -- Batches larger than a slot: their descriptors are untrusted input --------
+#
+# Issue 20, point 6. Real rings, real sockets, real sealed memfds (named as
+# shmpipe's own, so the conftest sees any left open): the test plays a
+# producer that breaks the protocol on the ring's outbox.
+
+BIG_SEALS = SEALS | fcntl.F_SEAL_WRITE
+TAG = struct.Struct("<IIQ")  # a datagram's tag: pass, worker, wseq
+
+
+def sealed_memfd(batch, size=None, seals=BIG_SEALS):
+    """A memfd as a producer makes one for `batch` (its encoded bytes at the
+    start), of `size` bytes (default: the payload's), sealed with `seals`:
+    (descriptor, payload bytes)."""
+    nbytes = _codec.encoded_size(batch)
+    fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size or nbytes)
+    mm = mmap.mmap(fd, nbytes)
+    view = np.frombuffer(mm, np.uint8)
+    _codec.encode_into(batch, view)
+    del view
+    mm.close()
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd, nbytes
+
+
+def batch_descriptors():
+    """This process's descriptors of big batches' memory (not the ring's)."""
+    return [fd for fd, what in ring_descriptors().items() if what.startswith("/memfd:shmpipe-batch")]
+
+
+def send_datagram(sock, tag, fds, extra=b""):
+    _fdpass.send_fds(sock, TAG.pack(*tag) + extra, fds)
+
+
+def announce(writer, nbytes, flags=0):
+    """Publishes a slot holding the record of batch `writer.wseq`, as a
+    producer does after it sent the datagram (flags 0: not write-sealed)."""
+    slot, buf = writer.claim()
+    _external.RECORD.pack_into(buf.data, 0, b"SPX1", writer.pass_no, nbytes, writer.worker, flags, writer.wseq)
+    del buf
+    writer.publish_claimed(slot, _external.RECORD.size)
+
+
+class BigRing:
+    """A consumer with 2 workers' writers, a producer for worker 0 and a raw
+    socket on the outbox (what any producer process holds)."""
+
+    def __init__(self, capacity=4):
+        self.c = ShmConsumer(ChannelSpec(num_workers=2, capacity=capacity, slot_size=8192, ordered=False))
+        self.writers = [attach_writer(self.c.handle, w) for w in range(2)]
+        for w in self.writers:
+            w.start_pass(0)
+        self.sock = socket.socket(fileno=os.dup(self.c.handle.outbox.fd))
+        self.sock.settimeout(T)
+        self.producer = ShmProducer(self.writers[0], _external.Outbox(socket.socket(fileno=os.dup(self.sock.fileno()))))
+
+    def close(self):
+        self.producer.close()
+        self.sock.close()
+        self.c.close()
+        self.c.destroy()
+
+
+@pytest.fixture
+def big_ring():
+    ring = BigRing()
+    yield ring
+    ring.close()
+
+
+def mapped_span(arr):
+    """(start, length) of the mapping `arr`'s data lies in."""
+    address = arr.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return lo, hi - lo
+    raise AssertionError("not mapped")
+
+
+def test_a_big_batch_is_mapped_at_its_records_size_not_its_files(big_ring):
+    # A sealed sparse memfd of 2^45 bytes, announced as a 64 KiB batch: the
+    # consumer mapped all 32 TiB of it (address space only, per held batch).
+    batch = np.arange(8192, dtype=np.int64)  # 64 KiB
+    fd, nbytes = sealed_memfd(batch, size=1 << 45)
+    try:
+        send_datagram(big_ring.sock, (0, 1, 0), [fd])
+    finally:
+        os.close(fd)
+    announce(big_ring.writers[1], nbytes)
+    got = big_ring.c.get(0, -1, 0, WAIT)
+    np.testing.assert_array_equal(got, batch)
+    _, length = mapped_span(got)
+    assert length == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, f"mapped {length:,} bytes for a {nbytes:,}-byte batch"
+    del got
+
+
+SPARSE_UNDER_RLIMIT_AS = """
+    import json, os, resource, socket, struct, sys
+    import fcntl, mmap
+    import numpy as np
+    from shmpipe import _codec, _external, _fdpass
+    from shmpipe.transport import ChannelSpec
+    from shmpipe.transports.shm import ShmConsumer, attach_writer
+
+    def vm_size():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=4, slot_size=8192, ordered=False))
+    w = attach_writer(c.handle, 0)
+    w.start_pass(0)
+    sock = socket.socket(fileno=os.dup(c.handle.outbox.fd))
+    batch = np.arange(8192, dtype=np.int64)
+    nbytes = _codec.encoded_size(batch)
+    # The address space this process has, plus 1 GiB: a 32 TiB mapping cannot fit.
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (1 << 30), resource.RLIM_INFINITY))
+    out = {}
+    for name, claimed in (("64KiB", nbytes), ("16TiB", 1 << 44)):
+        fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 1 << 45)
+        mm = mmap.mmap(fd, nbytes)
+        _codec.encode_into(batch, np.frombuffer(mm, np.uint8))
+        mm.close()
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        _fdpass.send_fds(sock, struct.pack("<IIQ", 0, 0, w.wseq), [fd])
+        os.close(fd)
+        slot, buf = w.claim()
+        _external.RECORD.pack_into(buf.data, 0, b"SPX1", 0, claimed, 0, 0, w.wseq)
+        del buf
+        w.publish_claimed(slot, 32)
+        try:
+            got = c.get(0, -1, 0, 5.0)
+            out[name] = ["ok", bool((got == batch).all())]
+            del got
+        except BaseException as exc:
+            out[name] = [type(exc).__name__, str(exc), [k.__name__ for k in type(exc).__mro__]]
+    sock.close()
+    c.close()
+    c.destroy()
+    print(json.dumps(out))
+"""
+
+
+def test_a_big_batch_under_a_low_address_space_limit(tmp_path):
+    # Under RLIMIT_AS the old mapping of the file's size failed for the
+    # 64 KiB batch, and a record claiming 16 TiB got a plain OSError
+    # (ENOMEM) rather than a ShmpipeError naming the sizes.
+    proc = run_script(tmp_path, SPARSE_UNDER_RLIMIT_AS, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["64KiB"] == ["ok", True], out
+    kind, message, mro = out["16TiB"]
+    assert kind == "SharedMemoryFullError" and "ShmpipeError" in mro, out
+    assert "17,592,186,044,416" in message and "35,184,372,088,832" in message and "ulimit -v" in message, message
+
+
+def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
+    share, fds = big_ring.c.share_with_ranks()
+    rank = ShmRankReader(share, fds, _codec.decode, backing="memfd")
+    batch = np.arange(8192, dtype=np.int64)
+    fd, nbytes = sealed_memfd(batch, size=1 << 45)
+    try:
+        got = rank.read(("big", nbytes), fd, lambda: None)
+        np.testing.assert_array_equal(got, batch)
+        assert mapped_span(got)[1] == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        del got
+        with pytest.raises(CorruptChannelError):  # a size no record can have (was a ValueError from mmap)
+            rank.read(("big", -4096), fd, lambda: None)
+    finally:
+        os.close(fd)
+        rank.close()
