@@ -199,23 +199,29 @@ class Inbox:
             try:
                 # Close-on-exec: a batch's memory must not live on in a
                 # program this process (or another thread) starts.
-                msg, fds, _, fds_cut = _fdpass.recv_fds(self.sock, _TAG.size, 4)
+                msg, fds, truncated, fds_cut = _fdpass.recv_fds(self.sock, _TAG.size, 4)
             except (BlockingIOError, InterruptedError):
                 return
-            if fds_cut:
-                # The kernel dropped a descriptor it could not install here.
-                _fdpass.close_all(fds)
+            if fds_cut and not fds:
+                # The kernel dropped the descriptor it could not install here.
                 soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
                 raise ShmpipeError(
                     f"this process ran out of file descriptors (ulimit -n is {soft}) while receiving a batch larger "
                     f"than a slot ({len(self.stash)} are waiting to be taken); raise the limit (ulimit -n), "
                     "lower capacity, or give slot_size= so batches fit in slots"
                 )
-            if not msg and not fds:
+            if not msg and not fds and not truncated:
                 return  # every producer's end is closed
-            if len(msg) != _TAG.size or len(fds) != 1:
+            if truncated or fds_cut or len(msg) != _TAG.size or len(fds) != 1:
+                # A longer datagram (MSG_TRUNC: read as its first bytes, it
+                # would pass for a tag) or more than one descriptor.
                 _fdpass.close_all(fds)
-                raise CorruptChannelError("a malformed message on the external batches' socket")
+                raise CorruptChannelError(
+                    "a malformed message on the external batches' socket: "
+                    + ("longer than a tag" if truncated else f"{len(msg)} bytes")
+                    + (", more than one descriptor" if fds_cut else f", {len(fds)} descriptors")
+                    + f" (a tag is {_TAG.size} bytes with one descriptor)"
+                )
             tag = _TAG.unpack(msg)
             if tag[0] < self.pass_no or tag in self.stash:
                 os.close(fds[0])  # a batch of a pass no one reads any more (or a duplicate)

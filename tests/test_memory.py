@@ -573,3 +573,18 @@ def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
     finally:
         os.close(fd)
         rank.close()
+
+
+@pytest.mark.parametrize("shape", ["long", "five-descriptors"])
+def test_a_truncated_datagram_on_the_outbox_is_an_error(big_ring, shape):
+    # A 17-byte datagram was read as its first 16 bytes, a valid tag, and its
+    # descriptor stashed; five descriptors were called running out of them.
+    fds = [sealed_memfd(np.full(50_000, 7, np.int64))[0] for _ in range(1 if shape == "long" else 5)]
+    try:
+        send_datagram(big_ring.sock, (0, 0, 0), fds, extra=b"!" if shape == "long" else b"")
+    finally:
+        for fd in fds:
+            os.close(fd)
+    with pytest.raises(CorruptChannelError, match="malformed message"):
+        big_ring.c._pump()
+    assert not big_ring.c.inbox.stash and not batch_descriptors()
