@@ -41,12 +41,41 @@ handed out live, so the memory is sealed against resizing but not writing
 (the arrays are made read-only when the batch is published, as a slot's
 are).
 
+What the consumer accepts from the outbox (every producer shares it, and
+its datagrams are untrusted input like the ring's bytes):
+
+- A datagram is exactly one 16-byte tag with exactly one descriptor; a
+  longer one (MSG_TRUNC), one with more descriptors (MSG_CTRUNC with some
+  installed) or anything else is a CorruptChannelError, every descriptor
+  that came with it closed. (MSG_CTRUNC with none installed: this process
+  ran out of descriptors, a ShmpipeError that says so.)
+- Tags of passes before the current one are of cancelled passes: closed.
+  A tag of a later pass cannot be sent legitimately (the consumer begins a
+  pass before any producer hears of it): a CorruptChannelError.
+- *One descriptor per tag.* The first datagram with a tag does not win: a
+  second one with a tag already stashed, or with the tag of a batch of
+  that worker already taken (or older: the ring gives each worker's
+  batches in the order it published them, ordered or not -- shmp_take,
+  docs/design.md "Choosing a batch"), is a CorruptChannelError; so is one
+  still waiting for an older batch of a worker whose later one is taken
+  (its slot never announced it). Why this is
+  enough: a producer sends its batch's datagram *before* it publishes the
+  slot, and the consumer drains the socket after taking the slot and
+  before it looks the tag up. So if a datagram is sent early for a batch
+  (by its own producer, or by another sharing the outbox) and the real one
+  comes later, both are in the consumer's hands by the time the batch is
+  taken, whichever order they came in: the outcome is this error, never
+  a silently different batch. The only datagram that can be delivered
+  unchallenged is one its worker's producer sent for a batch it then
+  published without sending another, which is that producer's batch
+  (a source may send any batch it likes).
+
 Memory bound: the ring, plus at most ``capacity`` external batches (each
 the size its producer made it) -- those in flight and those the consumer
 holds. Each is given back as soon as its batch is released. Datagrams of
 batches the consumer will never take (a pass that was cancelled) are
-closed when the next pass begins, when the next external batch is taken,
-and when the pipeline closes.
+closed when the next pass begins, as they arrive after it, and when the
+pipeline closes.
 """
 
 from __future__ import annotations
@@ -169,12 +198,16 @@ class Outbox:
 
 class Inbox:
     """The consumer's end: the descriptor of the external batch asked for,
-    from the datagrams received so far (and those waiting in the socket)."""
+    from the datagrams received so far (and those waiting in the socket).
+    What it accepts is in the module doc: one descriptor per tag, none for
+    a batch already taken."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, first_pass: int = 0) -> None:
         self.sock = sock
         self.stash: dict[tuple[int, int, int], int] = {}
-        self.pass_no = 0
+        self.pass_no = first_pass
+        #: worker -> the wseq of its batch taken last in this pass.
+        self.taken: dict[int, int] = {}
         self.closed = False
 
     def pump(self) -> None:
@@ -222,35 +255,76 @@ class Inbox:
                     + (", more than one descriptor" if fds_cut else f", {len(fds)} descriptors")
                     + f" (a tag is {_TAG.size} bytes with one descriptor)"
                 )
-            tag = _TAG.unpack(msg)
-            if tag[0] < self.pass_no or tag in self.stash:
-                os.close(fds[0])  # a batch of a pass no one reads any more (or a duplicate)
-                continue
-            if len(self.stash) >= STASH_LIMIT:
-                os.close(self.stash.pop(min(self.stash)))
-            self.stash[tag] = fds[0]
+            self._stash(_TAG.unpack(msg), fds[0])
+
+    def _stash(self, tag: tuple[int, int, int], fd: int) -> None:
+        """Keeps `fd` for batch `tag`, or closes it (a cancelled pass's) or
+        closes it and raises (see the module doc)."""
+        pass_no, worker, wseq = tag
+        if pass_no < self.pass_no:
+            os.close(fd)  # a batch of a pass no one reads any more
+            return
+        problem = None
+        if pass_no > self.pass_no:
+            problem = f"is tagged for pass {pass_no}, which has not begun (this is pass {self.pass_no})"
+        elif tag in self.stash:
+            problem = "came twice (a producer sent a second descriptor for one batch)"
+        elif wseq <= self.taken.get(worker, -1):
+            problem = (
+                f"came after batch {self.taken[worker]} of that worker was taken "
+                "(a descriptor for a batch already delivered, or sent out of order)"
+            )
+        if problem is not None:
+            os.close(fd)
+            raise CorruptChannelError(
+                f"the memory of batch {wseq} of worker {worker} (pass {pass_no}) {problem}; refusing it"
+            )
+        if len(self.stash) >= STASH_LIMIT:
+            os.close(self.stash.pop(min(self.stash)))
+        self.stash[tag] = fd
 
     def take(self, pass_no: int, worker: int, wseq: int) -> int:
-        """The descriptor of that batch, which the caller now owns."""
+        """The descriptor of that batch, which the caller now owns. Its slot
+        was just taken: the socket is drained first, so a second descriptor
+        its producer sent before publishing is seen now, not later."""
         key = (pass_no, worker, wseq)
-        if key not in self.stash:
-            try:
-                self._receive_all()
-            except OSError:
-                if not self.closed:
-                    raise
-                raise PipelineClosedError("the pipeline was closed while a batch larger than a slot arrived") from None
+        if pass_no != self.pass_no:
+            raise CorruptChannelError(
+                f"a slot of pass {self.pass_no} holds the record of batch {wseq} of worker {worker} of pass {pass_no}"
+            )
+        last = self.taken.get(worker, -1)
+        if wseq <= last:
+            raise CorruptChannelError(
+                f"a slot holds the record of batch {wseq} of worker {worker}, after its batch {last} was taken"
+            )
+        try:
+            self._receive_all()
+        except OSError:
+            if not self.closed:
+                raise
+            raise PipelineClosedError("the pipeline was closed while a batch larger than a slot arrived") from None
         fd = self.stash.pop(key, None)
         if fd is None:
             raise CorruptChannelError(
                 f"the memory of batch {wseq} of worker {worker} (pass {pass_no}) never came, "
                 "though its slot says it was sent"
             )
+        self.taken[worker] = wseq
+        # The worker's earlier batches are all taken: a descriptor still
+        # waiting for one of them was never announced.
+        stale = [k for k in self.stash if k[1] == worker and k[2] < wseq]
+        if stale:
+            os.close(fd)
+            raise CorruptChannelError(
+                f"the memory of batch {stale[0][2]} of worker {worker} (pass {pass_no}) came, but its slot "
+                f"never announced it (batch {wseq} of that worker is being taken)"
+            )
         return fd
 
     def begin_pass(self, pass_no: int) -> None:
         """Closes what older passes sent (no one will take it)."""
         self.pass_no = pass_no
+        self.taken.clear()
         self._receive_all()
         for key in [k for k in self.stash if k[0] < pass_no]:
             os.close(self.stash.pop(key))

@@ -575,6 +575,56 @@ def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
         rank.close()
 
 
+@pytest.mark.parametrize("pumped", [False, True], ids=["in-the-socket", "stashed-first"])
+def test_an_early_second_descriptor_for_a_batch_is_an_error_not_a_different_batch(big_ring, pumped):
+    # Batch 0 of worker 0 is sent early (by any process on the outbox) with
+    # other memory; then its producer puts the real one. The first datagram
+    # won: the consumer silently delivered the early batch (all 7s).
+    real, early = np.full(50_000, 1, np.int64), np.full(50_000, 7, np.int64)
+    fd, _ = sealed_memfd(early)
+    try:
+        send_datagram(big_ring.sock, (0, 0, 0), [fd])
+    finally:
+        os.close(fd)
+    if pumped:
+        big_ring.c._pump()  # kept in the stash, where it may not displace the real one
+    big_ring.producer.put(real)
+    with pytest.raises(CorruptChannelError, match=r"batch 0 of worker 0 \(pass 0\) came twice"):
+        big_ring.c.get(0, -1, 0, WAIT)
+
+
+def test_a_descriptor_for_a_batch_already_taken_is_an_error(big_ring):
+    # After batch 0 was taken, a datagram with its tag again was silently
+    # kept (holding its memory until the pass ended).
+    big_ring.producer.put(np.full(50_000, 1, np.int64))
+    got = big_ring.c.get(0, -1, 0, WAIT)
+    assert int(got[0]) == 1
+    del got
+    fd, _ = sealed_memfd(np.full(50_000, 7, np.int64))
+    try:
+        send_datagram(big_ring.sock, (0, 0, 0), [fd])
+    finally:
+        os.close(fd)
+    with pytest.raises(CorruptChannelError, match="after batch 0 of that worker was taken"):
+        big_ring.c._pump()
+    assert not big_ring.c.inbox.stash and not batch_descriptors()
+
+
+def test_a_descriptor_its_slot_never_announced_is_an_error(big_ring):
+    # A datagram for batch 0 of worker 0, whose batch 0 is small (in a slot):
+    # when its batch 1, a big one, is taken, batch 0's datagram is stale.
+    fd, _ = sealed_memfd(np.full(50_000, 7, np.int64))
+    try:
+        send_datagram(big_ring.sock, (0, 0, 0), [fd])
+    finally:
+        os.close(fd)
+    big_ring.producer.put(np.zeros(10, np.int64))
+    big_ring.producer.put(np.ones(50_000, np.int64))
+    assert int(big_ring.c.get(0, -1, 0, WAIT)[0]) == 0
+    with pytest.raises(CorruptChannelError, match="never announced"):
+        big_ring.c.get(0, -1, 0, WAIT)
+
+
 @pytest.mark.parametrize("shape", ["long", "five-descriptors"])
 def test_a_truncated_datagram_on_the_outbox_is_an_error(big_ring, shape):
     # A 17-byte datagram was read as its first 16 bytes, a valid tag, and its
