@@ -70,6 +70,19 @@ its datagrams are untrusted input like the ring's bytes):
   published without sending another, which is that producer's batch
   (a source may send any batch it likes).
 
+- *No more than the ring can announce.* Each live datagram of the current
+  pass belongs to a claimed slot not yet taken, so there are never more
+  than ``capacity``: one more is stale or hostile, a CorruptChannelError
+  (closing it). Independently, the stash never holds more than a quarter
+  of the open-file limit (``RLIMIT_NOFILE``'s soft limit; at most
+  STASH_LIMIT), so that however the producers behave the trainer keeps
+  three quarters of its descriptors: one more is a ShmpipeError naming
+  ``ulimit -n`` and capacity. Only a ring whose capacity is above that
+  quarter can reach it, with that many big batches waiting at once (an
+  ordered ring whose workers run ahead of a slow one can have nearly
+  ``capacity`` waiting): such a ring of big batches needs ``ulimit -n`` of
+  four times its capacity.
+
 Memory bound: the ring, plus at most ``capacity`` external batches (each
 the size its producer made it) -- those in flight and those the consumer
 holds. Each is given back as soon as its batch is released. Datagrams of
@@ -95,15 +108,36 @@ from shmpipe import _fdpass
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe.errors import CorruptChannelError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
 
-__all__ = ["RECORD", "ExternalMemory", "Inbox", "Outbox", "new_external", "outbox_pair", "read_record", "write_record"]
+__all__ = [
+    "RECORD",
+    "ExternalMemory",
+    "Inbox",
+    "Outbox",
+    "map_external",
+    "new_external",
+    "outbox_pair",
+    "read_record",
+    "stash_limit",
+    "write_record",
+]
 
 MAGIC = b"SPX1"
 RECORD = struct.Struct("<4sIQIIQ")  # magic, pass, nbytes, worker, zero, wseq
 _TAG = struct.Struct("<IIQ")  # pass, worker, wseq
 _RESIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-#: How many datagrams of batches not yet asked for the consumer keeps before
-#: it closes the oldest (they can only be stale: each live one holds a slot).
+#: The most datagrams of batches not yet taken the consumer ever keeps,
+#: whatever the open-file limit (see stash_limit).
 STASH_LIMIT = 8192
+
+
+def stash_limit() -> int:
+    """How many received descriptors the consumer may keep waiting: a
+    quarter of this process's open-file limit (the rest is the trainer's),
+    at most STASH_LIMIT."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return STASH_LIMIT
+    return max(1, min(STASH_LIMIT, soft // 4))
 
 
 def write_record(slot: np.ndarray, pass_no: int, worker: int, wseq: int, nbytes: int) -> int:
@@ -200,11 +234,13 @@ class Inbox:
     """The consumer's end: the descriptor of the external batch asked for,
     from the datagrams received so far (and those waiting in the socket).
     What it accepts is in the module doc: one descriptor per tag, none for
-    a batch already taken."""
+    a batch already taken, no more than the ring's `capacity` waiting."""
 
-    def __init__(self, sock: socket.socket, first_pass: int = 0) -> None:
+    def __init__(self, sock: socket.socket, capacity: int, first_pass: int = 0) -> None:
         self.sock = sock
         self.stash: dict[tuple[int, int, int], int] = {}
+        self.capacity = capacity
+        self.limit = stash_limit()
         self.pass_no = first_pass
         #: worker -> the wseq of its batch taken last in this pass.
         self.taken: dict[int, int] = {}
@@ -274,13 +310,26 @@ class Inbox:
                 f"came after batch {self.taken[worker]} of that worker was taken "
                 "(a descriptor for a batch already delivered, or sent out of order)"
             )
+        elif len(self.stash) >= self.capacity:
+            problem = (
+                f"is one more than the ring can announce: {len(self.stash)} are waiting and the ring has "
+                f"{self.capacity} slots (a producer sent descriptors for batches it never announced)"
+            )
         if problem is not None:
             os.close(fd)
             raise CorruptChannelError(
                 f"the memory of batch {wseq} of worker {worker} (pass {pass_no}) {problem}; refusing it"
             )
-        if len(self.stash) >= STASH_LIMIT:
-            os.close(self.stash.pop(min(self.stash)))
+        if len(self.stash) >= self.limit:
+            self.limit = stash_limit()  # the limit may have been raised since
+            if len(self.stash) >= self.limit:
+                os.close(fd)
+                soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                raise ShmpipeError(
+                    f"{len(self.stash)} batches larger than a slot are waiting to be taken, a quarter of this "
+                    f"process's open-file limit (ulimit -n is {soft}); raise the limit (ulimit -n), lower "
+                    f"capacity (now {self.capacity}), or give slot_size= so batches fit in slots"
+                )
         self.stash[tag] = fd
 
     def take(self, pass_no: int, worker: int, wseq: int) -> int:

@@ -5,11 +5,13 @@ before any producer sees it, in no file system, passed to producers as a
 descriptor, and freed by the kernel with the last process that holds it.
 """
 
+import contextlib
 import errno
 import fcntl
 import json
 import mmap
 import os
+import resource
 import signal
 import socket
 import struct
@@ -356,13 +358,30 @@ def test_a_reservation_changed_before_it_is_yielded_is_copied():
     assert got[1]["x"].nbytes == 4 << 20 and np.all(got[1]["x"] == 7) and got[1]["extra"] == 1
 
 
+@contextlib.contextmanager
+def open_file_limit(at_least):
+    """RLIMIT_NOFILE's soft limit raised to `at_least` for the block (skips
+    the test where the hard limit does not allow it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < at_least:
+        if hard != resource.RLIM_INFINITY and hard < at_least:
+            pytest.skip(f"needs ulimit -n of {at_least}; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (at_least, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_an_ordered_pipeline_never_waits_on_a_full_outbox():
     # Worker 0 pauses; worker 1 fills its quota of a big ring with batches
     # larger than a slot, whose descriptors wait on the outbox: more than a
     # socket buffer holds. Worker 0 must still be able to send its own.
+    # Nearly 700 descriptors wait at once: the consumer keeps at most a
+    # quarter of ulimit -n of them (_external.stash_limit).
     shapes = [(100,)] + [(20_000,)] * 400
     source = Shapes(shapes, np.uint8, pause=(0, 1, 1.0))
-    with shmpipe.from_iterators([source] * 2, ordered=True, capacity=700, timeout=30) as pipe:
+    with open_file_limit(4 * 700), shmpipe.from_iterators([source] * 2, ordered=True, capacity=700, timeout=30) as pipe:
         got = [(b["worker"], b["seq"]) for b in pipe]
     assert got == [(w, s) for s in range(len(shapes)) for w in range(2)]
 
@@ -623,6 +642,66 @@ def test_a_descriptor_its_slot_never_announced_is_an_error(big_ring):
     assert int(big_ring.c.get(0, -1, 0, WAIT)[0]) == 0
     with pytest.raises(CorruptChannelError, match="never announced"):
         big_ring.c.get(0, -1, 0, WAIT)
+
+
+def test_more_descriptors_than_the_ring_can_announce_are_an_error():
+    # capacity 2: at most 2 big batches can be announced and not yet taken.
+    # Before, up to 8,192 were stashed (each holding a descriptor).
+    ring = BigRing(capacity=2)
+    try:
+        for wseq in range(3):
+            fd, _ = sealed_memfd(np.full(50_000, wseq, np.int64))
+            try:
+                send_datagram(ring.sock, (0, 1, wseq), [fd])
+            finally:
+                os.close(fd)
+        with pytest.raises(CorruptChannelError, match="one more than the ring can announce"):
+            ring.c._pump()
+        assert len(ring.c.inbox.stash) == 2 and len(batch_descriptors()) == 2
+    finally:
+        ring.close()
+
+
+STASH_UNDER_RLIMIT_NOFILE = """
+    import json, os, resource, socket, struct
+    import fcntl
+    import numpy as np
+    from shmpipe import _fdpass
+    from shmpipe.errors import ShmpipeError
+    from shmpipe.transport import ChannelSpec
+    from shmpipe.transports.shm import ShmConsumer
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=64, slot_size=8192, ordered=False))
+    sock = socket.socket(fileno=os.dup(c.handle.outbox.fd))
+    out = {"error": None}
+    for wseq in range(40):
+        fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 4096)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        _fdpass.send_fds(sock, struct.pack("<IIQ", 0, 0, wseq), [fd])
+        os.close(fd)
+        try:
+            c.inbox.pump()
+        except ShmpipeError as exc:
+            out["error"] = str(exc)
+            break
+    out["stashed"] = len(c.inbox.stash)
+    sock.close()
+    c.close()
+    c.destroy()
+    print(json.dumps(out))
+"""
+
+
+def test_the_stash_of_descriptors_stays_well_below_the_open_file_limit(tmp_path):
+    # ulimit -n 128 and capacity 64: at most 32 descriptors wait. Before, all
+    # 40 were kept (and up to 8,192: beyond the default limit of 1,024).
+    proc = run_script(tmp_path, STASH_UNDER_RLIMIT_NOFILE, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["stashed"] == 32, out
+    assert "ulimit -n is 128" in out["error"] and "32 batches larger than a slot are waiting" in out["error"], out
 
 
 @pytest.mark.parametrize("shape", ["long", "five-descriptors"])

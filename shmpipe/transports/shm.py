@@ -466,7 +466,7 @@ class ShmConsumer(SharingConsumerEnd):
         self._outbox: socket.socket | None = None
         if not spec.slot_size_is_limit:
             inbox, self._outbox = _external.outbox_pair()
-            self.inbox = _external.Inbox(inbox, spec.first_pass)
+            self.inbox = _external.Inbox(inbox, spec.capacity, spec.first_pass)
         self.handle = ShmHandle(
             segment.name or None,
             None if segment.name else PassFd(segment.fd),
