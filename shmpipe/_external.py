@@ -21,25 +21,32 @@ side:
        4   u32 pass
        8   u64 nbytes   (the payload's size in the external memory)
        16  u32 worker
-       20  u32 zero
+       20  u32 flags    (bit 0, WRITE_SEALED: the memory is sealed against
+                         writing; no other bit may be set)
        24  u64 wseq
 
    The datagram is in the consumer's socket queue before the slot can be
    seen READY (sendmsg returns after queueing; the publish comes after it).
 4. The consumer, taking a slot whose payload is a record, receives the
    descriptor with that tag (datagrams of other batches wait in a stash),
-   checks the seals and that the memory holds `nbytes`, maps exactly
-   `nbytes` of it (the kernel rounds up to a page: never the file's own
-   size, which could be far larger) read-only and decodes the batch from
-   it. The batch's root holds the mapping *and* the slot: the slot goes
-   back, and the memory is unmapped (and freed: no one else holds it), when
-   the last array of the batch is gone.
+   checks the seals (against resizing always; against writing too where
+   the record says WRITE_SEALED) and that the memory holds `nbytes`, maps
+   exactly `nbytes` of it (the kernel rounds up to a page: never the
+   file's own size, which could be far larger) read-only and decodes the
+   batch from it. The batch's root holds the mapping *and* the slot: the
+   slot goes back, and the memory is unmapped (and freed: no one else holds
+   it), when the last array of the batch is gone.
 
 A reservation (``reserve`` of a template larger than a slot) is made the
 same way, except that the producer keeps its mapping while the arrays it
-handed out live, so the memory is sealed against resizing but not writing
-(the arrays are made read-only when the batch is published, as a slot's
-are).
+handed out live, so the memory is sealed against resizing but not writing,
+and its record says so (no WRITE_SEALED). Its guarantee is a slot's: the
+consumer maps it read-only and it can never shrink under a reader (no
+SIGBUS), but the producer's process -- and so another process of the user
+that reaches its memory -- could still write it, as it could a slot (the
+arrays handed out are made read-only when the batch is published, as a
+slot's are). Only a put() batch's memory is immutable, and the consumer
+verifies that (F_GET_SEALS) for every record that claims it.
 
 What the consumer accepts from the outbox (every producer shares it, and
 its datagrams are untrusted input like the ring's bytes):
@@ -69,7 +76,6 @@ its datagrams are untrusted input like the ring's bytes):
   unchallenged is one its worker's producer sent for a batch it then
   published without sending another, which is that producer's batch
   (a source may send any batch it likes).
-
 - *No more than the ring can announce.* Each live datagram of the current
   pass belongs to a claimed slot not yet taken, so there are never more
   than ``capacity``: one more is stale or hostile, a CorruptChannelError
@@ -110,6 +116,7 @@ from shmpipe.errors import CorruptChannelError, PipelineClosedError, SharedMemor
 
 __all__ = [
     "RECORD",
+    "WRITE_SEALED",
     "ExternalMemory",
     "Inbox",
     "Outbox",
@@ -122,7 +129,9 @@ __all__ = [
 ]
 
 MAGIC = b"SPX1"
-RECORD = struct.Struct("<4sIQIIQ")  # magic, pass, nbytes, worker, zero, wseq
+RECORD = struct.Struct("<4sIQIIQ")  # magic, pass, nbytes, worker, flags, wseq
+#: A record's flag: the memory is sealed against writing (put(), not reserve()).
+WRITE_SEALED = 1
 _TAG = struct.Struct("<IIQ")  # pass, worker, wseq
 _RESIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 #: The most datagrams of batches not yet taken the consumer ever keeps,
@@ -140,22 +149,23 @@ def stash_limit() -> int:
     return max(1, min(STASH_LIMIT, soft // 4))
 
 
-def write_record(slot: np.ndarray, pass_no: int, worker: int, wseq: int, nbytes: int) -> int:
-    """Writes the record of an external batch into a claimed slot; returns
-    its size (what the slot is published with)."""
-    RECORD.pack_into(slot.data, 0, MAGIC, pass_no, nbytes, worker, 0, wseq)
+def write_record(slot: np.ndarray, pass_no: int, worker: int, wseq: int, nbytes: int, *, write_sealed: bool) -> int:
+    """Writes the record of an external batch into a claimed slot (saying
+    whether its memory is sealed against writing); returns its size (what
+    the slot is published with)."""
+    RECORD.pack_into(slot.data, 0, MAGIC, pass_no, nbytes, worker, WRITE_SEALED if write_sealed else 0, wseq)
     return RECORD.size
 
 
-def read_record(payload: np.ndarray) -> tuple[int, int, int, int]:
-    """(pass, worker, wseq, nbytes) of a record; CorruptChannelError if it
-    is not one."""
+def read_record(payload: np.ndarray) -> tuple[int, int, int, int, bool]:
+    """(pass, worker, wseq, nbytes, write_sealed) of a record, read once
+    from the slot; CorruptChannelError if it is not one."""
     if payload.nbytes != RECORD.size:
         raise CorruptChannelError(f"an external batch's record has {payload.nbytes} bytes, not {RECORD.size}")
-    magic, pass_no, nbytes, worker, zero, wseq = RECORD.unpack(payload.data)
-    if magic != MAGIC or zero != 0:
+    magic, pass_no, nbytes, worker, flags, wseq = RECORD.unpack(payload.data)
+    if magic != MAGIC or flags & ~WRITE_SEALED:
         raise CorruptChannelError("a slot holds neither a batch nor an external batch's record")
-    return pass_no, worker, wseq, nbytes
+    return pass_no, worker, wseq, nbytes, bool(flags & WRITE_SEALED)
 
 
 class ExternalMemory:
@@ -404,11 +414,12 @@ def _address_space_left() -> tuple[int, str]:
     return max(0, (1 << 47) - used), "this process's address space (or vm.max_map_count)"
 
 
-def map_external(fd: int, nbytes: int, lease: Any) -> np.ndarray:
+def map_external(fd: int, nbytes: int, lease: Any, *, write_sealed: bool) -> np.ndarray:
     """Maps exactly `nbytes` of the external batch `fd` read-only (whole
     pages: the last one rounded up; never the file's own size) after
-    checking it cannot be resized and holds `nbytes`; returns its root
-    array (which keeps the mapping and `lease`). The caller keeps (and closes) `fd`.
+    checking it cannot be resized (nor written, with `write_sealed`: what
+    its record claims) and holds `nbytes`; returns its root array (which
+    keeps the mapping and `lease`). The caller keeps (and closes) `fd`.
     Every failure is a ShmpipeError naming the sizes."""
     if type(nbytes) is not int or nbytes < 0:
         raise CorruptChannelError(f"an external batch's size is {nbytes!r:.40}")
@@ -418,6 +429,10 @@ def map_external(fd: int, nbytes: int, lease: Any) -> np.ndarray:
         raise CorruptChannelError(f"an external batch's descriptor is not sealable memory: {exc}") from None
     if seals & _RESIZE_SEALS != _RESIZE_SEALS:
         raise CorruptChannelError("an external batch's memory is not sealed against resizing; refusing to map it")
+    if write_sealed and not seals & fcntl.F_SEAL_WRITE:
+        raise CorruptChannelError(
+            "an external batch's record says its memory is sealed against writing, but it is not; refusing to map it"
+        )
     try:
         size = os.fstat(fd).st_size
     except OSError as exc:

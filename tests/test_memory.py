@@ -577,23 +577,6 @@ def test_a_big_batch_under_a_low_address_space_limit(tmp_path):
     assert "17,592,186,044,416" in message and "35,184,372,088,832" in message and "ulimit -v" in message, message
 
 
-def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
-    share, fds = big_ring.c.share_with_ranks()
-    rank = ShmRankReader(share, fds, _codec.decode, backing="memfd")
-    batch = np.arange(8192, dtype=np.int64)
-    fd, nbytes = sealed_memfd(batch, size=1 << 45)
-    try:
-        got = rank.read(("big", nbytes), fd, lambda: None)
-        np.testing.assert_array_equal(got, batch)
-        assert mapped_span(got)[1] == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        del got
-        with pytest.raises(CorruptChannelError):  # a size no record can have (was a ValueError from mmap)
-            rank.read(("big", -4096), fd, lambda: None)
-    finally:
-        os.close(fd)
-        rank.close()
-
-
 @pytest.mark.parametrize("pumped", [False, True], ids=["in-the-socket", "stashed-first"])
 def test_an_early_second_descriptor_for_a_batch_is_an_error_not_a_different_batch(big_ring, pumped):
     # Batch 0 of worker 0 is sent early (by any process on the outbox) with
@@ -642,6 +625,65 @@ def test_a_descriptor_its_slot_never_announced_is_an_error(big_ring):
     assert int(big_ring.c.get(0, -1, 0, WAIT)[0]) == 0
     with pytest.raises(CorruptChannelError, match="never announced"):
         big_ring.c.get(0, -1, 0, WAIT)
+
+
+def test_a_put_big_batch_whose_memory_is_not_sealed_against_writing_is_refused(big_ring, monkeypatch):
+    # The put path's record says "sealed against writing"; the consumer
+    # checks it. Before, a batch without the write seal was delivered.
+    real_seal = _external.seal
+    monkeypatch.setattr(_external, "seal", lambda fd, *, writes: real_seal(fd, writes=False))
+    big_ring.producer.put(np.ones(50_000, np.int64))
+    with pytest.raises(CorruptChannelError, match="says its memory is sealed against writing, but it is not"):
+        big_ring.c.get(0, -1, 0, WAIT)
+
+
+def test_each_big_batch_path_gives_the_guarantee_its_record_claims(big_ring):
+    # put(): sealed against resizing and writing; reserve(): against
+    # resizing only (its arrays still map it in the producer). What a rank
+    # gets says which, and the rank checks it again.
+    c, producer = big_ring.c, big_ring.producer
+    producer.put(np.ones(50_000, np.int64))
+    reserved = producer.reserve(np.zeros(50_000, np.int64))
+    reserved[:] = 3
+    producer.put(reserved)
+    put_batch = c.take_shared(0, -1, 0, WAIT)
+    reserved_batch = c.take_shared(0, -1, 0, WAIT)
+    try:
+        assert put_batch.record[0] == "big" and put_batch.record[2] is True
+        assert fcntl.fcntl(put_batch.fd, fcntl.F_GET_SEALS) & BIG_SEALS == BIG_SEALS
+        assert reserved_batch.record[0] == "big" and reserved_batch.record[2] is False
+        assert fcntl.fcntl(reserved_batch.fd, fcntl.F_GET_SEALS) & BIG_SEALS == SEALS
+        share, fds = c.share_with_ranks()
+        rank = ShmRankReader(share, fds, _codec.decode, backing="memfd")
+        released = []
+        got = rank.read(put_batch.record, put_batch.fd, lambda: released.append(1))
+        assert int(got[0]) == 1
+        del got
+        with pytest.raises(CorruptChannelError, match="sealed against writing, but it is not"):
+            rank.read(("big", reserved_batch.record[1], True), reserved_batch.fd, lambda: released.append(2))
+        assert released == [1, 2]
+        rank.close()
+    finally:
+        put_batch.close_fd()
+        reserved_batch.close_fd()
+        del put_batch, reserved_batch
+
+
+def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
+    share, fds = big_ring.c.share_with_ranks()
+    rank = ShmRankReader(share, fds, _codec.decode, backing="memfd")
+    batch = np.arange(8192, dtype=np.int64)
+    fd, nbytes = sealed_memfd(batch, size=1 << 45)
+    try:
+        got = rank.read(("big", nbytes, True), fd, lambda: None)
+        np.testing.assert_array_equal(got, batch)
+        assert mapped_span(got)[1] == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        del got
+        with pytest.raises(CorruptChannelError):  # a size no record can have (was a ValueError from mmap)
+            rank.read(("big", -4096, True), fd, lambda: None)
+    finally:
+        os.close(fd)
+        rank.close()
 
 
 def test_more_descriptors_than_the_ring_can_announce_are_an_error():

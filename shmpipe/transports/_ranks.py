@@ -8,8 +8,10 @@ holds the slot, as for any batch) and a record saying where the payload is:
 
 * ``("slot", offset, nbytes)``: in the ring, `offset` bytes from the start
   of the ring's memory;
-* ``("big", nbytes)``: a batch larger than a slot, in sealed memory of its
-  own, whose descriptor goes with the record (``SharedBatch.fd``).
+* ``("big", nbytes, write_sealed)``: a batch larger than a slot, in sealed
+  memory of its own, whose descriptor goes with the record
+  (``SharedBatch.fd``); `write_sealed` says it is sealed against writing
+  too (a put() batch, not a reserve()d one), which the rank checks again.
 
 The group (shmpipe/_group) sends the record to the rank the batch is dealt
 to. That rank maps the ring's memory itself, read-only
@@ -168,9 +170,15 @@ class ShmRankReader(RankReader):
                     f"a batch record points outside the ring's slots: offset {offset}, {nbytes} bytes"
                 )
             root = np.asarray(_SlotView(mapping, offset, nbytes, released))
-        elif kind == "big" and len(record) == 2 and fd is not None and type(record[1]) is int:
+        elif (
+            kind == "big"
+            and len(record) == 3
+            and fd is not None
+            and type(record[1]) is int
+            and type(record[2]) is bool
+        ):
             lease = _ReleaseOnFree(released)  # released when the mapping goes, or now on error
-            root = _external.map_external(fd, record[1], lease)
+            root = _external.map_external(fd, record[1], lease, write_sealed=record[2])
             del lease
         else:
             released()

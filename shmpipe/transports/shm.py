@@ -340,7 +340,7 @@ class ShmProducer(ProducerEnd):
                 outbox.send(fd, writer.pass_no, writer.worker, writer.wseq)
             finally:
                 os.close(fd)
-            return _external.write_record(record, writer.pass_no, writer.worker, writer.wseq, nbytes)
+            return _external.write_record(record, writer.pass_no, writer.worker, writer.wseq, nbytes, write_sealed=True)
 
         self._publish(write_record, claimed)
 
@@ -365,10 +365,14 @@ class ShmProducer(ProducerEnd):
         self._reserved = None
         try:
             # The arrays handed out still map it writable: sealed against
-            # resizing only (the arrays become read-only below, as a slot's).
+            # resizing only, and the record says so (the arrays become
+            # read-only below, as a slot's; the memory keeps a slot's
+            # guarantee, see _external's module doc).
             _external.seal(reserved.fd, writes=False)
             self.outbox.send(reserved.fd, writer.pass_no, writer.worker, writer.wseq)  # type: ignore[union-attr]
-            size = _external.write_record(reserved.record, writer.pass_no, writer.worker, writer.wseq, reserved.nbytes)
+            size = _external.write_record(
+                reserved.record, writer.pass_no, writer.worker, writer.wseq, reserved.nbytes, write_sealed=False
+            )
         except BaseException:
             reserved.give_back(writer)
             raise
@@ -524,15 +528,16 @@ class ShmConsumer(SharingConsumerEnd):
         """The batch (or with `decode` False its root) whose record `record`
         is (the reader calls this for a slot that holds a record), and its
         payload's size."""
-        root, nbytes, _ = self._map_external(record, keep_fd=False)
+        root, nbytes, _, _ = self._map_external(record, keep_fd=False)
         return (_codec.decode(root) if decode else root), nbytes
 
-    def _map_external(self, record: np.ndarray, *, keep_fd: bool) -> tuple[np.ndarray, int, int]:
+    def _map_external(self, record: np.ndarray, *, keep_fd: bool) -> tuple[np.ndarray, int, int, bool]:
         """The root of the batch larger than a slot that `record` announces
         (mapped read-only; it holds the record's slot too), its payload's
-        size, and with `keep_fd` its descriptor, which the caller then owns
-        (else -1: closed here)."""
-        pass_no, worker, wseq, nbytes = _external.read_record(record)
+        size, with `keep_fd` its descriptor, which the caller then owns
+        (else -1: closed here), and whether its memory is sealed against
+        writing (checked)."""
+        pass_no, worker, wseq, nbytes, write_sealed = _external.read_record(record)
         if self.inbox is None:
             raise CorruptChannelError("a slot announces a batch larger than a slot, which this pipeline forbids")
         if worker != self.reader.last_worker:
@@ -542,14 +547,14 @@ class ShmConsumer(SharingConsumerEnd):
         with ctrl_c_held_back():
             fd = self.inbox.take(pass_no, worker, wseq)
             try:
-                root = _external.map_external(fd, nbytes, record)
+                root = _external.map_external(fd, nbytes, record, write_sealed=write_sealed)
             except BaseException:
                 os.close(fd)
                 raise
             if not keep_fd:
                 os.close(fd)
                 fd = -1
-        return root, nbytes, fd
+        return root, nbytes, fd, write_sealed
 
     # -- several ranks (SharingConsumerEnd; transports/_ranks.py) ---------------
 
@@ -561,9 +566,9 @@ class ShmConsumer(SharingConsumerEnd):
         if root is END or root is FAULT:
             return root
         if _ring.is_external_record(root):
-            mapped, nbytes, fd = self._map_external(root, keep_fd=True)
+            mapped, nbytes, fd, write_sealed = self._map_external(root, keep_fd=True)
             self.reader.last_nbytes = nbytes  # the payload's size, not the record's (as get() counts it)
-            return SharedBatch(mapped, ("big", nbytes), fd)
+            return SharedBatch(mapped, ("big", nbytes, write_sealed), fd)
         return SharedBatch(root, ("slot", int(root.ctypes.data) - self.segment.address, int(root.nbytes)))
 
     def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
