@@ -165,6 +165,8 @@ def _unflatten(node: Structure, leaves: Iterator[Any], depth: int) -> Any:
         keys, children = node[1], node[2]
         if len(keys) != len(children) or any(type(k) is not str for k in keys):
             raise ValueError("a dict node's keys and children do not match")
+        if len(set(keys)) != len(keys):  # flatten writes each key once: a repeat would drop a child
+            raise ValueError("a dict node repeats a key")
         return {k: _unflatten(c, leaves, depth + 1) for k, c in zip(keys, children, strict=True)}
     if kind in ("l", "t") and len(node) == 2 and type(node[1]) is list:
         items = [_unflatten(c, leaves, depth + 1) for c in node[1]]

@@ -49,6 +49,7 @@ def test_flatten_refuses_keys_that_are_not_str():
         ("*", [1, 2], "fewer"),
         (["d", ["k"], []], [], "do not match"),
         (["d", [1], ["*"]], [0], "do not match"),
+        (["d", ["k", "k"], ["*", "*"]], [0, 1], "repeats a key"),  # {"k": 1}, a child dropped
         (["q", []], [], "malformed"),
         ([], [], "malformed"),
         ({"d": 1}, [], "malformed"),
