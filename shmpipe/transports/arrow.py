@@ -130,11 +130,14 @@ class _Plan:
         """Writes the payload into `buf` (a writable uint8 array); returns its size."""
         head = np.array([MAGIC, len(self.header)], dtype="<u4").view(np.uint8)
         buf[:8] = head
-        buf[8 : 8 + len(self.header)] = np.frombuffer(self.header, np.uint8)
+        end = 8 + len(self.header)
+        buf[8:end] = np.frombuffer(self.header, np.uint8)
         mv = buf.data  # a memoryview of the slot
         for t, off in zip(self.tensors, self.offsets, strict=True):
-            n = pa.ipc.get_tensor_size(t)
-            pa.ipc.write_tensor(t, pa.FixedSizeBufferWriter(pa.py_buffer(mv[off : off + n])))
+            buf[end:off] = 0  # the padding: every byte of a payload is defined
+            end = off + pa.ipc.get_tensor_size(t)
+            pa.ipc.write_tensor(t, pa.FixedSizeBufferWriter(pa.py_buffer(mv[off:end])))
+        buf[end : self.nbytes] = 0
         return self.nbytes
 
 
