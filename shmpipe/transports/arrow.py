@@ -132,7 +132,7 @@ _ARROW_NATIVE = {
 class _Plan:
     """A batch laid out for Arrow: its JSON header and its tensors."""
 
-    __slots__ = ("header", "nbytes", "offsets", "tensors")
+    __slots__ = ("header", "nbytes", "offsets", "sizes", "tensors")
 
     def __init__(self, batch: Any) -> None:
         _codec.encoded_size(batch)  # the codec's checks: a bad batch is a BatchTypeError here
@@ -161,6 +161,7 @@ class _Plan:
         except CorruptChannelError as exc:
             raise BatchTypeError(f"too much structure for the arrow transport ({exc}): put it in arrays") from None
         self.offsets = offsets
+        self.sizes = sizes
         self.nbytes = pos if sizes else 8 + len(self.header)
 
     def _tensor(self, arr: np.ndarray) -> dict[str, Any]:
@@ -195,13 +196,18 @@ class _Plan:
         buf[:8] = head
         end = 8 + len(self.header)
         buf[8:end] = np.frombuffer(self.header, np.uint8)
+        # The padding zeroed too: every byte of a payload is defined.
+        buf[end : self.offsets[0] if self.offsets else self.nbytes] = 0
         mv = buf.data  # a memoryview of the slot
-        for t, off in zip(self.tensors, self.offsets, strict=True):
-            buf[end:off] = 0  # the padding: every byte of a payload is defined
-            end = off + pa.ipc.get_tensor_size(t)
+        for t, off, n in zip(self.tensors, self.offsets, self.sizes, strict=True):
+            end = off + n
             pa.ipc.write_tensor(t, pa.FixedSizeBufferWriter(pa.py_buffer(mv[off:end])))
-        buf[end : self.nbytes] = 0
+            pad = -end % ALIGN  # (a memoryview's copy: a quarter of the time of a NumPy fill)
+            mv[end : end + pad] = _ZEROS[:pad]
         return self.nbytes
+
+
+_ZEROS = memoryview(bytes(ALIGN))
 
 
 def encoded_size(batch: Any) -> int:
