@@ -24,3 +24,9 @@ def dtype_from_name(spec: bytes) -> np.dtype:
     dtypes, and extension dtypes of modules this process has imported);
     CorruptChannelError for any other name, or one that holds objects."""
     ...
+
+def json_census(text: bytes, max_values: int, max_depth: int, max_number: int) -> int:
+    """An upper bound on the values json.loads(text) makes; CorruptChannelError
+    if the text is not ASCII or is over a limit (values, nesting, a number's
+    length). Checks the arrow transport's header before it is parsed."""
+    ...

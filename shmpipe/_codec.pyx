@@ -1082,3 +1082,70 @@ def aligned_empty(Py_ssize_t n):
     raw = np.empty(n + ARRAY_ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % ARRAY_ALIGN
     return raw[start:start + n]
+
+
+# -- JSON text, counted before it is parsed ---------------------------------------
+#
+# The arrow transport's header is JSON (a private copy of it). json.loads
+# makes every value it reads into an object (an empty list from two bytes:
+# about 20 times the text's size), nests until RecursionError, and parses a
+# number of any length (quadratic in its digits). json_census reads the
+# text once, in C, before json.loads sees it.
+
+def json_census(bytes text, Py_ssize_t max_values, int max_depth, Py_ssize_t max_number):
+    """An upper bound on the values json.loads(text) makes (1 plus the
+    ``[ { , :`` outside strings: each value but the first follows one), or
+    CorruptChannelError if the text is not ASCII, holds more than
+    `max_values` values, nests deeper than `max_depth` brackets, or has a
+    number longer than `max_number` characters. Strings are told apart as
+    JSON does (a backslash escapes the next character); an ill-formed text
+    is json.loads's to refuse, after at most this many values."""
+    cdef const unsigned char *s = <const unsigned char *>PyBytes_AS_STRING(text)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(text), i = 0, values = 1, run = 0
+    cdef int depth = 0, err = 0
+    cdef bint in_str = False
+    cdef unsigned char c
+    with nogil:
+        while i < n:
+            c = s[i]
+            i += 1
+            if c >= 0x80:
+                err = 1
+                break
+            if in_str:
+                if c == b'"':
+                    in_str = False
+                elif c == b'\\':
+                    i += 1  # the escaped character, a quote too (one past the end ends the loop)
+                continue
+            if c == b'"':
+                in_str = True
+            elif c == b'[' or c == b'{':
+                values += 1
+                depth += 1
+                if depth > max_depth:
+                    err = 2
+                    break
+            elif c == b']' or c == b'}':
+                depth -= 1
+            elif c == b',' or c == b':':
+                values += 1
+            elif (c >= b'0' and c <= b'9') or c == b'-' or c == b'+' or c == b'.' or c == b'e' or c == b'E':
+                run += 1
+                if run > max_number:
+                    err = 3
+                    break
+                continue
+            if values > max_values:
+                err = 4
+                break
+            run = 0
+    if err == 1:
+        raise CorruptChannelError(f"a JSON header holds a byte that is not ASCII (at {i - 1})")
+    if err == 2:
+        raise CorruptChannelError(f"a JSON header nests more than {max_depth} brackets deep")
+    if err == 3:
+        raise CorruptChannelError(f"a JSON header holds a number longer than {max_number} characters")
+    if err == 4:
+        raise CorruptChannelError(f"a JSON header holds more than {max_values:,} values")
+    return values

@@ -49,6 +49,9 @@ MAX_DEPTH = 64
 Structure = Any
 
 _LEAF = "*"
+# What next() gives past the last leaf: no value a leaf can be (not _LEAF:
+# a leaf "*" read back from JSON is CPython's one-character str, that very object).
+_NO_LEAF = object()
 
 
 def leaves(batch: Any) -> Iterator[Any]:
@@ -145,7 +148,7 @@ def unflatten(structure: Structure, leaves: Sequence[Any]) -> Any:
     ``len(leaves)`` leaves."""
     remaining = iter(leaves)
     batch = _unflatten(structure, remaining, 0)
-    if next(remaining, _LEAF) is not _LEAF:
+    if next(remaining, _NO_LEAF) is not _NO_LEAF:
         raise ValueError(f"the structure uses fewer than the {len(leaves)} leaves given")
     return batch
 
@@ -154,8 +157,8 @@ def _unflatten(node: Structure, leaves: Iterator[Any], depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise ValueError(f"the structure is nested more than {MAX_DEPTH} levels deep")
     if node == _LEAF:
-        leaf = next(leaves, _LEAF)
-        if leaf is _LEAF:
+        leaf = next(leaves, _NO_LEAF)
+        if leaf is _NO_LEAF:
             raise ValueError("the structure has more leaves than were given")
         return leaf
     if type(node) is not list or not node:
@@ -165,6 +168,8 @@ def _unflatten(node: Structure, leaves: Iterator[Any], depth: int) -> Any:
         keys, children = node[1], node[2]
         if len(keys) != len(children) or any(type(k) is not str for k in keys):
             raise ValueError("a dict node's keys and children do not match")
+        if len(set(keys)) != len(keys):  # flatten writes each key once: a repeat would drop a child
+            raise ValueError("a dict node repeats a key")
         return {k: _unflatten(c, leaves, depth + 1) for k, c in zip(keys, children, strict=True)}
     if kind in ("l", "t") and len(node) == 2 and type(node[1]) is list:
         items = [_unflatten(c, leaves, depth + 1) for c in node[1]]

@@ -1,6 +1,7 @@
 """The one walker of nested batches (shmpipe._tree)."""
 
 import gc
+import json
 import weakref
 
 import numpy as np
@@ -49,6 +50,7 @@ def test_flatten_refuses_keys_that_are_not_str():
         ("*", [1, 2], "fewer"),
         (["d", ["k"], []], [], "do not match"),
         (["d", [1], ["*"]], [0], "do not match"),
+        (["d", ["k", "k"], ["*", "*"]], [0, 1], "repeats a key"),  # {"k": 1}, a child dropped
         (["q", []], [], "malformed"),
         ([], [], "malformed"),
         ({"d": 1}, [], "malformed"),
@@ -62,6 +64,17 @@ def test_unflatten_reports_a_malformed_structure(structure, leaves, words):
         return
     with pytest.raises(ValueError, match=words):
         _tree.unflatten(structure, leaves)
+
+
+def test_a_leaf_that_is_the_leaf_marker_itself():
+    # "*" marks a leaf in a structure; a leaf may be the str "*" too (read
+    # back from JSON it is the very object of the marker: CPython keeps one
+    # of each one-character str). It used to count as "no more leaves".
+    structure, leaves = _tree.flatten(["*", {"k": "*"}])
+    leaves = [json.loads('"*"') for _ in leaves]
+    assert _tree.unflatten(structure, leaves) == ["*", {"k": "*"}]
+    with pytest.raises(ValueError, match="fewer"):
+        _tree.unflatten("*", ["*", "*"])
 
 
 def test_unflatten_refuses_nesting_deeper_than_the_limit():
