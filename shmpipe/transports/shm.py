@@ -30,7 +30,13 @@ from shmpipe import _codec, _external, _ring, _segments, _tree
 from shmpipe._control import PassFd
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._process import owner_identity
-from shmpipe.errors import BatchTooLargeError, CorruptChannelError, SharedMemoryFullError, ShmpipeValueError
+from shmpipe.errors import (
+    BatchTooLargeError,
+    CorruptChannelError,
+    SegmentExistsError,
+    SharedMemoryFullError,
+    ShmpipeValueError,
+)
 from shmpipe.transport import (
     AGAIN,
     END,
@@ -668,12 +674,32 @@ def _create_memory(backing: str, total: int) -> _ring.Segment:
         raise SharedMemoryFullError(total, free, where)
     try:
         if backing == "posix":
-            return _ring.Segment.create(_segments.new_segment_name(), total)
+            return _create_named(total)
         return _ring.Segment.create_anonymous("shmpipe-ring", total)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise SharedMemoryFullError(total, free or 0, where) from exc
         raise
+
+
+#: Fresh names a named segment is tried under before SegmentExistsError.
+#: Each has 96 random bits: one already taken is no accident, and a few
+#: more tries only rule out the impossible one.
+NAME_TRIES = 3
+
+
+def _create_named(total: int) -> _ring.Segment:
+    """A new named segment of `total` bytes, under a fresh name. A name
+    taken already is never opened (shm_open with O_EXCL): the memory there
+    is another process's."""
+    taken: list[str] = []
+    for _ in range(NAME_TRIES):
+        name = _segments.new_segment_name()
+        try:
+            return _ring.Segment.create(name, total)
+        except FileExistsError:
+            taken.append(name)
+    raise SegmentExistsError(taken, _segments.SHM_DIR)
 
 
 def attach_writer(handle: ShmHandle, worker: int) -> _ring.RingWriter:
