@@ -119,6 +119,11 @@ class ProcessLauncher(Launcher):
                 block_again()
         for worker, (p, conn) in enumerate(zip(self.processes, self.conns, strict=True)):
             self.inboxes.append(_control.Inbox(conn, f"worker {worker} (pid {p.pid})"))
+        if self.channel is not None:
+            # Each producer holds its own copy of what the handle names now
+            # (forked with it, or passed it at its start, before start()
+            # returned): the consumer's may go.
+            self.channel.handle_delivered()
 
     def _send(self, worker: int, message: tuple[Any, ...]) -> None:
         """`message` to producer `worker`. One that is gone (its end of the
@@ -165,6 +170,7 @@ class ProcessLauncher(Launcher):
                 self.channel = self.transport.open(spec)
                 for worker in range(len(self.conns)):
                     self._send(worker, ("attach", self.channel.handle))
+                self.channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
         return self.channel
 
     def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:

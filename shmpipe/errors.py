@@ -11,6 +11,7 @@ work as they would anywhere else::
     │   ├── BatchTooLargeError        a batch does not fit in a slot
     │   └── CorruptChannelError       what another process wrote breaks the protocol
     ├── SharedMemoryFullError(OSError)  /dev/shm has no room for the ring
+    ├── SegmentExistsError(FileExistsError)  a named segment's name is taken already
     ├── TransportUnavailableError(ImportError)  a transport's dependency is missing
     ├── PipelineTimeoutError(TimeoutError)
     ├── PipelineClosedError(RuntimeError)
@@ -38,6 +39,7 @@ __all__ = [
     "BatchTooLargeError",
     "CorruptChannelError",
     "SharedMemoryFullError",
+    "SegmentExistsError",
     "TransportUnavailableError",
     "PipelineTimeoutError",
     "PipelineClosedError",
@@ -164,6 +166,30 @@ class SharedMemoryFullError(ShmpipeError, OSError):
 
     def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         return (type(self), (self.needed, self.available, self.where, self.what, self.fix))
+
+
+class SegmentExistsError(ShmpipeError, FileExistsError):
+    """A named segment (``backing="posix"``) could not be created: each
+    fresh name shmpipe drew for it was taken in /dev/shm already. Names
+    carry 96 random bits, so this is no accident of chance: another process
+    of this user made segments under shmpipe's names. shmpipe fails closed:
+    it never opens, truncates or removes a segment it did not create.
+    ``names`` are the names that were taken."""
+
+    def __init__(self, names: list[str], where: str = "/dev/shm") -> None:
+        FileExistsError.__init__(
+            self,
+            _errno.EEXIST,
+            f"cannot create the ring's shared-memory segment: {where}{names[-1]} already exists "
+            f"({len(names)} fresh random name{'s' if len(names) > 1 else ''} tried, each one taken: "
+            "another process of this user is making segments under shmpipe's names); it was left "
+            "untouched. The default backing, anonymous memory, has no name to take",
+        )
+        self.names = list(names)
+        self.where = where
+
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
+        return (type(self), (self.names, self.where))
 
 
 class TransportUnavailableError(ShmpipeError, ImportError):

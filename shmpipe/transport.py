@@ -312,6 +312,16 @@ class ConsumerEnd(abc.ABC):
         at its producers). Never waits."""
         raise NotImplementedError(f"{type(self).__name__} has no fast path (capability takes_ready)")
 
+    def handle_delivered(self) -> None:
+        """Every producer has the channel's ``handle`` now: shmpipe's
+        launcher started them with it, or sent it to them (a channel sized
+        by its first batch), and will not send it again. The place to close
+        what only producers need, such as the write ends of their pipes:
+        then no other process can reach those through this one's
+        ``/proc/<pid>/fd``. Called once, from the consumer's thread, before
+        the first ``get``; not by a transport that runs its own producers.
+        Default: nothing."""
+
     def begin_pass(self, pass_no: int) -> None:
         """Pass `pass_no` starts (called before producers hear of it, for
         every pass; the channel was opened at ``spec.first_pass``, so a call

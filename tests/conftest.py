@@ -8,7 +8,10 @@ import contextlib
 import gc
 import multiprocessing
 import os
+import signal
+import subprocess
 import time
+from typing import Any
 
 import pytest
 
@@ -92,3 +95,76 @@ def ray_friendly_cwd(directory):
         yield
     finally:
         os.chdir(old)
+
+
+# -- scripts run in a process group of their own ----------------------------------
+
+
+def ignoring_sigint() -> None:
+    """A ``preexec_fn``: the script starts with SIGINT ignored, as whatever
+    ran the tests may have left it (``nohup ... &``, a CI runner), and as
+    every child inherits it. A script that is to be Ctrl-C'd says what a
+    press does itself: ``signal.signal(signal.SIGINT, signal.default_int_handler)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (zombies are not)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                members.append(int(entry))
+    return members
+
+
+def end_group(proc: subprocess.Popen, grace: float = 10.0) -> tuple[Any, Any]:
+    """Ends `proc`, a script started with ``start_new_session=True``, and
+    every process of its group (its producers, forkserver, resource
+    tracker), whatever state the test left them in; removes the segments
+    named after it; reads and closes its pipes. For a test's ``finally``: a
+    failing test still leaves nothing running. Returns what was left to
+    read of its stdout and stderr, as ``communicate`` does.
+
+    The script is SIGKILLed first, and its group gets `grace` seconds to
+    end by itself: producers see their consumer gone and remove what it
+    can no longer remove (SIGKILLing the whole group at once would take
+    the resource tracker and the producers' clean-up with it)."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + grace
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in group_members(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        entries = os.listdir(_segments.SHM_DIR)
+    except FileNotFoundError:
+        entries = []
+    for entry in entries:
+        owner = _segments.parse_name(entry)
+        if owner is not None and owner[0] == proc.pid and not _process.owner_alive(*owner):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(_segments.SHM_DIR, entry))
+    try:
+        return proc.communicate(timeout=10)  # every writer is gone: it reads to the end
+    except subprocess.TimeoutExpired:  # a process outside the group holds its pipes
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        return None, None

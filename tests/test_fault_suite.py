@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import end_group, group_members, ignoring_sigint
 
 import shmpipe
 from shmpipe.testing.memory import named_segments, ring_descriptors
@@ -148,20 +149,6 @@ CONSUMER = textwrap.dedent(
 )
 
 
-def group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                members.append(int(entry))
-    return members
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
     script = tmp_path / "consumer.py"
@@ -197,24 +184,10 @@ def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
     assert named_segments() - shm_before == set()
 
 
-def kill_consumer(proc: subprocess.Popen) -> None:
-    """SIGKILLs a consumer that hangs, then, after its producers and the
-    resource tracker had time to clean up after it, whatever of its process
-    group is left (SIGKILLing the group at once would kill the tracker too,
-    and leave any semaphore of the consumer in /dev/shm for good)."""
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while group_members(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for pid in group_members(proc.pid):
-        os.kill(pid, signal.SIGKILL)
-
-
 def run_script(tmp_path, name: str, text: str, *args: str, timeout: float = 60) -> tuple[int, str, str]:
     """Runs `text` as a script in its own process group; (return code,
-    stdout, stderr). A script still running after `timeout` is killed (see
-    kill_consumer), and the test fails saying so."""
+    stdout, stderr). A script still running after `timeout` is killed with
+    its group (see end_group), and the test fails saying so."""
     script = tmp_path / name
     script.write_text(text)
     proc = subprocess.Popen(
@@ -228,9 +201,10 @@ def run_script(tmp_path, name: str, text: str, *args: str, timeout: float = 60) 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_consumer(proc)
-        out, err = proc.communicate(timeout=10)
-        raise AssertionError(f"{name} {' '.join(args)} hung for {timeout} s: {out!r}\n{err[-3000:]}") from None
+        out, err = end_group(proc)
+        raise AssertionError(f"{name} {' '.join(args)} hung for {timeout} s: {out!r}\n{(err or '')[-3000:]}") from None
+    finally:
+        end_group(proc)  # whatever happened: nothing of it is left running
     return proc.returncode, out, err
 
 
@@ -283,13 +257,17 @@ def test_a_producer_sigkilled_while_it_puts_a_4_mib_batch(tmp_path, transport):
 
 INTERRUPTED = textwrap.dedent(
     """
-    import gc, json, multiprocessing, os, sys, time
+    import gc, json, multiprocessing, os, signal, sys, time
     import numpy as np
     import shmpipe
     from shmpipe.testing.memory import ring_descriptors
     from shmpipe.testing.sources import Shapes
 
     if __name__ == "__main__":
+        # This script is Ctrl-C'd: it says what a press does, whatever the
+        # process that started it left (nohup and CI runners ignore SIGINT,
+        # and an ignored signal is inherited).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         name = sys.argv[1]
         if name in ("shm", "arrow"):  # a named segment: something to see left behind
             transport = shmpipe.get_transport(name)(backing="posix")
@@ -338,6 +316,9 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
     # always become a KeyboardInterrupt in the consumer (deferred, at most,
     # to the end of a short critical section), and leave nothing behind: no
     # process, no segment, no descriptor of ring memory, nothing printed.
+    # Every other cycle the consumer starts with SIGINT ignored, as a job
+    # started with nohup or by a CI runner does: the script sets its handler
+    # itself, so a press is a KeyboardInterrupt all the same.
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
     rng = random.Random(f"{transport}-{window}")
@@ -350,6 +331,7 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
             text=True,
             start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            preexec_fn=ignoring_sigint if cycle % 2 else None,
         )
         try:
             assert proc.stdout.readline().strip() == "starting"
@@ -360,24 +342,22 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
                 time.sleep(rng.uniform(0.0, 0.5))
             os.killpg(proc.pid, signal.SIGINT)
             out, err = proc.communicate(timeout=30)
+            lines = out.strip().splitlines()
+            assert lines, f"cycle {cycle}: {err[-3000:]}"
+            outcome, _, left = lines[-1].partition(" {")
+            assert outcome == "interrupted", f"cycle {cycle}: no KeyboardInterrupt came: {out!r} {err[-3000:]}"
+            assert proc.returncode == 130
+            assert err == "", f"cycle {cycle}: something printed to stderr (a producer's traceback?):\n{err[-3000:]}"
+            left = json.loads("{" + left)
+            assert left["closed"] and left["children"] == [] and left["ring_fds"] == [], f"cycle {cycle}: {left}"
+            deadline = time.monotonic() + 10
+            while (group_members(proc.pid) or named_segments() - shm_before) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert group_members(proc.pid) == [], f"cycle {cycle}: processes outlived the consumer"
+            assert all(gone(p) for p in left["pids"]), f"cycle {cycle}: producers outlived the consumer"
+            assert named_segments() - shm_before == set(), f"cycle {cycle}: a segment was left behind"
         finally:
-            if proc.poll() is None:
-                kill_consumer(proc)
-                proc.communicate(timeout=10)
-        lines = out.strip().splitlines()
-        assert lines, f"cycle {cycle}: {err[-3000:]}"
-        outcome, _, left = lines[-1].partition(" {")
-        assert outcome == "interrupted", f"cycle {cycle}: no KeyboardInterrupt came: {out!r} {err[-3000:]}"
-        assert proc.returncode == 130
-        assert err == "", f"cycle {cycle}: something printed to stderr (a producer's traceback?):\n{err[-3000:]}"
-        left = json.loads("{" + left)
-        assert left["closed"] and left["children"] == [] and left["ring_fds"] == [], f"cycle {cycle}: {left}"
-        deadline = time.monotonic() + 10
-        while (group_members(proc.pid) or named_segments() - shm_before) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert group_members(proc.pid) == [], f"cycle {cycle}: processes outlived the consumer"
-        assert all(gone(p) for p in left["pids"]), f"cycle {cycle}: producers outlived the consumer"
-        assert named_segments() - shm_before == set(), f"cycle {cycle}: a segment was left behind"
+            end_group(proc)  # a failed cycle too: nothing of it is left running
 
 
 # -- the consumer forks ------------------------------------------------------------

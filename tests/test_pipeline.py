@@ -456,6 +456,7 @@ def test_errors_pickle():
         shmpipe.WorkerError(1, 2, "ValueError", "m", "tb"),
         shmpipe.WorkerDiedError(1, 2, -9),
         shmpipe.SharedMemoryFullError(10, 5),
+        shmpipe.SegmentExistsError(["/shmpipe-1-2-abc"]),
     ]:
         again = pickle.loads(pickle.dumps(exc))
         assert type(again) is type(exc) and str(again) == str(exc)

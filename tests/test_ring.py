@@ -298,6 +298,58 @@ def test_segment_name_mode_and_exclusive_creation(make_ring):
         _ring.Segment.create(name, 4096)
 
 
+@pytest.fixture
+def a_taken_name(monkeypatch):
+    """A name in shmpipe's format, taken in /dev/shm by a segment with a
+    mark in it, which the name generator then gives out every time (a test
+    seam: the segment, shm_open and the ring are all real)."""
+    name = _segments.new_segment_name()
+    path = _segments.SHM_DIR + name
+    _ring.Segment.create(name, 4096)
+    with open(path, "r+b") as f:
+        f.write(b"not ours")
+    monkeypatch.setattr(_segments, "new_segment_name", lambda: name)
+    try:
+        yield name
+    finally:
+        with open(path, "rb") as f:
+            there = f.read()
+        _ring.unlink_segment(name)
+        # It failed closed: what was there is as it was.
+        assert there == b"not ours" + bytes(4096 - 8), "the segment under the taken name was touched"
+
+
+def test_a_taken_segment_name_is_a_clear_error(a_taken_name):
+    # The name generator gives out a name that is taken: creating the
+    # ring fails closed (O_EXCL), after a few fresh names, as a ShmpipeError
+    # that names the segment. (It was a raw FileExistsError from shm_open.)
+    import shmpipe
+    from shmpipe.transports import shm
+
+    with pytest.raises(shmpipe.SegmentExistsError) as info:
+        ShmConsumer(ChannelSpec(num_workers=1, capacity=2, slot_size=4096, ordered=False, first_pass=0), backing="posix")
+    err = info.value
+    assert isinstance(err, shmpipe.ShmpipeError) and isinstance(err, FileExistsError) and err.errno == errno.EEXIST
+    assert err.names == [a_taken_name] * shm.NAME_TRIES
+    assert f"/dev/shm{a_taken_name} already exists" in str(err)
+    assert f"{shm.NAME_TRIES} fresh random names tried" in str(err)
+
+
+@pytest.mark.parametrize("sized", ["at once", "by the first batch"])
+def test_a_taken_segment_name_fails_the_pipeline_cleanly(a_taken_name, sized):
+    # The same through the API, with the ring made before the producers
+    # start (a slot size given) or once the first batch sizes it: the
+    # error, and nothing left running (the guard in conftest checks).
+    import shmpipe
+    from shmpipe.testing.sources import Counter
+    from shmpipe.transports.shm import ShmTransport
+
+    slot = {"slot_size": 1 << 16} if sized == "at once" else {}
+    with pytest.raises(shmpipe.SegmentExistsError, match="already exists"):
+        with shmpipe.from_iterators([Counter(3)] * 2, transport=ShmTransport(backing="posix"), timeout=30, **slot) as pipe:
+            list(pipe)
+
+
 def test_pages_are_touched_at_creation():
     import ctypes
     import resource

@@ -37,7 +37,7 @@ def test_the_self_check_warns_when_tensorflow_copies():
 
 def test_tensorflow_copies_a_misaligned_array_once_into_its_own_memory():
     # What happens to arrays of transports that promise no 64-byte
-    # alignment (queue, small Ray objects): TensorFlow makes the tensor its
+    # alignment (small Ray objects, a transport of your own): TensorFlow makes the tensor its
     # own aligned copy, with the same values.
     raw = np.zeros(64 * 5, np.uint8)
     start = (-raw.ctypes.data) % 64 + 8  # 8 bytes past a 64-byte boundary

@@ -14,6 +14,7 @@ from shmpipe.testing.sources import Counter, Fixed
 from shmpipe.transport import Capabilities, ChannelSpec, ProducerControl, Transport
 from shmpipe.transports import arrow
 from shmpipe.transports.queue import QueueTransport
+from shmpipe_example_pipe import PipeTransport
 
 
 @pytest.fixture
@@ -91,30 +92,34 @@ def test_capabilities_are_what_callers_ask():
     assert caps["shm"].zero_copy_reads and caps["shm"].in_place_writes and caps["shm"].alignment == 64
     assert caps["arrow"].zero_copy_reads and not caps["arrow"].in_place_writes and caps["arrow"].alignment == 64
     assert caps["ray"].cross_host and caps["ray"].own_producers and caps["ray"].zero_copy_min_bytes > 0
-    assert caps["queue"] == Capabilities(serializes=caps["queue"].serializes)  # promises nothing
-    # who checks the batch contract: the encoders of the rings and Ray's actors; for
-    # the queue (and any transport that does not say so), shmpipe's producer
-    assert caps["shm"].checks_batches and caps["arrow"].checks_batches and caps["ray"].checks_batches
-    assert not caps["queue"].checks_batches
+    # the queue's frames are the ring's encoding, in a buffer of their own: aligned, not shared
+    assert caps["queue"] == Capabilities(serializes=caps["queue"].serializes, checks_batches=True, alignment=64)
+    assert "pickle" not in caps["queue"].serializes
+    # who checks the batch contract: the encoders of the rings and the queue, and Ray's
+    # actors; for any transport that does not say so (the example), shmpipe's producer
+    assert all(caps[name].checks_batches for name in ("shm", "arrow", "ray", "queue"))
+    assert not PipeTransport.capabilities.checks_batches
 
 
-class TrustingQueue(QueueTransport):
-    """Claims to refuse bad batches itself, and does not."""
+class TrustingPipe(PipeTransport):
+    """The example transport (pickle through a pipe), claiming to refuse
+    bad batches itself, which it does not."""
 
-    name = "trusting-queue"
-    capabilities = dataclasses.replace(QueueTransport.capabilities, checks_batches=True)
+    name = "trusting-pipe"
+    capabilities = dataclasses.replace(PipeTransport.capabilities, checks_batches=True)
 
 
 def test_a_transport_that_checks_batches_itself_is_taken_at_its_word():
-    # The opt-out is real (shm and arrow's batches are walked once, by their
-    # encoder): shmpipe's producer does not check again. A transport that
-    # claims it and does not check fails the conformance suite.
+    # The opt-out is real (shm, arrow and the queue's batches are walked
+    # once, by their encoder): shmpipe's producer does not check again. A
+    # transport that claims it and does not check fails the conformance suite.
     bad = [{"s": {1, 2}}]
-    with shmpipe.from_iterators([Fixed(bad)], transport=TrustingQueue(), timeout=30) as pipe:
+    with shmpipe.from_iterators([Fixed(bad)], transport=TrustingPipe(), timeout=30) as pipe:
         assert [b["s"] for b in pipe] == [{1, 2}]
-    with pytest.raises(BatchTypeError, match=r"^batch\['s'\]: unsupported type builtins.set"):
-        with shmpipe.from_iterators([Fixed(bad)], transport=QueueTransport(), timeout=30) as pipe:
-            list(pipe)
+    for transport in (PipeTransport(), QueueTransport()):
+        with pytest.raises(BatchTypeError, match=r"^batch\['s'\]: unsupported type builtins.set"):
+            with shmpipe.from_iterators([Fixed(bad)], transport=transport, timeout=30) as pipe:
+                list(pipe)
 
 
 def test_arrow_bad_batches_and_corrupt_payloads():
@@ -255,7 +260,7 @@ def test_queue_a_malformed_frame_is_a_clear_error():
         os.write(w, b"67890" + HEADER.pack(b"JUNK", 1, 7, 10))
         with pytest.raises(CorruptChannelError, match="worker 3's pipe holds a malformed frame header"):
             box.read(arrived)
-        assert arrived[-1] == (3, 1, 7, bytearray(b"1234567890"))
+        assert arrived[-1][:3] == (3, 1, 7) and bytes(arrived[-1][3]) == b"1234567890"
         # The rest of the stream cannot be framed: it stays corrupt (it used
         # to ask the pipe for no bytes next, get 0 and take that for the
         # end of the stream).
@@ -318,6 +323,172 @@ def test_queue_a_corrupt_pipe_stays_corrupt_for_every_get(ordered):
         if ordered:  # a get for the other worker says it too, rather than wait on
             with pytest.raises(CorruptChannelError, match=expected):
                 consumer.get(0, 0, 0, 0.1)
+    finally:
+        consumer.destroy()
+
+
+class OpensAFile:
+    """Pickled, a frame body that runs code in whoever unpickles it: it
+    opens (so creates) `path` for writing."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _write_ends(pid: int, inode: int) -> list[str]:
+    """/proc/<pid>/fd/<n> of each write end of pipe `inode` that process
+    `pid` holds: what any process of this user can open and write into."""
+    import os
+
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != f"pipe:[{inode}]":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration):
+            continue  # closed meanwhile
+        if flags & os.O_ACCMODE == os.O_WRONLY:
+            found.append(f"/proc/{pid}/fd/{fd}")
+    return found
+
+
+def test_queue_a_frame_another_process_writes_runs_no_code(tmp_path):
+    # Issue 20, 1: a process of the same user opens a write end of a
+    # producer's pipe through /proc/<pid>/fd (the trainer's own, or the
+    # producer's) and writes one small frame whose body is a pickle. The
+    # consumer used to unpickle it: the pickle's code ran in the trainer
+    # (here it creates a file), and its result came out as a batch. Frames
+    # are decoded now, never unpickled: a CorruptChannelError, nothing run.
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from shmpipe.testing.sources import Sleeper
+    from shmpipe.transports.queue import HEADER, KIND_BATCH, MAGIC
+
+    marker = tmp_path / "ran"
+    body = pickle.dumps(OpensAFile(str(marker)), protocol=5)
+    with shmpipe.from_iterators([Sleeper(60.0)], transport="queue", timeout=30) as pipe:
+        it = iter(pipe)
+        next(it)  # its producer sleeps now, between two frames
+        inode = os.fstat(pipe.channel._inbound[0].fd).st_ino
+        ends = _write_ends(os.getpid(), inode) + _write_ends(pipe.pids[0], inode)
+        assert ends, "no process holds a write end of the pipe: nothing was tested"
+        frame = HEADER.pack(MAGIC, KIND_BATCH, pipe.channel.pass_no, len(body)) + body
+        attacker = "import os, sys; fd = os.open(sys.argv[1], os.O_WRONLY); os.write(fd, bytes.fromhex(sys.argv[2]))"
+        subprocess.run([sys.executable, "-c", attacker, ends[0], frame.hex()], check=True, timeout=60)
+        with pytest.raises(CorruptChannelError, match=r"worker 0's pipe holds a malformed batch: .*payload magic"):
+            next(it)
+    assert not marker.exists(), "the frame's pickle ran in the consumer"
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_queue_the_consumer_keeps_no_write_end_of_the_producers_pipes(start_method):
+    # Once its producers have their pipes, the consumer closes its own
+    # write ends: a process that opens the trainer's /proc/<pid>/fd finds
+    # nothing there to write into (it found one per producer). Each
+    # producer still holds its own, and batches flow as before.
+    import os
+
+    with shmpipe.from_iterators([Counter(5)] * 2, transport="queue", start_method=start_method, timeout=30) as pipe:
+        it = iter(pipe)
+        got = [next(it)]
+        inodes = [os.fstat(box.fd).st_ino for box in pipe.channel._inbound]
+        assert [_write_ends(os.getpid(), inode) for inode in inodes] == [[], []]
+        assert all(_write_ends(pid, inode) for pid, inode in zip(pipe.pids, inodes))
+        got += list(it)
+        assert sorted((int(b["worker"]), int(b["seq"])) for b in got) == [(w, s) for w in range(2) for s in range(5)]
+        assert sorted((int(b["worker"]), int(b["seq"])) for b in pipe) == [(w, s) for w in range(2) for s in range(5)]
+
+
+def _frame(body: bytes, pass_no: int = 0) -> bytes:
+    from shmpipe.transports.queue import HEADER, KIND_BATCH, MAGIC
+
+    return HEADER.pack(MAGIC, KIND_BATCH, pass_no, len(body)) + body
+
+
+@pytest.mark.parametrize("bad", ["a pickle", "garbage", "sizes that disagree", "cut short", "a string past its end"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_queue_a_malformed_payload_is_corrupt_for_every_get(tmp_path, bad, ordered):
+    # A whole batch, a frame whose payload is not a batch, another whole
+    # batch, in worker 1's pipe. The first is delivered; then every get()
+    # raises CorruptChannelError, and nothing after the bad frame is
+    # delivered. (The body was unpickled: a pickle's code ran and its result
+    # came out as a batch, and garbage was an UnpicklingError once, then
+    # the stream went on.)
+    import os
+    import pickle
+
+    from shmpipe import _codec
+
+    marker = tmp_path / "ran"
+    payload = bytes(_codec.encode({"x": np.arange(10), "s": "text"}))
+    if bad == "a pickle":  # what frames used to hold: unpickled, this one creates a file
+        body = pickle.dumps(OpensAFile(str(marker)), protocol=5)
+    elif bad == "garbage":
+        body = bytes(range(256)) * 4
+    elif bad == "sizes that disagree":  # the payload's own length (bytes 8-16) says more than the frame's
+        body = payload[:8] + (len(payload) + 64).to_bytes(8, "little") + payload[16:]
+    elif bad == "cut short":
+        body = payload[:-64]
+    else:  # the string's length (u32 after its 's' tag) runs past the structure
+        at = payload.index(b"s\x04\x00\x00\x00text")
+        body = payload[: at + 1] + (1 << 20).to_bytes(4, "little") + payload[at + 5 :]
+    consumer = queue_channel(2, ordered)
+    try:
+        os.write(consumer.handle.pipes[1].fd, _frame(payload) + _frame(body) + _frame(payload))
+        worker = 1 if ordered else -1
+        first = consumer.get(0, worker, 0, 5.0)
+        assert first["x"].tolist() == list(range(10)) and first["s"] == "text"
+        expected = r"worker 1's pipe holds a malformed batch: "
+        for _ in range(3):
+            with pytest.raises(CorruptChannelError, match=expected):
+                consumer.get(0, worker, 1, 0.1)
+        os.write(consumer.handle.pipes[1].fd, _frame(payload))  # the pipe is read no more
+        with pytest.raises(CorruptChannelError, match=expected):
+            consumer.get(0, worker, 1, 0.1)
+        if ordered:  # a get for the other worker says it too, rather than wait on
+            with pytest.raises(CorruptChannelError, match=expected):
+                consumer.get(0, 0, 0, 0.1)
+        assert "worker 1's pipe is corrupt" in consumer.describe_wait()
+        assert not marker.exists()
+    finally:
+        consumer.destroy()
+
+
+def test_queue_a_malformed_payload_in_one_pipe_leaves_the_others_batches():
+    # Unordered: worker 0's whole batches are all delivered, before or
+    # after the error that worker 1's pipe is corrupt (whichever pipe was
+    # read first); worker 1's batch after its bad frame never is.
+    import os
+
+    from shmpipe import _codec
+    from shmpipe.transport import AGAIN
+
+    def payload(worker, seq):
+        return bytes(_codec.encode({"worker": worker, "seq": seq}))
+
+    consumer = queue_channel(2)
+    try:
+        os.write(consumer.handle.pipes[0].fd, _frame(payload(0, 0)) + _frame(payload(0, 1)))
+        os.write(consumer.handle.pipes[1].fd, _frame(b"not a payload at all") + _frame(payload(1, 1)))
+        delivered, errors = [], 0
+        for _ in range(5):
+            try:
+                got = consumer.get(0, -1, 0, 0.5)
+            except CorruptChannelError as exc:
+                assert "worker 1's pipe holds a malformed batch" in str(exc)
+                errors += 1
+                continue
+            assert got is not AGAIN
+            delivered.append((got["worker"], got["seq"]))
+        assert delivered == [(0, 0), (0, 1)] and errors == 3
     finally:
         consumer.destroy()
 
@@ -405,7 +576,8 @@ def test_queue_the_memory_of_a_frame_grows_with_the_bytes_that_arrive():
 def test_queue_frames_of_several_pieces_arrive_whole():
     # Bodies of one piece and of several, around the first piece's size,
     # sent by a producer process through a real pipe: each arrives byte for
-    # byte, in pieces that grow (1, 1, 2 MiB...) with what arrived.
+    # byte, in pieces that grow (1, 1, 2 MiB...) with what arrived, and is
+    # handed to the decoder in one 64-byte aligned buffer.
     import collections
     import random
     import subprocess
@@ -433,11 +605,14 @@ def test_queue_frames_of_several_pieces_arrive_whole():
         assert child.wait(timeout=30) == 0
         for n, (worker, kind, pass_no, body) in zip(sizes, arrived):
             assert (worker, kind, pass_no) == (0, 1, 0)
-            assert isinstance(body, bytearray if n <= FIRST_PIECE else _Pieces)
+            assert isinstance(body, np.ndarray if n <= FIRST_PIECE else _Pieces)
             if n == sizes[-1]:
                 assert [len(p) for p in body.pieces] == [FIRST_PIECE, FIRST_PIECE, 2 * FIRST_PIECE, FIRST_PIECE + 12345]
-            data = body if isinstance(body, bytearray) else body.read()
-            assert data == random.Random(n).randbytes(n), n
+            data = body if isinstance(body, np.ndarray) else body.whole()
+            assert data.ctypes.data % 64 == 0 and data.dtype == np.uint8
+            assert bytes(data) == random.Random(n).randbytes(n), n
+            if isinstance(body, _Pieces):
+                assert not body.pieces  # each let go of once copied
     finally:
         child.kill()  # on a failure, perhaps blocked writing into a pipe no one reads
         child.wait(timeout=30)
@@ -445,14 +620,19 @@ def test_queue_frames_of_several_pieces_arrive_whole():
 
 
 def test_queue_batches_larger_than_a_piece_round_trip():
-    # Unpickled from their pieces, never joined: bit-exact all the same.
+    # Joined from their pieces into one aligned buffer, decoded in place:
+    # bit-exact, aligned, and writable (each batch's buffer is its own).
     from shmpipe.testing.sources import Shapes, crc_of
     from shmpipe.transports.queue import FIRST_PIECE
 
     shapes = [(FIRST_PIECE * 10 + 3,), (16,), (FIRST_PIECE // 4 + 1,)]  # float32: 40 MiB in 7 pieces, 1, 2
     with shmpipe.from_iterators([Shapes(shapes)] * 2, transport="queue", timeout=60) as pipe:
-        got = sorted((int(b["worker"]), int(b["seq"]), b["x"].shape, crc_of(b["x"]) == int(b["crc"])) for b in pipe)
-    assert got == [(w, s, shape, True) for w in range(2) for s, shape in enumerate(shapes)]
+        got = sorted(
+            (int(b["worker"]), int(b["seq"]), b["x"].shape, crc_of(b["x"]) == int(b["crc"]),
+             b["x"].ctypes.data % 64, b["x"].flags.writeable)
+            for b in pipe
+        )
+    assert got == [(w, s, shape, True, 0, True) for w in range(2) for s, shape in enumerate(shapes)]
 
 
 @pytest.mark.parametrize("stream", ["small frames", "one huge frame"])

@@ -30,7 +30,13 @@ from shmpipe import _codec, _external, _ring, _segments, _tree
 from shmpipe._control import PassFd
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._process import owner_identity
-from shmpipe.errors import BatchTooLargeError, CorruptChannelError, SharedMemoryFullError, ShmpipeValueError
+from shmpipe.errors import (
+    BatchTooLargeError,
+    CorruptChannelError,
+    SegmentExistsError,
+    SharedMemoryFullError,
+    ShmpipeValueError,
+)
 from shmpipe.transport import (
     AGAIN,
     END,
@@ -528,33 +534,44 @@ class ShmConsumer(SharingConsumerEnd):
         """The batch (or with `decode` False its root) whose record `record`
         is (the reader calls this for a slot that holds a record), and its
         payload's size."""
-        root, nbytes, _, _ = self._map_external(record, keep_fd=False)
+        root, nbytes, _ = self._map_external(record, share=False)
         return (_codec.decode(root) if decode else root), nbytes
 
-    def _map_external(self, record: np.ndarray, *, keep_fd: bool) -> tuple[np.ndarray, int, int, bool]:
+    def _map_external(self, record: np.ndarray, *, share: bool) -> tuple[np.ndarray, int, SharedBatch | None]:
         """The root of the batch larger than a slot that `record` announces
         (mapped read-only; it holds the record's slot too), its payload's
-        size, with `keep_fd` its descriptor, which the caller then owns
-        (else -1: closed here), and whether its memory is sealed against
-        writing (checked)."""
+        size, and with `share` a SharedBatch of it that owns its descriptor
+        (else the descriptor is closed: the mapping keeps the memory).
+        Whether its memory is sealed against writing is checked, and goes
+        to the rank with the SharedBatch."""
         pass_no, worker, wseq, nbytes, write_sealed = _external.read_record(record)
         if self.inbox is None:
             raise CorruptChannelError("a slot announces a batch larger than a slot, which this pipeline forbids")
         if worker != self.reader.last_worker:
             raise CorruptChannelError(f"a slot of worker {self.reader.last_worker} holds a record of worker {worker}")
-        # From take (the descriptor is ours) to the return that hands it
-        # over, a Ctrl-C would leak it: held back to the end of the span.
-        with ctrl_c_held_back():
-            fd = self.inbox.take(pass_no, worker, wseq)
-            try:
+        # From take (the descriptor is ours) until it is closed or owned by
+        # the SharedBatch, a Ctrl-C would leak it: held back over the span.
+        # A press noted there is raised as the span ends, and then the
+        # descriptor goes with the batch (it used to be left open: the
+        # press came before the return that handed it over).
+        fd = -1
+        shared: SharedBatch | None = None
+        try:
+            with ctrl_c_held_back():
+                fd = self.inbox.take(pass_no, worker, wseq)
                 root = _external.map_external(fd, nbytes, record, write_sealed=write_sealed)
-            except BaseException:
+                if share:
+                    shared, fd = SharedBatch(root, ("big", nbytes, write_sealed), fd), -1
+                else:
+                    os.close(fd)
+                    fd = -1
+        except BaseException:
+            if fd >= 0:
                 os.close(fd)
-                raise
-            if not keep_fd:
-                os.close(fd)
-                fd = -1
-        return root, nbytes, fd, write_sealed
+            if shared is not None:
+                shared.close_fd()
+            raise
+        return root, nbytes, shared
 
     # -- several ranks (SharingConsumerEnd; transports/_ranks.py) ---------------
 
@@ -566,9 +583,10 @@ class ShmConsumer(SharingConsumerEnd):
         if root is END or root is FAULT:
             return root
         if _ring.is_external_record(root):
-            mapped, nbytes, fd, write_sealed = self._map_external(root, keep_fd=True)
+            _, nbytes, shared = self._map_external(root, share=True)
+            assert shared is not None
             self.reader.last_nbytes = nbytes  # the payload's size, not the record's (as get() counts it)
-            return SharedBatch(mapped, ("big", nbytes, write_sealed), fd)
+            return shared
         return SharedBatch(root, ("slot", int(root.ctypes.data) - self.segment.address, int(root.nbytes)))
 
     def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
@@ -668,12 +686,32 @@ def _create_memory(backing: str, total: int) -> _ring.Segment:
         raise SharedMemoryFullError(total, free, where)
     try:
         if backing == "posix":
-            return _ring.Segment.create(_segments.new_segment_name(), total)
+            return _create_named(total)
         return _ring.Segment.create_anonymous("shmpipe-ring", total)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise SharedMemoryFullError(total, free or 0, where) from exc
         raise
+
+
+#: Fresh names a named segment is tried under before SegmentExistsError.
+#: Each has 96 random bits: one already taken is no accident, and a few
+#: more tries only rule out the impossible one.
+NAME_TRIES = 3
+
+
+def _create_named(total: int) -> _ring.Segment:
+    """A new named segment of `total` bytes, under a fresh name. A name
+    taken already is never opened (shm_open with O_EXCL): the memory there
+    is another process's."""
+    taken: list[str] = []
+    for _ in range(NAME_TRIES):
+        name = _segments.new_segment_name()
+        try:
+            return _ring.Segment.create(name, total)
+        except FileExistsError:
+            taken.append(name)
+    raise SegmentExistsError(taken, _segments.SHM_DIR)
 
 
 def attach_writer(handle: ShmHandle, worker: int) -> _ring.RingWriter:
