@@ -35,28 +35,23 @@ HEALTH_CHECK_NS = 250_000_000
 #: told so (once per pass): the batch it waits for may never come.
 STALL_WARNING_NS = 10_000_000_000
 
-_ANY_WORKER = (-1, 0)
-
 
 class _Turns:
-    """Whose batch a pass takes next, for both ways of taking one (the fast
-    path and get()): in ordered mode the workers round-robin, skipping those
-    whose part of the pass is over, each at its next batch number;
-    unordered, anyone's (worker -1)."""
+    """Whose batch an ordered pass takes next, for both ways of taking one
+    (the fast path and get()): the workers round-robin, skipping those whose
+    part of the pass is over, each at its next batch number. (Unordered, a
+    pass takes anyone's oldest batch: worker -1.)"""
 
-    __slots__ = ("order", "ordered", "turn", "wseq")
+    __slots__ = ("order", "turn", "wseq")
 
-    def __init__(self, num_workers: int, ordered: bool) -> None:
-        self.ordered = ordered
+    def __init__(self, num_workers: int) -> None:
         self.order = list(range(num_workers))  # the workers not yet done
         self.turn = 0  # index into order
         self.wseq = [0] * num_workers  # the next batch number of each worker
 
     def next(self) -> tuple[int, int] | None:
         """(worker, its batch number) whose turn it is; None when every
-        worker's part is over (ordered mode)."""
-        if not self.ordered:
-            return _ANY_WORKER
+        worker's part is over."""
         if not self.order:
             return None
         worker = self.order[self.turn]
@@ -64,10 +59,9 @@ class _Turns:
 
     def took(self) -> None:
         """The batch next() named was delivered."""
-        if self.ordered:
-            worker = self.order[self.turn]
-            self.wseq[worker] += 1
-            self.turn = (self.turn + 1) % len(self.order)
+        worker = self.order[self.turn]
+        self.wseq[worker] += 1
+        self.turn = (self.turn + 1) % len(self.order)
 
     def retire(self) -> None:
         """The worker whose turn it is has nothing more this pass."""
@@ -80,12 +74,13 @@ class _PipelinePass(Pass):
     """A pass over a Pipeline: the general path (Pipeline._next), and before
     it the channel's fast path for a batch that is already there."""
 
-    __slots__ = ("pipe", "turns")
+    __slots__ = ("count_ready", "pipe", "turns")
 
     def __init__(self, pipe: Pipeline, pass_no: int) -> None:
         super().__init__(pipe, pass_no)
         self.pipe = pipe
-        self.turns = _Turns(pipe.num_workers, pipe.ordered)
+        self.turns = _Turns(pipe.num_workers) if pipe.ordered else None
+        self.count_ready = pipe._counters.delivered_ready
 
     def __next__(self) -> Any:
         pipe = self.pipe
@@ -93,26 +88,31 @@ class _PipelinePass(Pass):
         # The fast path: one call to the channel takes the batch whose turn
         # it is, if it is already there. Only once the pass has delivered a
         # batch by the general path (which starts its clock and counts the
-        # first batch's time) and until it ends, while the pipeline is open, for the current pass (checked
-        # under the consumer lock, as _get does). take_ready itself declines
-        # (None, having taken nothing) when no batch is ready, the pass
-        # ended, a fault was reported or a look at the producers is due.
-        # Everything else (waiting, ends, failures, timeouts) is the general
-        # path's.
+        # first batch's time) and until it ends, while the pipeline is open,
+        # for the current pass (checked under the consumer lock, as _get
+        # does). take_ready itself declines (None, having taken nothing)
+        # when no batch is ready, the pass ended, a fault was reported or a
+        # look at the producers is due. Everything else (waiting, ends,
+        # failures, timeouts) is the general path's. This runs once per
+        # batch: no call here that is not needed.
         if take_ready is not None and self.delivered and not self.finished and not pipe._closed:
-            turn = self.turns.next()
-            if turn is not None:
-                with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
-                    got = (
-                        take_ready(self.pass_no, turn[0], turn[1], pipe._health_due_ns)
-                        if self.pass_no == pipe._pass_no
-                        else None
-                    )
-                if got is not None:
-                    self.turns.took()
-                    batch, nbytes, worker, wait_ns = got
-                    pipe._counters.delivered_ready(wait_ns, nbytes, worker)
-                    return batch
+            turns = self.turns
+            if turns is None:
+                worker, wseq = -1, 0
+            else:
+                turn = turns.next()
+                if turn is None:
+                    return pipe._next(self)
+                worker, wseq = turn
+            pass_no = self.pass_no
+            with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
+                got = take_ready(pass_no, worker, wseq, pipe._health_due_ns) if pass_no == pipe._pass_no else None
+            if got is not None:
+                if turns is not None:
+                    turns.took()
+                batch, nbytes, worker, wait_ns = got
+                self.count_ready(wait_ns, nbytes, worker)
+                return batch
         return pipe._next(self)
 
 
@@ -271,6 +271,7 @@ class Pipeline(FrameworkStream):
         if self._channel is None:
             self._wait_for_channel(t0)
         turns = it.turns
+        assert turns is not None  # an ordered pass has turns
         while (turn := turns.next()) is not None:
             r = self._get(it, *turn)
             if r is AGAIN and self._failure is None:
