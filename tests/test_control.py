@@ -22,24 +22,14 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _control, _process, _producer_context
+from shmpipe import _control, _producer_context
 from shmpipe.errors import CorruptChannelError
+from shmpipe.testing.processes import gone, wait_until
 from shmpipe.testing.sources import Counter
 
 T = 30.0
 
 
-def gone(pid: int) -> bool:
-    return _process.process_start_time(pid) is None
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def kill(pid: int | None) -> None:

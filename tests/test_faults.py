@@ -19,23 +19,12 @@ from conftest import end_group, ignoring_sigint
 
 import shmpipe
 from shmpipe import _launch, _process, _ring, _segments
+from shmpipe.testing.processes import gone, wait_until
 from shmpipe.testing.sources import Counter, Exiter, ForksAChild, HalfWriter, Killer, Raiser, Sleeper
 
 T = 30.0
 
 
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie counts as exited)."""
-    return _process.process_start_time(pid) is None
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 @pytest.mark.parametrize("ordered", [False, True])
