@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shmpipe._tally import ReadyCounter
-
 __all__ = ["Counters", "GroupStats", "PipelineStats", "WaitHistogram"]
 
 
@@ -220,6 +218,9 @@ class Counters:
         #: pass's clock and the first batch's time are already set), after
         #: `wait_ns` of taking it. Compiled (_tally.pyx says why), with
         #: this module's layout.
+        # (Imported here: `import shmpipe` loads no compiled module.)
+        from shmpipe._tally import ReadyCounter
+
         self.delivered_ready: Callable[[int, int, int], None] = ReadyCounter(
             self.tally,
             BATCHES,

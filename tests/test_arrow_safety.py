@@ -15,20 +15,18 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import shmpipe
 from shmpipe import _codec, _tree
 from shmpipe.errors import BatchTypeError, CorruptChannelError
 from shmpipe.transports import arrow
 
-ROOT = Path(shmpipe.__file__).resolve().parent.parent
 ALIGN = 64
 
 
@@ -195,11 +193,15 @@ print(json.dumps(counts))
 def race(what: str, seconds: float) -> dict:
     """Decodes a payload for `seconds` while another process rewrites its
     `what`, in a subprocess; the counts of outcomes (a crash fails here)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(RACE), what, str(seconds)],
-        env=env, capture_output=True, text=True, timeout=seconds + 60,
-    )  # fmt: skip
+    # The test process's sys.path (the installed package in a clean clone),
+    # run outside the repository: `python -c` puts the working directory
+    # first, and the source tree there has no built extensions.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with tempfile.TemporaryDirectory() as cwd:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(RACE), what, str(seconds)],
+            env=env, capture_output=True, text=True, timeout=seconds + 60, cwd=cwd,
+        )  # fmt: skip
     assert proc.returncode == 0, f"the decoder died (exit status {proc.returncode}): {proc.stderr[-2000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

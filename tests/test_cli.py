@@ -94,6 +94,7 @@ def test_feed_ray_recipes(tmp_path):
         [sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", "ray.util.iter", "shmpipe:ray",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        cwd=tmp_path,  # not the repository's root: -m would import its unbuilt source tree first
     )
     assert out.returncode == 0, out.stderr
     got = {r["recipe"]: r for r in json.loads((tmp_path / "feed.json").read_text())["results"]}
@@ -230,7 +231,7 @@ def every_option(parser):
             yield "", action
 
 
-def test_help_describes_every_option_with_its_default():
+def test_help_describes_every_option_with_its_default(tmp_path):
     from shmpipe.__main__ import build_parser
 
     options = list(every_option(build_parser()))
@@ -245,7 +246,8 @@ def test_help_describes_every_option_with_its_default():
         assert text in feed_help, text
     for kind in ("throughput", "serialize"):
         out = subprocess.run([sys.executable, "-m", "shmpipe", "bench", kind, "--help"], capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=120, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         words = " ".join(out.stdout.split())
         assert out.returncode == 0 and "--json FILE also write the results as JSON to FILE (default: no file)" in words
         assert "(default: 64KiB 1MiB 48MB)" in words

@@ -12,7 +12,8 @@ def test_import_pulls_in_no_heavy_optional_dependency(tmp_path):
     code = (
         "import sys, shmpipe; "
         "heavy = [m for m in ('ray', 'pyarrow', 'tensorflow', 'torch') if m in sys.modules]; "
-        "print(heavy)"
+        "compiled = [m for m in ('shmpipe._ring', 'shmpipe._codec', 'shmpipe._tally') if m in sys.modules]; "
+        "print(heavy + compiled)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
