@@ -182,7 +182,9 @@ def _messages(payload: bytes) -> list[tuple[int, int]]:
         out = []
         for off, _ in header["tensors"]:
             (mlen,) = struct.unpack_from("<i", payload, off + 4)
-            out.append((off, min(off + 8 + mlen, len(payload))))
+            end = min(off + 8 + mlen, len(payload))
+            if end > off:  # an earlier mutation may have made the length negative
+                out.append((off, end))
         return out
     except Exception:
         return []
