@@ -112,6 +112,7 @@ import numpy as np
 
 from shmpipe import _fdpass
 from shmpipe._interrupts import ctrl_c_held_back
+from shmpipe._process import proc_kib
 from shmpipe.errors import CorruptChannelError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
 
 __all__ = [
@@ -400,15 +401,7 @@ def _address_space_left() -> tuple[int, str]:
     """Roughly how much address space this process may still map, and what
     limits it (RLIMIT_AS where set, else the 128 TiB of a user's space)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    used = 0
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    used = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        pass
+    used = proc_kib("/proc/self/status", "VmSize") or 0
     if soft != resource.RLIM_INFINITY:
         return max(0, soft - used), f"this process's address space (ulimit -v: {soft:,} bytes)"
     return max(0, (1 << 47) - used), "this process's address space (or vm.max_map_count)"

@@ -24,6 +24,7 @@ import select
 import time
 
 __all__ = [
+    "proc_kib",
     "ProcessWatch",
     "open_pidfd",
     "owner_alive",
@@ -50,6 +51,20 @@ def process_start_time(pid: int) -> int | None:
     if fields[0] in (b"Z", b"X"):  # state: zombie or dead
         return None
     return int(fields[19])  # field 22 of the whole line
+
+
+def proc_kib(path: str, key: str) -> int | None:
+    """Bytes of the `key:` line of a /proc file that counts in kB
+    (/proc/meminfo's MemAvailable, /proc/self/status's VmSize); None where
+    the file or the line cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def owner_identity() -> tuple[int, int]:

@@ -29,7 +29,7 @@ import numpy as np
 from shmpipe import _codec, _external, _ring, _segments, _tree
 from shmpipe._control import PassFd
 from shmpipe._interrupts import ctrl_c_held_back
-from shmpipe._process import owner_identity
+from shmpipe._process import owner_identity, proc_kib
 from shmpipe.errors import (
     BatchTooLargeError,
     CorruptChannelError,
@@ -123,15 +123,7 @@ def _cgroup_memory_free() -> int | None:
 def _memory_available() -> tuple[int | None, str]:
     """What can back anonymous shared memory now: the smaller of the
     kernel's MemAvailable and the cgroup's room, and what it is called."""
-    free: int | None = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        pass
+    free = proc_kib("/proc/meminfo", "MemAvailable")
     room = _cgroup_memory_free()
     if room is not None and (free is None or room < free):
         return room, "the cgroup's memory limit (memory.max)"
