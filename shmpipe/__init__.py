@@ -13,13 +13,18 @@ shared-memory ring, without copies or pickle.
             train_step(batch)
     print(pipe.stats())
 
+A map-style dataset (``__len__`` and ``__getitem__``, a torch Dataset)
+goes to ``shmpipe.from_dataset(dataset, batch_size=..., shuffle=True,
+num_workers=4)``, with the DataLoader's arguments; every pipeline has
+``state_dict()`` and ``load_state_dict()`` to resume a run.
+
 Importing shmpipe imports NumPy and nothing heavier (no Ray, Arrow or
 TensorFlow).
 """
 
 from typing import Any
 
-from shmpipe._api import from_iterators
+from shmpipe._api import from_dataset, from_iterators
 from shmpipe._group import RankPipeline
 from shmpipe._pipeline import Pipeline
 from shmpipe._producer_context import WorkerInfo, get_worker_info, reserve
@@ -74,6 +79,7 @@ __all__ = [
     "WorkerInfo",
     "available_transports",
     "clean",
+    "from_dataset",
     "from_iterators",
     "get_transport",
     "get_worker_info",

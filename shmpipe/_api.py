@@ -1,4 +1,4 @@
-"""The functions that make streams: ``from_iterators``.
+"""The functions that make streams: ``from_iterators`` and ``from_dataset``.
 
 Above both shapes of stream: a Pipeline of this process's own, or this
 process's rank of a group (shmpipe/_group). Nothing below imports this
@@ -8,16 +8,21 @@ memory is made.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import overload
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, overload
 
 from shmpipe._group import GroupOptions, RankPipeline, check_capacity, check_group, default_capacity
-from shmpipe._options import PipelineOptions, Source, check_options
+from shmpipe._options import PipelineOptions, Source, check_options, is_int
 from shmpipe._pipeline import Pipeline
+from shmpipe._schedule import DatasetSchedule
+from shmpipe._sources import DatasetSource, IteratorSource
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import Transport
 
-__all__ = ["check_arguments", "from_iterators"]
+__all__ = ["check_arguments", "from_dataset", "from_iterators"]
 
 
 @overload
@@ -126,6 +131,10 @@ def from_iterators(
         num_ranks=num_ranks,
         group_timeout=group_timeout,
     )
+    # The producers run each source through an IteratorSource, which skips
+    # what a resumed pass must (shmpipe/_sources.py); the checks above saw
+    # the user's own objects.
+    options = dataclasses.replace(options, sources=tuple(IteratorSource(s) for s in options.sources))
     if grouped is not None:
         return RankPipeline(options, grouped)
     return Pipeline(options)
@@ -164,3 +173,144 @@ def check_arguments(
     if grouped is not None:
         check_capacity(options, grouped)
     return options, grouped
+
+
+def default_num_workers() -> int:
+    """Producers for from_dataset when the user says nothing: the CPUs this
+    process may use, less one for the trainer, at most 8 and at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus - 1))
+
+
+def from_dataset(
+    dataset: Any,
+    *,
+    batch_size: int = 1,
+    shuffle: bool = False,
+    sampler: Iterable[int] | None = None,
+    batch_sampler: Iterable[Sequence[int]] | None = None,
+    drop_last: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    num_workers: int | None = None,
+    seed: int | None = None,
+    transport: str | Transport | type[Transport] = "shm",
+    capacity: int | None = None,
+    ordered: bool = True,
+    start_method: str | None = None,
+    timeout: float | None = None,
+    slot_size: int | None = None,
+) -> Pipeline:
+    """Batches of a map-style dataset, fetched and collated by
+    ``num_workers`` producer processes: the DataLoader's arguments, on
+    shmpipe's transports.
+
+    ``dataset`` is any picklable object with ``__len__`` and
+    ``__getitem__(int)`` (a torch ``Dataset``, a Hugging Face
+    ``datasets.Dataset``, a list of dicts of arrays); torch is not needed.
+    This process draws each epoch's batches of indices (``shuffle``, or
+    ``sampler``, then ``batch_size`` and ``drop_last``; or
+    ``batch_sampler``) and deals them round-robin to the producers, which
+    fetch the samples and collate them. So the batches, and with
+    ``ordered=True`` (the default) their order, depend only on the dataset's
+    length, the sampling arguments, ``seed`` and the epoch: never on
+    ``num_workers``, the transport or timing. Each pass is an epoch, with
+    its own shuffle. ``ordered=False`` delivers the same batches of each
+    epoch as they are ready.
+
+    The default collate stacks equal-shape arrays (and numbers; torch CPU
+    tensors count as arrays) along a new first axis, straight into the
+    ring's slot memory, and keeps the nesting of dicts, tuples and lists;
+    strings are gathered into lists. ``collate_fn(samples)`` replaces it
+    (its batch is copied into the ring).
+
+    A sampler that has ``set_epoch`` (torch's ``DistributedSampler``) is
+    told the epoch before each is drawn. A sampler of your own must give
+    the same indices for the same epoch to resume exactly (a resume checks
+    it and refuses otherwise).
+
+    ``state_dict()`` / ``load_state_dict()`` resume by position: nothing
+    before it is fetched again, and the number of workers may differ.
+
+    Args:
+        num_workers: producer processes; default: the CPUs this process may
+            use less one, at most 8.
+        seed: the shuffle's and the producers' seeds; random when None (a
+            loaded state brings the saved run's).
+
+    ``transport``, ``capacity``, ``start_method``, ``timeout`` and
+    ``slot_size`` are as for :func:`from_iterators`.
+    """
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ShmpipeTypeError(
+            f"dataset must have __len__ and __getitem__ (a map-style dataset), got {type(dataset).__name__}; "
+            "for an iterable of batches use from_iterators"
+        )
+    length = len(dataset)
+    if num_workers is None:
+        num_workers = default_num_workers()
+    if not is_int(num_workers) or num_workers < 1:
+        raise ShmpipeValueError(
+            f"num_workers must be a positive int (producer processes), got {num_workers!r}; shmpipe has no "
+            "in-process mode (num_workers=0): iterate the dataset directly for that"
+        )
+    _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
+    if collate_fn is not None and not callable(collate_fn):
+        raise ShmpipeTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
+    sources = [DatasetSource(dataset, collate_fn)] * num_workers
+    options, _ = check_arguments(
+        sources,
+        transport=transport,
+        capacity=capacity,
+        ordered=ordered,
+        start_method=start_method,
+        timeout=timeout,
+        slot_size=slot_size,
+        seed=seed,
+    )
+    schedule = DatasetSchedule(
+        num_workers,
+        options.seed,
+        options.seed_given,
+        length=length,
+        batch_size=None if batch_sampler is not None else batch_size,
+        shuffle=bool(shuffle),
+        drop_last=bool(drop_last),
+        sampler=sampler,
+        batch_sampler=batch_sampler,
+    )
+    return Pipeline(options, schedule)
+
+
+def _check_sampling(
+    batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: Any
+) -> None:
+    """The DataLoader's rules for its sampling arguments, with its messages'
+    meaning."""
+    for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+        if not isinstance(value, bool):
+            raise ShmpipeTypeError(f"{name} must be True or False, got {value!r}")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ShmpipeValueError(
+                "batch_sampler gives whole batches: it excludes batch_size, shuffle, sampler and drop_last"
+            )
+        _check_iterable(batch_sampler, "batch_sampler")
+        return
+    if not is_int(batch_size) or batch_size < 1:
+        raise ShmpipeValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if sampler is not None:
+        if shuffle:
+            raise ShmpipeValueError("sampler gives the order: it excludes shuffle=True")
+        _check_iterable(sampler, "sampler")
+
+
+def _check_iterable(obj: Any, name: str) -> None:
+    if not hasattr(obj, "__iter__"):
+        raise ShmpipeTypeError(f"{name} must be iterable (a new iteration each epoch), got {type(obj).__name__}")
+    if isinstance(obj, Iterable) and iter(obj) is obj:
+        raise ShmpipeTypeError(
+            f"{name} is an iterator, which runs out after one epoch; give an iterable (a sampler, a list)"
+        )

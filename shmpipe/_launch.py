@@ -42,6 +42,7 @@ from typing import Any
 
 from shmpipe import _control
 from shmpipe._process import ProcessWatch, owner_identity
+from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
 from shmpipe.errors import CorruptChannelError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
@@ -79,6 +80,7 @@ class ProcessLauncher(Launcher):
         self.inboxes: list[_control.Inbox] = []
         self._reading = threading.Lock()  # one thread at a time takes apart what arrived
         self._need: int | None = None  # largest first batch a producer asked a channel for
+        self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
         self._failure: BaseException | None = None
         self._down = False
         _refuse_while_bootstrapping()
@@ -166,18 +168,21 @@ class ProcessLauncher(Launcher):
             self.wait_for_event(wait)
             self._read_messages()
             if self._need is not None:
-                spec = dataclasses.replace(self.spec, slot_size=self.transport.slot_size_for(self._need))
+                spec = dataclasses.replace(
+                    self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
+                )
                 self.channel = self.transport.open(spec)
                 for worker in range(len(self.conns)):
                     self._send(worker, ("attach", self.channel.handle))
                 self.channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
         return self.channel
 
-    def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
+    def begin_pass(self, pass_no: int, work: Sequence[PassWork]) -> None:
+        self._pass_no = pass_no
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
-        for worker, seed in enumerate(seeds):
-            self._send(worker, ("pass", pass_no, seed))
+        for worker, w in enumerate(work):
+            self._send(worker, ("pass", w))
 
     def wait_for_event(self, timeout: float) -> None:
         if self._down:

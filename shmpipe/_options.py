@@ -46,6 +46,9 @@ class PipelineOptions:
     timeout: float | None
     slot_size: int | None
     seed: int
+    #: Whether the user chose the seed (else it was drawn at random, and a
+    #: loaded checkpoint state may bring the saved run's).
+    seed_given: bool = True
 
     @property
     def num_workers(self) -> int:
@@ -98,6 +101,7 @@ def check_options(
         raise ShmpipeValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     if slot_size is not None and (not is_int(slot_size) or slot_size <= 0):
         raise ShmpipeValueError(f"slot_size must be a positive int (bytes), got {slot_size!r}")
+    seed_given = seed is not None
     if seed is None:
         seed = secrets.randbits(63)
     elif not is_int(seed) or seed < 0:
@@ -118,6 +122,7 @@ def check_options(
         timeout=None if timeout is None else float(timeout),
         slot_size=slot_size,
         seed=seed,
+        seed_given=seed_given,
     )
     resolved.check_spec(options.channel_spec())  # what only the transport knows it cannot do
     return options

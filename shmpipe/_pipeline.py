@@ -21,9 +21,9 @@ from shmpipe._frameworks import FrameworkStream
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._launch import ProcessLauncher
 from shmpipe._options import PipelineOptions
-from shmpipe._producer_context import seed_for
+from shmpipe._schedule import IteratorSchedule, Progress, Schedule
 from shmpipe._stream import POLL_S, Pass
-from shmpipe.errors import PipelineClosedError, ShmpipeWarning, WorkerError
+from shmpipe.errors import PipelineClosedError, ShmpipeValueError, ShmpipeWarning, WorkerError
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
 
 __all__ = ["Pipeline"]
@@ -44,9 +44,9 @@ class _Turns:
 
     __slots__ = ("order", "turn", "wseq")
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, first: int = 0) -> None:
         self.order = list(range(num_workers))  # the workers not yet done
-        self.turn = 0  # index into order
+        self.turn = first  # index into order (a resumed pass may begin at any worker)
         self.wseq = [0] * num_workers  # the next batch number of each worker
 
     def next(self) -> tuple[int, int] | None:
@@ -79,7 +79,7 @@ class _PipelinePass(Pass):
     def __init__(self, pipe: Pipeline, pass_no: int) -> None:
         super().__init__(pipe, pass_no)
         self.pipe = pipe
-        self.turns = _Turns(pipe.num_workers) if pipe.ordered else None
+        self.turns = _Turns(pipe.num_workers, pipe._schedule.first_turn) if pipe.ordered else None
         self.count_ready = pipe._counters.delivered_ready
 
     def __next__(self) -> Any:
@@ -131,9 +131,15 @@ class Pipeline(FrameworkStream):
     #: this pipeline: a variant that takes batches another way says no.
     _offers_fast_path = True
 
-    def __init__(self, options: PipelineOptions) -> None:
+    def __init__(self, options: PipelineOptions, schedule: Schedule | None = None) -> None:
         super().__init__(options)
         self._spec = options.channel_spec()
+        # What each pass does, and the checkpoint (shmpipe/_schedule.py).
+        self._schedule = schedule or IteratorSchedule(options.num_workers, options.seed, options.seed_given)
+        self._begun = -1  # the channel's pass begun last (iterated or ahead)
+        self._ahead: int | None = None  # a pass begun before it is iterated (prefetching)
+        self._turns: _Turns | None = None  # the ordered pass in progress's
+        self._delivered_before: list[int] = [0] * options.num_workers  # per worker, before that pass
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
         # A channel has one consumer. Threads may still meet here: a tf.data
         # iterator's thread waiting for a batch of one pass while another
@@ -163,7 +169,8 @@ class Pipeline(FrameworkStream):
                 # channel, so a forgotten pipeline is shut down when collected.
                 self._own(launcher.shutdown)
                 self._set_channel(launcher.channel)
-                launcher.begin_pass(0, self._seeds(0))  # pass 0 starts with the producers
+                if self._schedule.begins_early:
+                    self._begin_ahead()  # the first pass starts with the producers
         except BaseException:  # nothing started may outlive the call
             if self._finalizer is not None:
                 self._finalizer()
@@ -184,8 +191,9 @@ class Pipeline(FrameworkStream):
     def consumer_may_hold(self) -> int:
         return self._spec.consumer_may_hold
 
-    def _seeds(self, pass_no: int) -> list[int]:
-        return [seed_for(self.options.seed, pass_no, w) for w in range(self.num_workers)]
+    @property
+    def seed(self) -> int:
+        return self._schedule.seed  # a state loaded with seed=None brings its own
 
     # -- start and stop -------------------------------------------------------
 
@@ -203,21 +211,77 @@ class Pipeline(FrameworkStream):
 
     # -- iteration ------------------------------------------------------------
 
+    def _begin_ahead(self) -> None:
+        """Begins the next pass now, before it is iterated, so the producers
+        make its first batches meanwhile (a pass begun ahead earlier, and
+        not iterated, is cancelled)."""
+        self._begun += 1
+        self._launcher.begin_pass(self._begun, self._schedule.begin(self._begun))
+        self._ahead = self._begun
+
     def _begin_pass(self) -> int:
         with self._consumer_lock:  # waits for a get() of the old pass in another thread
-            if self._pass_no < 0:
-                self._pass_no = 0  # began with the producers
-                return 0
-            self._pass_no += 1
             try:
-                self._launcher.begin_pass(self._pass_no, self._seeds(self._pass_no))
+                if self._ahead is None:
+                    self._begin_ahead()
+                assert self._ahead is not None
+                self._pass_no, self._ahead = self._ahead, None
+                self._delivered_before = self._counters.per_worker
                 return self._pass_no
             except WorkerError as exc:  # a producer gone between passes (WorkerDiedError)
                 failure = exc
         self._close_and_raise(failure)
 
     def _new_pass(self, pass_no: int) -> Pass:
-        return _PipelinePass(self, pass_no)
+        it = _PipelinePass(self, pass_no)
+        self._turns = it.turns
+        return it
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this pipeline stands, as a small JSON-serialisable dict:
+        give it to ``load_state_dict`` of a new pipeline made with the same
+        arguments to go on with the batches not yet handed out, in the same
+        order where the pipeline is ordered, and the same later epochs.
+
+        Counts what this pipeline handed out (a batch an adapter took ahead,
+        into a prefetch buffer, counts as handed out). See docs/long-runs.md."""
+        with self._consumer_lock:
+            return self._schedule.state(self._progress())
+
+    def _progress(self) -> Progress | None:
+        if self._ahead is not None:  # begun, not iterated yet: nothing of it delivered
+            return Progress([0] * self.num_workers, self._schedule.first_turn, finished=False)
+        if self._pass_no < 0:
+            return None
+        now = self._counters.per_worker
+        turn = self._turns.next() if self._turns is not None else None
+        return Progress(
+            delivered=[n - b for n, b in zip(now, self._delivered_before, strict=True)],
+            next_turn=None if turn is None else turn[0],
+            finished=self._finished_pass == self._pass_no,
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next pass begin where `state` (from ``state_dict()``)
+        says: call it before the first pass. A state that does not fit this
+        pipeline (another dataset, batch size, seed, number of sources) is
+        refused with a ShmpipeValueError naming the field."""
+        self._check_usable()
+        with self._consumer_lock:
+            if self._pass_no >= 0:
+                raise ShmpipeValueError(
+                    "load_state_dict() must come before the first pass: make a new pipeline to resume"
+                )
+            self._schedule.load(state)
+            try:
+                self._begin_ahead()  # the resumed pass's first batches are made meanwhile
+            except WorkerError as exc:
+                failure = exc
+            else:
+                return
+        self._close_and_raise(failure)
 
     def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
         assert isinstance(it, _PipelinePass)

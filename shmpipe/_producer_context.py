@@ -8,8 +8,10 @@ run a source for a pass, so a source sees the same thing wherever it runs.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,7 +19,17 @@ import numpy as np
 
 from shmpipe._spec import new_arrays
 
-__all__ = ["WorkerInfo", "enter_pass", "get_worker_info", "reserve", "seed_for", "set_reserver"]
+__all__ = [
+    "PassWork",
+    "WorkerInfo",
+    "current_work",
+    "enter_pass",
+    "get_worker_info",
+    "reserve",
+    "reserving_elsewhere",
+    "seed_for",
+    "set_reserver",
+]
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,27 @@ class WorkerInfo:
     epoch: int
 
 
+@dataclass(frozen=True)
+class PassWork:
+    """What one producer is to do in one pass: sent by the consumer (which
+    producers trust) with each pass, and seen by the source that runs it.
+
+    ``pass_no`` is the channel's pass (it counts every pass begun, resumed
+    ones included); ``epoch`` is the user's (a resumed run goes on at the
+    epoch its state names), and ``seed`` derives from it. ``skip``: this
+    worker's first ``skip`` batches of the epoch were delivered before a
+    resume; a source of iterators makes them again and publishes none
+    (resume by count). ``plan``: what a source with a plan does this pass
+    (a dataset's source: the indices of each of its batches), or None.
+    """
+
+    pass_no: int
+    epoch: int
+    seed: int
+    skip: int = 0
+    plan: Any = None
+
+
 class Reserver(Protocol):
     """Whatever hands out writable arrays in a producer (its channel's end)."""
 
@@ -44,6 +77,7 @@ class Reserver(Protocol):
 
 
 _info: WorkerInfo | None = None
+_work: PassWork | None = None
 _reserver: Reserver | None = None
 
 
@@ -77,18 +111,38 @@ def set_reserver(reserver: Reserver | None) -> None:
     _reserver = reserver
 
 
+@contextlib.contextmanager
+def reserving_elsewhere() -> Iterator[None]:
+    """While in the block, reserve() hands out ordinary new arrays, not slot
+    memory: for batches a producer makes but does not publish (a resume by
+    count makes the batches delivered before it again, to throw them away)."""
+    global _reserver
+    saved, _reserver = _reserver, None
+    try:
+        yield
+    finally:
+        _reserver = saved
+
+
+def current_work() -> PassWork | None:
+    """The PassWork of the pass this producer runs; None outside one."""
+    return _work
+
+
 def seed_for(base_seed: int, pass_no: int, worker: int) -> int:
     """A 63-bit seed for one worker in one pass, reproducible from base_seed."""
     state = np.random.SeedSequence(base_seed, spawn_key=(pass_no, worker)).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
 
 
-def enter_pass(worker: int, num_workers: int, seed: int, pass_no: int) -> None:
-    """Before a source runs for pass `pass_no`: what get_worker_info()
-    returns from now on, and the global generators (random, NumPy's, and
-    torch's where it is imported) seeded with `seed`."""
-    global _info
-    _info = WorkerInfo(worker, num_workers, seed, pass_no)
+def enter_pass(worker: int, num_workers: int, work: PassWork) -> None:
+    """Before a source runs for a pass: what get_worker_info() and
+    current_work() return from now on, and the global generators (random,
+    NumPy's, and torch's where it is imported) seeded with the work's seed."""
+    global _info, _work
+    seed = work.seed
+    _info = WorkerInfo(worker, num_workers, seed, work.epoch)
+    _work = work
     random.seed(seed)
     np.random.seed([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF])
     torch = sys.modules.get("torch")

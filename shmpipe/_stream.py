@@ -75,6 +75,7 @@ class BatchStream(abc.ABC):
         self.options = options
         self._closed = True  # until the subclass is made
         self._pass_no = -1  # the pass in progress; -1: none began
+        self._finished_pass = -1  # the pass delivered to its end last
         self._counters = Counters(options.num_workers)
         # Called, last first, before what the stream owns goes: what
         # adapters did to its memory is undone there (to_torch's CUDA
@@ -195,6 +196,7 @@ class BatchStream(abc.ABC):
             batch, nbytes, worker = self._take(it, t0)
         except StopIteration:
             it.finished = True
+            self._finished_pass = it.pass_no
             self._counters.pass_finished(it.started_ns)
             raise
         self._counters.delivered(t0, time.perf_counter_ns(), nbytes, worker)

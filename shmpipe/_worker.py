@@ -7,7 +7,8 @@ _control.py):
     consumer -> producer: pickled tuples (from the consumer, which is trusted)
         ("attach", handle)        the channel exists now (the handle's
                                   descriptors ride along)
-        ("pass", pass_no, seed)   run the source (again)
+        ("pass", work)            run the source (again) for work, a
+                                  _producer_context.PassWork
         ("stop",)                 exit
     producer -> consumer: JSON arrays, every field checked for its type and
     bounds (the consumer unpickles nothing a producer sends)
@@ -95,7 +96,7 @@ class _Producer(ProducerControl):
                     raise Closed("the pipeline is closing")
                 self.pending.append(msg)
                 if msg[0] == "pass":
-                    raise Cancelled(f"pass {msg[1]} started")
+                    raise Cancelled(f"pass {msg[1].pass_no} started")
         except (EOFError, OSError):
             raise Closed("the consumer is gone") from None
 
@@ -113,7 +114,7 @@ class _Producer(ProducerControl):
                 raise Closed("the pipeline is closing")
             else:  # a new pass: this one is cancelled; handle it after
                 self.pending.append(msg)
-                raise Cancelled(f"pass {msg[1]} started")
+                raise Cancelled(f"pass {msg[1].pass_no} started")
         self.end.start_pass(self.pass_no)
         return self.end
 
@@ -143,8 +144,9 @@ class _Producer(ProducerControl):
                 if self.end is None:
                     self.attach(msg[1])
                 continue
-            _, self.pass_no, seed = msg
-            _producer_context.enter_pass(self.worker, self.num_workers, seed, self.pass_no)
+            work: _producer_context.PassWork = msg[1]
+            self.pass_no = work.pass_no
+            _producer_context.enter_pass(self.worker, self.num_workers, work)
             if self.end is not None:
                 self.end.start_pass(self.pass_no)
             try:

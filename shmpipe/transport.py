@@ -139,9 +139,10 @@ Producers a transport runs itself
 A transport whose producers must run elsewhere (Ray actors on a cluster) sets
 ``capabilities.own_producers`` and implements ``launch(sources, spec,
 seed)`` returning a :class:`Launcher`; ``attach`` is then unused. Before it
-runs a source for a pass, its producer calls :func:`enter_pass` (so
-``shmpipe.get_worker_info()`` and the seeds are what they are in shmpipe's
-own producers), and before it sends a batch, :func:`check_batch` (and sets
+runs a source for a pass, its producer calls :func:`enter_pass` with the
+:class:`PassWork` its ``Launcher.begin_pass`` was given for it (so
+``shmpipe.get_worker_info()``, the seeds and a resumed pass's skipping are
+what they are in shmpipe's own producers), and before it sends a batch, :func:`check_batch` (and sets
 ``capabilities.checks_batches``); a BatchTypeError (any ShmpipeError) the
 producer raised reaches the consumer as itself, chained to a WorkerError.
 """
@@ -160,7 +161,7 @@ from typing import Any, ClassVar
 from shmpipe import _tree
 from shmpipe._batch import check as check_batch
 from shmpipe._outcomes import AGAIN, END, FAULT
-from shmpipe._producer_context import enter_pass
+from shmpipe._producer_context import PassWork, enter_pass
 from shmpipe._spec import new_arrays
 from shmpipe.errors import Cancelled, Closed, TransportUnavailableError
 
@@ -174,6 +175,7 @@ __all__ = [
     "Closed",
     "ConsumerEnd",
     "Launcher",
+    "PassWork",
     "ProducerControl",
     "ProducerEnd",
     "RankReader",
@@ -409,8 +411,9 @@ class Launcher(abc.ABC):
         be opened within `wait` seconds (no first batch yet)."""
 
     @abc.abstractmethod
-    def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
-        """Starts pass `pass_no` in every producer."""
+    def begin_pass(self, pass_no: int, work: Sequence[PassWork]) -> None:
+        """Starts pass `pass_no` in every producer: producer w runs its
+        source for ``work[w]`` (after ``enter_pass(w, num_workers, work[w])``)."""
 
     @abc.abstractmethod
     def first_failure(self) -> BaseException | None:

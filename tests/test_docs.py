@@ -27,9 +27,10 @@ EXPECTED = {
     "dataloader_after.py": ("migration/dataloader.md", "epochs: 2, batches: 16, images: 128, checksum: 774696"),
     "tf_data_before.py": ("migration/tf-data.md", "epochs: 2, images per epoch: 256, checksum: 220020"),
     "tf_data_after.py": ("migration/tf-data.md", "epochs: 2, images per epoch: 256, checksum: 220020"),
+    "long_runs.py": ("long-runs.md", "batches: 39, resumed after 20: 19 more, same batches: True"),
 }
 #: what each snippet needs installed
-NEEDS = {"ray_before.py": "ray.util.iter", "dataloader": "torch", "tf_data": "tensorflow"}
+NEEDS = {"ray_before.py": "ray.util.iter", "dataloader": "torch", "tf_data": "tensorflow", "long_runs": "torch"}
 
 #: the modules whose public names the API reference must document
 API_MODULES = ["shmpipe", "shmpipe.transport", "shmpipe.registry", "shmpipe.errors"]
@@ -48,7 +49,7 @@ def test_every_snippet_is_shown_on_its_page_and_run_here():
     for name, (page, line) in EXPECTED.items():
         text = (DOCS / page).read_text()
         assert f'--8<-- "{name}"' in text, (page, name)
-        if page.startswith("migration/"):
+        if page.startswith("migration/") or page == "long-runs.md":
             assert f"`{line}`" in text, (page, line)  # the page says what both print
 
 

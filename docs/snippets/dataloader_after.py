@@ -1,4 +1,4 @@
-"""After: the same work in shmpipe producers; batches arrive as torch tensors."""
+"""After: the same dataset and arguments; batches collated straight into shared memory."""
 
 import functools
 
@@ -15,27 +15,29 @@ def connection(worker_id):
     return f"connection of worker {worker_id}"  # open a file, a database, ...
 
 
-def make_batches():
-    info = shmpipe.get_worker_info()  # .id, .num_workers, .seed, .epoch
-    connection(info.id)
-    mine = list(range(info.id, SAMPLES, info.num_workers))  # this worker's share
-    for i in range(0, len(mine), 8):  # a producer makes whole batches
-        ks = mine[i : i + 8]
-        image = np.stack([np.full((8, 8, 3), k, dtype=np.float32) for k in ks])  # decode, augment, ...
-        yield image, np.array([k % 10 for k in ks])
+class Samples:  # any object with __len__ and __getitem__: a torch Dataset works as it is
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, k):
+        connection(shmpipe.get_worker_info().id)
+        return np.full((8, 8, 3), k, dtype=np.float32), k % 10  # read, decode, augment, ...
 
 
 if __name__ == "__main__":
     count = images = 0
     checksum = 0.0
-    with shmpipe.from_iterators([make_batches] * 2) as pipe:  # producers live until close: persistent
+    # Producers live until close (persistent); the batches and their order
+    # depend on the seed and the epoch, not on num_workers.
+    with shmpipe.from_dataset(Samples(), batch_size=8, shuffle=True, num_workers=2, seed=0) as pipe:
         if torch.cuda.is_available():
             batches = pipe.to_torch(device="cuda", pin_memory=True)  # one copy, straight to the GPU
         else:
             batches = pipe.to_torch()  # views of the shared memory, no copy
         for _epoch in range(2):
-            for image, label in batches:  # each iteration of `batches` is a new pass
+            for image, label in batches:  # each iteration of `batches` is a new epoch
                 checksum += float(image.sum() + label.sum())  # the training step
                 count += 1
                 images += len(label)
+        state = pipe.state_dict()  # save it with your checkpoint; load_state_dict() resumes here
     print(f"epochs: 2, batches: {count}, images: {images}, checksum: {checksum:.0f}")

@@ -1,8 +1,8 @@
-"""Before: a torch DataLoader with workers that shard an IterableDataset."""
+"""Before: a torch DataLoader over a map-style dataset, shuffled, with workers."""
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 
 SAMPLES = 64  # per epoch
 _connection = None  # one per worker process
@@ -13,17 +13,18 @@ def worker_init_fn(worker_id):
     _connection = f"connection of worker {worker_id}"  # open a file, a database, ...
 
 
-class Samples(IterableDataset):
-    def __iter__(self):
-        info = get_worker_info()  # .id, .num_workers, .seed
+class Samples(Dataset):
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, k):
         assert _connection is not None
-        for k in range(info.id, SAMPLES, info.num_workers):  # this worker's share
-            yield np.full((8, 8, 3), k, dtype=np.float32), k % 10  # decode, augment, ...
+        return np.full((8, 8, 3), k, dtype=np.float32), k % 10  # read, decode, augment, ...
 
 
 if __name__ == "__main__":
     loader = DataLoader(
-        Samples(), batch_size=8, num_workers=2, worker_init_fn=worker_init_fn,
+        Samples(), batch_size=8, shuffle=True, num_workers=2, worker_init_fn=worker_init_fn,
         persistent_workers=True, pin_memory=torch.cuda.is_available(),
     )
     count = images = 0

@@ -28,7 +28,7 @@ from shmpipe._options import PipelineOptions
 from shmpipe._process import ProcessWatch
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S, Pass
-from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError
+from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError, ShmpipeValueError
 from shmpipe.transport import ChannelSpec, RankReader, ServesRanks
 
 __all__ = ["RankPipeline"]
@@ -233,6 +233,19 @@ class RankPipeline(FrameworkStream):
                 raise GroupError(f"group {self.group!r}: unexpected message before start: {message!r:.80}")
             if time.monotonic() > deadline:
                 raise GroupStartError(f"group {self.group!r}: the ranks did not all join in time")
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Not yet for a group: refused (docs/long-runs.md)."""
+        raise ShmpipeValueError(
+            "a group's pipeline cannot save its position yet (docs/long-runs.md); checkpoint the model and "
+            "restart the group's epoch"
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Not yet for a group: refused (docs/long-runs.md)."""
+        self.state_dict()
 
     # -- iteration ------------------------------------------------------------
 

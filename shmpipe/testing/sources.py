@@ -150,14 +150,18 @@ class Exiter(_FailsAfter):
 
 class Reserver:
     """Fills slots in place with shmpipe.reserve: n batches of
-    {"data": float32 array of `shape`, "worker", "seq"}; data[...] = seq."""
+    {"data": float32 array of `shape`, "worker", "seq"} (and "epoch" with
+    `with_epoch`); data[...] = seq."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] = (1024,), fill: bool = True) -> None:
-        self.n, self.shape, self.fill = n, tuple(shape), fill
+    def __init__(self, n: int, shape: tuple[int, ...] = (1024,), fill: bool = True, with_epoch: bool = False) -> None:
+        self.n, self.shape, self.fill, self.with_epoch = n, tuple(shape), fill, with_epoch
 
     def __call__(self) -> Iterator[dict[str, Any]]:
-        worker = _worker_info().id
-        template = {"data": shmpipe.ArraySpec(self.shape, np.float32), "worker": worker, "seq": 0}
+        info = _worker_info()
+        worker = info.id
+        template: dict[str, Any] = {"data": shmpipe.ArraySpec(self.shape, np.float32), "worker": worker, "seq": 0}
+        if self.with_epoch:
+            template["epoch"] = info.epoch
         for seq in range(self.n):
             batch = shmpipe.reserve(dict(template, seq=seq))
             if self.fill:

@@ -45,6 +45,7 @@ from shmpipe.transport import (
     ChannelSpec,
     ConsumerEnd,
     Launcher,
+    PassWork,
     Transport,
     check_batch,
     enter_pass,
@@ -129,8 +130,9 @@ class _Producer:
     def cancel(self, below: int) -> None:
         self.cancelled_below = max(self.cancelled_below, below)
 
-    def run_pass(self, pass_no: int, seed: int) -> Iterator[Any]:
-        enter_pass(self.worker, self.num_workers, seed, pass_no)
+    def run_pass(self, work: PassWork) -> Iterator[Any]:
+        pass_no = work.pass_no
+        enter_pass(self.worker, self.num_workers, work)
         iterator = iter(self.source())
         try:
             for batch in iterator:
@@ -220,7 +222,7 @@ class RayLauncher(Launcher):
     def open_channel(self, wait: float) -> ConsumerEnd:
         return self.consumer
 
-    def begin_pass(self, pass_no: int, seeds: Sequence[int]) -> None:
+    def begin_pass(self, pass_no: int, work: Sequence[PassWork]) -> None:
         if self.gens:
             # Stop the old pass: its generators stop at their next batch, and
             # dropping them releases their backpressure.
@@ -229,8 +231,8 @@ class RayLauncher(Launcher):
         self.gens = [
             a.run_pass.options(
                 num_returns="streaming", _generator_backpressure_num_objects=self.backpressure
-            ).remote(pass_no, seed)
-            for a, seed in zip(self.actors, seeds, strict=True)
+            ).remote(w)
+            for a, w in zip(self.actors, work, strict=True)
         ]
         self.consumer.begin_pass(pass_no)
 

@@ -1,0 +1,455 @@
+"""What each pass of a pipeline does, and where a run stands: the
+consumer's side of epochs, samplers and checkpoints.
+
+A *schedule* turns "begin a pass" into one PassWork per producer (the
+epoch, its seeds, what to skip, a dataset's plan), and turns "so many of
+each worker's batches were delivered" into a checkpoint state: small, JSON,
+versioned, naming what it belongs to. Loading a state makes the next pass
+begin where the saved run stood.
+
+- IteratorSchedule (from_iterators): each worker's source is called again
+  per pass; a resumed pass skips, per worker, the batches already
+  delivered (resume by count: they are made again, not published).
+- DatasetSchedule (from_dataset): the consumer draws each epoch's batches
+  of indices (the sampler, the shuffle) and deals them round-robin to the
+  workers, so the batches and their order depend on neither the number of
+  workers nor timing. A resumed epoch deals only the batches not yet
+  delivered: no sample before the position is fetched again, and the
+  number of workers may differ from the saved run's.
+
+Producers run the other half (shmpipe/_sources.py). The state is read in
+the consumer from a file the user keeps; it is checked field by field
+(check_state) and a state that does not fit this pipeline is refused with
+the field named, never run as something else.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from shmpipe._producer_context import PassWork, seed_for
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
+
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "DatasetSchedule", "IteratorSchedule", "Schedule"]
+
+#: Names a state as shmpipe's (a dict from somewhere else is refused).
+STATE_FORMAT = "shmpipe.state"
+#: The layout of the state dicts below; a later layout reads this one or
+#: refuses it by name.
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the consumer got in the pass in progress: per worker, how
+    many of its batches of the pass were delivered; the worker whose turn
+    is next in an ordered pass (None unordered, or at the end); whether
+    the pass ended (every batch delivered)."""
+
+    delivered: Sequence[int]
+    next_turn: int | None
+    finished: bool
+
+
+class Schedule(abc.ABC):
+    """The passes of one pipeline: their work, and the checkpoint state."""
+
+    #: The state's "kind": what made the pipeline.
+    kind: ClassVar[str]
+    #: Whether the first pass may begin as the producers start, before it is
+    #: iterated (from_iterators prefetches; a dataset waits, since a state
+    #: loaded before the first pass would make the fetched samples waste).
+    begins_early: ClassVar[bool]
+
+    def __init__(self, num_workers: int, seed: int, seed_given: bool) -> None:
+        self.num_workers = num_workers
+        self.seed = seed
+        self.seed_given = seed_given
+        #: The epoch the next pass begun serves.
+        self.next_epoch = 0
+        #: The epoch of the pass begun last (None before the first).
+        self.epoch: int | None = None
+        #: In an ordered pass, the worker whose turn comes first.
+        self.first_turn = 0
+
+    def begin(self, pass_no: int) -> list[PassWork]:
+        """The work of each producer for the next pass (numbered `pass_no`
+        on the channel), which serves epoch `next_epoch`."""
+        epoch = self.epoch = self.next_epoch
+        self.next_epoch = epoch + 1
+        return self._work(pass_no, epoch)
+
+    @abc.abstractmethod
+    def _work(self, pass_no: int, epoch: int) -> list[PassWork]: ...
+
+    def _seed(self, epoch: int, worker: int) -> int:
+        return seed_for(self.seed, epoch, worker)
+
+    def state(self, progress: Progress | None) -> dict[str, Any]:
+        """The checkpoint: where a new pipeline given it should begin.
+        `progress` is that of the pass begun last (begun ahead of its
+        iteration: nothing delivered yet); None when none was begun since
+        the pipeline was made or a state loaded."""
+        head = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": self.kind}
+        if progress is None:
+            return head | self._pending()
+        if progress.finished:
+            return head | self._fresh(self.next_epoch)
+        assert self.epoch is not None  # a pass is in progress
+        return head | self._within(self.epoch, progress)
+
+    @abc.abstractmethod
+    def _fresh(self, epoch: int) -> dict[str, Any]:
+        """The state at the start of `epoch`."""
+
+    @abc.abstractmethod
+    def _pending(self) -> dict[str, Any]:
+        """The state before the next pass began (a fresh one, or one loaded)."""
+
+    @abc.abstractmethod
+    def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
+        """The state within the pass in progress."""
+
+    def load(self, state: Any) -> None:
+        """Makes the next pass begin where `state` says (checked first)."""
+        fields = _Fields(state, self.kind)
+        seed = fields.integer("seed", 0, (1 << 63) - 1)
+        if self.seed_given and seed != self.seed:
+            raise ShmpipeValueError(
+                f"the state's seed is {seed}, this pipeline's is {self.seed}: the saved run's batches came "
+                "from its seed; pass seed=None (the state's is used) or the same seed"
+            )
+        self._load(fields)
+        self.seed = seed
+        self.epoch = None
+
+    @abc.abstractmethod
+    def _load(self, fields: _Fields) -> None: ...
+
+
+class IteratorSchedule(Schedule):
+    """from_iterators: each source is called again each pass; resume by count."""
+
+    kind = "from_iterators"
+    begins_early = True
+
+    def __init__(self, num_workers: int, seed: int, seed_given: bool) -> None:
+        super().__init__(num_workers, seed, seed_given)
+        self._skip: list[int] | None = None  # loaded: per worker, what to skip in the next pass
+        self._skipped = [0] * num_workers  # skipped at the start of the pass in progress
+        self._turn = 0  # loaded: whose turn comes first
+
+    def _work(self, pass_no: int, epoch: int) -> list[PassWork]:
+        skip, self._skip = self._skip or [0] * self.num_workers, None
+        self._skipped = skip
+        self.first_turn, self._turn = self._turn, 0
+        return [PassWork(pass_no, epoch, self._seed(epoch, w), skip=skip[w]) for w in range(self.num_workers)]
+
+    def _fields(self, epoch: int, delivered: Sequence[int], turn: int) -> dict[str, Any]:
+        return {
+            "sources": self.num_workers,
+            "seed": self.seed,
+            "epoch": epoch,
+            "delivered": [int(d) for d in delivered],
+            "next_turn": turn,
+        }
+
+    def _fresh(self, epoch: int) -> dict[str, Any]:
+        return self._fields(epoch, [0] * self.num_workers, 0)
+
+    def _pending(self) -> dict[str, Any]:
+        return self._fields(self.next_epoch, self._skip or [0] * self.num_workers, self._turn)
+
+    def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
+        delivered = [s + d for s, d in zip(self._skipped, progress.delivered, strict=True)]
+        return self._fields(epoch, delivered, progress.next_turn or 0)
+
+    def _load(self, fields: _Fields) -> None:
+        sources = fields.integer("sources", 1, 1 << 20)
+        if sources != self.num_workers:
+            raise ShmpipeValueError(
+                f"the state is of a pipeline of {sources} sources, this one has {self.num_workers}: "
+                "from_iterators resumes each source where it was, so their number must be the same"
+            )
+        epoch = fields.integer("epoch", 0, 1 << 62)
+        delivered = fields.integers("delivered", sources, 0, 1 << 62)
+        turn = fields.integer("next_turn", 0, sources - 1)
+        fields.done()
+        self.next_epoch = epoch
+        self._skip = delivered
+        self._turn = turn
+
+
+class DatasetSchedule(Schedule):
+    """from_dataset: the consumer draws each epoch's batches of indices and
+    deals them round-robin (global batch b to worker b % num_workers); a
+    resumed epoch deals those not yet delivered."""
+
+    kind = "from_dataset"
+    begins_early = False
+
+    def __init__(
+        self,
+        num_workers: int,
+        seed: int,
+        seed_given: bool,
+        *,
+        length: int,
+        batch_size: int | None,
+        shuffle: bool,
+        drop_last: bool,
+        sampler: Iterable[int] | None,
+        batch_sampler: Iterable[Sequence[int]] | None,
+    ) -> None:
+        super().__init__(num_workers, seed, seed_given)
+        self.length = length
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self._loaded: tuple[str, np.ndarray] | None = None  # digest, done mask of the next pass's epoch
+        # the pass in progress: its epoch's batches, which were done before
+        # it began, and which global batches each worker has, in order
+        self._digest = ""
+        self._done = np.zeros(0, bool)
+        self._dealt: list[np.ndarray] = []
+
+    @property
+    def sampler_name(self) -> str:
+        chosen = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        return "shuffle" if chosen is None and self.shuffle else "sequential" if chosen is None else _name(chosen)
+
+    # -- an epoch's batches ---------------------------------------------------
+
+    def epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(indices, bounds): epoch `epoch`'s batches, batch b being
+        indices[bounds[b]:bounds[b + 1]]. The same for the same arguments
+        and epoch, whatever the number of workers."""
+        if self.batch_sampler is not None:
+            _set_epoch(self.batch_sampler, epoch)
+            batches = [_indices(b, f"batch_sampler's batch {i}") for i, b in enumerate(self.batch_sampler)]
+            lengths = np.fromiter((len(b) for b in batches), np.int64, len(batches))
+            if np.any(lengths == 0):
+                raise ShmpipeValueError(f"batch_sampler gave an empty batch (batch {int(np.argmin(lengths))})")
+            indices = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+            bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        else:
+            if self.sampler is not None:
+                _set_epoch(self.sampler, epoch)
+                order = _indices(list(self.sampler), "sampler")
+            elif self.shuffle:
+                rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(epoch,)))
+                order = rng.permutation(self.length).astype(np.int64)
+            else:
+                order = np.arange(self.length, dtype=np.int64)
+            size = self.batch_size
+            assert size is not None  # check_dataset_arguments: a batch size without batch_sampler
+            count = len(order) // size if self.drop_last else math.ceil(len(order) / size)
+            indices = order[: count * size] if self.drop_last else order
+            bounds = np.minimum(np.arange(count + 1, dtype=np.int64) * size, len(indices))
+        if len(indices) and (indices.min() < 0 or indices.max() >= self.length):
+            bad = int(indices[(indices < 0) | (indices >= self.length)][0])
+            raise ShmpipeValueError(f"the sampler gave index {bad}, outside the dataset's {self.length} samples")
+        return indices, bounds
+
+    # -- passes -----------------------------------------------------------------
+
+    def _work(self, pass_no: int, epoch: int) -> list[PassWork]:
+        indices, bounds = self.epoch_plan(epoch)
+        digest = _digest(indices, bounds)
+        batches = len(bounds) - 1
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            done = np.zeros(batches, bool)
+        else:
+            saved_digest, done = loaded
+            if saved_digest != digest or len(done) != batches:
+                raise ShmpipeValueError(
+                    f"the state's epoch {epoch} had other batches than this pipeline draws for it "
+                    f"(sampler {self.sampler_name!r}): a sampler of your own must give the same indices for "
+                    "the same epoch (seed it, or give it set_epoch) to resume exactly"
+                )
+        self._digest, self._done = digest, done
+        remaining = np.flatnonzero(~done)
+        self._dealt = [remaining[w :: self.num_workers] for w in range(self.num_workers)]
+        self.first_turn = 0
+        return [
+            PassWork(pass_no, epoch, self._seed(epoch, w), plan=_subplan(indices, bounds, self._dealt[w]))
+            for w in range(self.num_workers)
+        ]
+
+    # -- the state ----------------------------------------------------------------
+
+    def _fields(self, epoch: int, digest: str, batches: int, done: np.ndarray | None) -> dict[str, Any]:
+        if done is None or not done.any():
+            below, extra = 0, []
+        else:
+            missing = np.flatnonzero(~done)
+            below = int(missing[0]) if len(missing) else batches
+            extra = (np.flatnonzero(done[below:]) + below).tolist()
+        return {
+            "length": self.length,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "sampler": self.sampler_name,
+            "seed": self.seed,
+            "epoch": epoch,
+            "batches": batches,
+            "plan": digest,
+            "done_below": below,
+            "done": extra,
+        }
+
+    def _fresh(self, epoch: int) -> dict[str, Any]:
+        indices, bounds = self.epoch_plan(epoch)
+        return self._fields(epoch, _digest(indices, bounds), len(bounds) - 1, None)
+
+    def _pending(self) -> dict[str, Any]:
+        if self._loaded is None:
+            return self._fresh(self.next_epoch)
+        digest, done = self._loaded
+        return self._fields(self.next_epoch, digest, len(done), done)
+
+    def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
+        done = self._done.copy()
+        for dealt, count in zip(self._dealt, progress.delivered, strict=True):
+            done[dealt[:count]] = True
+        if done.all():  # its last batch is out: a resumed run begins the next epoch, not this one's empty end
+            return self._fresh(epoch + 1)
+        return self._fields(epoch, self._digest, len(done), done)
+
+    def _load(self, fields: _Fields) -> None:
+        for name, mine in (("length", self.length), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
+            theirs = fields.value(name)
+            if theirs != mine:
+                raise ShmpipeValueError(
+                    f"the state's {name} is {theirs!r}, this pipeline's is {mine!r}: it belongs to another "
+                    "dataset or loader"
+                )
+        sampler = fields.text("sampler")
+        if sampler != self.sampler_name:
+            raise ShmpipeValueError(
+                f"the state's sampler is {sampler!r}, this pipeline's is {self.sampler_name!r}: it belongs to "
+                "another loader"
+            )
+        epoch = fields.integer("epoch", 0, 1 << 62)
+        batches = fields.integer("batches", 0, 1 << 62)
+        digest = fields.text("plan")
+        below = fields.integer("done_below", 0, batches)
+        extra = fields.integers("done", None, below + 1, batches - 1)
+        if any(b >= a for a, b in zip(extra[1:], extra, strict=False)):
+            raise ShmpipeValueError("malformed state: 'done' must be increasing")
+        fields.done()
+        done = np.zeros(batches, bool)
+        done[:below] = True
+        done[extra] = True
+        self.next_epoch = epoch
+        self._loaded = (digest, done)
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _subplan(indices: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The plan of some of an epoch's batches, in the order given: their
+    indices back to back, and their bounds within that."""
+    starts, ends = bounds[batches], bounds[batches + 1]
+    lengths = ends - starts
+    sub_bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # position j of batch k is starts[k] + (j - sub_bounds[k])
+    offsets = np.repeat(starts - sub_bounds[:-1], lengths)
+    return indices[np.arange(int(sub_bounds[-1]), dtype=np.int64) + offsets], sub_bounds
+
+
+def _digest(indices: np.ndarray, bounds: np.ndarray) -> str:
+    """Names an epoch's batches: a state from another order is refused."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.ascontiguousarray(indices, "<i8").tobytes())
+    h.update(np.ascontiguousarray(bounds, "<i8").tobytes())
+    return h.hexdigest()
+
+
+def _indices(values: Any, what: str) -> np.ndarray:
+    try:
+        array = np.asarray(values)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not indices"
+        raise ShmpipeTypeError(f"the {what} is not a sequence of ints: {exc}") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ShmpipeTypeError(f"the {what} must be a sequence of ints, got {array.dtype} of shape {array.shape}")
+    return array.astype(np.int64, copy=False)
+
+
+def _set_epoch(sampler: Any, epoch: int) -> None:
+    """A sampler with set_epoch (torch's DistributedSampler, and others by
+    that convention) is told the epoch before it is drawn."""
+    set_epoch: Callable[[int], Any] | None = getattr(sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+
+
+def _name(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+class _Fields:
+    """A state dict read field by field: each read checks the type and the
+    range and names the field in its error; done() refuses fields left
+    over (a state of another layout)."""
+
+    def __init__(self, state: Any, kind: str) -> None:
+        if not isinstance(state, Mapping):
+            raise ShmpipeTypeError(f"a state is a dict (from state_dict()), got {type(state).__name__}")
+        self.state = dict(state)
+        self.seen: set[str] = set()
+        if self.value("format") != STATE_FORMAT:
+            raise ShmpipeValueError(f"not a shmpipe state (its 'format' is {state.get('format')!r})")
+        version = self.value("version")
+        if version != STATE_VERSION:
+            raise ShmpipeValueError(
+                f"the state's version is {version!r}; this shmpipe reads version {STATE_VERSION}"
+            )
+        theirs = self.value("kind")
+        if theirs != kind:
+            raise ShmpipeValueError(f"the state is of a {theirs!r} pipeline, this one is {kind!r}")
+
+    def value(self, name: str) -> Any:
+        if name not in self.state:
+            raise ShmpipeValueError(f"malformed state: no {name!r}")
+        self.seen.add(name)
+        return self.state[name]
+
+    def integer(self, name: str, low: int, high: int) -> int:
+        v = self.value(name)
+        if type(v) is not int or not low <= v <= high:
+            raise ShmpipeValueError(f"malformed state: {name!r} must be an int in [{low}, {high}], got {v!r}")
+        return v
+
+    def text(self, name: str) -> str:
+        v = self.value(name)
+        if type(v) is not str or len(v) > 256:
+            raise ShmpipeValueError(f"malformed state: {name!r} must be a short string, got {v!r:.80}")
+        return v
+
+    def integers(self, name: str, count: int | None, low: int, high: int) -> list[int]:
+        v = self.value(name)
+        if not isinstance(v, list) or (count is not None and len(v) != count):
+            want = "a list" if count is None else f"a list of {count}"
+            raise ShmpipeValueError(f"malformed state: {name!r} must be {want} ints, got {v!r:.80}")
+        for x in v:
+            if type(x) is not int or not low <= x <= high:
+                raise ShmpipeValueError(f"malformed state: {name!r} holds {x!r}, not an int in [{low}, {high}]")
+        return list(v)
+
+    def done(self) -> None:
+        extra = sorted(set(self.state) - self.seen)
+        if extra:
+            raise ShmpipeValueError(f"malformed state: unknown fields {extra}")

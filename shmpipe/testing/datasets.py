@@ -1,0 +1,86 @@
+"""Picklable map-style datasets and samplers for tests and benchmarks of
+``from_dataset`` (classes at module level, so producer processes started
+with spawn or forkserver can import them)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["EpochSampler", "FetchLog", "Numbered", "ShapeByIndex"]
+
+
+class Numbered:
+    """Sample i: ``{"x": an array of `shape` filled with i, "i": i, "name":
+    "s<i>", "pair": (i, -i)}``, so each delivered row says which sample it
+    is. With `log`, each fetch appends its index to that file (one line,
+    O_APPEND: lines from several producers do not interleave), which a test
+    reads to see what was fetched."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = (3,), log: str | None = None) -> None:
+        self.n = n
+        self.shape = shape
+        self.log = log
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.log is not None:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, f"{i}\n".encode())
+            finally:
+                os.close(fd)
+        return {"x": np.full(self.shape, i, np.int64), "i": i, "name": f"s{i}", "pair": (i, -i)}
+
+
+class FetchLog:
+    """Reads what a Numbered dataset with `log` fetched."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fetched(self) -> list[int]:
+        try:
+            with open(self.path) as f:
+                return [int(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+
+class ShapeByIndex:
+    """Sample i is an array of shape (1 + i % 3,): stacking it fails unless
+    a collate_fn pads."""
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full(1 + i % 3, i, np.int32)
+
+
+class EpochSampler:
+    """A sampler with set_epoch, in the manner of torch's
+    DistributedSampler: each epoch's order is a permutation drawn from
+    (seed, epoch), and only set_epoch changes it."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = n
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        return iter(rng.permutation(self.n).tolist())

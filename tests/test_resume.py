@@ -1,0 +1,309 @@
+"""from_dataset, and checkpoints: state_dict / load_state_dict on real
+pipelines (real producer processes, every transport that runs here)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe._sources import collate_into_ring
+from shmpipe.testing.datasets import EpochSampler, FetchLog, Numbered, ShapeByIndex
+from shmpipe.testing.sources import Reserver
+
+T = 30.0  # no single batch may take longer than this in these tests
+N = 23  # samples: batches of 4 leave a short last batch
+
+
+def take(pipe, epochs: int = 1, stop: int | None = None) -> list[list[int]]:
+    """The sample numbers of each batch, over `epochs` passes (or the first
+    `stop` batches), each row checked against its sample number."""
+    got: list[list[int]] = []
+    for _ in range(epochs):
+        for b in pipe:
+            ids = b["i"].tolist()
+            np.testing.assert_array_equal(b["x"][:, 0], b["i"])
+            assert b["name"] == [f"s{i}" for i in ids]
+            np.testing.assert_array_equal(b["pair"][1], -b["i"])
+            got.append(ids)
+            if stop is not None and len(got) == stop:
+                return got
+    return got
+
+
+def dataset_pipe(num_workers: int, **kwargs):
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("shuffle", True)
+    kwargs.setdefault("seed", 11)
+    return shmpipe.from_dataset(Numbered(N), num_workers=num_workers, timeout=T, **kwargs)
+
+
+def per_epoch(batches: list[list[int]]) -> list[list[list[int]]]:
+    """Batches split into epochs (6 batches per epoch of 23 samples by 4)."""
+    return [batches[i : i + 6] for i in range(0, len(batches), 6)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """Three epochs of the dataset as one producer delivers them."""
+    with dataset_pipe(1) as pipe:
+        return take(pipe, epochs=3)
+
+
+def test_an_epoch_is_every_sample_once_and_each_epoch_is_shuffled_anew(reference):
+    epochs = per_epoch(reference)
+    assert len(epochs) == 3
+    for epoch in epochs:
+        assert sorted(i for b in epoch for i in b) == list(range(N))
+        assert [len(b) for b in epoch] == [4, 4, 4, 4, 4, 3]
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+@pytest.mark.parametrize(("transport", "workers"), [("shm", 4), ("arrow", 2), ("queue", 3)])
+def test_the_batches_and_their_order_depend_on_neither_workers_nor_transport(reference, transport, workers):
+    with dataset_pipe(workers, transport=transport) as pipe:
+        assert take(pipe, epochs=3) == reference
+
+
+def test_unordered_delivers_the_same_batches_of_each_epoch(reference):
+    with dataset_pipe(3, ordered=False) as pipe:
+        got = take(pipe, epochs=3)
+    for mine, theirs in zip(per_epoch(got), per_epoch(reference), strict=True):
+        assert sorted(mine) == sorted(theirs)
+
+
+def test_another_seed_gives_another_order_and_no_shuffle_the_identity(reference):
+    with dataset_pipe(2, seed=12) as pipe:
+        assert take(pipe) != reference[:6]
+    with dataset_pipe(2, shuffle=False) as pipe:
+        assert take(pipe, epochs=2) == [list(range(i, min(i + 4, N))) for i in range(0, N, 4)] * 2
+
+
+@pytest.mark.parametrize(("stop", "workers_before", "workers_after"), [(1, 2, 3), (6, 3, 1), (10, 4, 2)])
+def test_a_resumed_run_delivers_exactly_what_the_interrupted_one_had_not(reference, stop, workers_before, workers_after):
+    with dataset_pipe(workers_before) as pipe:
+        first = take(pipe, epochs=3, stop=stop)
+        state = pipe.state_dict()
+    state = json.loads(json.dumps(state))  # what a checkpoint file gives back
+    assert state["epoch"] == stop // 6
+    with dataset_pipe(workers_after) as pipe:
+        pipe.load_state_dict(state)
+        rest = take(pipe, epochs=3 - stop // 6)
+    assert first + rest == reference
+
+
+def test_resuming_at_90_percent_fetches_nothing_before_the_position(tmp_path):
+    log = str(tmp_path / "fetched")
+    n, size, k = 200, 5, 36  # 40 batches a epoch: resume after 36
+    with shmpipe.from_dataset(Numbered(n, log=log), batch_size=size, shuffle=True, seed=3, num_workers=2, timeout=T) as pipe:
+        handed_out = [b["i"].tolist() for _, b in zip(range(k), pipe, strict=False)]
+        state = pipe.state_dict()
+    before = {i for b in handed_out for i in b}
+    open(log, "w").close()
+    with shmpipe.from_dataset(Numbered(n, log=log), batch_size=size, shuffle=True, num_workers=3, timeout=T) as pipe:
+        pipe.load_state_dict(state)
+        rest = [b["i"].tolist() for b in pipe]
+    fetched = FetchLog(log).fetched()
+    assert len(rest) == 40 - k
+    assert sorted(fetched) == sorted(i for b in rest for i in b)  # each of the rest once, nothing else
+    assert not before & set(fetched)
+    assert sorted(before | set(fetched)) == list(range(n))
+
+
+def test_an_unordered_run_resumes_with_what_it_had_not_delivered():
+    with dataset_pipe(3, ordered=False) as pipe:
+        first = take(pipe, stop=4)
+        state = pipe.state_dict()
+    with dataset_pipe(2, ordered=False) as pipe:
+        pipe.load_state_dict(state)
+        rest = take(pipe)
+    assert sorted(i for b in first + rest for i in b) == list(range(N))
+    assert len(first + rest) == 6
+
+
+def test_the_state_at_an_epochs_end_is_the_next_epochs_start(reference):
+    with dataset_pipe(2) as pipe:
+        assert pipe.state_dict()["epoch"] == 0
+        take(pipe)
+        state = pipe.state_dict()
+        assert (state["epoch"], state["done_below"], state["done"]) == (1, 0, [])
+    with dataset_pipe(2) as pipe:
+        pipe.load_state_dict(state)
+        assert pipe.state_dict() == state  # loaded, not iterated yet: the same position
+        assert take(pipe) == reference[6:12]
+
+
+def test_a_state_that_does_not_fit_is_refused_naming_the_field():
+    with dataset_pipe(2) as pipe:
+        good = pipe.state_dict()
+
+        def refused(change: dict, match: str, error: type = shmpipe.ShmpipeValueError) -> None:
+            with pytest.raises(error, match=match):
+                pipe.load_state_dict({**good, **change})
+
+        refused({"length": N + 1}, "length")
+        refused({"batch_size": 5}, "batch_size")
+        refused({"drop_last": True}, "drop_last")
+        refused({"sampler": "sequential"}, "sampler")
+        refused({"seed": 12}, "seed")  # this pipeline's seed was given
+        refused({"kind": "from_iterators"}, "from_iterators")
+        refused({"version": 2}, "version")
+        refused({"format": "torch"}, "not a shmpipe state")
+        refused({"epoch": -1}, "'epoch'")
+        refused({"epoch": "1"}, "'epoch'")
+        refused({"done_below": 7}, "'done_below'")
+        refused({"done": [3, 2]}, "'done'")
+        refused({"done": [0]}, "'done'")  # below done_below
+        refused({"surprise": 1}, "unknown fields")
+        with pytest.raises(shmpipe.ShmpipeValueError, match="malformed state: no 'plan'"):
+            pipe.load_state_dict({k: v for k, v in good.items() if k != "plan"})
+        with pytest.raises(shmpipe.ShmpipeTypeError, match="a state is a dict"):
+            pipe.load_state_dict([good])  # type: ignore[arg-type]
+        refused({"plan": "0" * 16}, "other batches")  # checked as the resumed pass begins
+    # A refused plan closes nothing it should not: a new pipeline loads the good state.
+    with dataset_pipe(2) as pipe:
+        pipe.load_state_dict(good)
+        assert len(take(pipe)) == 6
+
+
+def test_a_state_is_loaded_before_the_first_pass_only():
+    with dataset_pipe(1) as pipe:
+        state = pipe.state_dict()
+        take(pipe, stop=1)
+        with pytest.raises(shmpipe.ShmpipeValueError, match="before the first pass"):
+            pipe.load_state_dict(state)
+
+
+def test_a_pipeline_without_a_seed_takes_the_states(reference):
+    with dataset_pipe(2) as pipe:
+        take(pipe, stop=3)
+        state = pipe.state_dict()
+    with shmpipe.from_dataset(Numbered(N), batch_size=4, shuffle=True, num_workers=2, timeout=T) as pipe:
+        pipe.load_state_dict(state)
+        assert pipe.seed == 11
+        assert take(pipe) == reference[3:6]
+
+
+def test_a_sampler_with_set_epoch_orders_each_epoch():
+    sampler = EpochSampler(N, seed=5)
+    want = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        want += [order[i : i + 4] for i in range(0, N, 4)]
+    with shmpipe.from_dataset(Numbered(N), batch_size=4, sampler=EpochSampler(N, seed=5), num_workers=3, timeout=T) as pipe:
+        assert take(pipe, epochs=2) == want
+
+
+def test_a_batch_sampler_gives_the_batches():
+    batches = [[5, 1], [0, 2, 3], [22], [7, 8, 9, 10]]
+    with shmpipe.from_dataset(Numbered(N), batch_sampler=batches, num_workers=2, timeout=T) as pipe:
+        assert take(pipe) == batches
+        state = pipe.state_dict()
+    assert state["batches"] == 4 and state["epoch"] == 1
+
+
+def test_drop_last_drops_the_short_batch():
+    with dataset_pipe(2, drop_last=True, shuffle=False) as pipe:
+        assert take(pipe) == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+
+
+def test_a_collate_fn_makes_the_batch_and_the_default_says_what_it_cannot_stack():
+    with shmpipe.from_dataset(ShapeByIndex(), batch_size=3, num_workers=1, timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeTypeError, match=r"shape \(2,\), sample 0 has \(1,\)"):
+            next(iter(pipe))
+    with shmpipe.from_dataset(ShapeByIndex(), batch_size=3, collate_fn=_padded, num_workers=2, timeout=T) as pipe:
+        got = [b for b in pipe]
+    assert [b.shape for b in got] == [(3, 3)] * 3
+    np.testing.assert_array_equal(got[1][2], [5, 5, 5])
+
+
+def _padded(samples):
+    out = np.zeros((len(samples), 3), np.int32)
+    for row, s in zip(out, samples, strict=True):
+        row[: len(s)] = s
+    return out
+
+
+def test_the_default_collate_keeps_the_nesting():
+    samples = [{"a": (np.full((2,), i, np.float32), [i, "t"]), "b": None, "c": i * 0.5} for i in range(3)]
+    batch = collate_into_ring(samples)
+    np.testing.assert_array_equal(batch["a"][0], [[0, 0], [1, 1], [2, 2]])
+    assert batch["a"][0].dtype == np.float32
+    np.testing.assert_array_equal(batch["a"][1][0], [0, 1, 2])
+    assert batch["a"][1][1] == ["t", "t", "t"]
+    assert batch["b"] == [None, None, None]
+    np.testing.assert_array_equal(batch["c"], [0.0, 0.5, 1.0])
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="keys"):
+        collate_into_ring([{"a": 1}, {"b": 1}])
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="dtype"):
+        collate_into_ring([np.zeros(2, np.int64), np.zeros(2, np.float64)])
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="default collate stacks arrays"):
+        collate_into_ring([object(), object()])
+
+
+def test_torch_tensors_are_stacked_as_arrays():
+    torch = pytest.importorskip("torch")
+    batch = collate_into_ring([{"t": torch.arange(3) + i} for i in range(2)])
+    np.testing.assert_array_equal(batch["t"], [[0, 1, 2], [1, 2, 3]])
+
+
+def test_from_datasets_arguments_follow_the_dataloaders_rules():
+    ds = Numbered(N)
+    cases = [
+        (dict(batch_sampler=[[0]], batch_size=2), "batch_sampler"),
+        (dict(sampler=[0, 1], shuffle=True), "shuffle"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(num_workers=0), "num_workers"),
+        (dict(sampler=iter([0, 1])), "iterator"),
+        (dict(shuffle=1), "shuffle"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises((shmpipe.ShmpipeValueError, shmpipe.ShmpipeTypeError), match=match):
+            shmpipe.from_dataset(ds, **kwargs)
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="__len__ and __getitem__"):
+        shmpipe.from_dataset(iter([1, 2]))
+
+
+def test_a_sampler_index_outside_the_dataset_is_an_error():
+    with shmpipe.from_dataset(Numbered(N), sampler=[0, N], num_workers=1, timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=f"index {N}"):
+            next(iter(pipe))
+
+
+# -- from_iterators: resume by count -----------------------------------------
+
+
+def iterator_run(ordered: bool, state=None, stop=None, passes=2):
+    """Three sources of 9 reserved batches each (more than the ring's slots:
+    a skip that took slots would stall), each batch naming its worker,
+    number and epoch."""
+    got = []
+    with shmpipe.from_iterators([Reserver(9, (64,), with_epoch=True)] * 3, ordered=ordered, seed=5, capacity=4, timeout=T) as pipe:
+        if state is not None:
+            pipe.load_state_dict(state)
+        for _ in range(passes):
+            for b in pipe:
+                got.append((int(b["worker"]), int(b["seq"]), int(b["epoch"])))
+                if stop is not None and len(got) == stop:
+                    return got, pipe.state_dict()
+        return got, pipe.state_dict()
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_from_iterators_resumes_by_count(ordered):
+    full, end = iterator_run(ordered)
+    assert end["epoch"] == 2 and end["delivered"] == [0, 0, 0]
+    stop = random.Random(ordered).randrange(11, 40)  # beyond the first slots: batches are skipped
+    first, state = iterator_run(ordered, stop=stop)
+    rest, _ = iterator_run(ordered, state=json.loads(json.dumps(state)), passes=2 - state["epoch"])
+    if ordered:
+        assert first + rest == full
+    else:
+        assert sorted(first + rest) == sorted(full) and len(set(first + rest)) == len(full)
+    with shmpipe.from_iterators([Reserver(2)] * 2, timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match="3 sources, this one has 2"):
+            pipe.load_state_dict(state)
