@@ -314,8 +314,9 @@ int shmp_ring_attach(shmp_ring *ring, void *base, uint64_t total_size) {
 /* One look for a FREE slot: SHMP_OK with *slot_out claimed (WRITING),
  * SHMP_AGAIN with *seq_out the space_seq read before the look (what a
  * sleeper compares), or SHMP_CLOSED / SHMP_CANCELLED / SHMP_E_STATE. */
-static inline int acquire_look(const shmp_ring *r, shmp_header *h, shmp_worker *w, uint32_t start,
+static inline int acquire_look(const shmp_ring *r, shmp_header *h, uint32_t worker, uint32_t start,
                                uint32_t pass, uint32_t *slot_out, uint32_t *seq_out) {
+    shmp_worker *w = &workers_of(r)[worker];
     const uint32_t n = r->nslots, quota = r->quota;
     shmp_slot *s = slots_of(r);
     /* After a fault nothing more is produced: the consumer delivers what
@@ -342,7 +343,7 @@ static inline int acquire_look(const shmp_ring *r, shmp_header *h, shmp_worker *
         if (k >= n) k -= n;
         uint32_t expected = SHMP_FREE;
         if (atomic_load_explicit(&s[k].state, memory_order_relaxed) == SHMP_FREE &&
-            atomic_compare_exchange_strong_explicit(&s[k].state, &expected, SHMP_WRITING,
+            atomic_compare_exchange_strong_explicit(&s[k].state, &expected, SHMP_WRITING_BY(worker),
                                                     memory_order_acquire, memory_order_relaxed)) {
             atomic_fetch_add_explicit(&w->inflight, 1, memory_order_relaxed);
             *slot_out = k;
@@ -366,7 +367,7 @@ int shmp_acquire(const shmp_ring *r, uint32_t worker, uint32_t pass, int64_t wai
     int rc;
     for (int slept = 0;;) {
         uint32_t seq = 0;
-        rc = acquire_look(r, h, w, start, pass, slot_out, &seq);
+        rc = acquire_look(r, h, worker, start, pass, slot_out, &seq);
         if (rc != SHMP_AGAIN || slept || wait_ns <= 0) break;
         if (wait_t0 == 0) wait_t0 = now_ns();
         /* Spinning repeats the whole look (checks, seq, scan), so the look
@@ -392,7 +393,7 @@ int shmp_publish(const shmp_ring *r, uint32_t slot, uint32_t worker, uint32_t pa
     shmp_header *h = HDR(r);
     if (slot >= r->nslots || worker >= r->nworkers || nbytes > r->slot_size) return SHMP_E_ARG;
     shmp_slot *s = &slots_of(r)[slot];
-    if (atomic_load_explicit(&s->state, memory_order_relaxed) != SHMP_WRITING) return SHMP_E_ARG;
+    if (atomic_load_explicit(&s->state, memory_order_relaxed) != SHMP_WRITING_BY(worker)) return SHMP_E_ARG;
     s->worker = worker;
     s->pass = pass;
     s->wseq = wseq;
@@ -409,7 +410,7 @@ int shmp_publish(const shmp_ring *r, uint32_t slot, uint32_t worker, uint32_t pa
 int shmp_abandon(const shmp_ring *r, uint32_t slot, uint32_t worker) {
     if (slot >= r->nslots || worker >= r->nworkers) return SHMP_E_ARG;
     shmp_slot *s = &slots_of(r)[slot];
-    uint32_t expected = SHMP_WRITING;
+    uint32_t expected = SHMP_WRITING_BY(worker);
     if (!atomic_compare_exchange_strong_explicit(&s->state, &expected, SHMP_FREE,
                                                  memory_order_release, memory_order_relaxed))
         return SHMP_E_ARG;
@@ -547,6 +548,39 @@ int shmp_release(const shmp_ring *r, uint32_t slot) {
         return SHMP_E_ARG;
     notify_producers(HDR(r));
     return SHMP_OK;
+}
+
+int shmp_reclaim(const shmp_ring *r, uint32_t worker) {
+    if (worker >= r->nworkers) return SHMP_E_ARG;
+    shmp_slot *s = slots_of(r);
+    int reclaimed = 0;
+    uint32_t ready = 0;
+    for (uint32_t k = 0; k < r->nslots; k++) {
+        uint32_t expected = SHMP_WRITING_BY(worker);
+        /* Release: whatever the consumer did with the slot before is done
+         * before a producer claims it (acquire CAS). The dead producer's
+         * half-written payload is simply overwritten by the next owner. */
+        if (atomic_compare_exchange_strong_explicit(&s[k].state, &expected, SHMP_FREE,
+                                                    memory_order_release, memory_order_relaxed)) {
+            reclaimed++;
+        } else if (expected == SHMP_READY && LOAD_ONCE(s[k].worker) == worker) {
+            ready++;
+        }
+    }
+    /* Recounted, not decremented: the producer may have died between its
+     * claim and its increment of inflight (two steps), so the word may be
+     * one low or one high. The slots it has READY are exactly what the
+     * consumer's takes will still decrement it for. Only the consumer's
+     * thread changes this word now (the producer is gone, none replaces it
+     * yet, and takes run on this thread). */
+    atomic_store_explicit(&workers_of(r)[worker].inflight, ready, memory_order_relaxed);
+    if (reclaimed) notify_producers(HDR(r));
+    return reclaimed;
+}
+
+int shmp_worker_done(const shmp_ring *r, uint32_t worker, uint32_t pass) {
+    if (worker >= r->nworkers) return 0;
+    return atomic_load_explicit(&workers_of(r)[worker].done_pass, memory_order_acquire) == pass + 1;
 }
 
 uint32_t shmp_begin_pass(const shmp_ring *r) {

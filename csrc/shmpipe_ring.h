@@ -37,7 +37,7 @@ extern "C" {
 #endif
 
 #define SHMP_MAGIC 0x3145504950504d53ULL /* "SMPPIPE1" read as little-endian bytes */
-#define SHMP_LAYOUT_VERSION 1u
+#define SHMP_LAYOUT_VERSION 2u
 #define SHMP_PAGE 4096u
 #define SHMP_MAX_SLOTS 4096u
 #define SHMP_MAX_WORKERS 1024u
@@ -63,13 +63,22 @@ enum {
 /* Slot states. Who may move a slot out of each state is part of the protocol:
  *   FREE    -> WRITING  a producer, by compare-and-swap (several compete)
  *   WRITING -> READY    the producer that owns it (publish)
- *   WRITING -> FREE     the producer that owns it (abandon)
+ *   WRITING -> FREE     the producer that owns it (abandon), or the consumer
+ *                       once that producer's process is gone (reclaim)
  *   READY   -> HELD     the consumer (take)
  *   READY   -> FREE     the consumer (a batch of a pass that was cancelled)
  *   HELD    -> FREE     the consumer process, from whichever thread drops the
  *                       last reference to the batch (release)
  */
 enum { SHMP_FREE = 0, SHMP_WRITING = 1, SHMP_READY = 2, SHMP_HELD = 3 };
+
+/* A WRITING slot's state word also names its producer: SHMP_WRITING in the
+ * low byte, the worker above it, set by the one compare-and-swap that claims
+ * the slot. So a slot is never WRITING without an owner, even for a moment,
+ * and the consumer can take back what a dead producer held unpublished
+ * (shmp_reclaim) without guessing whose it was. */
+#define SHMP_STATE_OF(word) ((word) & 0xffu)
+#define SHMP_WRITING_BY(worker) (SHMP_WRITING | ((uint32_t)(worker) << 8))
 
 /* Header flags. */
 #define SHMP_FLAG_ORDERED 1u
@@ -191,6 +200,17 @@ int shmp_take(const shmp_ring *ring, int32_t worker, uint32_t pass, uint64_t wse
 
 /* Gives a HELD slot back to the producers. Thread-safe; never blocks. */
 int shmp_release(const shmp_ring *ring, uint32_t slot);
+
+/* Producer `worker`'s process is gone (the caller knows: it was reaped):
+ * its WRITING slots become FREE, and its in-flight count is set to the
+ * slots it still has READY (what the consumer will take). A producer that
+ * replaces it may then claim slots as the worker. Consumer only, from the
+ * thread that takes (no take runs meanwhile). Returns the number of slots
+ * taken back, or SHMP_E_ARG. */
+int shmp_reclaim(const shmp_ring *ring, uint32_t worker);
+
+/* Whether `worker` marked its part of `pass` complete (shmp_finish_pass). */
+int shmp_worker_done(const shmp_ring *ring, uint32_t worker, uint32_t pass);
 
 /* Starts a new pass and returns its number; producers still working on the
  * old one see SHMP_CANCELLED. */

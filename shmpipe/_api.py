@@ -36,6 +36,7 @@ def from_iterators(
     timeout: float | None = None,
     slot_size: int | None = None,
     seed: int | None = None,
+    max_restarts: int = 0,
     group: None = None,
     rank: None = None,
     num_ranks: None = None,
@@ -54,6 +55,7 @@ def from_iterators(
     timeout: float | None = None,
     slot_size: int | None = None,
     seed: int | None = None,
+    max_restarts: int = 0,
     group: str,
     rank: int | None = None,
     num_ranks: int | None = None,
@@ -71,6 +73,7 @@ def from_iterators(
     timeout: float | None = None,
     slot_size: int | None = None,
     seed: int | None = None,
+    max_restarts: int = 0,
     group: str | None = None,
     rank: int | None = None,
     num_ranks: int | None = None,
@@ -104,6 +107,14 @@ def from_iterators(
             BatchTooLargeError naming this option.
         seed: base seed for the producers' seeds (see WorkerInfo); random
             when None.
+        max_restarts: a producer that dies (killed, a segfault, os._exit;
+            not a source that raises) is replaced by a new process that goes
+            on after its last published batch, this many times in all (each
+            a ShmpipeWarning; ``stats().restarts`` counts them); then
+            WorkerDiedError. Its source is called again and makes the
+            batches published before without publishing them (as a resume
+            does). Default 0: the first death is the error. Transports
+            ``shm`` and ``arrow``; not with ``group``.
         group: several processes of this node (one per GPU) share one
             pipeline: every one calls from_iterators with the same
             arguments and this name; rank 0 starts the producers, each
@@ -126,6 +137,7 @@ def from_iterators(
         timeout=timeout,
         slot_size=slot_size,
         seed=seed,
+        max_restarts=max_restarts,
         group=group,
         rank=rank,
         num_ranks=num_ranks,
@@ -150,6 +162,7 @@ def check_arguments(
     timeout: float | None = None,
     slot_size: int | None = None,
     seed: int | None = None,
+    max_restarts: int = 0,
     group: str | None = None,
     rank: int | None = None,
     num_ranks: int | None = None,
@@ -159,6 +172,8 @@ def check_arguments(
     group's (None without a group), or the error that says what is wrong."""
     resolved = resolve_transport(transport)
     grouped = check_group(group, rank, num_ranks, group_timeout, resolved)
+    if grouped is not None and max_restarts:
+        raise ShmpipeValueError("max_restarts is not available with group= yet: a producer's death ends the group")
     options = check_options(
         sources,
         transport=resolved,
@@ -169,6 +184,7 @@ def check_arguments(
         slot_size=slot_size,
         seed=seed,
         default_capacity=default_capacity(grouped.num_ranks) if grouped is not None else None,
+        max_restarts=max_restarts,
     )
     if grouped is not None:
         check_capacity(options, grouped)
@@ -196,6 +212,7 @@ def from_dataset(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     num_workers: int | None = None,
     seed: int | None = None,
+    max_restarts: int = 0,
     transport: str | Transport | type[Transport] = "shm",
     capacity: int | None = None,
     ordered: bool = True,
@@ -239,6 +256,9 @@ def from_dataset(
             use less one, at most 8.
         seed: the shuffle's and the producers' seeds; random when None (a
             loaded state brings the saved run's).
+        max_restarts: as for :func:`from_iterators`; a replacement fetches
+            only the samples of the batches its predecessor had not
+            published.
 
     ``transport``, ``capacity``, ``start_method``, ``timeout`` and
     ``slot_size`` are as for :func:`from_iterators`.
@@ -269,6 +289,7 @@ def from_dataset(
         timeout=timeout,
         slot_size=slot_size,
         seed=seed,
+        max_restarts=max_restarts,
     )
     schedule = DatasetSchedule(
         num_workers,

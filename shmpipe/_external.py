@@ -381,6 +381,15 @@ class Inbox:
             )
         return fd
 
+    def forget(self, worker: int, pass_no: int, from_wseq: int) -> None:
+        """Producer `worker` is gone, having published its batches of pass
+        `pass_no` up to `from_wseq`: the memory it sent for later ones
+        (never announced) is closed, and its replacement's is taken
+        instead. Everything it sent is in the socket by now (it is dead)."""
+        self._receive_all()
+        for key in [k for k in self.stash if k[0] == pass_no and k[1] == worker and k[2] >= from_wseq]:
+            os.close(self.stash.pop(key))
+
     def begin_pass(self, pass_no: int) -> None:
         """Closes what older passes sent (no one will take it)."""
         self.pass_no = pass_no

@@ -94,30 +94,18 @@ class ProcessLauncher(Launcher):
             raise
 
     def _start(self, sources: Sequence[Callable[[], Iterable[Any]]]) -> None:
-        ctx = self.spec.mp_context
-        owner_pid, owner_start = owner_identity()
+        self.sources = list(sources)
         # A channel opened before the producers goes with their arguments: some
         # handles (multiprocessing queues) can only travel that way.
         handle = self.channel.handle if self.channel is not None else None
-        with _born_with_ctrl_c_blocked(ctx.get_start_method()) as block_again:
-            for worker, source in enumerate(sources):
-                parent_end, child_end = ctx.Pipe(duplex=True)
+        with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
+            for worker in range(len(self.sources)):
+                p, parent_end = self._spawn(worker, handle)
                 self.conns.append(parent_end)
-                p = ctx.Process(
-                    target=producer_main,
-                    args=(
-                        worker, self.spec.num_workers, source, child_end, owner_pid, owner_start,
-                        self.transport, handle,
-                    ),
-                    name=f"shmpipe-producer-{worker}",
-                    daemon=True,
-                )
-                p.start()
                 self.processes.append(p)
                 # No start time needed: until it is reaped (by us, or by
                 # the forkserver), its pid is not reused.
-                self.watches.append(ProcessWatch(p.pid))
-                child_end.close()
+                self.watches.append(ProcessWatch(_pid(p)))
                 block_again()
         for worker, (p, conn) in enumerate(zip(self.processes, self.conns, strict=True)):
             self.inboxes.append(_control.Inbox(conn, f"worker {worker} (pid {p.pid})"))
@@ -126,6 +114,56 @@ class ProcessLauncher(Launcher):
             # (forked with it, or passed it at its start, before start()
             # returned): the consumer's may go.
             self.channel.handle_delivered()
+
+    def _spawn(self, worker: int, handle: Any) -> tuple[BaseProcess, Connection]:
+        """Starts producer `worker`'s process (SIGINT blocked: the caller
+        is in _born_with_ctrl_c_blocked); returns it and the consumer's end
+        of its control connection."""
+        owner_pid, owner_start = owner_identity()
+        parent_end, child_end = self.spec.mp_context.Pipe(duplex=True)
+        p = self.spec.mp_context.Process(
+            target=producer_main,
+            args=(
+                worker, self.spec.num_workers, self.sources[worker], child_end, owner_pid, owner_start,
+                self.transport, handle,
+            ),
+            name=f"shmpipe-producer-{worker}",
+            daemon=True,
+        )
+        try:
+            p.start()
+        finally:
+            child_end.close()
+        assert p.pid is not None  # started
+        return p, parent_end
+
+    def restart(self, worker: int) -> int:
+        """Replaces producer `worker`, whose process has ended, by a new one
+        attached to the channel (transports that restarts_producers: the
+        handle can be given again). Returns the new process's pid. The new
+        producer runs nothing until it is sent a pass (send_pass)."""
+        old = self.processes[worker]
+        _join(old, self.watches[worker], time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
+        with self._reading:
+            self.inboxes[worker].close()  # a message it left half-sent goes with it
+        self.watches[worker].close()
+        self.conns[worker].close()
+        handle = self.channel.handle if self.channel is not None else None
+        with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
+            p, conn = self._spawn(worker, handle)
+        self.processes[worker] = p
+        self.watches[worker] = ProcessWatch(_pid(p))
+        self.conns[worker] = conn
+        with self._reading:
+            self.inboxes[worker] = _control.Inbox(conn, f"worker {worker} (pid {p.pid})")
+        if isinstance(self._failure, WorkerDiedError) and self._failure.worker_id == worker:
+            self._failure = None  # that death is dealt with
+        return _pid(p)
+
+    def send_pass(self, worker: int, work: PassWork) -> None:
+        """Pass `work.pass_no`, already begun, for producer `worker` alone (a
+        replacement, which goes on where its predecessor stopped)."""
+        self._send(worker, ("pass", work))
 
     def _send(self, worker: int, message: tuple[Any, ...]) -> None:
         """`message` to producer `worker`. One that is gone (its end of the
@@ -181,8 +219,17 @@ class ProcessLauncher(Launcher):
         self._pass_no = pass_no
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
+        # Every producer still there is told, even after one is found gone
+        # (its death is raised after: a pipeline that replaces it sends the
+        # replacement its part with send_pass).
+        lost: BaseException | None = None
         for worker, w in enumerate(work):
-            self._send(worker, ("pass", w))
+            try:
+                self._send(worker, ("pass", w))
+            except WorkerError as exc:
+                lost = lost or exc
+        if lost is not None:
+            raise lost
 
     def wait_for_event(self, timeout: float) -> None:
         if self._down:
@@ -273,6 +320,12 @@ class ProcessLauncher(Launcher):
 
     def children(self) -> list[Any]:
         return list(self.processes)
+
+
+def _pid(p: BaseProcess) -> int:
+    pid = p.pid
+    assert pid is not None  # a started process has one
+    return pid
 
 
 @contextlib.contextmanager

@@ -49,6 +49,9 @@ class PipelineOptions:
     #: Whether the user chose the seed (else it was drawn at random, and a
     #: loaded checkpoint state may bring the saved run's).
     seed_given: bool = True
+    #: Producers that die may be replaced this many times in all (the
+    #: transport must restarts_producers).
+    max_restarts: int = 0
 
     @property
     def num_workers(self) -> int:
@@ -78,6 +81,7 @@ def check_options(
     slot_size: int | None,
     seed: int | None,
     default_capacity: Callable[[int, bool], int] | None = None,
+    max_restarts: int = 0,
 ) -> PipelineOptions:
     """PipelineOptions from from_iterators' arguments (see its doc), or the
     ShmpipeTypeError / ShmpipeValueError that says what is wrong.
@@ -106,6 +110,13 @@ def check_options(
         seed = secrets.randbits(63)
     elif not is_int(seed) or seed < 0:
         raise ShmpipeValueError(f"seed must be a non-negative int or None, got {seed!r}")
+    if not is_int(max_restarts) or max_restarts < 0:
+        raise ShmpipeValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+    if max_restarts and not resolved.capabilities.restarts_producers:
+        raise ShmpipeValueError(
+            f"the {resolved.name!r} transport cannot replace a producer that dies (max_restarts={max_restarts}); "
+            "'shm' and 'arrow' can (and any transport whose capabilities say restarts_producers)"
+        )
     method = start_method or default_start_method()
     if method not in multiprocessing.get_all_start_methods():
         raise ShmpipeValueError(
@@ -123,6 +134,7 @@ def check_options(
         slot_size=slot_size,
         seed=seed,
         seed_given=seed_given,
+        max_restarts=max_restarts,
     )
     resolved.check_spec(options.channel_spec())  # what only the transport knows it cannot do
     return options

@@ -23,7 +23,7 @@ from shmpipe._launch import ProcessLauncher
 from shmpipe._options import PipelineOptions
 from shmpipe._schedule import IteratorSchedule, Progress, Schedule
 from shmpipe._stream import POLL_S, Pass
-from shmpipe.errors import PipelineClosedError, ShmpipeValueError, ShmpipeWarning, WorkerError
+from shmpipe.errors import PipelineClosedError, ShmpipeValueError, ShmpipeWarning, WorkerDiedError, WorkerError
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
 
 __all__ = ["Pipeline"]
@@ -140,6 +140,7 @@ class Pipeline(FrameworkStream):
         self._ahead: int | None = None  # a pass begun before it is iterated (prefetching)
         self._turns: _Turns | None = None  # the ordered pass in progress's
         self._delivered_before: list[int] = [0] * options.num_workers  # per worker, before that pass
+        self._restarts: list[str] = []  # each producer death that was replaced (max_restarts)
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
         # A channel has one consumer. Threads may still meet here: a tf.data
         # iterator's thread waiting for a batch of one pass while another
@@ -216,8 +217,13 @@ class Pipeline(FrameworkStream):
         make its first batches meanwhile (a pass begun ahead earlier, and
         not iterated, is cancelled)."""
         self._begun += 1
-        self._launcher.begin_pass(self._begun, self._schedule.begin(self._begun))
+        work = self._schedule.begin(self._begun)
         self._ahead = self._begun
+        try:
+            self._launcher.begin_pass(self._begun, work)
+        except WorkerDiedError as death:  # gone since the last look (every other one was told)
+            if not self._replaced(death):
+                raise
 
     def _begin_pass(self) -> int:
         with self._consumer_lock:  # waits for a get() of the old pass in another thread
@@ -379,12 +385,57 @@ class Pipeline(FrameworkStream):
     # timeout, and a consumer that holds every slot end a wait too.
 
     def _poll_producers(self, now: int) -> None:
-        """Asks the launcher whether a producer failed or died; notes it."""
+        """Asks the launcher whether a producer failed or died; replaces one
+        that died while restarts are left (max_restarts), notes any other."""
         self._last_health_ns = now
         self._health_due_ns = now + HEALTH_CHECK_NS
         failure = self._launcher.first_failure()
+        while isinstance(failure, WorkerDiedError) and self.options.max_restarts:
+            with self._consumer_lock:  # no take meanwhile, in any thread
+                if not self._replaced(failure):
+                    break
+            failure = self._launcher.first_failure()
         if failure is not None:
             self._production_failed(failure)
+
+    def _replaced(self, death: WorkerDiedError) -> bool:
+        """Replaces the producer `death` names, if restarts are left: its
+        slots still being written come back, what it published is still
+        delivered, and a new process goes on after its last published
+        batch, so the run's batches (and an ordered run's sequence) are
+        those a run without the death delivers. False (nothing done) when
+        no restart is left: `death` is then the pipeline's failure, with the
+        earlier restarts in a note. Called under the consumer lock (no
+        take runs meanwhile)."""
+        if self._failure is not None or self._closed or not isinstance(self._launcher, ProcessLauncher):
+            return False
+        if len(self._restarts) >= self.options.max_restarts:
+            if self._restarts:
+                # (Python 3.10 has no add_note: the history goes in the message.)
+                history = "; ".join(self._restarts)
+                death.args = (f"{death}; {len(self._restarts)} producer(s) died and were replaced before: {history}",)
+                death.message = str(death)
+            return False
+        worker = death.worker_id
+        self._restarts.append(str(death))
+        self._counters.restarts[worker] += 1
+        pass_no = self._begun
+        channel = self._launcher.channel
+        # Its batches of that pass taken so far (a pass begun ahead: none).
+        delivered = 0
+        if self._ahead is None and pass_no == self._pass_no:
+            delivered = self._counters.per_worker[worker] - self._delivered_before[worker]
+        next_wseq, finished = (0, False) if channel is None else channel.reclaim(worker, pass_no, delivered)
+        pid = self._launcher.restart(worker)
+        warnings.warn(
+            f"{death}; replaced by pid {pid}, which goes on after its batch {next_wseq - 1} of this pass "
+            f"(restart {len(self._restarts)} of max_restarts={self.options.max_restarts})",
+            ShmpipeWarning,
+            stacklevel=2,
+        )
+        if pass_no >= 0 and not finished:
+            self._launcher.send_pass(worker, self._schedule.resumed(worker, next_wseq))
+        return True
 
     def _production_failed(self, exc: BaseException) -> None:
         """A producer failed: production stops now; `exc` is raised once

@@ -58,8 +58,8 @@ class PassWork:
     ones included); ``epoch`` is the user's (a resumed run goes on at the
     epoch its state names), and ``seed`` derives from it. ``skip``: this
     worker's first ``skip`` batches of the epoch were delivered before a
-    resume; a source of iterators makes them again and publishes none
-    (resume by count). ``plan``: what a source with a plan does this pass
+    resume, or published by the producer this one replaces; a source of
+    iterators makes them again and publishes none (resume by count). ``plan``: what a source with a plan does this pass
     (a dataset's source: the indices of each of its batches), or None.
     """
 
@@ -68,6 +68,10 @@ class PassWork:
     seed: int
     skip: int = 0
     plan: Any = None
+    #: The number of this worker's first batch published this pass: 0, or in
+    #: a producer that replaces a dead one, the batch after the last one its
+    #: predecessor published (see ProducerEnd.start_pass).
+    first_wseq: int = 0
 
 
 class Reserver(Protocol):

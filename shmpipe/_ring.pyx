@@ -95,6 +95,9 @@ cdef extern from "shmpipe_ring.h" nogil:
     void shmp_close(const shmp_ring *ring)
     int shmp_is_closed(const shmp_ring *ring)
     void shmp_report_fault(const shmp_ring *ring)
+    int shmp_reclaim(const shmp_ring *ring, uint32_t worker)
+    int shmp_worker_done(const shmp_ring *ring, uint32_t worker, uint32_t pass_)
+    uint32_t SHMP_STATE_OF(uint32_t word)
     uint32_t shmp_slot_state(const shmp_ring *ring, uint32_t slot)
     uint32_t shmp_slot_worker(const shmp_ring *ring, uint32_t slot)
     uint32_t shmp_slot_pass(const shmp_ring *ring, uint32_t slot)
@@ -544,6 +547,27 @@ cdef class Ring:
         """Producer side: make the consumer look at the control channel now."""
         shmp_report_fault(&self.r)
 
+    def reclaim(self, uint32_t worker) -> int:
+        """Consumer side, once producer `worker`'s process is gone: its
+        slots still WRITING become FREE, its quota count is recounted.
+        Returns how many slots came back."""
+        cdef int rc = shmp_reclaim(&self.r, worker)
+        _raise_status(rc if rc < 0 else SHMP_OK, "taking back a dead producer's slots")
+        return rc
+
+    def worker_done(self, uint32_t worker, uint32_t pass_no) -> bool:
+        """Whether `worker` marked its part of pass `pass_no` complete."""
+        return shmp_worker_done(&self.r, worker, pass_no) != 0
+
+    def ready_wseqs(self, uint32_t worker, uint32_t pass_no) -> list:
+        """The numbers of `worker`'s batches of pass `pass_no` that are READY
+        (published, not taken), read without ordering: shared words, for the
+        caller to check."""
+        cdef uint32_t i
+        return [shmp_slot_wseq(&self.r, i) for i in range(self.r.nslots)
+                if SHMP_STATE_OF(shmp_slot_state(&self.r, i)) == SHMP_READY
+                and shmp_slot_worker(&self.r, i) == worker and shmp_slot_pass(&self.r, i) == pass_no]
+
     def held_count(self) -> int:
         """Slots HELD: delivered batches still referenced somewhere."""
         cdef uint32_t i, n = 0
@@ -554,13 +578,13 @@ cdef class Ring:
     def slot_states(self) -> list:
         """Each slot's state (FREE/WRITING/READY/HELD), read without ordering."""
         cdef uint32_t i
-        return [shmp_slot_state(&self.r, i) for i in range(self.r.nslots)]
+        return [SHMP_STATE_OF(shmp_slot_state(&self.r, i)) for i in range(self.r.nslots)]
 
     def slot_info(self, uint32_t slot) -> tuple:
         """(state, worker, pass, wseq, nbytes) of a slot, read without ordering."""
         if slot >= self.r.nslots:
             raise IndexError(slot)
-        return (shmp_slot_state(&self.r, slot), shmp_slot_worker(&self.r, slot),
+        return (SHMP_STATE_OF(shmp_slot_state(&self.r, slot)), shmp_slot_worker(&self.r, slot),
                 shmp_slot_pass(&self.r, slot), shmp_slot_wseq(&self.r, slot),
                 shmp_slot_nbytes(&self.r, slot))
 
@@ -645,10 +669,13 @@ cdef class RingWriter:
         self.reserved_arrays = []
         self.wait_ns = 200_000_000
 
-    def start_pass(self, uint32_t pass_no):
+    def start_pass(self, uint32_t pass_no, uint64_t first_wseq=0):
+        """Batches from now on are of pass `pass_no`, numbered from
+        `first_wseq` (a producer that replaces a dead one goes on after its
+        last published batch)."""
         self._drop_reservation()
         self.pass_no = pass_no
-        self.wseq = 0
+        self.wseq = first_wseq
 
     def finish_pass(self):
         """Every batch of this pass is published: tell the consumer."""

@@ -26,6 +26,7 @@ the field named, never run as something else.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -78,16 +79,27 @@ class Schedule(abc.ABC):
         self.epoch: int | None = None
         #: In an ordered pass, the worker whose turn comes first.
         self.first_turn = 0
+        self._works: list[PassWork] = []  # the pass begun last's
 
     def begin(self, pass_no: int) -> list[PassWork]:
         """The work of each producer for the next pass (numbered `pass_no`
         on the channel), which serves epoch `next_epoch`."""
         epoch = self.epoch = self.next_epoch
         self.next_epoch = epoch + 1
-        return self._work(pass_no, epoch)
+        self._works = self._work(pass_no, epoch)
+        return self._works
 
     @abc.abstractmethod
     def _work(self, pass_no: int, epoch: int) -> list[PassWork]: ...
+
+    def resumed(self, worker: int, next_wseq: int) -> PassWork:
+        """The work of the pass begun last for a producer that replaces
+        `worker`'s, which published that pass's batches up to `next_wseq`
+        (max_restarts): the same work, going on from there."""
+        return self._go_on(self._works[worker], worker, next_wseq)
+
+    @abc.abstractmethod
+    def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork: ...
 
     def _seed(self, epoch: int, worker: int) -> int:
         return seed_for(self.seed, epoch, worker)
@@ -151,6 +163,11 @@ class IteratorSchedule(Schedule):
         self._skipped = skip
         self.first_turn, self._turn = self._turn, 0
         return [PassWork(pass_no, epoch, self._seed(epoch, w), skip=skip[w]) for w in range(self.num_workers)]
+
+    def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork:
+        # The source is called again: the batches published before are made
+        # again and not published, after those a resume skipped.
+        return dataclasses.replace(work, skip=work.skip + next_wseq, first_wseq=next_wseq)
 
     def _fields(self, epoch: int, delivered: Sequence[int], turn: int) -> dict[str, Any]:
         return {
@@ -219,6 +236,7 @@ class DatasetSchedule(Schedule):
         # the pass in progress: its epoch's batches, which were done before
         # it began, and which global batches each worker has, in order
         self._digest = ""
+        self._plan = (np.zeros(0, np.int64), np.zeros(1, np.int64))
         self._done = np.zeros(0, bool)
         self._dealt: list[np.ndarray] = []
 
@@ -277,7 +295,7 @@ class DatasetSchedule(Schedule):
                     f"(sampler {self.sampler_name!r}): a sampler of your own must give the same indices for "
                     "the same epoch (seed it, or give it set_epoch) to resume exactly"
                 )
-        self._digest, self._done = digest, done
+        self._digest, self._done, self._plan = digest, done, (indices, bounds)
         remaining = np.flatnonzero(~done)
         self._dealt = [remaining[w :: self.num_workers] for w in range(self.num_workers)]
         self.first_turn = 0
@@ -285,6 +303,12 @@ class DatasetSchedule(Schedule):
             PassWork(pass_no, epoch, self._seed(epoch, w), plan=_subplan(indices, bounds, self._dealt[w]))
             for w in range(self.num_workers)
         ]
+
+    def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork:
+        # Only the batches it had not published: nothing is fetched twice.
+        indices, bounds = self._plan
+        plan = _subplan(indices, bounds, self._dealt[worker][next_wseq:])
+        return dataclasses.replace(work, plan=plan, first_wseq=next_wseq)
 
     # -- the state ----------------------------------------------------------------
 

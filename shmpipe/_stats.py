@@ -121,6 +121,8 @@ class PipelineStats:
     capacity: int
     slot_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: per worker, how often its producer died and was replaced (max_restarts)
+    restarts: tuple[int, ...] = ()
 
     @property
     def producer_blocked_total_s(self) -> float | None:
@@ -156,6 +158,8 @@ class PipelineStats:
         else:
             each = ", ".join("-" if b is None else f"{b:.3f}" for b in self.producer_blocked_s)
             lines.append(f"  producers blocked on a full channel {total:.3f} s ({each})")
+        if any(self.restarts):
+            lines.append(f"  restarts       {list(self.restarts)} (producers that died and were replaced)")
         return "\n".join(lines)
 
 
@@ -202,6 +206,7 @@ class Counters:
         "delivered_ready",
         "num_workers",
         "passes",
+        "restarts",
         "tally",
         "waits",
         "wall_ns",
@@ -213,6 +218,7 @@ class Counters:
         self.tally = array("q", bytes(8 * (TOTALS + num_workers + BUCKETS)))
         self.tally[FIRST_BATCH_NS] = -1  # none yet
         self.waits = WaitHistogram(self.tally, TOTALS + num_workers)
+        self.restarts = [0] * num_workers  # per worker: producers replaced
         #: delivered_ready(wait_ns, nbytes, worker): a batch that was ready
         #: when asked for (the fast path: never a pass's first, so the
         #: pass's clock and the first batch's time are already set), after
@@ -327,4 +333,5 @@ class Counters:
             capacity=capacity,
             slot_size=slot_size,
             extra=dict(extra) if extra else {},
+            restarts=tuple(self.restarts),
         )

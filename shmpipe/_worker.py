@@ -63,6 +63,7 @@ class _Producer(ProducerControl):
         self.check_batches = not transport.capabilities.checks_batches
         self.pending: deque[tuple[Any, ...]] = deque()  # commands read while doing something else
         self.pass_no = 0
+        self.first_wseq = 0  # the number of this pass's first batch (nonzero in a replacement)
         self.handle: Any = None
         self.end: ProducerEnd | None = None
 
@@ -115,8 +116,14 @@ class _Producer(ProducerControl):
             else:  # a new pass: this one is cancelled; handle it after
                 self.pending.append(msg)
                 raise Cancelled(f"pass {msg[1].pass_no} started")
-        self.end.start_pass(self.pass_no)
+        self._start_pass(self.end)
         return self.end
+
+    def _start_pass(self, end: ProducerEnd) -> None:
+        if self.first_wseq:  # a replacement (only on a transport that restarts_producers)
+            end.start_pass(self.pass_no, self.first_wseq)
+        else:
+            end.start_pass(self.pass_no)
 
     # -- what sources call ----------------------------------------------------
 
@@ -146,9 +153,10 @@ class _Producer(ProducerControl):
                 continue
             work: _producer_context.PassWork = msg[1]
             self.pass_no = work.pass_no
+            self.first_wseq = work.first_wseq
             _producer_context.enter_pass(self.worker, self.num_workers, work)
             if self.end is not None:
-                self.end.start_pass(self.pass_no)
+                self._start_pass(self.end)
             try:
                 self._run_pass(source)
             except Cancelled:

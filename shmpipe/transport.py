@@ -226,6 +226,12 @@ class Capabilities:
         :class:`SharingConsumerEnd` (see "Several ranks" in the module doc).
     takes_ready: ``ConsumerEnd.take_ready`` hands out a batch that is
         already there in one call (the consumer's fast path).
+    restarts_producers: a producer whose process died can be replaced
+        (``max_restarts``): ``ConsumerEnd.reclaim`` takes back what it held
+        unpublished and says where it stopped, the channel's ``handle``
+        can be given to a new producer at any time, and
+        ``ProducerEnd.start_pass`` takes the number of the replacement's
+        first batch.
     """
 
     zero_copy_reads: bool = False
@@ -240,6 +246,7 @@ class Capabilities:
     own_producers: bool = False
     serves_ranks: bool = False
     takes_ready: bool = False
+    restarts_producers: bool = False
 
 
 @dataclass(frozen=True)
@@ -333,6 +340,16 @@ class ConsumerEnd(abc.ABC):
         """A producer failed: stop taking batches; get() returns what is
         already in flight, then FAULT."""
 
+    def reclaim(self, worker: int, pass_no: int, delivered: int) -> tuple[int, bool]:
+        """Capability ``restarts_producers``: producer `worker`'s process is
+        gone (reaped), and `delivered` of its batches of pass `pass_no` were
+        taken. Takes back what it held unpublished, and returns (the number
+        of its first batch not published, whether it had marked its part of
+        the pass complete): a replacement goes on from there. What it
+        published and was not taken yet is still delivered. Called from the
+        consumer's thread, between takes."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace a producer (capability restarts_producers)")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Wake and stop producers blocked in put()."""
@@ -371,8 +388,12 @@ class ConsumerEnd(abc.ABC):
 class ProducerEnd(abc.ABC):
     """A producer's side of the channel (see the module doc)."""
 
-    def start_pass(self, pass_no: int) -> None:
-        """Called before the source of pass `pass_no` runs."""
+    def start_pass(self, pass_no: int, first_wseq: int = 0) -> None:
+        """Called before the source of pass `pass_no` runs. `first_wseq` is
+        the number of this producer's first batch of the pass: 0, except in
+        a producer that replaces a dead one (capability
+        ``restarts_producers`` only), which goes on after the last batch
+        its predecessor published."""
 
     @abc.abstractmethod
     def put(self, batch: Any) -> None:

@@ -21,6 +21,7 @@ import shmpipe
 
 __all__ = [
     "Counter",
+    "DiesOnce",
     "Fixed",
     "Raiser",
     "Killer",
@@ -146,6 +147,40 @@ class Exiter(_FailsAfter):
 
     def fail(self) -> None:
         os._exit(self.code)
+
+
+class DiesOnce:
+    """n batches like Reserver's (with "epoch"), every `big_every`-th one
+    (0: none) larger than the ring's slots; worker `worker` dies at its
+    batch `at` of epoch `epoch` -- after reserving it and writing half of
+    it -- the first time only (the file `marker` says it happened, so the
+    producer that replaces it goes on). `how`: "kill" (SIGKILL), "segv"
+    (SIGSEGV) or "exit" (os._exit(3))."""
+
+    def __init__(
+        self, n: int, at: int, marker: str, *, worker: int = 0, epoch: int = 0, how: str = "kill", big_every: int = 0
+    ) -> None:
+        self.n, self.at, self.marker, self.worker, self.epoch = n, at, marker, worker, epoch
+        self.how, self.big_every = how, big_every
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        info = _worker_info()
+        for seq in range(self.n):
+            big = self.big_every and seq % self.big_every == self.big_every - 1
+            shape = (1 << 17,) if big else (64,)
+            batch = shmpipe.reserve(
+                {"data": shmpipe.ArraySpec(shape, np.float32), "worker": info.id, "seq": seq, "epoch": info.epoch}
+            )
+            batch["data"][: shape[0] // 2] = seq
+            if (info.id, seq, info.epoch) == (self.worker, self.at, self.epoch) and not os.path.exists(self.marker):
+                with open(self.marker, "w"):
+                    pass
+                if self.how == "exit":
+                    os._exit(3)
+                os.kill(os.getpid(), signal.SIGSEGV if self.how == "segv" else signal.SIGKILL)
+                time.sleep(10)
+            batch["data"][shape[0] // 2 :] = seq
+            yield batch
 
 
 class Reserver:

@@ -196,8 +196,8 @@ class QueueProducer(ProducerEnd):
         self.pass_no = 0
         self.held = 0  # tokens taken and not used yet (a put cancelled before it wrote)
 
-    def start_pass(self, pass_no: int) -> None:
-        self.pass_no = pass_no
+    def start_pass(self, pass_no: int, first_wseq: int = 0) -> None:
+        self.pass_no = pass_no  # first_wseq is always 0: this transport does not restart producers
 
     def _put(self, payload: Any) -> None:
         if payload is END:

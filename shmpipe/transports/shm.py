@@ -152,6 +152,7 @@ class ShmTransport(Transport, ServesRanks):
         checks_batches=True,  # the codec's plan refuses a bad batch before a slot is taken
         serves_ranks=True,
         takes_ready=True,  # the compiled reader takes, decodes and times a ready batch in one call
+        restarts_producers=True,  # slots name their writer (reclaim); the handle stays ours to give again
     )
 
     def __init__(self, *, backing: str = "memfd") -> None:
@@ -240,9 +241,9 @@ class ShmProducer(ProducerEnd):
         self.outbox = outbox
         self._reserved: _ExternalReservation | None = None
 
-    def start_pass(self, pass_no: int) -> None:
+    def start_pass(self, pass_no: int, first_wseq: int = 0) -> None:
         self._drop_external_reservation()
-        self.writer.start_pass(pass_no)
+        self.writer.start_pass(pass_no, first_wseq)
 
     def put(self, batch: Any) -> None:
         reserved = self._reserved
@@ -610,6 +611,25 @@ class ShmConsumer(SharingConsumerEnd):
 
     def halt(self) -> None:
         self.ring.report_fault()
+
+    def reclaim(self, worker: int, pass_no: int, delivered: int) -> tuple[int, bool]:
+        # The slots it was writing come back; what it published stays READY
+        # and is delivered. Those are shared words: their numbers must go on
+        # from what was taken without a gap, or the ring was written by
+        # someone else.
+        self.ring.reclaim(worker)
+        ready = sorted(self.ring.ready_wseqs(worker, pass_no))
+        if ready != list(range(delivered, delivered + len(ready))):
+            raise CorruptChannelError(
+                f"worker {worker}'s batches of pass {pass_no} waiting in the ring are numbered {ready[:8]}, "
+                f"not from {delivered} on (the {delivered} before were taken): refusing to guess where it stopped"
+            )
+        next_wseq = delivered + len(ready)
+        if self.inbox is not None:
+            # Memory it sent for a batch it never published: the replacement
+            # sends its own for that number.
+            self.inbox.forget(worker, pass_no, next_wseq)
+        return next_wseq, self.ring.worker_done(worker, pass_no)
 
     def close(self) -> None:
         """Stops producers' waits; the memory stays while batches live."""

@@ -58,8 +58,8 @@ class PipeProducer(ProducerEnd):
         self.conn, self.credits, self.control = conn, credits, control
         self.pass_no = 0
 
-    def start_pass(self, pass_no: int) -> None:
-        self.pass_no = pass_no
+    def start_pass(self, pass_no: int, first_wseq: int = 0) -> None:
+        self.pass_no = pass_no  # first_wseq is always 0: this transport does not restart producers
 
     def _send(self, kind: str, payload: Any) -> None:
         while self.credits == 0:  # backpressure: wait for the consumer to take one
