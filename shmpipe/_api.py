@@ -219,7 +219,11 @@ def from_dataset(
     start_method: str | None = None,
     timeout: float | None = None,
     slot_size: int | None = None,
-) -> Pipeline:
+    group: str | None = None,
+    rank: int | None = None,
+    num_ranks: int | None = None,
+    group_timeout: float = 60.0,
+) -> Pipeline | RankPipeline:
     """Batches of a map-style dataset, fetched and collated by
     ``num_workers`` producer processes: the DataLoader's arguments, on
     shmpipe's transports.
@@ -260,8 +264,13 @@ def from_dataset(
             only the samples of the batches its predecessor had not
             published.
 
-    ``transport``, ``capacity``, ``start_method``, ``timeout`` and
-    ``slot_size`` are as for :func:`from_iterators`.
+    ``transport``, ``capacity``, ``start_method``, ``timeout``,
+    ``slot_size`` and the group's arguments (``group``, ``rank``,
+    ``num_ranks``, ``group_timeout``) are as for :func:`from_iterators`.
+    With ``group``, the epoch's batches are dealt to the ranks in rounds
+    (rank r gets batches r, r + num_ranks, ...; the incomplete last round
+    is dropped), and any rank's ``state_dict()`` at the same step is the
+    group's position, which a group of another size may resume from.
     """
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ShmpipeTypeError(
@@ -280,7 +289,7 @@ def from_dataset(
     if collate_fn is not None and not callable(collate_fn):
         raise ShmpipeTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
     sources = [DatasetSource(dataset, collate_fn)] * num_workers
-    options, _ = check_arguments(
+    options, grouped = check_arguments(
         sources,
         transport=transport,
         capacity=capacity,
@@ -290,6 +299,10 @@ def from_dataset(
         slot_size=slot_size,
         seed=seed,
         max_restarts=max_restarts,
+        group=group,
+        rank=rank,
+        num_ranks=num_ranks,
+        group_timeout=group_timeout,
     )
     schedule = DatasetSchedule(
         num_workers,
@@ -302,6 +315,8 @@ def from_dataset(
         sampler=sampler,
         batch_sampler=batch_sampler,
     )
+    if grouped is not None:
+        return RankPipeline(options, grouped, schedule)
     return Pipeline(options, schedule)
 
 

@@ -81,6 +81,17 @@ class Schedule(abc.ABC):
         self.first_turn = 0
         self._works: list[PassWork] = []  # the pass begun last's
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What every rank of a group must agree on about the batches (a
+        seed chosen by the user; a drawn one comes from rank 0)."""
+        return {"kind": self.kind, "seed": self.seed if self.seed_given else None}
+
+    def adopt_seed(self, seed: int) -> None:
+        """Rank 0's seed, for a rank that was given none (its own was drawn
+        at random): the batches are rank 0's pipeline's."""
+        if not self.seed_given:
+            self.seed = seed
+
     def begin(self, pass_no: int) -> list[PassWork]:
         """The work of each producer for the next pass (numbered `pass_no`
         on the channel), which serves epoch `next_epoch`."""
@@ -239,6 +250,35 @@ class DatasetSchedule(Schedule):
         self._plan = (np.zeros(0, np.int64), np.zeros(1, np.int64))
         self._done = np.zeros(0, bool)
         self._dealt: list[np.ndarray] = []
+
+    def fingerprint(self) -> dict[str, Any]:
+        return super().fingerprint() | {
+            "length": self.length,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "sampler": self.sampler_name,
+        }
+
+    def one_reader(self) -> DatasetSchedule:
+        """The same batches as one sequence (one worker): what a rank of a
+        group keeps to know where the group stands, from its own count."""
+        return DatasetSchedule(
+            1,
+            self.seed,
+            self.seed_given,
+            length=self.length,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            sampler=self.sampler,
+            batch_sampler=self.batch_sampler,
+        )
+
+    @property
+    def remaining(self) -> int:
+        """Batches of the pass begun last that were not done before it began."""
+        return sum(len(d) for d in self._dealt)
 
     @property
     def sampler_name(self) -> str:

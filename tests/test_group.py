@@ -379,7 +379,7 @@ class _ForgedRank0:
         with conn:
             conn.settimeout(20)
             self.heard.append(conn.recv(1 << 16))  # hello
-            conn.send(b'["ready"]')
+            conn.send(b'["ready", 1]')
             for message, fds in self.script:
                 data = message if isinstance(message, bytes) else json.dumps(message).encode()
                 try:

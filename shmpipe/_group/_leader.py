@@ -24,6 +24,7 @@ from shmpipe._group._options import GroupOptions
 from shmpipe._options import PipelineOptions
 from shmpipe._pipeline import Pipeline
 from shmpipe._process import ProcessWatch
+from shmpipe._schedule import Schedule
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S
 from shmpipe.errors import GroupError, GroupStartError, RankDiedError
@@ -103,8 +104,9 @@ class Leader:
     thread polls it could be reused under it). The dispatch thread and
     fail() only send, and shut a link's sending side down."""
 
-    def __init__(self, options: PipelineOptions, group: GroupOptions) -> None:
+    def __init__(self, options: PipelineOptions, group: GroupOptions, schedule: Schedule) -> None:
         self.options = options
+        self.schedule = schedule
         self.group_options = group
         self.n = group.num_ranks
         self.group = group.name
@@ -149,7 +151,8 @@ class Leader:
             # The pipeline waits without a deadline: a rank that trains
             # slowly holds slots, which is backpressure, not a stuck
             # producer. Each rank applies `timeout` to its own waits.
-            self.pipe = DealingPipeline(dataclasses.replace(options, timeout=None))  # starts the producers
+            # starts the producers
+            self.pipe = DealingPipeline(dataclasses.replace(options, timeout=None), schedule)
         except BaseException:
             listener.close()
             raise
@@ -305,7 +308,7 @@ class Leader:
 
     def _problem_with(self, rank: Any, fingerprint: Any, pid: int) -> str | None:
         """What is wrong with a hello from `pid` (None: nothing)."""
-        ours = _wire.fingerprint(self.options, self.group_options)
+        ours = _wire.fingerprint(self.options, self.group_options, self.schedule.fingerprint())
         if type(rank) is not int or not 0 <= rank < self.n:
             return f"a process (pid {pid}) asked to join as rank {rank!r:.20}; the group has ranks 0 to {self.n - 1}"
         if rank in self.links:
@@ -329,7 +332,7 @@ class Leader:
                 self.ready = True
         if self.ready:
             for joined in self.links.values():
-                _wire.send_quietly(joined.sock, ["ready"])
+                _wire.send_quietly(joined.sock, ["ready", self.pipe.seed])
             self.dispatch.start()
 
     def _from_rank(self, link: _Link) -> None:

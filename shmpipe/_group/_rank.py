@@ -26,6 +26,7 @@ from shmpipe._group._options import GroupOptions
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
 from shmpipe._process import ProcessWatch
+from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S, Pass
 from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError, ShmpipeValueError
@@ -145,7 +146,7 @@ class RankPipeline(FrameworkStream):
     producers: close it last, or with the others.
     """
 
-    def __init__(self, options: PipelineOptions, group: GroupOptions) -> None:
+    def __init__(self, options: PipelineOptions, group: GroupOptions, schedule: Schedule | None = None) -> None:
         super().__init__(options)
         self.group_options = group
         self.rank = group.rank
@@ -154,7 +155,16 @@ class RankPipeline(FrameworkStream):
         self._reader: RankReader | None = None
         self._failure: ShmpipeError | None = None
         self._dropped: list[int] = []
-        self._leader = Leader(options, group) if group.rank == 0 else None
+        # The pipeline's schedule (rank 0's leader runs it), and what this
+        # rank keeps to know where the group stands from its own count (a
+        # dataset's batches as one sequence; None: from_iterators, whose
+        # position a rank cannot tell alone).
+        if schedule is None:
+            schedule = IteratorSchedule(options.num_workers, options.seed, options.seed_given)
+        self._batches = schedule.fingerprint()
+        self._position = schedule.one_reader() if isinstance(schedule, DatasetSchedule) else None
+        self._taken_before = 0  # batches this rank took before the pass in progress
+        self._leader = Leader(options, group, schedule) if group.rank == 0 else None
         try:
             self._conn = self._join(options, group)
         except BaseException:
@@ -187,7 +197,7 @@ class RankPipeline(FrameworkStream):
             if leader_fd is not None:
                 self._poller.register(leader_fd, select.POLLIN)
             conn = _Connection(sock, leader)
-            _wire.send(sock, ["hello", self.rank, _wire.fingerprint(options, group), os.getpid()])
+            _wire.send(sock, ["hello", self.rank, _wire.fingerprint(options, group, self._batches), os.getpid()])
             # Rank 0 reports missing ranks at its deadline; a little later
             # here, so its message (which names them) comes first.
             self._wait_ready(conn, deadline + 5.0)
@@ -227,6 +237,11 @@ class RankPipeline(FrameworkStream):
                 if message is None:
                     raise RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) ended", 0)
                 if message[0] == "ready":
+                    seed = message[1] if len(message) == 2 else None
+                    if type(seed) is not int or not 0 <= seed < 1 << 63:
+                        raise GroupError(f"group {self.group!r}: a malformed 'ready' from rank 0: {message!r:.80}")
+                    if self._position is not None:
+                        self._position.adopt_seed(seed)
                     return
                 if message[0] == "error":
                     raise _wire.error_from(message)
@@ -237,20 +252,49 @@ class RankPipeline(FrameworkStream):
     # -- checkpoints ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Not yet for a group: refused (docs/long-runs.md)."""
-        raise ShmpipeValueError(
-            "a group's pipeline cannot save its position yet (docs/long-runs.md); checkpoint the model and "
-            "restart the group's epoch"
-        )
+        """Where the group stands, from this rank's count: after this rank
+        took s batches of an epoch, the group's first s * num_ranks batches
+        of it are out (every rank gets the same number, in rounds). Any
+        rank's state at the same step is the group's; a group of another
+        size resumes from it. A dataset's ordered group only
+        (from_dataset(group=..., ordered=True)): an unordered or
+        from_iterators group cannot tell its position from one rank."""
+        position = self._position_or_refuse()
+        if self._pass_no < 0:
+            return position.state(None)
+        taken = (self._counters.batches - self._taken_before) * self.num_ranks
+        # The incomplete last round of an epoch is dropped: what is left
+        # below one round is the epoch's end.
+        finished = self._finished_pass == self._pass_no or position.remaining - taken < self.num_ranks
+        return position.state(Progress([taken], None, finished=finished))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Not yet for a group: refused (docs/long-runs.md)."""
-        self.state_dict()
+        """Makes the group's next pass begin where `state` says; every rank
+        loads the same state before the first pass (rank 0's pipeline goes
+        on from it; the others count from it)."""
+        position = self._position_or_refuse()
+        self._check_usable()
+        if self._pass_no >= 0:
+            raise ShmpipeValueError("load_state_dict() must come before the first pass: make a new pipeline to resume")
+        position.load(state)
+        if self._leader is not None:
+            self._leader.pipe.load_state_dict(state)
+
+    def _position_or_refuse(self) -> DatasetSchedule:
+        if self._position is None or not self.ordered:
+            raise ShmpipeValueError(
+                "a group's position can be saved for from_dataset(group=..., ordered=True) only: one rank "
+                "cannot tell where an unordered or from_iterators group stands (docs/long-runs.md)"
+            )
+        return self._position
 
     # -- iteration ------------------------------------------------------------
 
     def _begin_pass(self) -> int:
         self._pass_no += 1
+        self._taken_before = self._counters.batches
+        if self._position is not None:
+            self._position.begin(self._pass_no)
         if not self._conn.send(["begin", self._pass_no]):
             self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
         return self._pass_no

@@ -11,7 +11,7 @@ namespace has no permissions.
 
 Messages (rank -> rank 0): ``["hello", rank, fingerprint, pid]``,
 ``["begin", pass]``, ``["release", token]``, ``["bye"]``.
-(rank 0 -> rank): ``["ready"]``, ``["ring", share]`` + the ring's
+(rank 0 -> rank): ``["ready", seed]`` (the pipeline's seed), ``["ring", share]`` + the ring's
 descriptor, ``["batch", pass, token, record, worker, nbytes]`` (+ a
 descriptor for a batch larger than a slot), ``["end", pass, dropped]``,
 ``["error", kind, args]``.
@@ -135,16 +135,17 @@ def peer(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def fingerprint(options: PipelineOptions, group: GroupOptions) -> dict[str, Any]:
+def fingerprint(options: PipelineOptions, group: GroupOptions, batches: dict[str, Any]) -> dict[str, Any]:
     """What every rank of a group must agree on (each passes its own
     arguments; a rank with other ones is a mistake to report, not to
-    paper over)."""
+    paper over). `batches`: the schedule's part (Schedule.fingerprint)."""
     return {
         "num_ranks": group.num_ranks,
         "sources": options.num_workers,
         "transport": options.transport.name,
         "ordered": options.ordered,
         "capacity": options.capacity,
+        "batches": batches,
     }
 
 

@@ -1,0 +1,110 @@
+"""A group's checkpoint: from_dataset(group=...) deals one dataset's
+batches to the ranks in rounds; any rank's state_dict() at the same step is
+the group's position, and a group of another size resumes from it.
+
+Each rank is a real process (this file run as a script, one per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import pytest
+
+import shmpipe
+from shmpipe.testing.datasets import Numbered
+
+HERE = os.path.abspath(__file__)
+N, BATCH = 50, 4  # 13 batches an epoch (the last one short)
+RANK_TIMEOUT_S = 120
+
+
+def _arguments() -> dict[str, Any]:
+    return dict(batch_size=BATCH, shuffle=True, seed=5, num_workers=2, timeout=60.0)
+
+
+def _reference(epochs: int) -> list[list[list[int]]]:
+    """Each epoch's batches (sample ids) as one pipeline delivers them."""
+    with shmpipe.from_dataset(Numbered(N), **_arguments()) as pipe:
+        return [[b["i"].tolist() for b in pipe] for _ in range(epochs)]
+
+
+def _run_group(n: int, *, epochs: int, stop: int | None = None, state: dict | None = None, tmp: str) -> list[dict]:
+    """n ranks, each iterating `epochs` passes (or `stop` batches); their reports in rank order."""
+    group = f"r-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = []
+    try:
+        for rank in range(n):
+            cfg = {"group": group, "rank": rank, "num_ranks": n, "epochs": epochs, "stop": stop, "state": state}
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, HERE, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    env=env, text=True, cwd=tmp,
+                )
+            )
+        reports = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=RANK_TIMEOUT_S)
+            assert proc.returncode == 0, err[-3000:]
+            reports.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return reports
+
+
+def _dealt(epoch: list[list[int]], n: int) -> list[list[list[int]]]:
+    """What each of n ranks gets of these batches: complete rounds only."""
+    rounds = len(epoch) // n
+    return [[epoch[k * n + r] for k in range(rounds)] for r in range(n)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
+def test_a_group_resumes_with_another_number_of_ranks(tmp_path, before, after):
+    reference = _reference(epochs=2)
+    stop = 2  # batches per rank before the stop
+    first = _run_group(before, epochs=2, stop=stop, tmp=str(tmp_path))
+    states = [r["state"] for r in first]
+    assert all(s == states[0] for s in states), "every rank's state at the same step is the group's"
+    state = states[0]
+    assert (state["epoch"], state["done_below"], state["done"]) == (0, stop * before, [])
+    for rank, report in enumerate(first):
+        assert report["batches"] == _dealt(reference[0], before)[rank][:stop]
+    rest = _run_group(after, epochs=2, state=state, tmp=str(tmp_path))
+    epoch0_rest = reference[0][stop * before :]
+    for rank, report in enumerate(rest):
+        want = _dealt(epoch0_rest, after)[rank] + _dealt(reference[1], after)[rank]
+        assert report["batches"] == want, rank
+
+
+def _rank_main(cfg: dict[str, Any]) -> None:
+    report: dict[str, Any] = {"rank": cfg["rank"], "batches": []}
+    with shmpipe.from_dataset(
+        Numbered(N), group=cfg["group"], rank=cfg["rank"], num_ranks=cfg["num_ranks"], **_arguments()
+    ) as pipe:
+        if cfg["state"] is not None:
+            pipe.load_state_dict(cfg["state"])
+        epochs = cfg["state"]["epoch"] if cfg["state"] else 0
+        for _ in range(epochs, cfg["epochs"]):
+            for b in pipe:
+                report["batches"].append(b["i"].tolist())
+                if len(report["batches"]) == cfg["stop"]:
+                    break
+            else:
+                continue
+            break
+        report["state"] = pipe.state_dict()
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(sys.argv[1]))
