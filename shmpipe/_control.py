@@ -19,7 +19,7 @@ descriptors attached. Connection reads exactly what each message says,
 never ahead, so the descriptors are the next thing on the socket when the
 message has been read. (:func:`send`, :func:`recv`.)
 
-**Producer -> consumer** (``need_channel``, ``error``): untrusted. A
+**Producer -> consumer** (``need_channel``, ``state``, ``error``): untrusted. A
 producer runs a source, and a source must not be able to make the
 consumer run code, so nothing a producer sends is unpickled: a message is
 a JSON array whose first element names it, in a frame as
@@ -29,6 +29,9 @@ Client keep stable across Python versions), of at most
 :data:`MAX_MESSAGE` bytes, and never with descriptors::
 
     ["need_channel", nbytes]                   0 <= nbytes <= MAX_NBYTES
+    ["state", pass, wseq, state]               the source's iterator's state_dict()
+                                               after batch `wseq` of `pass` (any JSON;
+                                               kept as data, handed back on resume)
     ["error", exc_type, message, traceback, own]
         own: null, or [class name, [arguments]] for shmpipe's own errors
 
@@ -89,11 +92,13 @@ __all__ = [
     "OWN_ERRORS",
     "ErrorReport",
     "Inbox",
+    "IteratorState",
     "NeedChannel",
     "PassFd",
     "decode",
     "encode",
     "error",
+    "iterator_state",
     "need_channel",
     "recv",
     "send",
@@ -266,7 +271,17 @@ class ErrorReport(NamedTuple):
     own: ShmpipeError | None
 
 
-Message = NeedChannel | ErrorReport
+class IteratorState(NamedTuple):
+    """``state``: the source's iterator's own state after batch `wseq` of
+    pass `pass_no` (sent before the batch is published). Data the consumer
+    keeps and hands back to a producer on resume, never interprets."""
+
+    pass_no: int
+    wseq: int
+    state: Any
+
+
+Message = NeedChannel | ErrorReport | IteratorState
 
 #: The types a field may have, and for ints their bounds (inclusive).
 _Field = tuple[tuple[type | None, ...], tuple[int, int] | None]
@@ -324,6 +339,12 @@ def encode(message: list[Any]) -> bytes:
 def need_channel(nbytes: int) -> list[Any]:
     """The message that asks for a channel sized for a first batch of `nbytes`."""
     return ["need_channel", int(nbytes)]
+
+
+def iterator_state(pass_no: int, wseq: int, state: Any) -> list[Any]:
+    """The message that carries a source's iterator's state after batch
+    `wseq` of pass `pass_no`."""
+    return ["state", int(pass_no), int(wseq), state]
 
 
 def error(exc: BaseException, traceback: str) -> list[Any]:
@@ -403,6 +424,12 @@ def decode(data: bytes) -> Message:
         if len(message) != 2 or not _fits(message[1], ((int,), (0, MAX_NBYTES))):
             raise _malformed(data, f"need_channel wants one size of 0 to {MAX_NBYTES:,} bytes")
         return NeedChannel(message[1])
+    if kind == "state":
+        if len(message) != 4 or not _fits(message[1], ((int,), (0, 2**32 - 1))) or not _fits(
+            message[2], ((int,), (0, 2**63 - 1))
+        ):
+            raise _malformed(data, "state wants a pass number, a batch number and the state")
+        return IteratorState(message[1], message[2], message[3])
     if kind == "error":
         if len(message) != 5 or not all(type(v) is str for v in message[1:4]):
             raise _malformed(data, "error wants a type, a message and a traceback (texts) and an error or null")

@@ -81,6 +81,8 @@ class ProcessLauncher(Launcher):
         self._reading = threading.Lock()  # one thread at a time takes apart what arrived
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
+        #: per worker: (pass, wseq) -> its source's iterator's state after that batch
+        self._iterator_states: list[dict[tuple[int, int], Any]] = [{} for _ in range(spec.num_workers)]
         self._failure: BaseException | None = None
         self._down = False
         _refuse_while_bootstrapping()
@@ -275,6 +277,14 @@ class ProcessLauncher(Launcher):
     def _on_message(self, worker: int, msg: _control.Message) -> None:
         if isinstance(msg, _control.NeedChannel):
             self._need = max(self._need or 0, msg.nbytes)
+        elif isinstance(msg, _control.IteratorState):
+            # The last few only: a producer is never more than the ring's
+            # capacity ahead of what was taken, so the state of the batch
+            # taken last is among them, and a flood costs nothing.
+            states = self._iterator_states[worker]
+            states[(msg.pass_no, msg.wseq)] = msg.state
+            while len(states) > self.spec.capacity + 2:
+                del states[min(states)]
         elif self._failure is None:
             pid = self.processes[worker].pid
             error: BaseException = WorkerError(worker, pid, msg.exc_type, msg.message, msg.traceback)
@@ -287,6 +297,14 @@ class ProcessLauncher(Launcher):
                 own.__cause__ = error
                 error = own
             self._failure = error
+
+    def iterator_state(self, worker: int, pass_no: int, wseq: int) -> tuple[bool, Any]:
+        """(True, the state producer `worker`'s iterator had after its batch
+        `wseq` of pass `pass_no`), where it sent one; (False, None) else."""
+        self._read_messages()
+        key = (pass_no, wseq)
+        states = self._iterator_states[worker]
+        return (True, states[key]) if key in states else (False, None)
 
     def halt(self) -> None:
         self._send_quietly(("stop",))

@@ -257,16 +257,23 @@ class Pipeline(FrameworkStream):
             return self._schedule.state(self._progress())
 
     def _progress(self) -> Progress | None:
+        none = [None] * self.num_workers
         if self._ahead is not None:  # begun, not iterated yet: nothing of it delivered
-            return Progress([0] * self.num_workers, self._schedule.first_turn, finished=False)
+            return Progress([0] * self.num_workers, self._schedule.first_turn, finished=False, iterator_states=none)
         if self._pass_no < 0:
             return None
         now = self._counters.per_worker
+        delivered = [n - b for n, b in zip(now, self._delivered_before, strict=True)]
         turn = self._turns.next() if self._turns is not None else None
         return Progress(
-            delivered=[n - b for n, b in zip(now, self._delivered_before, strict=True)],
+            delivered=delivered,
             next_turn=None if turn is None else turn[0],
             finished=self._finished_pass == self._pass_no,
+            # The state its iterator had after the last batch taken (batch d - 1 of the pass).
+            iterator_states=[
+                self._launcher.iterator_state(w, self._pass_no, d - 1)[1] if d else None
+                for w, d in enumerate(delivered)
+            ],
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -52,11 +52,14 @@ class Progress:
     """How far the consumer got in the pass in progress: per worker, how
     many of its batches of the pass were delivered; the worker whose turn
     is next in an ordered pass (None unordered, or at the end); whether
-    the pass ended (every batch delivered)."""
+    the pass ended (every batch delivered); and the iterators' own states."""
 
     delivered: Sequence[int]
     next_turn: int | None
     finished: bool
+    #: per worker, its source's iterator's state after its last batch
+    #: delivered this pass (None where it has no state_dict, or delivered none)
+    iterator_states: Sequence[Any] = ()
 
 
 class Schedule(abc.ABC):
@@ -158,46 +161,72 @@ class Schedule(abc.ABC):
 
 
 class IteratorSchedule(Schedule):
-    """from_iterators: each source is called again each pass; resume by count."""
+    """from_iterators: each source is called again each pass. A resumed
+    pass goes on from each source's iterator's own state where it has one
+    (state_dict/load_state_dict: the state after the last batch delivered),
+    else by count (the delivered batches are made again, not published)."""
 
     kind = "from_iterators"
     begins_early = True
 
     def __init__(self, num_workers: int, seed: int, seed_given: bool) -> None:
         super().__init__(num_workers, seed, seed_given)
-        self._skip: list[int] | None = None  # loaded: per worker, what to skip in the next pass
-        self._skipped = [0] * num_workers  # skipped at the start of the pass in progress
+        none: list[Any] = [None] * num_workers
+        # Loaded, for the next pass: per worker, the batches delivered before
+        # and its iterator's state after the last of them (or None).
+        self._loaded: tuple[list[int], list[Any]] | None = None
         self._turn = 0  # loaded: whose turn comes first
+        # The pass in progress began after these (the loaded position's).
+        self._before: tuple[list[int], list[Any]] = ([0] * num_workers, none)
 
     def _work(self, pass_no: int, epoch: int) -> list[PassWork]:
-        skip, self._skip = self._skip or [0] * self.num_workers, None
-        self._skipped = skip
+        fresh: tuple[list[int], list[Any]] = ([0] * self.num_workers, [None] * self.num_workers)
+        (counts, states), self._loaded = self._loaded or fresh, None
+        self._before = (counts, states)
         self.first_turn, self._turn = self._turn, 0
-        return [PassWork(pass_no, epoch, self._seed(epoch, w), skip=skip[w]) for w in range(self.num_workers)]
+        work = []
+        for w in range(self.num_workers):
+            if states[w] is not None:  # from the iterator's own state: nothing is made again
+                work.append(PassWork(pass_no, epoch, self._seed(epoch, w), plan={"iterator_state": states[w]}))
+            else:
+                work.append(PassWork(pass_no, epoch, self._seed(epoch, w), skip=counts[w]))
+        return work
 
     def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork:
-        # The source is called again: the batches published before are made
-        # again and not published, after those a resume skipped.
+        # The source is called again (from the loaded iterator state, if
+        # any): the batches published before are made again and not
+        # published, after those a resume skipped.
         return dataclasses.replace(work, skip=work.skip + next_wseq, first_wseq=next_wseq)
 
-    def _fields(self, epoch: int, delivered: Sequence[int], turn: int) -> dict[str, Any]:
+    def _fields(self, epoch: int, delivered: Sequence[int], states: Sequence[Any], turn: int) -> dict[str, Any]:
         return {
             "sources": self.num_workers,
             "seed": self.seed,
             "epoch": epoch,
             "delivered": [int(d) for d in delivered],
+            "iterator_states": list(states),
             "next_turn": turn,
         }
 
     def _fresh(self, epoch: int) -> dict[str, Any]:
-        return self._fields(epoch, [0] * self.num_workers, 0)
+        return self._fields(epoch, [0] * self.num_workers, [None] * self.num_workers, 0)
 
     def _pending(self) -> dict[str, Any]:
-        return self._fields(self.next_epoch, self._skip or [0] * self.num_workers, self._turn)
+        if self._loaded is None:
+            return self._fresh(self.next_epoch)
+        counts, states = self._loaded
+        return self._fields(self.next_epoch, counts, states, self._turn)
 
     def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
-        delivered = [s + d for s, d in zip(self._skipped, progress.delivered, strict=True)]
-        return self._fields(epoch, delivered, progress.next_turn or 0)
+        counts, states = self._before
+        delivered = [c + d for c, d in zip(counts, progress.delivered, strict=True)]
+        # A worker that delivered nothing since the pass began is where the
+        # pass began it: its loaded state (or None).
+        after = [
+            mine if d else loaded
+            for d, loaded, mine in zip(progress.delivered, states, progress.iterator_states, strict=True)
+        ]
+        return self._fields(epoch, delivered, after, progress.next_turn or 0)
 
     def _load(self, fields: _Fields) -> None:
         sources = fields.integer("sources", 1, 1 << 20)
@@ -208,10 +237,13 @@ class IteratorSchedule(Schedule):
             )
         epoch = fields.integer("epoch", 0, 1 << 62)
         delivered = fields.integers("delivered", sources, 0, 1 << 62)
+        states = fields.value("iterator_states")
+        if not isinstance(states, list) or len(states) != sources:
+            raise ShmpipeValueError(f"malformed state: 'iterator_states' must be a list of {sources} (null or a state)")
         turn = fields.integer("next_turn", 0, sources - 1)
         fields.done()
         self.next_epoch = epoch
-        self._skip = delivered
+        self._loaded = (delivered, list(states))
         self._turn = turn
 
 

@@ -38,9 +38,11 @@ def _work() -> PassWork:
 class IteratorSource:
     """A user's source (from_iterators), as its producer runs it.
 
-    A resumed pass skips the worker's batches delivered before the resume:
-    they are made again (the source cannot be told to start elsewhere) but
-    not published, and the memory they reserve is ordinary memory, not slot
+    A resumed pass whose iterator has its own ``state_dict()`` and
+    ``load_state_dict()`` is given the state of the last batch delivered
+    (the plan ``{"iterator_state": ...}``). Otherwise it skips the worker's
+    batches delivered before the resume: they are made again (the source
+    cannot be told to start elsewhere) but not published, and the memory they reserve is ordinary memory, not slot
     memory (reserving_elsewhere), so no slot is taken for them. Resume by
     count therefore costs the making of those batches; docs/long-runs.md
     says so.
@@ -52,8 +54,19 @@ class IteratorSource:
         self.source = source
 
     def __call__(self) -> Iterator[Any]:
-        skip = _work().skip
+        work = _work()
+        skip = work.skip
         iterator = iter(self.source())
+        if isinstance(work.plan, dict) and "iterator_state" in work.plan:
+            # A resume from the iterator's own state (it has state_dict and
+            # load_state_dict): it goes on from there, nothing is made again.
+            load = getattr(iterator, "load_state_dict", None)
+            if not callable(load):
+                raise ShmpipeTypeError(
+                    "the state to resume from holds this source's iterator's state_dict(), but its iterator "
+                    f"({type(iterator).__name__}) has no load_state_dict()"
+                )
+            load(work.plan["iterator_state"])
         if skip:
             # A generator runs its code in next(), so the batches skipped here
             # reserve outside the ring; the first batch kept is made after.

@@ -14,6 +14,9 @@ _control.py):
     bounds (the consumer unpickles nothing a producer sends)
         ["need_channel", nbytes]  a first batch is ready (and the channel is
                                   sized from it)
+        ["state", pass, wseq, s]  a source whose iterator has state_dict():
+                                  its state after batch wseq, sent before
+                                  that batch is published
         ["error", type, message, traceback, own]
                                   the source failed; own: null, or [class,
                                   [arguments]] of shmpipe's own error
@@ -40,6 +43,7 @@ from typing import Any
 from shmpipe import _batch, _control, _producer_context
 from shmpipe._process import ProcessWatch
 from shmpipe._spec import new_arrays
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.transport import Cancelled, Closed, ProducerControl, ProducerEnd, Transport
 
 __all__ = ["producer_main"]
@@ -164,11 +168,20 @@ class _Producer(ProducerControl):
 
     def _run_pass(self, source: Callable[[], Iterable[Any]]) -> None:
         iterator = iter(source())
+        # An iterator with its own state_dict() (torchdata's, say) is resumed
+        # from its state, not by count: the consumer keeps the state of each
+        # batch (sent before the batch is published, so it is there as soon
+        # as the batch is) and hands back the last delivered one's.
+        state_of = _state_dict_of(iterator)
+        wseq = self.first_wseq
         try:
             for batch in iterator:
                 if self.check_between:
                     self.check()
+                if state_of is not None:
+                    self._tell_state(wseq, state_of())
                 self.put(batch)
+                wseq += 1
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
@@ -176,6 +189,25 @@ class _Producer(ProducerControl):
         # an empty pass before any channel exists still needs one to say so
         end = self.end if self.end is not None else self._wait_for_channel(0)
         end.end_pass()
+
+    def _tell_state(self, wseq: int, state: Any) -> None:
+        try:
+            message = _control.iterator_state(self.pass_no, wseq, state)
+            size = len(_control.encode(message))
+        except (TypeError, ValueError) as exc:
+            raise ShmpipeTypeError(
+                f"the source's iterator's state_dict() is not JSON ({exc}); shmpipe keeps it in the pipeline's "
+                "own state_dict(), which must be JSON"
+            ) from None
+        if size > _control.MAX_MESSAGE:
+            raise ShmpipeValueError(
+                f"the source's iterator's state_dict() is {size:,} bytes as JSON; at most {_control.MAX_MESSAGE:,} "
+                "travel with each batch (keep the position, not the data)"
+            )
+        try:
+            _control.tell(self.conn, message)
+        except OSError:
+            raise Closed("the consumer is gone") from None
 
     def report(self, exc: BaseException) -> None:
         """Sends the error to the consumer, then waits to be stopped."""
@@ -191,6 +223,15 @@ class _Producer(ProducerControl):
                 pass
         except Closed:
             pass
+
+
+def _state_dict_of(iterator: Any) -> Callable[[], Any] | None:
+    """The iterator's own state_dict, where it has both halves of the
+    protocol (state_dict and load_state_dict); else None."""
+    state_dict = getattr(iterator, "state_dict", None)
+    if callable(state_dict) and callable(getattr(iterator, "load_state_dict", None)):
+        return state_dict
+    return None
 
 
 class _Watchdog:

@@ -459,6 +459,13 @@ class Launcher(abc.ABC):
         the conformance suite asserts it is empty."""
         return []
 
+    def iterator_state(self, worker: int, pass_no: int, wseq: int) -> tuple[bool, Any]:
+        """(True, the state producer `worker`'s source's iterator reported
+        after its batch `wseq` of pass `pass_no`), where its iterator has
+        ``state_dict()`` and the producer sent it; (False, None) otherwise
+        (then a resume goes by count). Default: never."""
+        return False, None
+
     def children(self) -> list[Any]:
         """The multiprocessing processes this launcher started from this
         process. A launcher that starts local processes must list them: a

@@ -285,6 +285,12 @@ def test_other_errors_travel_as_text_only():
         assert report.message == str(exc)
 
 
+def test_an_iterator_state_is_kept_as_data():
+    state = {"position": [1, 2], "file": "a.tfrecord", "deep": [[[{}]]]}
+    msg = _control.decode(_control.encode(_control.iterator_state(3, 7, state)))
+    assert msg == _control.IteratorState(3, 7, state)
+
+
 @pytest.mark.parametrize(
     "data, why",
     [
@@ -299,6 +305,10 @@ def test_other_errors_travel_as_text_only():
         (b'["error", "t", "m", "tb", ["os.system", ["id"]]]', "not one of shmpipe's errors"),
         (b'["error", "t", "m", "tb", ["BatchTooLargeError", [1, "2"]]]', "not of its types"),
         (b'["error", "t", "m", "tb", ["Cancelled", ["x"]]]', "not one of shmpipe's errors"),
+        (b'["state", 0, 1]', "state wants"),
+        (b'["state", -1, 1, {}]', "state wants"),
+        (b'["state", 0, true, {}]', "state wants"),
+        (b'["state", 0, 9223372036854775808, null]', "state wants"),
         (b'["attach", 1]', "unknown kind"),
         (b"[" * 100_000, "not JSON"),
     ],

@@ -12,7 +12,7 @@ import pytest
 import shmpipe
 from shmpipe._sources import collate_into_ring
 from shmpipe.testing.datasets import EpochSampler, FetchLog, Numbered, ShapeByIndex
-from shmpipe.testing.sources import Reserver
+from shmpipe.testing.sources import Reserver, StatefulCounter
 
 T = 30.0  # no single batch may take longer than this in these tests
 N = 23  # samples: batches of 4 leave a short last batch
@@ -307,3 +307,32 @@ def test_from_iterators_resumes_by_count(ordered):
     with shmpipe.from_iterators([Reserver(2)] * 2, timeout=T) as pipe:
         with pytest.raises(shmpipe.ShmpipeValueError, match="3 sources, this one has 2"):
             pipe.load_state_dict(state)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_an_iterator_with_its_own_state_resumes_from_it(ordered):
+    def run(state=None, stop=None):
+        got = []
+        with shmpipe.from_iterators([StatefulCounter(12)] * 2, ordered=ordered, seed=1, timeout=T) as pipe:
+            if state is not None:
+                pipe.load_state_dict(state)
+            for _ in range(2 - (state or {}).get("epoch", 0)):
+                for b in pipe:
+                    got.append((int(b["worker"]), int(b["seq"]), int(b["epoch"]), int(b["made"])))
+                    if len(got) == stop:
+                        return got, pipe.state_dict()
+        return got, None
+
+    full, _ = run()
+    first, state = run(stop=9)
+    state = json.loads(json.dumps(state))
+    assert state["iterator_states"] == [{"next_seq": d} if d else None for d in state["delivered"]]
+    rest, _ = run(state=state)
+    key = [(w, s, e) for w, s, e, _ in first + rest]
+    if ordered:
+        assert key == [(w, s, e) for w, s, e, _ in full]
+    else:
+        assert sorted(key) == sorted((w, s, e) for w, s, e, _ in full)
+    # each worker's first batch after the resume was the first its iterator made: nothing made again
+    for worker in (0, 1):
+        assert next(m for w, _, e, m in rest if w == worker and e == 0) == 1

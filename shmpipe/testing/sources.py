@@ -29,6 +29,7 @@ __all__ = [
     "Reserver",
     "SeedReporter",
     "Stamped",
+    "StatefulCounter",
     "Matrix",
     "Progress",
     "NodeReporter",
@@ -181,6 +182,42 @@ class DiesOnce:
                 time.sleep(10)
             batch["data"][shape[0] // 2 :] = seq
             yield batch
+
+
+class StatefulCounter:
+    """A source whose iterator has its own state_dict()/load_state_dict()
+    (as torchdata's do): n batches {"worker", "seq", "epoch", "made"} per
+    pass, "made" counting the batches this iterator made (so a resume from
+    its state, which makes none again, is seen)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self) -> _CountingIterator:
+        return _CountingIterator(self.n)
+
+
+class _CountingIterator:
+    def __init__(self, n: int) -> None:
+        self.n, self.next_seq, self.made = n, 0, 0
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self.next_seq >= self.n:
+            raise StopIteration
+        info = _worker_info()
+        self.made += 1
+        batch = {"worker": info.id, "seq": self.next_seq, "epoch": info.epoch, "made": self.made}
+        self.next_seq += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_seq": self.next_seq}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_seq = int(state["next_seq"])
 
 
 class Reserver:
