@@ -67,6 +67,7 @@ class PipelineOptions:
             slot_size=self.slot_size,
             slot_size_is_limit=self.slot_size is not None,
             mp_context=multiprocessing.get_context(self.start_method),
+            hands_again=self.max_restarts > 0,
         )
 
 

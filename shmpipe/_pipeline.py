@@ -11,6 +11,7 @@ transport's own); moving batches is the transport's (transport.py).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import warnings
@@ -130,10 +131,15 @@ class Pipeline(FrameworkStream):
     #: Whether the channel's fast path (capability takes_ready) may serve
     #: this pipeline: a variant that takes batches another way says no.
     _offers_fast_path = True
+    #: Whether a variant hands the channel's memory on after the producers
+    #: have it (a group's, to its ranks): ChannelSpec.hands_again.
+    _hands_channel_on = False
 
     def __init__(self, options: PipelineOptions, schedule: Schedule | None = None) -> None:
         super().__init__(options)
         self._spec = options.channel_spec()
+        if self._hands_channel_on:
+            self._spec = dataclasses.replace(self._spec, hands_again=True)
         # What each pass does, and the checkpoint (shmpipe/_schedule.py).
         self._schedule = schedule or IteratorSchedule(options.num_workers, options.seed, options.seed_given)
         self._begun = -1  # the channel's pass begun last (iterated or ahead)

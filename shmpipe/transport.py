@@ -264,6 +264,12 @@ class ChannelSpec:
     #: The multiprocessing context producers start with: queues and locks
     #: meant for them must come from it.
     mp_context: Any = field(default=None, compare=False)
+    #: Whether the channel's handle may be given again after
+    #: ``handle_delivered`` (a producer replaced under ``max_restarts``) or
+    #: its memory to ranks (a group). Where not, what only producers needed
+    #: may go at ``handle_delivered``: then no other process of the user can
+    #: reach it through this one's ``/proc/<pid>/fd`` (or ``/dev/shm``).
+    hands_again: bool = False
 
     @property
     def quota(self) -> int:

@@ -53,9 +53,22 @@ def shm_names() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def test_the_trainer_keeps_no_way_into_the_ring_once_its_producers_have_it():
+    """The default (max_restarts=0, no group): the trainer's descriptor of
+    the ring is closed once every producer has its own, so no process of the
+    user can open the ring through /proc/<trainer>/fd; the mapping stays."""
+    before = set(ring_descriptors())
+    with shmpipe.from_iterators([Counter(4)] * 2, timeout=T) as pipe:
+        assert sorted(b["seq"] for b in pipe) == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert pipe.channel.segment.fd == -1
+        assert set(ring_descriptors()) == before
+        assert sorted(b["seq"] for b in pipe) == [0, 0, 1, 1, 2, 2, 3, 3]  # and it goes on
+
+
 def test_the_default_ring_is_sealed_anonymous_memory_in_no_file_system():
     before = shm_names()
-    with shmpipe.from_iterators([Counter(4)], timeout=T) as pipe:
+    # max_restarts keeps the trainer's descriptor (a replacement needs it): it is sealed
+    with shmpipe.from_iterators([Counter(4)], timeout=T, max_restarts=1) as pipe:
         assert [b["seq"] for b in pipe] == [0, 1, 2, 3]
         segment = pipe.channel.segment
         assert segment.anonymous and pipe.channel.name is None
@@ -125,7 +138,8 @@ print(" ".join(results))
 
 
 def test_another_process_cannot_truncate_or_grow_the_ring(tmp_path):
-    with shmpipe.from_iterators([Counter(40, shape=(4096,))] * 2, capacity=4, timeout=T) as pipe:
+    # max_restarts: the trainer keeps its descriptor, the way in tried here
+    with shmpipe.from_iterators([Counter(40, shape=(4096,))] * 2, capacity=4, timeout=T, max_restarts=1) as pipe:
         it = iter(pipe)
         first = next(it)
         segment = pipe.channel.segment

@@ -47,6 +47,7 @@ class DealingPipeline(Pipeline):
     it takes them with ``take_shared`` and never by the fast path."""
 
     _offers_fast_path = False
+    _hands_channel_on = True  # the ring's memory goes to the ranks with the first batch
 
     def _take_from(self, channel: ConsumerEnd, pass_no: int, worker: int, wseq: int) -> Any:
         if not isinstance(channel, SharingConsumerEnd):

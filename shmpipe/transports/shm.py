@@ -486,6 +486,19 @@ class ShmConsumer(SharingConsumerEnd):
             self.take_ready = self.reader.take_ready  # type: ignore[method-assign]
         self.slot_size = slot_size
         self.capacity = spec.capacity
+        self.hands_again = spec.hands_again
+
+    def handle_delivered(self) -> None:
+        """Every producer has the ring's descriptor now (a memfd's was
+        duplicated into each). Unless it may be handed again (a replaced
+        producer, a group's ranks), this process's copy goes, and with it
+        the way in for other processes of the user through /proc/<pid>/fd.
+        The mapping stays. (A POSIX name stays until destroy(): a producer
+        opens it by name, maybe after this call.)"""
+        if not self.hands_again and self.segment.anonymous:
+            self.segment.unlink()
+            if self.handle.fd is not None:
+                self.handle.fd.forget()  # that number may soon be another file's
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         batch = self._take(pass_no, worker, wseq, wait)
