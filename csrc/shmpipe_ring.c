@@ -481,7 +481,10 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
                 }
             } else {
                 const uint64_t ticket = LOAD_ONCE(s[k].ticket);
-                if (ticket < best_ticket) {
+                /* best < 0: the first READY slot is a candidate whatever its
+                 * ticket (a shared word: one rewritten to UINT64_MAX must not
+                 * make its batch untakeable). */
+                if (best < 0 || ticket < best_ticket) {
                     best = k;
                     best_ticket = ticket;
                 }
@@ -634,6 +637,10 @@ uint64_t shmp_slot_nbytes(const shmp_ring *r, uint32_t slot) {
 uint64_t shmp_worker_blocked_ns(const shmp_ring *r, uint32_t worker) {
     if (worker >= r->nworkers) return 0;
     return atomic_load_explicit(&workers_of(r)[worker].blocked_ns, memory_order_relaxed);
+}
+uint32_t shmp_worker_inflight(const shmp_ring *r, uint32_t worker) {
+    if (worker >= r->nworkers) return 0;
+    return atomic_load_explicit(&workers_of(r)[worker].inflight, memory_order_relaxed);
 }
 uint64_t shmp_worker_published(const shmp_ring *r, uint32_t worker) {
     if (worker >= r->nworkers) return 0;

@@ -247,6 +247,7 @@ uint64_t shmp_slot_wseq(const shmp_ring *ring, uint32_t slot);
 uint64_t shmp_slot_nbytes(const shmp_ring *ring, uint32_t slot);
 uint64_t shmp_worker_blocked_ns(const shmp_ring *ring, uint32_t worker);
 uint64_t shmp_worker_published(const shmp_ring *ring, uint32_t worker);
+uint32_t shmp_worker_inflight(const shmp_ring *ring, uint32_t worker);
 
 #ifdef __cplusplus
 }

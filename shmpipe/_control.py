@@ -19,7 +19,7 @@ descriptors attached. Connection reads exactly what each message says,
 never ahead, so the descriptors are the next thing on the socket when the
 message has been read. (:func:`send`, :func:`recv`.)
 
-**Producer -> consumer** (``need_channel``, ``state``, ``error``): untrusted. A
+**Producer -> consumer** (``need_channel``, ``state``, ``done``, ``error``): untrusted. A
 producer runs a source, and a source must not be able to make the
 consumer run code, so nothing a producer sends is unpickled: a message is
 a JSON array whose first element names it, in a frame as
@@ -32,6 +32,9 @@ Client keep stable across Python versions), of at most
     ["state", pass, wseq, state]               the source's iterator's state_dict()
                                                after batch `wseq` of `pass` (any JSON;
                                                kept as data, handed back on resume)
+    ["done", pass, produced]                   its part of `pass` is over after
+                                               `produced` batches (sent before it
+                                               says so in the channel itself)
     ["error", exc_type, message, traceback, own]
         own: null, or [class name, [arguments]] for shmpipe's own errors
 
@@ -94,12 +97,14 @@ __all__ = [
     "Inbox",
     "IteratorState",
     "NeedChannel",
+    "PassDone",
     "PassFd",
     "decode",
     "encode",
     "error",
     "iterator_state",
     "need_channel",
+    "pass_done",
     "recv",
     "send",
     "tell",
@@ -281,7 +286,17 @@ class IteratorState(NamedTuple):
     state: Any
 
 
-Message = NeedChannel | ErrorReport | IteratorState
+class PassDone(NamedTuple):
+    """``done``: the producer's part of pass `pass_no` is over after
+    `produced` batches (its numbers 0 to produced - 1). Sent on this
+    connection, which no other process can reach, before the channel is
+    told: the consumer checks what the channel says against it."""
+
+    pass_no: int
+    produced: int
+
+
+Message = NeedChannel | ErrorReport | IteratorState | PassDone
 
 #: The types a field may have, and for ints their bounds (inclusive).
 _Field = tuple[tuple[type | None, ...], tuple[int, int] | None]
@@ -339,6 +354,11 @@ def encode(message: list[Any]) -> bytes:
 def need_channel(nbytes: int) -> list[Any]:
     """The message that asks for a channel sized for a first batch of `nbytes`."""
     return ["need_channel", int(nbytes)]
+
+
+def pass_done(pass_no: int, produced: int) -> list[Any]:
+    """The message that says this producer's part of a pass is over."""
+    return ["done", int(pass_no), int(produced)]
 
 
 def iterator_state(pass_no: int, wseq: int, state: Any) -> list[Any]:
@@ -424,6 +444,12 @@ def decode(data: bytes) -> Message:
         if len(message) != 2 or not _fits(message[1], ((int,), (0, MAX_NBYTES))):
             raise _malformed(data, f"need_channel wants one size of 0 to {MAX_NBYTES:,} bytes")
         return NeedChannel(message[1])
+    if kind == "done":
+        if len(message) != 3 or not _fits(message[1], ((int,), (0, 2**32 - 1))) or not _fits(
+            message[2], ((int,), (0, 2**63 - 1))
+        ):
+            raise _malformed(data, "done wants a pass number and a count of batches")
+        return PassDone(message[1], message[2])
     if kind == "state":
         if len(message) != 4 or not _fits(message[1], ((int,), (0, 2**32 - 1))) or not _fits(
             message[2], ((int,), (0, 2**63 - 1))

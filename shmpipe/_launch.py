@@ -81,6 +81,8 @@ class ProcessLauncher(Launcher):
         self._reading = threading.Lock()  # one thread at a time takes apart what arrived
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
+        #: per worker: (pass, batches) of the last "done" it sent
+        self._ended: list[tuple[int, int] | None] = [None] * spec.num_workers
         #: per worker: (pass, wseq) -> its source's iterator's state after that batch
         self._iterator_states: list[dict[tuple[int, int], Any]] = [{} for _ in range(spec.num_workers)]
         self._failure: BaseException | None = None
@@ -277,6 +279,8 @@ class ProcessLauncher(Launcher):
     def _on_message(self, worker: int, msg: _control.Message) -> None:
         if isinstance(msg, _control.NeedChannel):
             self._need = max(self._need or 0, msg.nbytes)
+        elif isinstance(msg, _control.PassDone):
+            self._ended[worker] = (msg.pass_no, msg.produced)
         elif isinstance(msg, _control.IteratorState):
             # The last few only: a producer is never more than the ring's
             # capacity ahead of what was taken, so the state of the batch
@@ -297,6 +301,15 @@ class ProcessLauncher(Launcher):
                 own.__cause__ = error
                 error = own
             self._failure = error
+
+    reports_ends = True
+
+    def reported_end(self, worker: int, pass_no: int) -> int | None:
+        """How many batches producer `worker` said it published in pass
+        `pass_no` when its part ended; None if it has not said so."""
+        self._read_messages()
+        ended = self._ended[worker]
+        return ended[1] if ended is not None and ended[0] == pass_no else None
 
     def iterator_state(self, worker: int, pass_no: int, wseq: int) -> tuple[bool, Any]:
         """(True, the state producer `worker`'s iterator had after its batch

@@ -15,7 +15,7 @@ import dataclasses
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from shmpipe._frameworks import FrameworkStream
@@ -24,7 +24,14 @@ from shmpipe._launch import ProcessLauncher
 from shmpipe._options import PipelineOptions
 from shmpipe._schedule import IteratorSchedule, Progress, Schedule
 from shmpipe._stream import POLL_S, Pass
-from shmpipe.errors import PipelineClosedError, ShmpipeValueError, ShmpipeWarning, WorkerDiedError, WorkerError
+from shmpipe.errors import (
+    CorruptChannelError,
+    PipelineClosedError,
+    ShmpipeValueError,
+    ShmpipeWarning,
+    WorkerDiedError,
+    WorkerError,
+)
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
 
 __all__ = ["Pipeline"]
@@ -346,6 +353,7 @@ class Pipeline(FrameworkStream):
                 self._raise_failure_if_any()
             elif r is END:
                 self._raise_failure_if_any()
+                self._check_end(it.pass_no, range(self.num_workers))
                 raise StopIteration
             else:
                 return r
@@ -362,6 +370,8 @@ class Pipeline(FrameworkStream):
             elif r is AGAIN or r is FAULT or r is END:
                 if r is FAULT:
                     self._learn_why_production_stopped()
+                elif r is END and self._failure is None:
+                    self._check_end(it.pass_no, [turn[0]])
                 # This worker's part is over: it ended, or production stopped
                 # after a failure and it has nothing more. The others go on,
                 # so what they published before the failure is delivered too.
@@ -371,6 +381,28 @@ class Pipeline(FrameworkStream):
                 return r
         self._raise_failure_if_any()
         raise StopIteration
+
+    def _check_end(self, pass_no: int, workers: Iterable[int]) -> None:
+        """The channel says these workers' parts of pass `pass_no` are over:
+        each must have said so on its control connection (which no other
+        process can reach), after as many batches as were delivered. A
+        channel whose words were written from outside (an end marked early,
+        a batch set free or moved to another pass) is an error, never a
+        pass that quietly lacks batches."""
+        launcher = self._launcher
+        if not launcher.reports_ends:
+            return
+        for worker in workers:
+            delivered = self._counters.per_worker[worker] - self._delivered_before[worker]
+            said = launcher.reported_end(worker, pass_no)
+            if said != delivered:
+                told = "has not said its part is over" if said is None else f"says it published {said} batches"
+                self._close_and_raise(
+                    CorruptChannelError(
+                        f"the channel says worker {worker}'s part of pass {pass_no} is over after {delivered} "
+                        f"batches, but its producer {told}: the channel's memory was written from outside"
+                    )
+                )
 
     def _set_channel(self, channel: ConsumerEnd | None) -> None:
         """The channel is open (or not yet, for None): offer its fast path
@@ -410,6 +442,15 @@ class Pipeline(FrameworkStream):
             failure = self._launcher.first_failure()
         if failure is not None:
             self._production_failed(failure)
+        # After the deaths are dealt with: a dead producer may have left a
+        # slot claimed and not yet counted, which its reclaim puts right.
+        channel = self._channel
+        if channel is not None and not self._closed and self._failure is None:
+            try:
+                with self._consumer_lock:  # between takes
+                    channel.audit(self._begun)
+            except CorruptChannelError as exc:
+                self._close_and_raise(exc)
 
     def _replaced(self, death: WorkerDiedError) -> bool:
         """Replaces the producer `death` names, if restarts are left: its

@@ -105,6 +105,7 @@ cdef extern from "shmpipe_ring.h" nogil:
     uint64_t shmp_slot_nbytes(const shmp_ring *ring, uint32_t slot)
     uint64_t shmp_worker_blocked_ns(const shmp_ring *ring, uint32_t worker)
     uint64_t shmp_worker_published(const shmp_ring *ring, uint32_t worker)
+    uint32_t shmp_worker_inflight(const shmp_ring *ring, uint32_t worker)
     void shmp_set_spin_ns(int64_t ns)
     int64_t shmp_get_spin_ns()
 
@@ -470,6 +471,11 @@ cdef class Ring:
     cdef readonly Segment segment
     cdef shmp_ring r  # the private geometry; &r goes to every C call
     cdef int pid  # leases release slots only in this process
+    # Slots this process holds for live batches (leases not yet freed), in
+    # private memory: what the shared HELD states must add up to (audit).
+    # Changed and read with the GIL held, so a take or a release and an
+    # audit never interleave.
+    cdef readonly Py_ssize_t leases
 
     @staticmethod
     def create(Segment segment, uint32_t nslots, uint32_t nworkers, uint64_t slot_size,
@@ -568,6 +574,40 @@ cdef class Ring:
                 if SHMP_STATE_OF(shmp_slot_state(&self.r, i)) == SHMP_READY
                 and shmp_slot_worker(&self.r, i) == worker and shmp_slot_pass(&self.r, i) == pass_no]
 
+    def audit(self, uint32_t pass_no) -> tuple:
+        """The consumer's look at the shared words it can check against what
+        it knows (pass_no: the pass it read last began): (problem, or None
+        where none is certain; per worker, (its in-flight word, what the
+        slots say) where they differ, which a claim or a take in progress
+        may make true for a moment). Consumer only, between takes."""
+        cdef uint32_t i, w, word, state, held = 0
+        cdef uint32_t current = shmp_current_pass(&self.r)
+        if current != pass_no:
+            return (f"the ring's pass number is {current}, but pass {pass_no} is the one being read", [])
+        for i in range(self.r.nslots):
+            held += SHMP_STATE_OF(shmp_slot_state(&self.r, i)) == SHMP_HELD
+        if held > self.leases:
+            return (f"{held} slots are marked as held by this process's batches, which hold {self.leases}", [])
+        if self.r.quota == 0:
+            return (None, [])
+        counts = [0] * self.r.nworkers
+        for i in range(self.r.nslots):
+            state = shmp_slot_state(&self.r, i)
+            if SHMP_STATE_OF(state) == SHMP_WRITING:
+                w = state >> 8
+            elif state == SHMP_READY:
+                w = shmp_slot_worker(&self.r, i)
+            else:
+                continue
+            if w < self.r.nworkers:
+                counts[w] += 1
+        uneven = []
+        for w in range(self.r.nworkers):
+            word = shmp_worker_inflight(&self.r, w)
+            if word != counts[w]:
+                uneven.append((w, word, counts[w]))
+        return (None, uneven)
+
     def held_count(self) -> int:
         """Slots HELD: delivered batches still referenced somewhere."""
         cdef uint32_t i, n = 0
@@ -620,6 +660,7 @@ cdef class SlotLease:
         # say), with the GIL: shmp_release is a CAS and maybe a FUTEX_WAKE.
         if self.release_on_free and self.ring is not None and shmp_pid() == self.ring.pid:
             shmp_release(&self.ring.r, self.slot)
+            self.ring.leases -= 1
 
     @property
     def slot(self) -> int:
@@ -631,6 +672,8 @@ cdef SlotLease _lease(Ring ring, uint32_t slot, bint release_on_free):
     lease.ring = ring
     lease.slot = slot
     lease.release_on_free = release_on_free
+    if release_on_free:
+        ring.leases += 1
     return lease
 
 

@@ -17,6 +17,9 @@ _control.py):
         ["state", pass, wseq, s]  a source whose iterator has state_dict():
                                   its state after batch wseq, sent before
                                   that batch is published
+        ["done", pass, produced]  its part of the pass is over (sent before
+                                  the channel says so: the consumer checks
+                                  the channel against it)
         ["error", type, message, traceback, own]
                                   the source failed; own: null, or [class,
                                   [arguments]] of shmpipe's own error
@@ -188,6 +191,10 @@ class _Producer(ProducerControl):
                 close()  # runs the generator's finally blocks when we stop early
         # an empty pass before any channel exists still needs one to say so
         end = self.end if self.end is not None else self._wait_for_channel(0)
+        try:
+            _control.tell(self.conn, _control.pass_done(self.pass_no, wseq))
+        except OSError:
+            raise Closed("the consumer is gone") from None
         end.end_pass()
 
     def _tell_state(self, wseq: int, state: Any) -> None:

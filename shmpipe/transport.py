@@ -346,6 +346,14 @@ class ConsumerEnd(abc.ABC):
         """A producer failed: stop taking batches; get() returns what is
         already in flight, then FAULT."""
 
+    def audit(self, pass_no: int) -> None:
+        """Checks the channel's shared state against what this process
+        knows (pass `pass_no` is the one read); raises CorruptChannelError
+        for a state no run of the protocol can reach (words written from
+        outside), including one that would hang the pipeline. Called at
+        each look at the producers (a few times a second while batches are
+        awaited), between takes. Default: nothing to check."""
+
     def reclaim(self, worker: int, pass_no: int, delivered: int) -> tuple[int, bool]:
         """Capability ``restarts_producers``: producer `worker`'s process is
         gone (reaped), and `delivered` of its batches of pass `pass_no` were
@@ -464,6 +472,16 @@ class Launcher(abc.ABC):
         """After shutdown: whatever still runs (processes, actors), described;
         the conformance suite asserts it is empty."""
         return []
+
+    #: Whether reported_end() knows what producers said when their part of
+    #: a pass ended (shmpipe's own launcher: from their control connections).
+    reports_ends: bool = False
+
+    def reported_end(self, worker: int, pass_no: int) -> int | None:
+        """(reports_ends) How many batches producer `worker` said it
+        published in pass `pass_no` when its part ended; None if it has
+        not said so. The pipeline checks the channel's END against it."""
+        return None
 
     def iterator_state(self, worker: int, pass_no: int, wseq: int) -> tuple[bool, Any]:
         """(True, the state producer `worker`'s source's iterator reported

@@ -487,6 +487,7 @@ class ShmConsumer(SharingConsumerEnd):
         self.slot_size = slot_size
         self.capacity = spec.capacity
         self.hands_again = spec.hands_again
+        self._uneven: set[tuple[int, int, int]] = set()  # what the last audit found uneven
 
     def handle_delivered(self) -> None:
         """Every producer has the ring's descriptor now (a memfd's was
@@ -620,10 +621,28 @@ class ShmConsumer(SharingConsumerEnd):
             return  # the pass the ring was created at
         started = self.ring.begin_pass()
         if started != pass_no:
-            raise AssertionError(f"ring started pass {started}, the pipeline is at {pass_no}")
+            raise CorruptChannelError(
+                f"the ring began pass {started} where the pipeline begins pass {pass_no}: its pass number was "
+                "written from outside"
+            )
 
     def halt(self) -> None:
         self.ring.report_fault()
+
+    def audit(self, pass_no: int) -> None:
+        # The pass number and the HELD slots are exact (this process alone
+        # changes them, and takes do not run meanwhile); a worker's in-flight
+        # word may be off by a claim or a take in progress, so a difference
+        # is an error only when the next audit sees the very same one.
+        problem, uneven = self.ring.audit(pass_no)
+        if problem is not None:
+            raise CorruptChannelError(f"the ring is inconsistent: {problem} (written from outside?)")
+        seen, self._uneven = self._uneven, set(uneven)
+        for worker, word, slots in sorted(seen & self._uneven):
+            raise CorruptChannelError(
+                f"the ring is inconsistent: worker {worker}'s in-flight count is {word} but it has {slots} slots "
+                "being written or ready (written from outside?); its quota would hold it for good"
+            )
 
     def reclaim(self, worker: int, pass_no: int, delivered: int) -> tuple[int, bool]:
         # The slots it was writing come back; what it published stays READY
