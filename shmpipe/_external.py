@@ -19,7 +19,7 @@ a system call on either side:
        4   u32 worker
        8   u64 nbytes   (the payload's size, at offset 0 of the region)
        16  u64 rid      (the region's id: its worker never uses one twice)
-       24  u32 region   (its index in the worker's table: < the ring's slots)
+       24  u32 region   (its index in the worker's table: <= the ring's slots)
        28  u32 zero
 
 3. A region is a memfd the producer made once: sized (its first batch's
@@ -51,10 +51,12 @@ a system call on either side:
   and "a kept view never changes" holds as it does for a slot; the
   acquire load orders the consumer's reads before the producer's next
   writes, as a slot's claim does.
-- *A producer never needs more regions than slots*: every busy region is
-  held by a distinct slot with one of its batches, and it holds one more
-  slot (the one it just claimed), so with a pool of up to ``nslots``
-  regions one is always free. The producer prefers the smallest free
+- *A producer never needs more regions than slots, plus one*: every busy
+  region is held by a distinct slot with one of its batches, and it holds
+  one more slot (the one it just claimed), so with a pool of ``nslots``
+  regions one is always free; the one more is for a reservation's region,
+  kept busy while a batch yielded instead of it (which may hold its
+  arrays) is copied into another. The producer prefers the smallest free
   region that fits; else it replaces a free one that is too small by a
   larger one (a new rid at the same index: the NEW says so, and the
   consumer drops the old one); else it makes one at a new index.
@@ -94,8 +96,8 @@ descriptor that came with it):
   (MSG_CTRUNC with some installed) or anything else is refused. (MSG_CTRUNC
   with none installed: this process ran out of descriptors, a ShmpipeError
   that says so.)
-- Its worker is one of the ring's, its region index below the ring's slot
-  count (so the table is bounded: workers x slots, and never more than a
+- Its worker is one of the ring's, its region index at most the ring's
+  slot count (so the table is bounded: workers x (slots + 1), and never more than a
   quarter of ``ulimit -n`` descriptors, a ShmpipeError beyond).
 - *Each worker's rids only grow.* A NEW whose rid is not above every rid
   that worker announced before is refused: one producer sends its NEWs in
@@ -267,8 +269,10 @@ class RegionPool:
         self.outbox = outbox
         self.regions: list[Region] = []
         #: One region per slot is all a producer can keep busy, plus the
-        #: one it fills (module doc): the bound the consumer checks too.
-        self.limit = writer.ring.nslots
+        #: one it fills (module doc), plus one: a reservation's, kept busy
+        #: while what was yielded instead is copied (it may hold its
+        #: arrays). The bound the consumer checks too.
+        self.limit = writer.ring.nslots + 1
         self.idle_puts = max(IDLE_PUTS, 16 * self.limit)
         self.next_rid = 0
         self.puts = 0
@@ -337,7 +341,7 @@ class RegionPool:
                 os.posix_fallocate(fd, 0, size)  # every page now: no room is an error here, not a SIGBUS
             except OSError as exc:
                 raise SharedMemoryFullError(size, 0, "memory for a batch larger than a slot") from exc
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # every page touched once, now
+            mapping = _ring.Mapping(fd, size, True)  # writable, every page touched once now
             # Our mapping stays writable; nobody may write it any other way
             # from now on (a mapping or write() through any descriptor).
             seals = _RESIZE_SEALS | fcntl.F_SEAL_SEAL | (F_SEAL_FUTURE_WRITE if future_write_sealable() else 0)
@@ -345,7 +349,7 @@ class RegionPool:
             self.outbox.announce(fd, self.writer.worker, index, rid)
         finally:
             os.close(fd)  # our mapping keeps the memory; the consumer has its own descriptor
-        region = Region(index, rid, np.frombuffer(mm, np.uint8))
+        region = Region(index, rid, mapping.array())
         self.regions.append(region)
         self.created += 1
         return region
@@ -395,15 +399,15 @@ def outbox_pair() -> tuple[socket.socket, socket.socket]:
 
 class _Known:
     """A region the consumer was told of: its descriptor, its size (read
-    once), and its read-only mapping once used (`view`, the mapping as a
-    uint8 array, which keeps it mapped: never closed under a batch)."""
+    once), and its read-only mapping once used (`view`: unmapped only when
+    no batch's root refers to it any more)."""
 
     __slots__ = ("address", "fd", "mapped", "rid", "size", "view")
 
     def __init__(self, rid: int, fd: int, size: int) -> None:
         self.rid, self.fd, self.size = rid, fd, size
         self.mapped = 0
-        self.view: np.ndarray | None = None
+        self.view: _ring.Mapping | None = None
         self.address = 0
 
 
@@ -414,7 +418,7 @@ class _Held:
 
     __slots__ = ("record", "view")
 
-    def __init__(self, view: np.ndarray, record: Any) -> None:
+    def __init__(self, view: _ring.Mapping, record: Any) -> None:
         self.view, self.record = view, record
 
 
@@ -517,10 +521,10 @@ class Regions:
             )
         _, worker, index, rid = TAG.unpack(msg)
         what = f"region {index} (id {rid}) of worker {worker}"
-        if worker >= self.nworkers or index >= self.nslots:
+        if worker >= self.nworkers or index > self.nslots:
             raise CorruptChannelError(
                 f"{what} is outside the ring: it has {self.nworkers} workers, and a worker at most "
-                f"{self.nslots} regions (one per slot)"
+                f"{self.nslots + 1} regions (one per slot, and one)"
             )
         key = (worker, index)
         known = self.table.get(key)
@@ -597,9 +601,8 @@ class Regions:
         pages, at most the region. The old mapping stays while batches in
         it live."""
         length = min(known.size, max(-(-2 * nbytes // _PAGE) * _PAGE, _PAGE))
-        mm = _map_readonly(known.fd, length, nbytes, known.size)
-        known.view = np.frombuffer(mm, np.uint8)  # holds mm open: it cannot be closed under a batch
-        known.address = int(known.view.ctypes.data)
+        known.view = _map_readonly(known.fd, length, nbytes, known.size)
+        known.address = known.view.address
         known.mapped = length
         self.maps += 1
 
@@ -677,13 +680,11 @@ def _address_space_left() -> tuple[int, str]:
     return max(0, (1 << 47) - used), "this process's address space (or vm.max_map_count)"
 
 
-def _map_readonly(fd: int, length: int, nbytes: int, size: int) -> mmap.mmap:
+def _map_readonly(fd: int, length: int, nbytes: int, size: int) -> _ring.Mapping:
     """`length` bytes of `fd` mapped read-only, for a batch of `nbytes` in
     memory of `size`; every failure is a ShmpipeError naming the sizes."""
     try:
-        # Python's mmap may raise ValueError or OverflowError for sizes it
-        # refuses itself; length <= size rules those out, but not ENOMEM.
-        return mmap.mmap(fd, length, prot=mmap.PROT_READ)
+        return _ring.Mapping(fd, length, False)
     except OSError as exc:
         mapped = -(-length // _PAGE) * _PAGE
         if exc.errno == errno.ENOMEM:
@@ -735,4 +736,5 @@ def map_external(fd: int, nbytes: int, lease: Any, *, write_sealed: bool) -> np.
         raise CorruptChannelError(f"an external batch claims {nbytes:,} bytes in memory of {size:,}")
     if nbytes == 0:
         return ExternalMemory(mmap.mmap(-1, 1), 0, False, lease).root()
-    return ExternalMemory(_map_readonly(fd, nbytes, nbytes, size), nbytes, False, lease).root()
+    mapping = _map_readonly(fd, nbytes, nbytes, size)
+    return _ring.region_root(_Held(mapping, lease), mapping.address, nbytes)

@@ -885,6 +885,43 @@ cdef class RingWriter:
             shmp_abandon(&self.ring.r, slot, self.worker)
 
 
+cdef class Mapping:
+    """`size` bytes of the memory `fd` refers to, mapped shared: read-only,
+    or writable and populated (every page touched once now). A region of
+    a batch larger than a slot (_external.py), in the producer (writable)
+    or the consumer (read-only). Unmapped when this object is freed, so
+    whatever views the memory must keep it (array(), region_root()).
+    Unlike Python's mmap it keeps no duplicate of the descriptor (one
+    descriptor per mapping would count against ulimit -n) and exports no
+    buffer (NumPy cannot make a read-only view of it writable)."""
+    cdef readonly size_t address
+    cdef readonly Py_ssize_t size
+    cdef bint writable
+
+    def __cinit__(self, int fd, Py_ssize_t size, bint writable):
+        cdef void *addr
+        cdef int prot = PROT_READ | (PROT_WRITE if writable else 0)
+        cdef int flags = MAP_SHARED | (MAP_POPULATE if writable else 0)
+        if size <= 0:
+            raise ValueError(f"a mapping of {size} bytes")
+        with nogil:
+            addr = mmap(NULL, <size_t>size, prot, flags, fd, 0)
+        if addr == MAP_FAILED:
+            raise OSError(errno, f"mmap({size}): {strerror(errno).decode()}")
+        self.address = <size_t>addr
+        self.size = size
+        self.writable = writable
+
+    def __dealloc__(self):
+        if self.address:
+            munmap(<void *>self.address, <size_t>self.size)
+
+    def array(self):
+        """All of it as a uint8 array (writable where the mapping is),
+        whose base is this object."""
+        return _root_array(<unsigned char *>self.address, self.size, self, self.writable)
+
+
 def region_root(object owner, size_t address, Py_ssize_t nbytes):
     """A read-only uint8 array of `nbytes` at `address`, whose base is
     `owner`: the consumer's root of a batch in a region of memory of its own

@@ -254,7 +254,20 @@ class ShmProducer(ProducerEnd):
                 self._publish_external_reservation(reserved)
                 self._tick()
                 return
-            self._drop_external_reservation()  # something else was yielded: it is copied below
+            # Something else was yielded: it is copied below, and may hold
+            # the reservation's arrays, so their region stays busy until
+            # the copy is done (else the copy could go into that very
+            # region, over the bytes it copies).
+            self._drop_external_reservation()
+            reserved.region.reserved = True
+            try:
+                self._put(batch)
+            finally:
+                reserved.region.reserved = False
+            return
+        self._put(batch)
+
+    def _put(self, batch: Any) -> None:
         writer = self.writer
         nbytes = writer.put_fitting(batch)  # 0: it went into a slot
         if nbytes:
