@@ -514,9 +514,14 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
         }
         if (best >= 0) {
             shmp_slot *b = &s[best];
-            /* Only the consumer leaves READY; producers look for FREE only,
-             * so HELD needs no ordering of its own. */
-            atomic_store_explicit(&b->state, SHMP_HELD, memory_order_relaxed);
+            /* Only the consumer leaves READY. Release (a plain store on
+             * x86 and arm64 alike, as relaxed): a producer that reads HELD
+             * of another batch in shmp_slot_holds learns that its own batch
+             * once in this slot was released, and must see the reads made
+             * before that release (the chain: the consumer's release CAS,
+             * the next claimer's acquire CAS and release publish, the
+             * acquire load READY here, this store). */
+            atomic_store_explicit(&b->state, SHMP_HELD, memory_order_release);
             /* The worker word is read once and indexes the worker table only
              * if it is one of ours (the caller reports a bad one). */
             const uint32_t bw = LOAD_ONCE(b->worker);
@@ -621,6 +626,19 @@ void shmp_report_fault(const shmp_ring *r) {
 uint32_t shmp_slot_state(const shmp_ring *r, uint32_t slot) {
     if (slot >= r->nslots) return 0;
     return atomic_load_explicit(&slots_of(r)[slot].state, memory_order_relaxed);
+}
+int shmp_slot_holds(const shmp_ring *r, uint32_t slot, uint32_t worker, uint32_t pass, uint64_t wseq) {
+    if (slot >= r->nslots) return 0;
+    const shmp_slot *s = &slots_of(r)[slot];
+    /* Acquire: when the answer is "no", the batch was released (HELD ->
+     * FREE, release) or discarded (READY -> FREE, release) before whatever
+     * state is read here, and every read the consumer made of the batch's
+     * memory happens before the caller's next write of it. */
+    const uint32_t state = atomic_load_explicit(&s->state, memory_order_acquire);
+    if (state != SHMP_READY && state != SHMP_HELD) return 0;
+    /* Fields another claimer may be rewriting (it then owns the slot: the
+     * batch asked about is gone, and any mismatch says so). */
+    return LOAD_ONCE(s->worker) == worker && LOAD_ONCE(s->pass) == pass && LOAD_ONCE(s->wseq) == wseq;
 }
 uint32_t shmp_slot_worker(const shmp_ring *r, uint32_t slot) {
     return slot < r->nslots ? LOAD_ONCE(slots_of(r)[slot].worker) : UINT32_MAX;

@@ -236,6 +236,15 @@ void shmp_report_fault(const shmp_ring *ring);
 void shmp_set_spin_ns(int64_t ns);
 int64_t shmp_get_spin_ns(void);
 
+/* ---- a producer's question about its own published batch ------------- */
+/* 1 while `slot` still holds batch (worker, pass, wseq): READY or HELD with
+ * that record. 0 once the consumer released or discarded it, with acquire
+ * ordering: the consumer's reads of anything that batch referred to (a
+ * region of memory of its own, _external.py) happen before the caller's
+ * next writes there. Only the batch's producer may ask (no one else
+ * publishes a batch with its worker, pass and wseq). */
+int shmp_slot_holds(const shmp_ring *ring, uint32_t slot, uint32_t worker, uint32_t pass, uint64_t wseq);
+
 /* ---- observation (relaxed reads, for stats and diagnostics) ----------- */
 /* Each reads one shared word once. An index out of the private geometry's
  * range reads nothing and gives 0 (UINT32_MAX for a slot's worker, which no

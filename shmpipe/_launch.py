@@ -152,7 +152,7 @@ class ProcessLauncher(Launcher):
             self.inboxes[worker].close()  # a message it left half-sent goes with it
         self.watches[worker].close()
         self.conns[worker].close()
-        handle = self.channel.handle if self.channel is not None else None
+        handle = self.channel.replacement_handle(worker) if self.channel is not None else None
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
             p, conn = self._spawn(worker, handle)
         self.processes[worker] = p

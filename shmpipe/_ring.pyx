@@ -28,7 +28,7 @@ cimport numpy as cnp
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport ENOENT, errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
-from libc.string cimport strerror, memcmp
+from libc.string cimport strerror, memcmp, memcpy
 
 from shmpipe._codec cimport Decoder, Encoder, new_array
 
@@ -98,6 +98,9 @@ cdef extern from "shmpipe_ring.h" nogil:
     int shmp_reclaim(const shmp_ring *ring, uint32_t worker)
     int shmp_worker_done(const shmp_ring *ring, uint32_t worker, uint32_t pass_)
     uint32_t SHMP_STATE_OF(uint32_t word)
+    uint32_t SHMP_WRITING_BY(uint32_t worker)
+    int shmp_slot_holds(const shmp_ring *ring, uint32_t slot, uint32_t worker, uint32_t pass_,
+                        uint64_t wseq)
     uint32_t shmp_slot_state(const shmp_ring *ring, uint32_t slot)
     uint32_t shmp_slot_worker(const shmp_ring *ring, uint32_t slot)
     uint32_t shmp_slot_pass(const shmp_ring *ring, uint32_t slot)
@@ -683,6 +686,47 @@ cdef object _root_array(unsigned char *data, Py_ssize_t nbytes, object base, bin
     return new_array(_UINT8, 1, &n, data, writeable, base)
 
 
+# The record of a batch larger than a slot (shmpipe/_external.py): a slot's
+# whole payload, in place of a batch. Native little-endian, 32 bytes:
+#   0 magic "SPX1", 4 u32 worker, 8 u64 nbytes (the payload's, at the start
+#   of its region), 16 u64 rid (the region's id), 24 u32 region (its index
+#   in the worker's table), 28 u32 zero.
+# Written by RingWriter.publish_record, read by _read_record: both here, so
+# the layout has one home.
+cdef struct ext_record:
+    char magic[4]
+    uint32_t worker
+    uint64_t nbytes
+    uint64_t rid
+    uint32_t region
+    uint32_t zero
+
+cdef enum:
+    EXTERNAL_RECORD_BYTES = 32
+cdef const char *EXTERNAL_MAGIC = b"SPX1"
+
+
+cdef int _read_record(object root, ext_record *out) except -1:
+    """Copies a slot's record out (read once: only the copy is used after)
+    and checks its form; CorruptChannelError if it is not one."""
+    cdef cnp.ndarray r = <cnp.ndarray?>root
+    if cnp.PyArray_DIM(r, 0) != EXTERNAL_RECORD_BYTES:
+        raise CorruptChannelError(
+            f"an external batch's record has {cnp.PyArray_DIM(r, 0)} bytes, not {EXTERNAL_RECORD_BYTES}")
+    memcpy(out, cnp.PyArray_DATA(r), EXTERNAL_RECORD_BYTES)
+    if memcmp(out.magic, EXTERNAL_MAGIC, 4) != 0 or out.zero != 0:
+        raise CorruptChannelError("a slot holds neither a batch nor an external batch's record")
+    return 0
+
+
+def read_record(object root):
+    """(worker, region, rid, nbytes) of the record `root` (a slot's payload),
+    read once; CorruptChannelError if it is not one."""
+    cdef ext_record rec
+    _read_record(root, &rec)
+    return rec.worker, rec.region, rec.rid, rec.nbytes
+
+
 cdef class RingWriter:
     """A producer's end of the ring: encodes batches into slots.
 
@@ -745,6 +789,32 @@ cdef class RingWriter:
     def put(self, batch):
         """Publishes `batch`: in place if it is the pending reservation,
         else copied into a free slot (waiting for one)."""
+        cdef Py_ssize_t nbytes = self._put_fitting(batch)
+        if nbytes:
+            raise BatchTooLargeError(nbytes, self.ring.r.slot_size)
+
+    def put_fitting(self, batch):
+        """put(batch) where it fits in a slot (or is the pending reservation,
+        yielded as it is): returns 0. Else nothing is claimed or published
+        (a pending reservation stays) and it returns the size of the batch's
+        payload, planned: write_planned() writes it into other memory (a
+        region, _external.py). One plan of the batch either way."""
+        return self._put_fitting(batch)
+
+    def write_planned(self, object buf):
+        """Writes the payload put_fitting() planned last and did not publish
+        into `buf` (a writable, contiguous, 64-byte aligned uint8 array with
+        room for it); returns its size."""
+        cdef cnp.ndarray arr = <cnp.ndarray?>buf
+        cdef Py_ssize_t nbytes = self.enc.nbytes
+        if (cnp.PyArray_TYPE(arr) != cnp.NPY_UINT8 or cnp.PyArray_NDIM(arr) != 1
+                or not cnp.PyArray_ISCARRAY(arr) or (<size_t>cnp.PyArray_DATA(arr)) % 64
+                or cnp.PyArray_DIM(arr, 0) < nbytes):
+            raise ValueError(f"write_planned() needs a writable, aligned uint8 array of {nbytes} bytes")
+        self.enc.write(<unsigned char *>cnp.PyArray_DATA(arr), cnp.PyArray_DIM(arr, 0))
+        return nbytes
+
+    cdef Py_ssize_t _put_fitting(self, object batch) except -1:
         cdef Py_ssize_t nbytes = self.enc.plan(batch, False)
         cdef uint32_t slot
         cdef unsigned char *payload
@@ -753,8 +823,9 @@ cdef class RingWriter:
             if self.enc.same_meta(payload) and self.enc.in_place(payload):
                 self._publish(self.reserved_slot, nbytes)
                 self._seal_reservation()
-                return
-        self._check_size(nbytes)
+                return 0
+        if <uint64_t>nbytes > self.ring.r.slot_size:
+            return nbytes
         slot = self._acquire()
         try:
             self.enc.write(self.ring.payload(slot), <Py_ssize_t>self.ring.r.slot_size)
@@ -764,6 +835,7 @@ cdef class RingWriter:
         self._publish(slot, nbytes)
         # A reservation that was not yielded as is has now been copied out.
         self._drop_reservation()
+        return 0
 
     cdef int _publish(self, uint32_t slot, Py_ssize_t nbytes) except -1:
         _raise_status(shmp_publish(&self.ring.r, slot, self.worker, self.pass_no, self.wseq,
@@ -786,9 +858,38 @@ cdef class RingWriter:
             raise BatchTooLargeError(nbytes, self.ring.r.slot_size)
         self._publish(slot, nbytes)
 
+    def claim_slot(self):
+        """Claims a free slot (waiting for one) for a record: its number.
+        Then publish_record() or abandon()."""
+        return self._acquire()
+
+    def publish_record(self, uint32_t slot, uint64_t nbytes, uint32_t region, uint64_t rid):
+        """Writes the record of this worker's batch of `nbytes` at the start
+        of its region (`region`, id `rid`) into the claimed `slot`, and
+        publishes it."""
+        cdef ext_record rec
+        if slot >= self.ring.r.nslots or shmp_slot_state(&self.ring.r, slot) != SHMP_WRITING_BY(self.worker):
+            raise ValueError(f"slot {slot} is not claimed")
+        memcpy(rec.magic, EXTERNAL_MAGIC, 4)
+        rec.worker = self.worker
+        rec.nbytes = nbytes
+        rec.rid = rid
+        rec.region = region
+        rec.zero = 0
+        memcpy(self.ring.payload(slot), &rec, EXTERNAL_RECORD_BYTES)
+        self._publish(slot, EXTERNAL_RECORD_BYTES)
+
     def abandon(self, uint32_t slot):
         """Gives a claimed slot back unpublished."""
         _raise_status(shmp_abandon(&self.ring.r, slot, self.worker), "abandoning a slot")
+
+    def holds(self, uint32_t slot, uint32_t pass_no, uint64_t wseq):
+        """Whether `slot` still holds this worker's batch (`pass_no`,
+        `wseq`) published there: READY or HELD. False once the consumer
+        released or discarded it, with acquire ordering (shmp_slot_holds):
+        memory of its own that batch used may be written again. One atomic
+        load and three plain ones, no system call."""
+        return shmp_slot_holds(&self.ring.r, slot, self.worker, pass_no, wseq) != 0
 
     def reserve(self, template):
         """Claims a slot and returns `template`'s structure with writable
@@ -855,11 +956,53 @@ cdef class RingWriter:
             shmp_abandon(&self.ring.r, slot, self.worker)
 
 
-# A slot whose payload is this many bytes starting with this magic holds the
-# record of a batch larger than a slot (shmpipe/_external.py), not a batch.
-cdef enum:
-    EXTERNAL_RECORD_BYTES = 32
-cdef const char *EXTERNAL_MAGIC = b"SPX1"
+cdef class Mapping:
+    """`size` bytes of the memory `fd` refers to, mapped shared: read-only,
+    or writable and populated (every page touched once now). A region of
+    a batch larger than a slot (_external.py), in the producer (writable)
+    or the consumer (read-only). Unmapped when this object is freed, so
+    whatever views the memory must keep it (array(), region_root()).
+    Unlike Python's mmap it keeps no duplicate of the descriptor (one
+    descriptor per mapping would count against ulimit -n) and exports no
+    buffer (NumPy cannot make a read-only view of it writable)."""
+    cdef readonly size_t address
+    cdef readonly Py_ssize_t size
+    cdef bint writable
+
+    def __cinit__(self, int fd, Py_ssize_t size, bint writable):
+        cdef void *addr
+        cdef int prot = PROT_READ | (PROT_WRITE if writable else 0)
+        cdef int flags = MAP_SHARED | (MAP_POPULATE if writable else 0)
+        if size <= 0:
+            raise ValueError(f"a mapping of {size} bytes")
+        with nogil:
+            addr = mmap(NULL, <size_t>size, prot, flags, fd, 0)
+        if addr == MAP_FAILED:
+            raise OSError(errno, f"mmap({size}): {strerror(errno).decode()}")
+        self.address = <size_t>addr
+        self.size = size
+        self.writable = writable
+
+    def __dealloc__(self):
+        if self.address:
+            munmap(<void *>self.address, <size_t>self.size)
+
+    def array(self):
+        """All of it as a uint8 array (writable where the mapping is),
+        whose base is this object."""
+        return _root_array(<unsigned char *>self.address, self.size, self, self.writable)
+
+
+def region_root(object owner, size_t address, Py_ssize_t nbytes):
+    """A read-only uint8 array of `nbytes` at `address`, whose base is
+    `owner`: the consumer's root of a batch in a region of memory of its own
+    (_external.py). The caller vouches that `owner` keeps those bytes mapped
+    for as long as it lives, and that they lie inside the mapping (checked
+    against the mapping's private size there). `owner` exports no buffer,
+    so NumPy cannot make the array or any view of it writable."""
+    if nbytes < 0:
+        raise ValueError("a region root of negative size")
+    return _root_array(<unsigned char *>address, nbytes, owner, False)
 
 
 def is_external_record(object root):
@@ -873,9 +1016,11 @@ cdef class RingReader:
     """The consumer's end of the ring: takes slots and decodes them into
     read-only views whose root owns the slot (see the module docstring).
 
-    A slot holding an external batch's record is handed, with its lease,
-    to `on_external(record, decode)`, which returns (the batch, or with
-    decode False its root; the payload's size)."""
+    A slot holding an external batch's record is read (once, checked: its
+    worker must be the slot's) and handed, with its lease, to
+    `on_external(worker, region, rid, nbytes, record)`, which returns the
+    payload's root (read-only, holding the record and so the slot): the
+    reader decodes it as it decodes a slot."""
     cdef readonly Ring ring
     cdef Decoder dec
     cdef readonly int last_worker
@@ -934,11 +1079,20 @@ cdef class RingReader:
         return batch, self.last_nbytes, self.last_worker, (t1 - t0 if t1 > t0 else 1)
 
     cdef object _external(self, object record, bint decode):
+        cdef cnp.ndarray r
+        cdef ext_record rec
         if self.on_external is None:
             raise CorruptChannelError("a slot holds the record of a batch larger than a slot, which this ring cannot take")
-        batch, nbytes = self.on_external(record, decode)
-        self.last_nbytes = nbytes
-        return batch
+        _read_record(record, &rec)
+        if rec.worker != <uint32_t>self.last_worker:
+            raise CorruptChannelError(f"a slot of worker {self.last_worker} holds a record of worker {rec.worker}")
+        root = self.on_external(self.last_worker, rec.region, rec.rid, rec.nbytes, record)
+        del record  # the root holds it (and the slot) for as long as the batch lives
+        self.last_nbytes = rec.nbytes
+        if not decode:
+            return root
+        r = <cnp.ndarray?>root
+        return self.dec.decode(<unsigned char *>cnp.PyArray_DATA(r), cnp.PyArray_DIM(r, 0), root, False)
 
     def take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
         """Like take(), but returns the payload itself: a read-only uint8

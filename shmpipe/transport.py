@@ -346,6 +346,12 @@ class ConsumerEnd(abc.ABC):
         """A producer failed: stop taking batches; get() returns what is
         already in flight, then FAULT."""
 
+    def replacement_handle(self, worker: int) -> Any:
+        """Capability ``restarts_producers``: the handle a producer that
+        replaces `worker`'s (after ``reclaim``) attaches with. Default:
+        ``handle``, as the first producers got."""
+        return self.handle
+
     def audit(self, pass_no: int) -> None:
         """Checks the channel's shared state against what this process
         knows (pass `pass_no` is the one read); raises CorruptChannelError

@@ -26,7 +26,7 @@ import pytest
 import shmpipe
 from shmpipe import _codec, _external, _fdpass, _ring
 from shmpipe.errors import CorruptChannelError, SharedMemoryFullError
-from shmpipe.testing.memory import ring_descriptors
+from shmpipe.testing.memory import named_segments, ring_descriptors
 from shmpipe.testing.sources import ChangedReservation, Counter, ReserveThenOther, Shapes, crc_of, payload_for
 from shmpipe.transport import ChannelSpec
 from shmpipe.transports._ranks import ShmRankReader
@@ -50,7 +50,9 @@ def run_script(tmp_path, text, *args, timeout=120, prefix=()):
 
 
 def shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """shmpipe's names in /dev/shm (other programs' come and go meanwhile:
+    torch's DataLoader workers, a browser)."""
+    return named_segments()
 
 
 def test_the_trainer_keeps_no_way_into_the_ring_once_its_producers_have_it():
@@ -337,21 +339,25 @@ def test_one_gib_batch_among_small_ones(transport):
 
 @pytest.mark.parametrize("transport", ["shm", "arrow"])
 def test_memory_of_big_batches_is_given_back_after_the_burst(transport):
-    grow_then_shrink = [(64 << 10,)] * 2 + [(32 << 20,), (64 << 20,), (128 << 20,), (64 << 20,)] + [(64 << 10,)] * 4
+    # Regions are kept while they are used: given back once the sizes have
+    # shrunk for _external.IDLE_PUTS batches and IDLE_NS (here 300 small
+    # batches over about 1.5 s), then the consumer reads the producer's
+    # DROPs (at the end of the pass, at the latest).
+    burst = [(32 << 20,), (64 << 20,), (128 << 20,), (64 << 20,)]
+    small = 300
+    grow_then_shrink = [(64 << 10,)] * 2 + burst + [(64 << 10,)] * small
     baseline = shmem_bytes()
-    source = Shapes(grow_then_shrink, np.uint8)
+    source = Shapes(grow_then_shrink, np.uint8, delay=0.005)
     with shmpipe.from_iterators([source], transport=transport, capacity=4, timeout=T) as pipe:
-        it = iter(pipe)
         peak = 0
-        for b in it:
+        for b in pipe:
             check_delivered(b)
             peak = max(peak, shmem_bytes() - baseline)
-            last = b["seq"]
             del b  # each batch is let go before the next (the pipeline stays open)
-            if last == len(grow_then_shrink) - 1:
-                break
         after = shmem_bytes() - baseline
+        stats = pipe.channel.external_stats()
         ring = pipe.channel.segment.size
+    assert stats["regions"] == 0 and stats["dropped"] >= 1, stats
     assert peak >= 128 << 20, "the 128 MiB batch should have shown as shared memory while it was held"
     assert after <= ring + (16 << 20), (
         f"{after / 2**20:.0f} MiB of shared memory still in use after the burst (the ring is {ring / 2**20:.1f} MiB)"
@@ -389,10 +395,10 @@ def open_file_limit(at_least):
 
 def test_an_ordered_pipeline_never_waits_on_a_full_outbox():
     # Worker 0 pauses; worker 1 fills its quota of a big ring with batches
-    # larger than a slot, whose descriptors wait on the outbox: more than a
-    # socket buffer holds. Worker 0 must still be able to send its own.
-    # Nearly 700 descriptors wait at once: the consumer keeps at most a
-    # quarter of ulimit -n of them (_external.stash_limit).
+    # larger than a slot, each in a region of its own (all busy at once):
+    # hundreds of regions announced, more than a socket buffer holds.
+    # Worker 0 must still be able to announce its own. The consumer keeps
+    # at most a quarter of ulimit -n region descriptors (_external.stash_limit).
     shapes = [(100,)] + [(20_000,)] * 400
     source = Shapes(shapes, np.uint8, pause=(0, 1, 1.0))
     with open_file_limit(4 * 700), shmpipe.from_iterators([source] * 2, ordered=True, capacity=700, timeout=30) as pipe:
@@ -400,43 +406,35 @@ def test_an_ordered_pipeline_never_waits_on_a_full_outbox():
     assert got == [(w, s) for s in range(len(shapes)) for w in range(2)]
 
 
-def test_the_descriptors_of_batches_larger_than_a_slot_arrive_close_on_exec():
-    """A batch larger than a slot's memory waits in the consumer as a
-    descriptor until its turn. It must be close-on-exec, as every descriptor
-    Python makes: a program the trainer starts meanwhile (os.system, a
-    fork+exec in another thread) must not inherit the batch's memory.
-    socket.recv_fds gave them without FD_CLOEXEC."""
+def test_the_descriptors_of_regions_arrive_close_on_exec():
+    """The consumer keeps a region's descriptor while the region is in its
+    table. It must be close-on-exec, as every descriptor Python makes: a
+    program the trainer starts meanwhile (os.system, a fork+exec in another
+    thread) must not inherit the batches' memory. socket.recv_fds gave
+    them without FD_CLOEXEC."""
     shapes = [(100,)] + [(20_000,)] * 4  # uint8: the first batch sizes the slots, the others do not fit
     with shmpipe.from_iterators([Shapes(shapes, np.uint8)], capacity=8, timeout=T) as pipe:
-        it = iter(pipe)
-        check_delivered(next(it))
-        inbox = pipe.channel.inbox
-        deadline = time.monotonic() + 10.0
-        while len(inbox.stash) < len(shapes) - 1 and time.monotonic() < deadline:
-            inbox.pump()  # what get() does while it waits: the descriptors go to the stash
-            time.sleep(0.01)
-        assert len(inbox.stash) == len(shapes) - 1, inbox.stash
-        flags = {fd: fcntl.fcntl(fd, fcntl.F_GETFD) for fd in inbox.stash.values()}
-        assert all(f & fcntl.FD_CLOEXEC for f in flags.values()), f"inheritable: {flags}"
-        for b in it:
+        got = []
+        for b in pipe:
             check_delivered(b)
-            del b
+            got.append(b)  # all held: each big one is in a region of its own
+        fds = [known.fd for known in pipe.channel.regions.table.values()]
+        assert len(fds) == len(shapes) - 1, pipe.channel.external_stats()
+        flags = {fd: fcntl.fcntl(fd, fcntl.F_GETFD) for fd in fds}
+        assert all(f & fcntl.FD_CLOEXEC for f in flags.values()), f"inheritable: {flags}"
+        del got, b
 
 
 @pytest.mark.parametrize("taken_by", ["get", "take_shared"])
 def test_a_ctrl_c_while_a_batch_larger_than_a_slot_is_taken_leaves_no_descriptor(monkeypatch, taken_by):
     """A press while the consumer takes a batch larger than a slot (its
-    descriptor received, its memory being mapped) is held back to the end
-    of that span and raised there, and the descriptor goes with the batch:
-    the consumer's own batch (get), or one it deals to a rank of a group
-    (take_shared, which hands the descriptor on). It was left open: the
-    press was raised before the descriptor was handed over to be closed,
-    one leaked per such press (the Ctrl-C tests of the fault suite saw it
-    now and then, by get)."""
-    from shmpipe import _external
-    from shmpipe.testing.memory import ring_descriptors
+    region being mapped) leaves no descriptor behind: the region's is the
+    table's (closed with the pipeline), and the duplicate a rank of a
+    group is dealt (take_shared) is made and handed over with the press
+    held back. It used to leak one per such press."""
+    from shmpipe.testing.memory import named_segments, ring_descriptors
 
-    real_map = _external.map_external
+    real_map = _external._map_readonly
 
     def pressed_while_mapping(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)  # a press now: the real signal, at this moment
@@ -452,7 +450,7 @@ def test_a_ctrl_c_while_a_batch_larger_than_a_slot_is_taken_leaves_no_descriptor
             with shmpipe.from_iterators([Shapes(shapes, np.uint8)], capacity=4, timeout=T) as pipe:
                 it = iter(pipe)
                 check_delivered(next(it))
-                monkeypatch.setattr(_external, "map_external", pressed_while_mapping)
+                monkeypatch.setattr(_external, "_map_readonly", pressed_while_mapping)
                 if taken_by == "get":
                     next(it)
                 else:  # what rank 0 of a group does with a batch it deals to another rank
@@ -472,23 +470,23 @@ def test_a_reservation_yielded_as_a_larger_batch_takes_no_second_slot(ordered):
     assert got == [(0, 100), (0, 100), (0, 1_000_000), (1, 100), (1, 100)]
 
 
-# -- Batches larger than a slot: their descriptors are untrusted input --------
+# -- Batches larger than a slot: what comes on the outbox is untrusted ---------
 #
-# Issue 20, point 6. Real rings, real sockets, real sealed memfds (named as
-# shmpipe's own, so the conftest sees any left open): the test plays a
-# producer that breaks the protocol on the ring's outbox.
+# Issue 20, point 6, and issue 21, point 2. Real rings, real sockets, real
+# sealed memfds (named as shmpipe's own, so the conftest sees any left
+# open): the test plays a producer that breaks the protocol on the ring's
+# outbox, or writes records of its own into its slots.
 
-BIG_SEALS = SEALS | fcntl.F_SEAL_WRITE
-TAG = struct.Struct("<IIQ")  # a datagram's tag: pass, worker, wseq
+REGION_SEALS = SEALS | _external.F_SEAL_FUTURE_WRITE
 
 
-def sealed_memfd(batch, size=None, seals=BIG_SEALS):
-    """A memfd as a producer makes one for `batch` (its encoded bytes at the
-    start), of `size` bytes (default: the payload's), sealed with `seals`:
-    (descriptor, payload bytes)."""
+def sealed_memfd(batch, size=None, seals=REGION_SEALS):
+    """A region as a producer makes one for `batch` (its encoded bytes at
+    the start), of `size` bytes (default: the payload's, in whole pages),
+    sealed with `seals`: (descriptor, payload bytes)."""
     nbytes = _codec.encoded_size(batch)
     fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, size or nbytes)
+    os.ftruncate(fd, size or -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     mm = mmap.mmap(fd, nbytes)
     view = np.frombuffer(mm, np.uint8)
     _codec.encode_into(batch, view)
@@ -499,21 +497,38 @@ def sealed_memfd(batch, size=None, seals=BIG_SEALS):
 
 
 def batch_descriptors():
-    """This process's descriptors of big batches' memory (not the ring's)."""
+    """This process's descriptors of regions (not the ring's)."""
     return [fd for fd, what in ring_descriptors().items() if what.startswith("/memfd:shmpipe-batch")]
 
 
 def send_datagram(sock, tag, fds, extra=b""):
-    _fdpass.send_fds(sock, TAG.pack(*tag) + extra, fds)
+    """A datagram on the outbox: tag (kind, worker, region, rid)."""
+    _fdpass.send_fds(sock, _external.TAG.pack(*tag) + extra, fds)
 
 
-def announce(writer, nbytes, flags=0):
-    """Publishes a slot holding the record of batch `writer.wseq`, as a
-    producer does after it sent the datagram (flags 0: not write-sealed)."""
+def announce_region(sock, worker, index, rid, batch, size=None, seals=REGION_SEALS):
+    """NEW (worker, index, rid), a region holding `batch`; its payload size."""
+    fd, nbytes = sealed_memfd(batch, size, seals)
+    try:
+        send_datagram(sock, (_external.NEW, worker, index, rid), [fd])
+    finally:
+        os.close(fd)
+    return nbytes
+
+
+def announce(writer, nbytes, index=0, rid=0):
+    """Publishes a slot holding the record of a batch of `nbytes` in region
+    `index`, id `rid`, of the writer's worker."""
+    writer.publish_record(writer.claim_slot(), nbytes, index, rid)
+
+
+def publish_raw_record(writer, *fields):
+    """A slot holding 32 bytes of a record of the test's making: magic,
+    worker, nbytes, rid, region, zero."""
     slot, buf = writer.claim()
-    _external.RECORD.pack_into(buf.data, 0, b"SPX1", writer.pass_no, nbytes, writer.worker, flags, writer.wseq)
+    struct.pack_into("<4sIQQII", buf.data, 0, *fields)
     del buf
-    writer.publish_claimed(slot, _external.RECORD.size)
+    writer.publish_claimed(slot, 32)
 
 
 class BigRing:
@@ -555,24 +570,21 @@ def mapped_span(arr):
 
 
 def test_a_big_batch_is_mapped_at_its_records_size_not_its_files(big_ring):
-    # A sealed sparse memfd of 2^45 bytes, announced as a 64 KiB batch: the
-    # consumer mapped all 32 TiB of it (address space only, per held batch).
+    # A sealed sparse region of 2^45 bytes, named by a record of a 64 KiB
+    # batch: the consumer maps twice what the record claims (whole pages),
+    # never the region's 32 TiB (address space only, per held batch).
     batch = np.arange(8192, dtype=np.int64)  # 64 KiB
-    fd, nbytes = sealed_memfd(batch, size=1 << 45)
-    try:
-        send_datagram(big_ring.sock, (0, 1, 0), [fd])
-    finally:
-        os.close(fd)
+    nbytes = announce_region(big_ring.sock, 1, 0, 0, batch, size=1 << 45)
     announce(big_ring.writers[1], nbytes)
     got = big_ring.c.get(0, -1, 0, WAIT)
     np.testing.assert_array_equal(got, batch)
     _, length = mapped_span(got)
-    assert length == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, f"mapped {length:,} bytes for a {nbytes:,}-byte batch"
+    assert length == -(-2 * nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, f"mapped {length:,} bytes for {nbytes:,}"
     del got
 
 
 SPARSE_UNDER_RLIMIT_AS = """
-    import json, os, resource, socket, struct, sys
+    import json, os, resource, socket
     import fcntl, mmap
     import numpy as np
     from shmpipe import _codec, _external, _fdpass
@@ -592,19 +604,17 @@ SPARSE_UNDER_RLIMIT_AS = """
     # The address space this process has, plus 1 GiB: a 32 TiB mapping cannot fit.
     resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (1 << 30), resource.RLIM_INFINITY))
     out = {}
-    for name, claimed in (("64KiB", nbytes), ("16TiB", 1 << 44)):
+    for index, (name, claimed) in enumerate((("64KiB", nbytes), ("16TiB", 1 << 44))):
         fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 1 << 45)
         mm = mmap.mmap(fd, nbytes)
         _codec.encode_into(batch, np.frombuffer(mm, np.uint8))
         mm.close()
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        _fdpass.send_fds(sock, struct.pack("<IIQ", 0, 0, w.wseq), [fd])
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                    | _external.F_SEAL_FUTURE_WRITE)
+        _fdpass.send_fds(sock, _external.TAG.pack(_external.NEW, 0, index, index), [fd])
         os.close(fd)
-        slot, buf = w.claim()
-        _external.RECORD.pack_into(buf.data, 0, b"SPX1", 0, claimed, 0, 0, w.wseq)
-        del buf
-        w.publish_claimed(slot, 32)
+        w.publish_record(w.claim_slot(), claimed, index, index)
         try:
             got = c.get(0, -1, 0, 5.0)
             out[name] = ["ok", bool((got == batch).all())]
@@ -619,9 +629,10 @@ SPARSE_UNDER_RLIMIT_AS = """
 
 
 def test_a_big_batch_under_a_low_address_space_limit(tmp_path):
-    # Under RLIMIT_AS the old mapping of the file's size failed for the
-    # 64 KiB batch, and a record claiming 16 TiB got a plain OSError
-    # (ENOMEM) rather than a ShmpipeError naming the sizes.
+    # Under RLIMIT_AS a mapping of the region's size fails for the 64 KiB
+    # batch, and a record claiming 16 TiB (twice that mapped: the whole
+    # 32 TiB region) got a plain OSError (ENOMEM) rather than a
+    # ShmpipeError naming the sizes.
     proc = run_script(tmp_path, SPARSE_UNDER_RLIMIT_AS, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.splitlines()[-1])
@@ -631,96 +642,110 @@ def test_a_big_batch_under_a_low_address_space_limit(tmp_path):
     assert "17,592,186,044,416" in message and "35,184,372,088,832" in message and "ulimit -v" in message, message
 
 
-@pytest.mark.parametrize("pumped", [False, True], ids=["in-the-socket", "stashed-first"])
-def test_an_early_second_descriptor_for_a_batch_is_an_error_not_a_different_batch(big_ring, pumped):
-    # Batch 0 of worker 0 is sent early (by any process on the outbox) with
-    # other memory; then its producer puts the real one. The first datagram
-    # won: the consumer silently delivered the early batch (all 7s).
+@pytest.mark.parametrize("pumped", [False, True], ids=["in-the-socket", "received-first"])
+def test_an_early_announcement_of_a_region_is_an_error_not_a_different_batch(big_ring, pumped):
+    # Region 0 of worker 0 is announced early (by any process on the
+    # outbox) with other memory; then its producer puts the real batch,
+    # announcing its region 0, id 0. The first announcement must not win.
     real, early = np.full(50_000, 1, np.int64), np.full(50_000, 7, np.int64)
-    fd, _ = sealed_memfd(early)
-    try:
-        send_datagram(big_ring.sock, (0, 0, 0), [fd])
-    finally:
-        os.close(fd)
+    announce_region(big_ring.sock, 0, 0, 0, early)
     if pumped:
-        big_ring.c._pump()  # kept in the stash, where it may not displace the real one
+        big_ring.c._pump()  # in the table, where it may not displace the real one
     big_ring.producer.put(real)
-    with pytest.raises(CorruptChannelError, match=r"batch 0 of worker 0 \(pass 0\) came twice"):
+    with pytest.raises(CorruptChannelError, match=r"region 0 \(id 0\) of worker 0 is announced after"):
         big_ring.c.get(0, -1, 0, WAIT)
 
 
-def test_a_descriptor_for_a_batch_already_taken_is_an_error(big_ring):
-    # After batch 0 was taken, a datagram with its tag again was silently
-    # kept (holding its memory until the pass ended).
+def test_a_region_announced_again_after_its_use_is_an_error(big_ring):
+    # After region 0 carried a batch, a NEW for it again (same id) could
+    # only replace it with other memory: refused when it arrives.
     big_ring.producer.put(np.full(50_000, 1, np.int64))
     got = big_ring.c.get(0, -1, 0, WAIT)
     assert int(got[0]) == 1
     del got
-    fd, _ = sealed_memfd(np.full(50_000, 7, np.int64))
-    try:
-        send_datagram(big_ring.sock, (0, 0, 0), [fd])
-    finally:
-        os.close(fd)
-    with pytest.raises(CorruptChannelError, match="after batch 0 of that worker was taken"):
+    announce_region(big_ring.sock, 0, 0, 0, np.full(50_000, 7, np.int64))
+    with pytest.raises(CorruptChannelError, match="is announced after that worker's region id 0"):
         big_ring.c._pump()
-    assert not big_ring.c.inbox.stash and not batch_descriptors()
+    assert len(batch_descriptors()) == 1, "only the real region's descriptor is kept"
 
 
-def test_a_descriptor_its_slot_never_announced_is_an_error(big_ring):
-    # A datagram for batch 0 of worker 0, whose batch 0 is small (in a slot):
-    # when its batch 1, a big one, is taken, batch 0's datagram is stale.
-    fd, _ = sealed_memfd(np.full(50_000, 7, np.int64))
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ((b"SPX1", 1, 400_064, 0, 0, 0), "never announced"),  # no region of worker 1
+        ((b"SPX1", 1, 400_064, 5, 0, 0), "never announced"),  # region 0 of worker 1 has id 0, not 5
+        ((b"SPX1", 1, 1 << 40, 0, 0, 0), "claims 1,099,511,627,776 bytes in region 0 of worker 1"),
+        ((b"SPX1", 1, 400_064, 0, 0, 1), "neither a batch nor"),  # the zero word is not
+        ((b"SPX1", 0, 400_064, 0, 0, 0), "holds a record of worker 0"),  # in a slot of worker 1
+    ],
+    ids=["unknown-region", "wrong-id", "beyond-the-region", "not-zero", "another-workers"],
+)
+def test_a_record_that_names_memory_it_may_not_is_an_error(big_ring, request, fields, match):
+    if request.node.callspec.id != "unknown-region":
+        announce_region(big_ring.sock, 1, 0, 0, np.full(50_000, 7, np.int64))
+    publish_raw_record(big_ring.writers[1], *fields)
+    with pytest.raises(CorruptChannelError, match=match):
+        big_ring.c.get(0, -1, 0, WAIT)
+
+
+@pytest.mark.parametrize(
+    "seals, match",
+    [(SEALS, "not sealed against writing"), (fcntl.F_SEAL_SHRINK | _external.F_SEAL_FUTURE_WRITE, "resizing")],
+    ids=["writable", "growable"],
+)
+def test_a_region_that_is_not_sealed_is_refused(big_ring, seals, match):
+    announce_region(big_ring.sock, 0, 0, 0, np.ones(50_000, np.int64), seals=seals)
+    with pytest.raises(CorruptChannelError, match=match):
+        big_ring.c._pump()
+    assert not big_ring.c.regions.table and not batch_descriptors()
+
+
+@pytest.mark.parametrize(
+    "tag, fds, match",
+    [
+        ((_external.NEW, 2, 0, 0), 1, "outside the ring"),  # the ring has 2 workers
+        ((_external.NEW, 0, 6, 0), 1, "outside the ring"),  # 4 slots: regions 0 to 4
+        ((_external.DROP, 0, 0, 0), 0, "dropped, but it is not the region held there"),
+        ((_external.DROP, 0, 0, 0), 1, "malformed message"),  # a DROP with a descriptor
+        ((_external.NEW, 0, 0, 0), 0, "malformed message"),  # a NEW without one
+        ((7, 0, 0, 0), 1, "malformed message"),  # no such kind
+    ],
+    ids=["worker", "index", "unknown-drop", "drop-with-fd", "new-without-fd", "kind"],
+)
+def test_a_datagram_that_names_what_is_not_there_is_an_error(big_ring, tag, fds, match):
+    sent = [sealed_memfd(np.ones(1000, np.int64))[0] for _ in range(fds)]
     try:
-        send_datagram(big_ring.sock, (0, 0, 0), [fd])
+        send_datagram(big_ring.sock, tag, sent)
     finally:
-        os.close(fd)
-    big_ring.producer.put(np.zeros(10, np.int64))
-    big_ring.producer.put(np.ones(50_000, np.int64))
-    assert int(big_ring.c.get(0, -1, 0, WAIT)[0]) == 0
-    with pytest.raises(CorruptChannelError, match="never announced"):
-        big_ring.c.get(0, -1, 0, WAIT)
+        for fd in sent:
+            os.close(fd)
+    with pytest.raises(CorruptChannelError, match=match):
+        big_ring.c._pump()
+    assert not big_ring.c.regions.table and not batch_descriptors()
 
 
-def test_a_put_big_batch_whose_memory_is_not_sealed_against_writing_is_refused(big_ring, monkeypatch):
-    # The put path's record says "sealed against writing"; the consumer
-    # checks it. Before, a batch without the write seal was delivered.
-    real_seal = _external.seal
-    monkeypatch.setattr(_external, "seal", lambda fd, *, writes: real_seal(fd, writes=False))
-    big_ring.producer.put(np.ones(50_000, np.int64))
-    with pytest.raises(CorruptChannelError, match="says its memory is sealed against writing, but it is not"):
-        big_ring.c.get(0, -1, 0, WAIT)
-
-
-def test_each_big_batch_path_gives_the_guarantee_its_record_claims(big_ring):
-    # put(): sealed against resizing and writing; reserve(): against
-    # resizing only (its arrays still map it in the producer). What a rank
-    # gets says which, and the rank checks it again.
+def test_a_big_batch_dealt_to_a_rank_says_its_region_is_not_write_sealed(big_ring):
+    # A region is sealed against future writes, not all writes (its producer
+    # writes it again): a rank is told so, and checks it again.
     c, producer = big_ring.c, big_ring.producer
     producer.put(np.ones(50_000, np.int64))
-    reserved = producer.reserve(np.zeros(50_000, np.int64))
-    reserved[:] = 3
-    producer.put(reserved)
-    put_batch = c.take_shared(0, -1, 0, WAIT)
-    reserved_batch = c.take_shared(0, -1, 0, WAIT)
+    shared = c.take_shared(0, -1, 0, WAIT)
     try:
-        assert put_batch.record[0] == "big" and put_batch.record[2] is True
-        assert fcntl.fcntl(put_batch.fd, fcntl.F_GET_SEALS) & BIG_SEALS == BIG_SEALS
-        assert reserved_batch.record[0] == "big" and reserved_batch.record[2] is False
-        assert fcntl.fcntl(reserved_batch.fd, fcntl.F_GET_SEALS) & BIG_SEALS == SEALS
+        assert shared.record == ("big", _codec.encoded_size(np.ones(50_000, np.int64)), False)
+        assert fcntl.fcntl(shared.fd, fcntl.F_GET_SEALS) & REGION_SEALS == REGION_SEALS
         share, fds = c.share_with_ranks()
         rank = ShmRankReader(share, fds, _codec.decode, backing="memfd")
         released = []
-        got = rank.read(put_batch.record, put_batch.fd, lambda: released.append(1))
-        assert int(got[0]) == 1
+        got = rank.read(shared.record, shared.fd, lambda: released.append(1))
+        assert int(got[0]) == 1 and not got.flags.writeable
         del got
         with pytest.raises(CorruptChannelError, match="sealed against writing, but it is not"):
-            rank.read(("big", reserved_batch.record[1], True), reserved_batch.fd, lambda: released.append(2))
+            rank.read(("big", shared.record[1], True), shared.fd, lambda: released.append(2))
         assert released == [1, 2]
         rank.close()
     finally:
-        put_batch.close_fd()
-        reserved_batch.close_fd()
-        del put_batch, reserved_batch
+        shared.close_fd()
+        del shared
 
 
 def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
@@ -729,7 +754,7 @@ def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
     batch = np.arange(8192, dtype=np.int64)
     fd, nbytes = sealed_memfd(batch, size=1 << 45)
     try:
-        got = rank.read(("big", nbytes, True), fd, lambda: None)
+        got = rank.read(("big", nbytes, False), fd, lambda: None)
         np.testing.assert_array_equal(got, batch)
         assert mapped_span(got)[1] == -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         del got
@@ -740,29 +765,11 @@ def test_a_ranks_big_batch_is_mapped_at_its_records_size_and_checked(big_ring):
         rank.close()
 
 
-def test_more_descriptors_than_the_ring_can_announce_are_an_error():
-    # capacity 2: at most 2 big batches can be announced and not yet taken.
-    # Before, up to 8,192 were stashed (each holding a descriptor).
-    ring = BigRing(capacity=2)
-    try:
-        for wseq in range(3):
-            fd, _ = sealed_memfd(np.full(50_000, wseq, np.int64))
-            try:
-                send_datagram(ring.sock, (0, 1, wseq), [fd])
-            finally:
-                os.close(fd)
-        with pytest.raises(CorruptChannelError, match="one more than the ring can announce"):
-            ring.c._pump()
-        assert len(ring.c.inbox.stash) == 2 and len(batch_descriptors()) == 2
-    finally:
-        ring.close()
-
-
-STASH_UNDER_RLIMIT_NOFILE = """
-    import json, os, resource, socket, struct
+TABLE_UNDER_RLIMIT_NOFILE = """
+    import json, os, resource, socket
     import fcntl
     import numpy as np
-    from shmpipe import _fdpass
+    from shmpipe import _external, _fdpass
     from shmpipe.errors import ShmpipeError
     from shmpipe.transport import ChannelSpec
     from shmpipe.transports.shm import ShmConsumer
@@ -771,18 +778,19 @@ STASH_UNDER_RLIMIT_NOFILE = """
     c = ShmConsumer(ChannelSpec(num_workers=1, capacity=64, slot_size=8192, ordered=False))
     sock = socket.socket(fileno=os.dup(c.handle.outbox.fd))
     out = {"error": None}
-    for wseq in range(40):
+    for index in range(40):
         fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 4096)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        _fdpass.send_fds(sock, struct.pack("<IIQ", 0, 0, wseq), [fd])
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                    | _external.F_SEAL_FUTURE_WRITE)
+        _fdpass.send_fds(sock, _external.TAG.pack(_external.NEW, 0, index, index), [fd])
         os.close(fd)
         try:
-            c.inbox.pump()
+            c.regions.pump()
         except ShmpipeError as exc:
             out["error"] = str(exc)
             break
-    out["stashed"] = len(c.inbox.stash)
+    out["held"] = len(c.regions.table)
     sock.close()
     c.close()
     c.destroy()
@@ -790,26 +798,26 @@ STASH_UNDER_RLIMIT_NOFILE = """
 """
 
 
-def test_the_stash_of_descriptors_stays_well_below_the_open_file_limit(tmp_path):
-    # ulimit -n 128 and capacity 64: at most 32 descriptors wait. Before, all
-    # 40 were kept (and up to 8,192: beyond the default limit of 1,024).
-    proc = run_script(tmp_path, STASH_UNDER_RLIMIT_NOFILE, timeout=60)
+def test_the_regions_held_stay_well_below_the_open_file_limit(tmp_path):
+    # ulimit -n 128 and capacity 64: at most 32 region descriptors are kept
+    # (a worker may announce up to 65 regions), then a clear error.
+    proc = run_script(tmp_path, TABLE_UNDER_RLIMIT_NOFILE, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["stashed"] == 32, out
-    assert "ulimit -n is 128" in out["error"] and "32 batches larger than a slot are waiting" in out["error"], out
+    assert out["held"] == 32, out
+    assert "ulimit -n is 128" in out["error"] and "32 regions for batches larger than a slot" in out["error"], out
 
 
 @pytest.mark.parametrize("shape", ["long", "five-descriptors"])
 def test_a_truncated_datagram_on_the_outbox_is_an_error(big_ring, shape):
-    # A 17-byte datagram was read as its first 16 bytes, a valid tag, and its
-    # descriptor stashed; five descriptors were called running out of them.
+    # A longer datagram must not be read as its first bytes, a valid tag;
+    # five descriptors must not be called running out of them.
     fds = [sealed_memfd(np.full(50_000, 7, np.int64))[0] for _ in range(1 if shape == "long" else 5)]
     try:
-        send_datagram(big_ring.sock, (0, 0, 0), fds, extra=b"!" if shape == "long" else b"")
+        send_datagram(big_ring.sock, (_external.NEW, 0, 0, 0), fds, extra=b"!" if shape == "long" else b"")
     finally:
         for fd in fds:
             os.close(fd)
     with pytest.raises(CorruptChannelError, match="malformed message"):
         big_ring.c._pump()
-    assert not big_ring.c.inbox.stash and not batch_descriptors()
+    assert not big_ring.c.regions.table and not batch_descriptors()

@@ -14,7 +14,9 @@ Paths:
   shm reserve   shmpipe producers fill slots in place with shmpipe.reserve (no copy)
   shm varying   the shm ring with batches of 1/2, 1/2, 1 and 2 times the size in turn
                 (the size on average): the slots are sized from the first (1/2),
-                so half the batches travel in memory of their own
+                so half the batches travel in memory of their own (regions, reused)
+  X varying     the same over transport X, for every transport that takes batches
+                of any size (sized by its first batch: arrow)
   transport:X   the same pipeline as "shm ring" over transport X (arrow, queue, ray)
 """
 
@@ -201,13 +203,14 @@ def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, cap
 def bench_pipeline(
     path: str, nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int
 ) -> Result:
-    """A shmpipe pipeline: "shm ring", "shm reserve", "shm varying" or
-    "transport:<name>"."""
+    """A shmpipe pipeline: "shm ring", "shm reserve", "<transport> varying"
+    or "transport:<name>"."""
     transport = path.split(":", 1)[1] if path.startswith("transport:") else "shm"
     source: Callable[[], Iterator[np.ndarray]]
     if path == "shm reserve":
         source = ReservedArrays(nbytes)
-    elif path == "shm varying":
+    elif path.endswith(VARYING):
+        transport = path[: -len(VARYING)]
         source = VaryingArrays(nbytes)
     else:
         source = FreshArrays(nbytes)
@@ -218,12 +221,30 @@ def bench_pipeline(
 
 
 PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve", "shm varying")
+VARYING = " varying"
+
+
+def varying_transports() -> list[str]:
+    """The transports installed here that take batches of any size (their
+    channel is sized by the first batch, and larger ones still travel):
+    each gets a varying path."""
+    names = []
+    for name in shmpipe.available_transports():
+        try:
+            if shmpipe.get_transport(name).capabilities.sized_by_first_batch:
+                names.append(name)
+        except shmpipe.ShmpipeError:
+            continue  # a transport whose package is missing here
+    return names
 
 
 def default_paths() -> list[str]:
     """The floors, the ring (copying and in place), and every other
-    transport installed here (plugins included)."""
-    return list(PATHS) + [f"transport:{t}" for t in shmpipe.available_transports() if t != "shm"]
+    transport installed here (plugins included), with a varying path for
+    each that takes batches of any size."""
+    others = [t for t in shmpipe.available_transports() if t != "shm"]
+    varying = [f"{t}{VARYING}" for t in varying_transports() if t != "shm"]
+    return list(PATHS) + varying + [f"transport:{t}" for t in others]
 
 
 def plot(results: list[Result], path: str, title: str) -> None:
@@ -258,7 +279,7 @@ def run(
                 r = bench_memcpy(nbytes, seconds, min_batches)
             elif path == "mp.Queue":
                 r = bench_queue(nbytes, seconds, min_batches, workers, capacity)
-            elif path in ("shm ring", "shm reserve", "shm varying") or path.startswith("transport:"):
+            elif path in ("shm ring", "shm reserve") or path.endswith(VARYING) or path.startswith("transport:"):
                 r = bench_pipeline(path, nbytes, seconds, min_batches, workers, capacity)
             else:
                 raise shmpipe.ShmpipeValueError(

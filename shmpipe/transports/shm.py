@@ -17,6 +17,7 @@ docs/design.md.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import socket
@@ -80,6 +81,9 @@ class ShmHandle:
     owner_pid: int
     owner_start: int
     outbox: PassFd | None = None
+    #: The id of the first region a producer given this handle makes (a
+    #: replacement's: above its predecessor's, see _external.Regions.retire).
+    first_rid: int = 0
 
 
 def _free_bytes(path: str) -> int:
@@ -233,12 +237,15 @@ class ShmTransport(Transport, ServesRanks):
 
 class ShmProducer(ProducerEnd):
     """A producer's end of the ring: RingWriter does the work for batches
-    that fit in a slot; larger ones go to memory of their own (_external),
-    announced through a slot, where the pipeline allows them."""
+    that fit in a slot; larger ones go to regions of memory of its own
+    (_external: made once, reused while their sizes fit), announced
+    through a slot, where the pipeline allows them."""
 
     def __init__(self, writer: _ring.RingWriter, outbox: _external.Outbox | None = None) -> None:
         self.writer = writer
-        self.outbox = outbox
+        #: This producer's regions for batches larger than a slot (None
+        #: where the user's slot_size is a limit).
+        self.regions = None if outbox is None else _external.RegionPool(writer, outbox)
         self._reserved: _ExternalReservation | None = None
 
     def start_pass(self, pass_no: int, first_wseq: int = 0) -> None:
@@ -250,19 +257,41 @@ class ShmProducer(ProducerEnd):
         if reserved is not None:
             if batch is reserved.batch and reserved.unchanged():
                 self._publish_external_reservation(reserved)
+                self._tick()
                 return
-            self._drop_external_reservation()  # something else was yielded: it is copied below
-        try:
-            self.writer.put(batch)
-        except BatchTooLargeError:
-            if self.outbox is None:
-                raise  # the user's slot_size is a limit
-            # A pending reservation yielded as something else: its slot
-            # carries the record (the batch may hold its arrays: they are
-            # copied out before the record is written over its start).
-            self.put_external(
-                _codec.encoded_size(batch), lambda buf: _codec.encode_into(batch, buf), self.writer.claim_reserved()
-            )
+            # Something else was yielded: it is copied below, and may hold
+            # the reservation's arrays, so their region stays busy until
+            # the copy is done (else the copy could go into that very
+            # region, over the bytes it copies).
+            self._drop_external_reservation()
+            reserved.region.reserved = True
+            try:
+                self._put(batch)
+            finally:
+                reserved.region.reserved = False
+            return
+        self._put(batch)
+
+    def _put(self, batch: Any) -> None:
+        writer = self.writer
+        nbytes = writer.put_fitting(batch)  # 0: it went into a slot
+        if nbytes:
+            if self.regions is None:
+                raise BatchTooLargeError(nbytes, writer.ring.slot_size)  # the user's slot_size is a limit
+            # Planned once, written into a region by the writer's own
+            # encoder. A pending reservation yielded as something else: its
+            # slot carries the record (the batch may hold its arrays: they
+            # are copied out before the record is written over its start).
+            reserved_claim = writer.claim_reserved()
+            self.put_external(nbytes, writer.write_planned, None if reserved_claim is None else reserved_claim[0])
+        self._tick()
+
+    def _tick(self) -> None:
+        # Every batch counts towards the regions' idleness, those in slots
+        # too: when sizes shrink, the regions go (_external.RegionPool).
+        regions = self.regions
+        if regions is not None:
+            regions.tick()
 
     def reserve(self, template: Any) -> Any:
         if self._reserved is not None:
@@ -273,7 +302,7 @@ class ShmProducer(ProducerEnd):
         try:
             return self.writer.reserve(template)
         except BatchTooLargeError:
-            if self.outbox is None:
+            if self.regions is None:
                 raise
             return self._reserve_external(template)
 
@@ -283,23 +312,24 @@ class ShmProducer(ProducerEnd):
 
     def close(self) -> None:
         self._drop_external_reservation()
-        if self.outbox is not None:
-            self.outbox.close()
+        if self.regions is not None:
+            self.regions.close()
 
     # -- payloads of other encodings --------------------------------------------
 
     def put_payload(self, nbytes: int, write: Callable[[np.ndarray], int]) -> None:
         """Publishes a payload of `nbytes` that `write(buffer)` writes
         (returning the bytes it used): in a slot where it fits, else in
-        memory of its own (where the pipeline allows it). For transports
+        a region of its own (where the pipeline allows it). For transports
         with their own encoding (arrow); shm's own batches are encoded by
         the compiled writer."""
         if nbytes > self.writer.ring.slot_size:
-            if self.outbox is None:
+            if self.regions is None:
                 raise BatchTooLargeError(nbytes, self.writer.ring.slot_size)
             self.put_external(nbytes, write)
         else:
             self._publish(write)
+        self._tick()
 
     def _publish(self, write: Callable[[np.ndarray], int], claimed: tuple[int, np.ndarray] | None = None) -> None:
         """Claims a slot (or takes `claimed`), fills it with `write(slot's
@@ -316,67 +346,50 @@ class ShmProducer(ProducerEnd):
 
     # -- batches larger than a slot (see _external.py) -------------------------
 
-    def put_external(
-        self, nbytes: int, write: Callable[[np.ndarray], Any], claimed: tuple[int, np.ndarray] | None = None
-    ) -> None:
-        """Publishes a payload of `nbytes` that `write(buffer)` writes, in
-        memory of its own, announced by a record in a slot (`claimed`, or
-        one claimed now: the ring's capacity bounds these batches too)."""
-        assert self.outbox is not None
-        outbox = self.outbox
+    def put_external(self, nbytes: int, write: Callable[[np.ndarray], Any], claimed: int | None = None) -> None:
+        """Publishes a payload of `nbytes` that `write(buffer)` writes, in a
+        free region of this producer's, announced by a record in a slot
+        (`claimed`, or one claimed now: the ring's capacity bounds these
+        batches too). The slot is claimed first: then a region is always
+        free (_external's lifetime rules)."""
+        regions = self.regions
+        assert regions is not None
         writer = self.writer
-
-        def write_record(record: np.ndarray) -> int:
-            fd, mm = _external.new_external(nbytes)
-            try:
-                view = np.frombuffer(mm, np.uint8)
-                try:
-                    write(view)
-                finally:
-                    del view
-                mm.close()  # no writable mapping is left: the memory can be sealed against writes
-                _external.seal(fd, writes=True)
-                outbox.send(fd, writer.pass_no, writer.worker, writer.wseq)
-            finally:
-                os.close(fd)
-            return _external.write_record(record, writer.pass_no, writer.worker, writer.wseq, nbytes, write_sealed=True)
-
-        self._publish(write_record, claimed)
+        slot = claimed if claimed is not None else writer.claim_slot()
+        try:
+            region = regions.take(nbytes)
+            write(region.buf)
+        except BaseException:
+            writer.abandon(slot)  # the region was not marked busy: free again
+            raise
+        regions.published(region, slot)
+        writer.publish_record(slot, nbytes, region.index, region.rid)
 
     def _reserve_external(self, template: Any) -> Any:
+        regions = self.regions
+        assert regions is not None
         nbytes = _codec.template_size(template)
-        slot, record = self.writer.claim()
+        slot = self.writer.claim_slot()
         try:
-            fd, mm = _external.new_external(nbytes)
-            try:
-                batch = _codec.reserve_into(template, _external.ExternalMemory(mm, nbytes, True, None).root())
-            except BaseException:
-                os.close(fd)
-                raise
+            region = regions.take(nbytes)
+            batch = _codec.reserve_into(template, region.buf)
         except BaseException:
             self.writer.abandon(slot)
             raise
-        self._reserved = _ExternalReservation(slot, record, fd, nbytes, batch)
+        region.reserved = True  # being filled: no other batch may take it
+        self._reserved = _ExternalReservation(slot, region, nbytes, batch)
         return batch
 
     def _publish_external_reservation(self, reserved: _ExternalReservation) -> None:
         writer = self.writer
+        regions = self.regions
+        assert regions is not None
         self._reserved = None
-        try:
-            # The arrays handed out still map it writable: sealed against
-            # resizing only, and the record says so (the arrays become
-            # read-only below, as a slot's; the memory keeps a slot's
-            # guarantee, see _external's module doc).
-            _external.seal(reserved.fd, writes=False)
-            self.outbox.send(reserved.fd, writer.pass_no, writer.worker, writer.wseq)  # type: ignore[union-attr]
-            size = _external.write_record(
-                reserved.record, writer.pass_no, writer.worker, writer.wseq, reserved.nbytes, write_sealed=False
-            )
-        except BaseException:
-            reserved.give_back(writer)
-            raise
-        os.close(reserved.fd)
-        writer.publish_claimed(reserved.slot, size)
+        regions.published(reserved.region, reserved.slot)
+        writer.publish_record(reserved.slot, reserved.nbytes, reserved.region.index, reserved.region.rid)
+        # Published: the arrays handed out become read-only, as a slot's
+        # (their bytes are the region's: rewritten once the consumer lets
+        # the batch go, as a slot's are).
         reserved.seal_arrays()
 
     def _drop_external_reservation(self) -> None:
@@ -388,10 +401,10 @@ class ShmProducer(ProducerEnd):
 class _ExternalReservation:
     """A reserve() larger than a slot, until its structure is yielded."""
 
-    __slots__ = ("batch", "fd", "layouts", "leaves", "nbytes", "record", "slot", "structure")
+    __slots__ = ("batch", "layouts", "leaves", "nbytes", "region", "slot", "structure")
 
-    def __init__(self, slot: int, record: np.ndarray, fd: int, nbytes: int, batch: Any) -> None:
-        self.slot, self.record, self.fd, self.nbytes, self.batch = slot, record, fd, nbytes, batch
+    def __init__(self, slot: int, region: _external.Region, nbytes: int, batch: Any) -> None:
+        self.slot, self.region, self.nbytes, self.batch = slot, region, nbytes, batch
         self.structure, self.leaves = _tree.flatten(batch)
         self.layouts = [_layout(leaf) for leaf in self.leaves]
 
@@ -413,7 +426,7 @@ class _ExternalReservation:
 
     def give_back(self, writer: _ring.RingWriter) -> None:
         self.seal_arrays()
-        os.close(self.fd)
+        self.region.reserved = False  # unpublished: free again
         writer.abandon(self.slot)
 
 
@@ -426,7 +439,7 @@ def _layout(leaf: Any) -> Any:
 def outbox_of(handle: ShmHandle) -> _external.Outbox | None:
     if handle.outbox is None:
         return None
-    return _external.Outbox(socket.socket(fileno=handle.outbox.take()))
+    return _external.Outbox(socket.socket(fileno=handle.outbox.take()), handle.first_rid)
 
 
 class ShmConsumer(SharingConsumerEnd):
@@ -463,13 +476,13 @@ class ShmConsumer(SharingConsumerEnd):
             segment.unlink()
             raise
         self.segment = segment
-        # Batches larger than a slot travel in memory of their own, unless
-        # the user's slot_size is a limit (_external.py).
-        self.inbox: _external.Inbox | None = None
+        # Batches larger than a slot travel in regions of memory of their
+        # own, unless the user's slot_size is a limit (_external.py).
+        self.regions: _external.Regions | None = None
         self._outbox: socket.socket | None = None
         if not spec.slot_size_is_limit:
             inbox, self._outbox = _external.outbox_pair()
-            self.inbox = _external.Inbox(inbox, spec.capacity, spec.first_pass)
+            self.regions = _external.Regions(inbox, spec.num_workers, spec.capacity)
         self.handle = ShmHandle(
             segment.name or None,
             None if segment.name else PassFd(segment.fd),
@@ -478,7 +491,9 @@ class ShmConsumer(SharingConsumerEnd):
             None if self._outbox is None else PassFd(self._outbox.fileno()),
         )
         self.reader = _ring.RingReader(self.ring)
-        self.reader.on_external = self._external
+        # A slot holding a record: its batch's root, from the region table
+        # itself (one Python call per such batch).
+        self.reader.on_external = self._no_external if self.regions is None else self.regions.root
         if self.engine_decodes:
             # The fast path (capability takes_ready), bound to the compiled
             # reader itself: a method of this class in between would cost a
@@ -488,6 +503,7 @@ class ShmConsumer(SharingConsumerEnd):
         self.capacity = spec.capacity
         self.hands_again = spec.hands_again
         self._uneven: set[tuple[int, int, int]] = set()  # what the last audit found uneven
+        self._first_rid: dict[int, int] = {}  # worker -> its replacement's first region id
 
     def handle_delivered(self) -> None:
         """Every producer has the ring's descriptor now (a memfd's was
@@ -503,8 +519,16 @@ class ShmConsumer(SharingConsumerEnd):
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         batch = self._take(pass_no, worker, wseq, wait)
-        if batch is AGAIN:
-            self._pump()
+        regions = self.regions  # (destroy() may drop it from another thread)
+        if regions is not None:
+            if batch is AGAIN or batch is END:
+                regions.pump()
+            else:
+                # While batches flow: the producers' DROPs (regions given
+                # back as sizes shrink) take effect within PUMP_EVERY_NS.
+                # The general path runs at least that often (the pipeline's
+                # periodic look at its producers leaves the fast path).
+                regions.pump_if_due()
         return batch
 
     def _take(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
@@ -521,11 +545,19 @@ class ShmConsumer(SharingConsumerEnd):
 
     def _pump(self) -> None:
         """Waiting (for one worker, in ordered mode) while others may fill
-        the outbox: take their descriptors off it so no producer blocks
+        the outbox: take their datagrams off it so no producer blocks
         sending one while it holds the slot waited for."""
-        inbox = self.inbox  # (destroy() may drop it from another thread)
-        if inbox is not None:
-            inbox.pump()
+        regions = self.regions  # (destroy() may drop it from another thread)
+        if regions is not None:
+            regions.pump()
+
+    def external_stats(self) -> dict[str, int]:
+        """What this consumer holds for batches larger than a slot (regions,
+        their bytes, what is mapped) and how often it was told of a region
+        or mapped one (_external.Regions.stats); empty where slot_size is a
+        limit."""
+        regions = self.regions
+        return {} if regions is None else regions.stats()
 
     # Properties where the contract has plain attributes: read from the
     # reader only when asked, so get() copies nothing.
@@ -537,48 +569,36 @@ class ShmConsumer(SharingConsumerEnd):
     def last_nbytes(self) -> int:  # type: ignore[override]
         return self.reader.last_nbytes
 
-    def _external(self, record: np.ndarray, decode: bool) -> tuple[Any, int]:
-        """The batch (or with `decode` False its root) whose record `record`
-        is (the reader calls this for a slot that holds a record), and its
-        payload's size."""
-        root, nbytes, _ = self._map_external(record, share=False)
-        return (_codec.decode(root) if decode else root), nbytes
+    @staticmethod
+    def _no_external(worker: int, index: int, rid: int, nbytes: int, record: np.ndarray) -> np.ndarray:
+        raise CorruptChannelError("a slot announces a batch larger than a slot, which this pipeline forbids")
 
-    def _map_external(self, record: np.ndarray, *, share: bool) -> tuple[np.ndarray, int, SharedBatch | None]:
-        """The root of the batch larger than a slot that `record` announces
-        (mapped read-only; it holds the record's slot too), its payload's
-        size, and with `share` a SharedBatch of it that owns its descriptor
-        (else the descriptor is closed: the mapping keeps the memory).
-        Whether its memory is sealed against writing is checked, and goes
-        to the rank with the SharedBatch."""
-        pass_no, worker, wseq, nbytes, write_sealed = _external.read_record(record)
-        if self.inbox is None:
-            raise CorruptChannelError("a slot announces a batch larger than a slot, which this pipeline forbids")
-        if worker != self.reader.last_worker:
-            raise CorruptChannelError(f"a slot of worker {self.reader.last_worker} holds a record of worker {worker}")
-        # From take (the descriptor is ours) until it is closed or owned by
-        # the SharedBatch, a Ctrl-C would leak it: held back over the span.
-        # A press noted there is raised as the span ends, and then the
-        # descriptor goes with the batch (it used to be left open: the
-        # press came before the return that handed it over).
-        fd = -1
-        shared: SharedBatch | None = None
-        try:
-            with ctrl_c_held_back():
-                fd = self.inbox.take(pass_no, worker, wseq)
-                root = _external.map_external(fd, nbytes, record, write_sealed=write_sealed)
-                if share:
-                    shared, fd = SharedBatch(root, ("big", nbytes, write_sealed), fd), -1
-                else:
-                    os.close(fd)
-                    fd = -1
-        except BaseException:
-            if fd >= 0:
+    def _share_external(self, record: np.ndarray, worker: int) -> SharedBatch:
+        """A SharedBatch of the batch larger than a slot that `record` (in a
+        slot of `worker`) announces: its root (read-only, in its region's
+        cached mapping; it holds the record's slot too) and a duplicate of
+        its region's descriptor (the batch lies at the region's start: a
+        rank maps it there)."""
+        from_worker, index, rid, nbytes = _ring.read_record(record)  # once, checked
+        if from_worker != worker:
+            raise CorruptChannelError(f"a slot of worker {worker} holds a record of worker {from_worker}")
+        regions = self.regions
+        if regions is None:
+            self._no_external(worker, index, rid, nbytes, record)  # raises
+        assert regions is not None
+        root = regions.root(worker, index, rid, nbytes, record)
+        self.reader.last_nbytes = nbytes  # the payload's size, not the record's (as get() counts it)
+        # From the dup until the SharedBatch owns it, a Ctrl-C would leak
+        # the descriptor: held back over the span.
+        with ctrl_c_held_back():
+            fd = os.dup(regions.fd_of(worker, index))
+            try:
+                # The region is sealed against future writes, not writes:
+                # what the rank is told, and checks (map_external).
+                return SharedBatch(root, ("big", nbytes, False), fd)
+            except BaseException:
                 os.close(fd)
-            if shared is not None:
-                shared.close_fd()
-            raise
-        return root, nbytes, shared
+                raise
 
     # -- several ranks (SharingConsumerEnd; transports/_ranks.py) ---------------
 
@@ -590,10 +610,7 @@ class ShmConsumer(SharingConsumerEnd):
         if root is END or root is FAULT:
             return root
         if _ring.is_external_record(root):
-            _, nbytes, shared = self._map_external(root, share=True)
-            assert shared is not None
-            self.reader.last_nbytes = nbytes  # the payload's size, not the record's (as get() counts it)
-            return shared
+            return self._share_external(root, self.reader.last_worker)
         return SharedBatch(root, ("slot", int(root.ctypes.data) - self.segment.address, int(root.nbytes)))
 
     def share_with_ranks(self) -> tuple[dict[str, Any], list[int]]:
@@ -615,8 +632,10 @@ class ShmConsumer(SharingConsumerEnd):
         return share, [fd]
 
     def begin_pass(self, pass_no: int) -> None:
-        if self.inbox is not None:
-            self.inbox.begin_pass(pass_no)
+        # Regions outlive passes (a producer keeps its pool from one to the
+        # next); those of producers since replaced go.
+        if self.regions is not None:
+            self.regions.begin_pass()
         if pass_no == self.ring.current_pass:
             return  # the pass the ring was created at
         started = self.ring.begin_pass()
@@ -657,11 +676,14 @@ class ShmConsumer(SharingConsumerEnd):
                 f"not from {delivered} on (the {delivered} before were taken): refusing to guess where it stopped"
             )
         next_wseq = delivered + len(ready)
-        if self.inbox is not None:
-            # Memory it sent for a batch it never published: the replacement
-            # sends its own for that number.
-            self.inbox.forget(worker, pass_no, next_wseq)
+        if self.regions is not None:
+            # Its regions stay known for the batches it published in them;
+            # the replacement announces its own, with ids above its.
+            self._first_rid[worker] = self.regions.retire(worker)
         return next_wseq, self.ring.worker_done(worker, pass_no)
+
+    def replacement_handle(self, worker: int) -> ShmHandle:
+        return dataclasses.replace(self.handle, first_rid=self._first_rid.get(worker, 0))
 
     def close(self) -> None:
         """Stops producers' waits; the memory stays while batches live."""
@@ -673,9 +695,9 @@ class ShmConsumer(SharingConsumerEnd):
         self.segment.unlink()
         if self.handle.fd is not None:
             self.handle.fd.forget()  # that number may soon be another file's
-        if self.inbox is not None:
-            self.inbox.close()
-            self.inbox = None
+        if self.regions is not None:
+            self.regions.close()
+            self.regions = None
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None

@@ -1,0 +1,304 @@
+"""Batches larger than a slot travel in regions reused from batch to batch
+(issue 21, point 2; _external.py): big and small batches interleaved at
+random on shm and arrow, ordered and unordered, bit-exact, with views kept
+across many batches that must never change; the reuse itself (regions
+announced, not one per batch), memory given back when sizes shrink, a
+producer SIGKILLed mid-run, and a Hypothesis fuzz of what a producer may
+put on the outbox and in its records. Real processes, real shared memory;
+the conftest checks that nothing is left open or in /dev/shm."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import signal
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shmpipe
+from shmpipe import _codec, _external, _fdpass
+from shmpipe.errors import CorruptChannelError
+from shmpipe.testing.memory import ring_descriptors
+from shmpipe.testing.processes import wait_until
+from shmpipe.transport import ChannelSpec
+from shmpipe.transports.shm import ShmConsumer, ShmProducer, attach_writer
+
+T = 60.0
+WAIT = 5.0
+SMALL, BIG = 2_000, 60_000  # float32 elements: the first (small) batch sizes the slots; BIG never fits
+KEEP = 2  # views kept at once, rotated (with the one in hand: within what capacity 8 lets an ordered consumer hold)
+
+
+class RandomSizes:
+    """`count` batches {"worker", "seq", "x"} per worker, small or big at
+    random (seeded per worker), each filled with a pattern of (worker,
+    seq): the consumer can tell any byte that changed or came from another
+    batch. The first is small (it sizes the slots)."""
+
+    def __init__(self, count: int, seed: int = 0, delay: float = 0.0) -> None:
+        self.count, self.seed, self.delay = count, seed, delay
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = shmpipe.get_worker_info().id
+        rng = random.Random(self.seed * 1000 + worker)
+        for seq in range(self.count):
+            n = SMALL if seq == 0 else rng.choice((SMALL, SMALL // 2, BIG, BIG * 2, BIG + 7))
+            if self.delay:
+                time.sleep(self.delay)
+            yield {"worker": worker, "seq": seq, "x": pattern(worker, seq, n)}
+
+
+def pattern(worker: int, seq: int, n: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.float32) + np.float32(worker * 100_000 + seq)) % np.float32(1 << 20)
+
+
+def check(b: dict[str, Any]) -> None:
+    x = b["x"]
+    expected = pattern(int(b["worker"]), int(b["seq"]), x.size)
+    assert np.array_equal(x, expected), f"batch {b['worker']}/{b['seq']} differs"
+    assert not x.flags.writeable
+    assert x.__array_interface__["data"][0] % 64 == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_big_and_small_batches_at_random_with_kept_views(transport, ordered):
+    count, workers = 150, 2
+    kept: list[tuple[dict[str, Any], np.ndarray]] = []  # (batch, a private copy of its array)
+    seen: dict[int, list[int]] = {}
+    with shmpipe.from_iterators(
+        [RandomSizes(count)] * workers, transport=transport, ordered=ordered, capacity=8, timeout=T
+    ) as pipe:
+        for i, b in enumerate(pipe):
+            check(b)
+            seen.setdefault(int(b["worker"]), []).append(int(b["seq"]))
+            if i % 7 == 0:
+                kept.append((b, np.array(b["x"])))
+                if len(kept) > KEEP:
+                    old, copy = kept.pop(0)
+                    # Kept over at least 20 batches, many of them big: if its
+                    # region (or slot) had been written again, this differs.
+                    assert np.array_equal(old["x"], copy), f"a kept view changed: {old['worker']}/{old['seq']}"
+                    del old  # (else held until the next: one more than KEEP)
+            del b
+        stats = pipe.channel.external_stats()
+    for old, copy in kept:
+        assert np.array_equal(old["x"], copy)
+    assert {w: sorted(s) for w, s in seen.items()} == {w: list(range(count)) for w in range(workers)}
+    for s in seen.values():
+        assert s == sorted(s), "a worker's batches out of order"
+    big = sum(1 for w in range(workers) for n in _sizes(count, w) if n > SMALL * 1.25)
+    # Reused: about 60% of 300 batches are big; a region is announced (a
+    # descriptor received, a memfd made) only when a producer's pool grows
+    # or a region is replaced by a larger one.
+    assert 0 < stats["received"] < big / 4, (stats, big)
+
+
+def _sizes(count: int, worker: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed * 1000 + worker)
+    return [SMALL if seq == 0 else rng.choice((SMALL, SMALL // 2, BIG, BIG * 2, BIG + 7)) for seq in range(count)]
+
+
+class Cycle:
+    """Sizes 1/2, 1/2, 1, 2 times BIG in turn (the benchmark's 'varying'):
+    the first sizes the slots, half the batches do not fit."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = shmpipe.get_worker_info().id
+        for seq in range(self.count):
+            n = (BIG // 2, BIG // 2, BIG, 2 * BIG)[seq % 4]
+            yield {"worker": worker, "seq": seq, "x": pattern(worker, seq, n)}
+
+
+def test_a_steady_stream_of_big_batches_announces_almost_nothing_after_the_start():
+    # The steady state: after a warm-up, 500 more big batches cost at most
+    # a few more regions (a pool grows to what is busy at once, at most a
+    # region per slot and one, per worker), not one per batch.
+    capacity, workers = 6, 2
+    with shmpipe.from_iterators([Cycle(1200)] * workers, capacity=capacity, timeout=T) as pipe:
+        it = iter(pipe)
+        for _ in range(1400):
+            check(next(it))
+        early = pipe.channel.external_stats()
+        for b in it:
+            check(b)
+            del b
+        late = pipe.channel.external_stats()
+    more = late["received"] - early["received"]
+    assert more <= workers * (capacity + 1) and late["maps"] - early["maps"] <= more + workers * (capacity + 1), (
+        early,
+        late,
+    )
+    assert early["received"] <= 3 * workers * (capacity + 1), early
+
+
+class GrowThenShrink:
+    """Big batches, then small ones for more than a region's idle time."""
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = shmpipe.get_worker_info().id
+        sizes = [SMALL] + [BIG * 2, BIG, BIG * 2] * 10 + [SMALL] * (_external.IDLE_PUTS + 50)
+        t_end = None
+        for seq, n in enumerate(sizes):
+            if n == SMALL and seq > 0 and t_end is None:
+                t_end = time.monotonic() + _external.IDLE_NS / 1e9 * 1.5
+            if t_end is not None and seq == len(sizes) - 1:
+                time.sleep(max(0.0, t_end - time.monotonic()))  # idle for long enough, then one more batch
+                for _ in range(_external.SWEEP_EVERY):  # a sweep is due within these
+                    yield {"worker": worker, "seq": seq, "x": pattern(worker, seq, SMALL)}
+                    seq += 1
+                return
+            yield {"worker": worker, "seq": seq, "x": pattern(worker, seq, n)}
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+def test_sizes_shrinking_gives_the_regions_back(transport):
+    with shmpipe.from_iterators([GrowThenShrink()] * 2, transport=transport, capacity=6, timeout=T) as pipe:
+        it = iter(pipe)
+        peak = 0
+        for b in it:
+            check(b)
+            peak = max(peak, pipe.channel.external_stats()["regions"])
+            del b
+        stats = pipe.channel.external_stats()  # the pass ended: the consumer read the outbox
+        assert peak >= 2 and stats["regions"] == 0 and stats["region_bytes"] == 0, (peak, stats)
+        assert stats["dropped"] >= peak
+        # Nothing of the regions is open in the consumer any more either.
+        assert not [fd for fd, what in ring_descriptors().items() if "shmpipe-batch" in what]
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_a_producer_sigkilled_among_big_batches(transport, ordered):
+    # Batches up to the kill are whole and without a gap; then a
+    # WorkerDiedError naming the worker; nothing left open (the conftest
+    # checks descriptors and /dev/shm too).
+    rng = random.Random(21)
+    before = set(ring_descriptors())
+    seen: dict[int, list[int]] = {}
+    victim = rng.randrange(2)
+    with pytest.raises(shmpipe.WorkerDiedError) as info:
+        with shmpipe.from_iterators(
+            [RandomSizes(10_000, seed=1, delay=0.0005)] * 2, transport=transport, ordered=ordered, capacity=8, timeout=T
+        ) as pipe:
+            kill_at = rng.randrange(20, 120)
+            for i, b in enumerate(pipe):
+                check(b)
+                seen.setdefault(int(b["worker"]), []).append(int(b["seq"]))
+                del b
+                if i == kill_at:
+                    os.kill(pipe.pids[victim], signal.SIGKILL)
+    assert info.value.worker_id == victim
+    for worker, seqs in seen.items():
+        assert seqs == list(range(len(seqs))), f"worker {worker}: a gap or a duplicate"
+    assert wait_until(lambda: set(ring_descriptors()) <= before, 5.0), ring_descriptors()
+
+
+# -- what a producer may send: untrusted, at worst a CorruptChannelError ------
+
+_NEW_OR_DROP = st.sampled_from([_external.NEW, _external.DROP, 0, 3])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    tags=st.lists(
+        st.tuples(_NEW_OR_DROP, st.integers(0, 3), st.integers(0, 6), st.integers(0, 4), st.booleans()),
+        max_size=6,
+    ),
+    records=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(0, 4), st.sampled_from([0, 64, 400_064, 1 << 50])),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_any_region_ids_offsets_and_lengths_from_a_producer(tags, records):
+    """Any datagrams (kind, worker, region, rid, with or without a
+    descriptor), then any records (worker, region, rid, nbytes) in slots
+    of worker 1: each take gives the batch that region holds, bit-exact,
+    or CorruptChannelError; nothing else, and nothing left open."""
+    batch = np.arange(50_000, dtype=np.int64)
+    payload = _codec.encoded_size(batch)
+    c = ShmConsumer(ChannelSpec(num_workers=2, capacity=4, slot_size=8192, ordered=False))
+    before = set(ring_descriptors())
+    try:
+        writer = attach_writer(c.handle, 1)
+        writer.start_pass(0)
+        with socket.socket(fileno=os.dup(c.handle.outbox.fd)) as sock:
+            for kind, worker, index, rid, with_fd in tags:
+                fds = [_region_with(batch)] if with_fd else []
+                try:
+                    _fdpass.send_fds(sock, _external.TAG.pack(kind, worker, index, rid), fds)
+                finally:
+                    _fdpass.close_all(fds)
+            for worker, index, rid, nbytes in records:
+                slot, buf = writer.claim()
+                struct.pack_into("<4sIQQII", buf.data, 0, b"SPX1", worker, nbytes, rid, index, 0)
+                del buf
+                writer.publish_claimed(slot, 32)
+                try:
+                    got = c.get(0, -1, 0, WAIT)
+                except CorruptChannelError:
+                    continue
+                # Delivered: only a record that names a region announced to
+                # worker 1 with the whole payload in it.
+                assert worker == 1 and nbytes == payload, (worker, nbytes)
+                np.testing.assert_array_equal(got, batch)
+                assert not got.flags.writeable
+                del got
+    finally:
+        c.close()
+        c.destroy()
+    assert set(ring_descriptors()) <= before
+
+
+def _region_with(batch: np.ndarray) -> int:
+    """A region as a producer makes one, holding `batch` at its start."""
+    payload = _codec.encode(batch).tobytes()
+    fd = os.memfd_create("shmpipe-batch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, _external.region_size_for(len(payload)))
+    os.pwrite(fd, payload, 0)
+    fcntl.fcntl(
+        fd,
+        fcntl.F_ADD_SEALS,
+        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL | _external.F_SEAL_FUTURE_WRITE,
+    )
+    return fd
+
+
+def test_a_producer_writing_its_own_region_ids_into_records_is_caught_before_use():
+    """ShmProducer end to end against a forged record: a record in a slot of
+    worker 0 naming worker 0's region with another id (the producer's pool
+    never made it) is a CorruptChannelError, and the real batches around
+    it come through."""
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=4, slot_size=8192, ordered=False))
+    try:
+        writer = attach_writer(c.handle, 0)
+        writer.start_pass(0)
+        producer = ShmProducer(writer, _external.Outbox(socket.socket(fileno=os.dup(c.handle.outbox.fd))))
+        producer.put(np.full(50_000, 3, np.int64))
+        got = c.get(0, -1, 0, WAIT)
+        assert int(got[0]) == 3
+        del got
+        writer.publish_record(writer.claim_slot(), _codec.encoded_size(np.zeros(50_000, np.int64)), 0, 99)
+        with pytest.raises(CorruptChannelError, match=r"names region 0 \(id 99\) of worker 0"):
+            c.get(0, -1, 0, WAIT)
+        producer.put(np.full(50_000, 4, np.int64))
+        got = c.get(0, -1, 0, WAIT)
+        assert int(got[0]) == 4 and c.external_stats()["received"] == 1  # the region was reused
+        del got
+        producer.close()
+    finally:
+        c.close()
+        c.destroy()
