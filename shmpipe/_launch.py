@@ -353,9 +353,11 @@ def _born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]
     need it anyway), and the caller calls what this yields after each
     start, which blocks SIGINT again.
 
-    Left open: a forkserver that other code started earlier, with SIGINT
-    unblocked, forks producers that can take a press in the moment between
-    their birth and producer_main.
+    shmpipe's own fork server (_startup) is started only in such a block.
+    Left open: multiprocessing's forkserver, which starts a producer that
+    imports the script (_startup's fallback), when other code started it
+    earlier with SIGINT unblocked, forks producers that can take a press in
+    the moment between their birth and producer_main.
     """
     if start_method in ("spawn", "forkserver"):
         resource_tracker.ensure_running()

@@ -159,8 +159,20 @@ def _warn_if_heavy(imports_script: list[str | None], sources: Sequence[Any]) -> 
         "pays the script's imports (seconds, hundreds of MiB). Define what the source uses inside it, or in "
         "a module of its own that does not import the framework.",
         ShmpipeWarning,
-        stacklevel=5,
+        stacklevel=_first_caller_outside_shmpipe(),
     )
+
+
+def _first_caller_outside_shmpipe() -> int:
+    """warnings.warn's stacklevel, in its caller, of the first frame that is
+    not shmpipe's: the user's line that made the pipeline, however many of
+    shmpipe's calls lie between."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "shmpipe":
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def server_pid() -> int | None:

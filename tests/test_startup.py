@@ -150,7 +150,8 @@ def test_a_source_that_needs_the_script_still_works_by_importing_it(tmp_path, st
     assert got["loaded"] == ["heavy_module", "script", "torch"], got
     assert importers == {got["script_pid"], *got["producers"]}
     # and the trainer was told why, and what it costs
-    assert "ShmpipeWarning: 2 producer(s) import the training script, and with it torch" in out.stderr
+    # (at the script's line that made the pipeline)
+    assert "train.py:48: ShmpipeWarning: 2 producer(s) import the training script, and with it torch" in out.stderr
     assert "cannot pickle '_thread.lock' object" in out.stderr
 
 

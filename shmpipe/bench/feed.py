@@ -19,7 +19,7 @@ each batch. Recipes:
   shmpipe:shm+reserve  shmpipe producers that draw the arrays straight into a slot
   shmpipe:shm@FRAMEWORK, torch.DataLoader@FRAMEWORK
                      start-up: a training script of its own, with
-                     `import FRAMEWORK` (tensorflow, torch) at its top and the
+                     `import FRAMEWORK` (tensorflow, torch; numpy: the baseline) at its top and the
                      source defined in it, fed by shmpipe or by torch's
                      DataLoader (fork, the same number of workers). Their
                      first batch and producers' PSS say what the script's
@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 #: The frameworks of the start-up recipes: a training script imports one at its top.
-STARTUP_FRAMEWORKS = ("tensorflow", "torch")
+STARTUP_FRAMEWORKS = ("tensorflow", "torch", "numpy")
 
 #: A batch: (sample, target).
 Batch = tuple[np.ndarray, np.ndarray]
