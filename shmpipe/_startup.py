@@ -32,9 +32,10 @@ is untouched: a fork of the trainer needs nothing shipped.
 The preparation data that a stdlib child reads before its target is the
 standard one less the two entries that name the script
 (init_main_from_path, init_main_from_name); the two _launch methods below
-are the standard library's (3.10 to 3.13 alike) with only that changed,
-and the server is an instance of the standard library's ForkServer of our
-own, so its children read their arguments through the standard code.
+are CPython 3.11's with only that changed (and our server), and the server
+is an instance of the standard library's ForkServer of our own, so its
+children read their arguments through the standard code
+(forkserver.main, spawn._main).
 """
 
 from __future__ import annotations
@@ -188,19 +189,26 @@ def _preparation_data(name: str) -> dict[str, Any]:
     return data
 
 
+def _pickled_for_child(popen: Any, process_obj: BaseProcess) -> io.BytesIO:
+    """What a child reads first, pickled as multiprocessing pickles it: the
+    preparation data (less the script), then the process object, with
+    `popen` taking the descriptors that travel along."""
+    buf = io.BytesIO()
+    set_spawning_popen(popen)
+    try:
+        reduction.dump(_preparation_data(process_obj.name), buf)
+        reduction.dump(process_obj, buf)
+    finally:
+        set_spawning_popen(None)
+    return buf
+
+
 class _ServerPopen(popen_forkserver.Popen):
     """A child of shmpipe's fork server (popen_forkserver.Popen._launch with
     the preparation data and the server changed)."""
 
     def _launch(self, process_obj: BaseProcess) -> None:
-        prep_data = _preparation_data(process_obj.name)
-        buf = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, buf)
-            reduction.dump(process_obj, buf)
-        finally:
-            set_spawning_popen(None)
+        buf = _pickled_for_child(self, process_obj)
         self.sentinel, w = _SERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         # Keep a duplicate of the data pipe's write end as a sentinel of the
         # parent process used by the child process.
@@ -220,14 +228,7 @@ class _SpawnPopen(popen_spawn_posix.Popen):
 
         tracker_fd = resource_tracker.getfd()
         self._fds.append(tracker_fd)  # type: ignore[attr-defined]
-        prep_data = _preparation_data(process_obj.name)
-        fp = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, fp)
-            reduction.dump(process_obj, fp)
-        finally:
-            set_spawning_popen(None)
+        fp = _pickled_for_child(self, process_obj)
 
         parent_r = child_w = child_r = parent_w = None
         try:

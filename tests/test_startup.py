@@ -174,6 +174,33 @@ def test_a_script_without_a_main_guard_whose_source_needs_it_is_told_to_add_one(
     assert "bootstrapping phase" not in out.stderr, out.stderr
 
 
+def test_a_global_set_under_the_main_guard_travels_with_the_source(tmp_path):
+    # Parsed arguments, say: a producer that imported the script would not
+    # have them (the guard is skipped there); by value they come along.
+    script = tmp_path / "args.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import shmpipe
+
+        def make_batches():
+            yield {"x": np.array(ARGS["scale"])}
+
+        if __name__ == "__main__":
+            ARGS = {"scale": int(sys.argv[1])}
+            with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
+                print(sorted(int(b["x"]) for b in pipe))
+        """
+    ))
+    out = subprocess.run(
+        [sys.executable, str(script), "21"], capture_output=True, text=True, timeout=T, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[21, 21]"
+
+
 def parent_of(pid):
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
