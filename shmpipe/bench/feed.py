@@ -276,6 +276,7 @@ def _measure(
     seen: set[int | None] = set()
     warm_up = 1
     pss: float | None = None
+    pss_at_first: dict[int, int | None] = {}  # producer -> its PSS at its first batch (kB lines, bytes)
     st = time.perf_counter()
     for batch in it:
         en = time.perf_counter()
@@ -288,8 +289,10 @@ def _measure(
         if producer not in seen:
             seen.add(producer)
             warm_up = len(waits)
+            if producers and producer is not None and producer != os.getpid():
+                pss_at_first[producer] = _pss(producer)
             if producers and len(seen) == producers:
-                pss = producers_pss_mib(seen)
+                pss = producers_pss_mib(seen, pss_at_first)
         del batch
         if on_batch:
             on_batch()
@@ -304,15 +307,22 @@ def _measure(
     )
 
 
-def producers_pss_mib(pids: set[int | None]) -> float | None:
-    """The PSS of these processes together, MiB (this process not counted:
-    the loop's own thread is no producer process); None if none is another
-    process or one cannot be read."""
+def producers_pss_mib(pids: set[int | None], earlier: dict[int, int | None] | None = None) -> float | None:
+    """The PSS of these processes together now, MiB (this process not
+    counted: the loop's own thread is no producer process); a process
+    already gone counts with its PSS in `earlier` (a DataLoader worker
+    ends as soon as its iterator does). None if none is another process or
+    one cannot be read either way."""
     others = [pid for pid in pids if pid is not None and pid != os.getpid()]
-    sizes = [proc_kib(f"/proc/{pid}/smaps_rollup", "Pss") for pid in others]
+    sizes = [_pss(pid) or (earlier or {}).get(pid) for pid in others]
     if not others or any(size is None for size in sizes):
         return None
     return sum(size for size in sizes if size is not None) / (1 << 20)
+
+
+def _pss(pid: int) -> int | None:
+    """Process `pid`'s PSS, bytes (None: gone, or /proc unreadable)."""
+    return proc_kib(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
 def recipe_generator(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
