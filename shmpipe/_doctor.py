@@ -13,6 +13,11 @@ OK, or WARN with the fix. Exits 1 when a check warns.
                       (read from the installed metadata, nothing imported)
   CUDA devices        from the driver (/proc/driver/nvidia), torch not imported
   leftover segments   named segments whose processes died (shmpipe clean)
+  producer start-up   two producers started as a pipeline starts them: the
+                      time to their first batch, their memory (PSS), and
+                      whether they load a heavy framework (they should not:
+                      shmpipe's fork server never imports the training
+                      script; a sitecustomize or .pth file may)
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import re
 import resource
 import shutil
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 __all__ = ["Check", "checks", "main"]
 
@@ -42,6 +50,10 @@ MEMORY_WARN_BYTES = 1 * GiB
 NOFILE_WARN = 1024
 #: pin_memory=True page-locks the ring for a GPU copy.
 MEMLOCK_WARN_BYTES = 1 * GiB
+
+#: Starting two producers and getting their first batch takes longer than
+#: this only on a machine that is overloaded or imports slowly.
+STARTUP_WARN_S = 2.0
 
 #: optional package -> the minimum shmpipe's extras ask for, and the extra
 OPTIONAL = {
@@ -167,6 +179,60 @@ def check_start_methods() -> Check:
     return Check("start methods", True, value)
 
 
+def _startup_source() -> Iterator[dict[str, Any]]:
+    """A doctor's producer: one batch that says which heavy frameworks this
+    producer process has loaded, by their index in HEAVY_FRAMEWORKS."""
+    import numpy as np
+
+    from shmpipe._startup import HEAVY_FRAMEWORKS
+
+    loaded = [i for i, name in enumerate(HEAVY_FRAMEWORKS) if name in sys.modules]
+    yield {"pid": np.array(os.getpid()), "loaded": np.array(loaded, dtype=np.int64)}
+
+
+def check_startup(workers: int = 2) -> Check:
+    """Starts `workers` producers as a pipeline does (the default start
+    method, shmpipe's fork server started for them where it is not yet)
+    and reports what that cost."""
+    import shmpipe
+    from shmpipe._options import default_start_method
+    from shmpipe._process import proc_kib
+    from shmpipe._startup import HEAVY_FRAMEWORKS
+
+    name = "producer start-up"
+    t0 = time.perf_counter()
+    try:
+        with shmpipe.from_iterators([_startup_source] * workers, timeout=60) as pipe:
+            batches: list[dict[str, Any]] = []
+            first_s = float("nan")
+            for batch in pipe:
+                if not batches:
+                    first_s = time.perf_counter() - t0
+                batches.append({k: v.copy() for k, v in batch.items()})
+            # read while they run (they wait for the next pass)
+            sizes = [proc_kib(f"/proc/{int(b['pid'])}/smaps_rollup", "Pss") for b in batches]
+    except shmpipe.ShmpipeError as exc:
+        return Check(name, False, f"could not start producers: {exc}", "see the error; shmpipe doctor's other checks")
+    loaded = sorted({HEAVY_FRAMEWORKS[int(i)] for b in batches for i in b["loaded"]})
+    memory = "unknown" if any(s is None for s in sizes) else _size(sum(s for s in sizes if s is not None))
+    value = (f"{workers} producers ({default_start_method()}): first batch in {first_s:.2f} s, "
+             f"their memory {memory} (PSS); "
+             + (f"they load {', '.join(loaded)}" if loaded else f"they load none of {', '.join(HEAVY_FRAMEWORKS)}"))
+    if loaded:
+        return Check(name, False, value,
+                     f"something imports {', '.join(loaded)} in every Python process (a sitecustomize.py, a .pth "
+                     "file in site-packages, PYTHONSTARTUP): each producer pays for it in time and memory; "
+                     "remove that import")
+    if first_s > STARTUP_WARN_S:
+        return Check(name, False, value,
+                     "starting producers is slow here: the machine is busy, or importing NumPy and shmpipe is "
+                     "(shmpipe's fork server imports them once; a producer is a fork of it)")
+    return Check(name, True, value,
+                 "a source defined in the training script travels by value: producers import neither the script "
+                 "nor what it imports, unless the source uses state only the script makes (a lock, an open "
+                 "file), and then shmpipe warns")
+
+
 def _version(name: str) -> str | None:
     for dist in (name, f"{name}-cpu") if name == "tensorflow" else (name,):
         try:
@@ -246,6 +312,9 @@ def checks() -> list[Check]:
         *check_packages(),
         check_cuda(gpus),
         check_leftovers(),
+        # last: a pipeline that opens sweeps dead owners' segments, which
+        # check_leftovers is to report first
+        check_startup(),
     ]
 
 

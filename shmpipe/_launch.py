@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from shmpipe import _control
+from shmpipe import _control, _startup
 from shmpipe._process import ProcessWatch, owner_identity
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
@@ -102,6 +102,10 @@ class ProcessLauncher(Launcher):
         # A channel opened before the producers goes with their arguments: some
         # handles (multiprocessing queues) can only travel that way.
         handle = self.channel.handle if self.channel is not None else None
+        # Each producer imports what its source needs, not the trainer's
+        # script, where the source can travel without it (_startup); a
+        # restarted producer starts the same way (_spawn).
+        self._plan = _startup.plan(self.spec.mp_context, self.sources, self.transport)
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
             for worker in range(len(self.sources)):
                 p, parent_end = self._spawn(worker, handle)
@@ -125,10 +129,10 @@ class ProcessLauncher(Launcher):
         of its control connection."""
         owner_pid, owner_start = owner_identity()
         parent_end, child_end = self.spec.mp_context.Pipe(duplex=True)
-        p = self.spec.mp_context.Process(
+        p = self._plan.process_types[worker](
             target=producer_main,
             args=(
-                worker, self.spec.num_workers, self.sources[worker], child_end, owner_pid, owner_start,
+                worker, self.spec.num_workers, self._plan.sources[worker], child_end, owner_pid, owner_start,
                 self.transport, handle,
             ),
             name=f"shmpipe-producer-{worker}",
@@ -380,9 +384,11 @@ def _born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]
     need it anyway), and the caller calls what this yields after each
     start, which blocks SIGINT again.
 
-    Left open: a forkserver that other code started earlier, with SIGINT
-    unblocked, forks producers that can take a press in the moment between
-    their birth and producer_main.
+    shmpipe's own fork server (_startup) is started only in such a block.
+    Left open: multiprocessing's forkserver, which starts a producer that
+    imports the script (_startup's fallback), when other code started it
+    earlier with SIGINT unblocked, forks producers that can take a press in
+    the moment between their birth and producer_main.
     """
     if start_method in ("spawn", "forkserver"):
         resource_tracker.ensure_running()

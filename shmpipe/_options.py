@@ -164,24 +164,34 @@ def _check_sources(sources: Any) -> list[Source]:
 
 
 def _check_picklable(sources: list[Source], method: str) -> None:
+    """Each source can reach a `method` producer: pickled with what the
+    script defines in it by value (_startup: the producer never imports the
+    script), or else by reference, for a producer that imports the script."""
+    from shmpipe import _startup
+
     main = sys.modules.get("__main__")
     main_file = getattr(main, "__file__", None)
-    if main_file is not None and not os.path.exists(main_file):
-        # multiprocessing re-imports __main__ from its file in every child
-        raise ShmpipeValueError(
-            f"the main module's file {main_file!r} does not exist (a script read from stdin?), "
-            f"so {method!r} producer processes cannot start; run the script from a file, or "
-            "pass start_method='fork'"
-        )
     interactive = main_file is None
+    why_not: dict[int, str | None] = {}  # by id: [make_batches] * 16 is checked once
     for i, s in enumerate(sources):
+        if id(s) not in why_not:
+            why_not[id(s)] = _startup.ships(s)
+        if why_not[id(s)] is None:
+            continue  # travels without the script
+        if main_file is not None and not os.path.exists(main_file):
+            # multiprocessing re-imports __main__ from its file in such a producer
+            raise ShmpipeValueError(
+                f"source {i} ({s!r}) needs the main module in its producer ({why_not[id(s)]}), and the main "
+                f"module's file {main_file!r} does not exist (a script read from stdin?), so {method!r} "
+                "producer processes cannot start; run the script from a file, or pass start_method='fork'"
+            )
         module = getattr(s, "__module__", None) or type(s).__module__
         if interactive and module == "__main__":
             # Pickled by reference to __main__, which a fresh producer process
             # cannot import when __main__ is a notebook or an interactive shell.
             raise ShmpipeTypeError(
-                f"source {i} ({s!r}) is defined in an interactive session, where a "
-                f"{method!r} producer process cannot import it; move it to a module (a .py "
+                f"source {i} ({s!r}) is defined in an interactive session and cannot travel to a "
+                f"{method!r} producer process without it ({why_not[id(s)]}); move it to a module (a .py "
                 "file) and import it from there, or pass start_method='fork' (not safe "
                 "once TensorFlow or CUDA have started threads)."
             )

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from shmpipe import _batch, _control, _producer_context
+from shmpipe import _batch, _control, _producer_context, _startup
 from shmpipe._process import ProcessWatch
 from shmpipe._spec import new_arrays
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
@@ -291,7 +291,9 @@ def producer_main(
         if handle is not None:  # the channel was opened before this process started
             producer.attach(handle)
         _producer_context.set_reserver(producer)
-        producer.run(source)
+        # A source shipped without the script (_startup) is loaded here, so
+        # that what it imports, or fails to, is reported as its error.
+        producer.run(_startup.unpack(source))
     except Closed:
         pass
     except Exception as exc:  # the source (or attaching) failed: tell the consumer

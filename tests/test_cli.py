@@ -104,6 +104,25 @@ def test_feed_ray_recipes(tmp_path):
     assert "Ray started once, in " in out.stdout  # for both recipes, not once each
 
 
+def test_feed_startup_recipes_run_a_script_that_imports_the_framework(tmp_path):
+    pytest.importorskip("torch")
+    recipes = ["shmpipe:shm@torch", "torch.DataLoader@torch"]
+    out = subprocess.run(
+        [sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", *recipes, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    got = {r["recipe"]: r for r in json.loads((tmp_path / "feed.json").read_text())["results"]}
+    assert list(got) == recipes
+    for name in recipes:
+        assert len(got[name]["waits_s"]) == 4 and got[name]["first_batch_s"] > 0, name
+        assert got[name]["producers_pss_mib"] > 0, name  # both producers' PSS, read from /proc
+        assert f"| {name} | 2 |" in out.stdout
+    assert "| producers' PSS |" in out.stdout
+    assert "With `import torch` at the top of the training script, shmpipe's first batch came in " in out.stdout
+
+
 class Missing(QueueTransport):
     requires = ("a_module_nobody_installed_xyz",)
     extra = "demo"
@@ -273,7 +292,7 @@ def test_doctor_checks_this_machine():
     report = json.loads(out.stdout)
     names = [c["name"] for c in report["checks"]]
     for name in ("/dev/shm", "memory for rings", "open files (ulimit -n)", "locked memory (ulimit -l)",
-                 "transparent huge pages", "start methods", "package numpy", "package pyarrow", "package ray",
+                 "transparent huge pages", "start methods", "producer start-up", "package numpy", "package pyarrow", "package ray",
                  "package tensorflow", "package torch", "CUDA devices", "leftover segments"):
         assert name in names
     assert all(c["status"] in ("OK", "WARN") and c["value"] for c in report["checks"])
@@ -295,6 +314,28 @@ def test_doctor_imports_no_heavy_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=NEUTRAL,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_doctor_reports_what_starting_producers_costs():
+    report = json.loads(doctor("--json").stdout)
+    startup = next(c for c in report["checks"] if c["name"] == "producer start-up")
+    assert startup["value"].startswith("2 producers (forkserver): first batch in "), startup
+    assert "they load none of tensorflow, torch, jax, keras, ray" in startup["value"], startup
+
+
+def test_doctor_warns_when_producers_load_a_heavy_framework(tmp_path):
+    # A sitecustomize that imports torch: every Python process carries it,
+    # shmpipe's fork server and so its producers too.
+    pytest.importorskip("torch")
+    (tmp_path / "sitecustomize.py").write_text("import torch\n")
+    out = subprocess.run([sys.executable, "-m", "shmpipe", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=300, cwd=NEUTRAL,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    report = json.loads(out.stdout)
+    startup = next(c for c in report["checks"] if c["name"] == "producer start-up")
+    assert startup["status"] == "WARN" and "they load torch" in startup["value"], startup
+    assert "sitecustomize.py" in startup["fix"]
+    assert out.returncode == 1
 
 
 def test_doctor_warns_about_few_open_files():

@@ -432,7 +432,7 @@ def test_a_ctrl_c_while_a_batch_larger_than_a_slot_is_taken_leaves_no_descriptor
     table's (closed with the pipeline), and the duplicate a rank of a
     group is dealt (take_shared) is made and handed over with the press
     held back. It used to leak one per such press."""
-    from shmpipe.testing.memory import named_segments, ring_descriptors
+    from shmpipe.testing.memory import ring_descriptors
 
     real_map = _external._map_readonly
 

@@ -340,17 +340,27 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path, start_method
     import sys
 
     script = tmp_path / "no_guard.py"
+    # A source that needs the script's top level (its lock cannot be
+    # pickled), so its producers import the script, and start it again
+    # without the guard (a source that travels by value needs no guard:
+    # test_startup).
     script.write_text(
+        "import threading\n"
         "import numpy as np\n"
         "import shmpipe\n"
+        "LOCK = threading.Lock()\n"
         "def make_batches():\n"
         "    for i in range(3):\n"
-        "        yield {'x': np.arange(10) + i}\n"
+        "        with LOCK:\n"
+        "            yield {'x': np.arange(10) + i}\n"
         f"with shmpipe.from_iterators([make_batches] * 2, start_method={start_method!r}, timeout=60) as pipe:\n"
         "    for batch in pipe:\n"
         "        pass\n"
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert out.returncode == 1, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("shmpipe.errors.WorkerDiedError: worker "), out.stderr
@@ -493,19 +503,32 @@ def test_close_from_another_thread_wakes_the_waiting_consumer(transport):
     assert len(errors) == 1 and isinstance(errors[0], shmpipe.PipelineClosedError), errors
 
 
-def test_a_source_from_an_interactive_session_is_refused(tmp_path):
+def test_a_source_from_an_interactive_session_runs_unless_it_needs_the_session(tmp_path):
     import subprocess
     import sys
 
     code = (
+        "import threading\n"
+        "import numpy as np\n"
         "import shmpipe\n"
-        "def gen():\n    yield 1\n"
-        "try:\n    shmpipe.from_iterators([gen])\n"
+        "LOCK = threading.Lock()\n"
+        "def gen():\n    yield {'x': np.arange(3)}\n"
+        "def locked():\n    with LOCK:\n        yield {'x': np.arange(3)}\n"
+        "with shmpipe.from_iterators([gen] * 2, timeout=30) as pipe:\n"
+        "    print('batches:', sum(int(b['x'].sum()) for b in pipe))\n"
+        "try:\n    shmpipe.from_iterators([locked])\n"
         "except shmpipe.ShmpipeTypeError as e:\n    print('refused:', e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert out.returncode == 0, out.stderr
+    # defined in the session, it travels by value ...
+    assert "batches: 6" in out.stdout, out.stdout
+    # ... unless it uses what only the session has
     assert "refused:" in out.stdout and "interactive session" in out.stdout
+    assert "cannot pickle '_thread.lock' object" in out.stdout
 
 
 @pytest.mark.parametrize("how", ["close", "collect"])

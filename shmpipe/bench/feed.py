@@ -17,9 +17,17 @@ each batch. Recipes:
   shmpipe:<name>     shmpipe.from_iterators([gen] * n, transport=<name>), every
                      available transport
   shmpipe:shm+reserve  shmpipe producers that draw the arrays straight into a slot
+  shmpipe:shm@FRAMEWORK, torch.DataLoader@FRAMEWORK
+                     start-up: a training script of its own, with
+                     `import FRAMEWORK` (tensorflow, torch; numpy: the baseline) at its top and the
+                     source defined in it, fed by shmpipe or by torch's
+                     DataLoader (fork, the same number of workers). Their
+                     first batch and producers' PSS say what the script's
+                     imports cost a producer
 
-Each recipe runs in this process, one after the other, so they compare on
-the same machine in the same minute.
+Each recipe runs in this process (the start-up ones in a script started
+from it), one after the other, so they compare on the same machine in the
+same minute.
 
 Per recipe it reports the wait per batch in the steady state (once every
 producer has delivered a batch: until then the waits carry the start-up,
@@ -27,8 +35,11 @@ shown apart), the floor
 that the producers allow (with N producers taking FETCH + COMPUTE seconds per
 batch and a TRAIN-second step, no transport can wait less on average; see
 wait_floor)
-and the wait above that floor (what the transport and the machine cost), and
-the CPU time the trainer's process spends per batch. With cpu_count()
+and the wait above that floor (what the transport and the machine cost),
+the CPU time the trainer's process spends per batch, and the producers'
+memory: the PSS of the producer processes (/proc/PID/smaps_rollup: pages
+shared with other processes split among them), read once every producer
+has delivered a batch. With cpu_count()
 producers on a small machine every parallel recipe waits for its producers
 (the floor); a second, short run with enough producers to outpace the
 training step shows what the transport costs (transport_bound).
@@ -38,10 +49,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import json
 import math
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,12 +68,16 @@ from typing import Any
 import numpy as np
 
 import shmpipe
+from shmpipe._process import proc_kib
 from shmpipe.bench._report import process_context, pyplot
 
 __all__ = [
     "FeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot", "summary", "transport_bound",
-    "wait_floor", "one_ray",
+    "wait_floor", "one_ray", "STARTUP_FRAMEWORKS", "run_in_script",
 ]
+
+#: The frameworks of the start-up recipes: a training script imports one at its top.
+STARTUP_FRAMEWORKS = ("tensorflow", "torch", "numpy")
 
 #: A batch: (sample, target).
 Batch = tuple[np.ndarray, np.ndarray]
@@ -129,6 +150,10 @@ class RecipeResult:
     #: apart on a busy machine; until each has made its first batch, the
     #: waits say how fast processes start, not how fast batches move.
     warm_up_batches: int = 1
+    #: PSS of the producer processes, MiB, once every producer had
+    #: delivered a batch (None: no producer process apart from the loop's,
+    #: or /proc unreadable)
+    producers_pss_mib: float | None = None
 
     @property
     def steady_waits_s(self) -> list[float]:
@@ -250,6 +275,8 @@ def _measure(
     cpu_start = 0.0
     seen: set[int | None] = set()
     warm_up = 1
+    pss: float | None = None
+    pss_at_first: dict[int, int | None] = {}  # producer -> its PSS at its first batch (kB lines, bytes)
     st = time.perf_counter()
     for batch in it:
         en = time.perf_counter()
@@ -262,6 +289,10 @@ def _measure(
         if producer not in seen:
             seen.add(producer)
             warm_up = len(waits)
+            if producers and producer is not None and producer != os.getpid():
+                pss_at_first[producer] = _pss(producer)
+            if producers and len(seen) == producers:
+                pss = producers_pss_mib(seen, pss_at_first)
         del batch
         if on_batch:
             on_batch()
@@ -271,8 +302,27 @@ def _measure(
     cpu = time.process_time() - cpu_start if first is not None else 0.0
     floor = wait_floor(producers, cfg.produce_s, cfg.train_s)
     return RecipeResult(
-        name, producers, waits, first or 0.0, total, cpu_s=cpu, floor_s=floor, warm_up_batches=warm_up
+        name, producers, waits, first or 0.0, total, cpu_s=cpu, floor_s=floor, warm_up_batches=warm_up,
+        producers_pss_mib=pss,
     )
+
+
+def producers_pss_mib(pids: set[int | None], earlier: dict[int, int | None] | None = None) -> float | None:
+    """The PSS of these processes together now, MiB (this process not
+    counted: the loop's own thread is no producer process); a process
+    already gone counts with its PSS in `earlier` (a DataLoader worker
+    ends as soon as its iterator does). None if none is another process or
+    one cannot be read either way."""
+    others = [pid for pid in pids if pid is not None and pid != os.getpid()]
+    sizes = [_pss(pid) or (earlier or {}).get(pid) for pid in others]
+    if not others or any(size is None for size in sizes):
+        return None
+    return sum(size for size in sizes if size is not None) / (1 << 20)
+
+
+def _pss(pid: int) -> int | None:
+    """Process `pid`'s PSS, bytes (None: gone, or /proc unreadable)."""
+    return proc_kib(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
 def recipe_generator(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
@@ -387,6 +437,92 @@ def recipe_shmpipe(transport: str, reserve: bool = False) -> Recipe:
     return run_recipe
 
 
+#: The training script of the start-up recipes: FRAMEWORK imported at its
+#: top, the source defined in it (using its global CFG), the loop under the
+#: main guard. It prints the RecipeResult as JSON.
+_SCRIPT = textwrap.dedent(
+    """
+    import FRAMEWORK
+    import json
+    import sys
+
+    from shmpipe.bench import feed
+
+    CFG = feed.FeedConfig(**json.loads(sys.argv[2]))
+
+
+    def make_batches():
+        yield from feed.DataGenerator(CFG)()
+
+
+    if __name__ == "__main__":
+        result = feed.run_in_script(sys.argv[1], sys.argv[3], CFG, make_batches)
+        print(json.dumps(result.as_dict()))
+    """
+)
+
+
+def recipe_script(loader: str, framework: str) -> Recipe:
+    """A start-up recipe: the training script (_SCRIPT) importing
+    `framework`, fed by `loader` ("shmpipe" or "DataLoader"), run as a
+    process of its own (its __main__ is that script, as a user's is)."""
+
+    def run_recipe(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
+        name = ("shmpipe:shm" if loader == "shmpipe" else "torch.DataLoader") + f"@{framework}"
+        with tempfile.TemporaryDirectory(prefix="shmpipe-bench-") as folder:
+            script = os.path.join(folder, "train.py")
+            with open(script, "w") as f:
+                f.write(_SCRIPT.replace("FRAMEWORK", framework))
+            config = json.dumps(dataclasses.asdict(cfg))
+            # The script finds this very shmpipe (a checkout too); started
+            # in its own folder, it is what `python train.py` runs.
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+            out = subprocess.run(
+                [sys.executable, script, loader, config, name], stdout=subprocess.PIPE, text=True, cwd=folder,
+                env=env, timeout=600 + 10 * cfg.batches * cfg.workers * (cfg.produce_s + cfg.train_s),
+            )
+        if out.returncode != 0:
+            raise RuntimeError(f"{name}: the training script failed (exit status {out.returncode}; its "
+                               "output is in the log)")
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        fields = {f.name for f in dataclasses.fields(RecipeResult)}
+        result = RecipeResult(**{k: v for k, v in got.items() if k in fields})
+        for _ in result.waits_s:
+            if on_batch:
+                on_batch()
+        return result
+
+    return run_recipe
+
+
+def run_in_script(loader: str, name: str, cfg: FeedConfig, source: Callable[[], Iterator[Batch]]) -> RecipeResult:
+    """In the start-up recipes' training script: the loop fed by `loader`
+    with cfg.workers producers of `source` (a function of the script)."""
+    n = cfg.workers
+    if loader == "shmpipe":
+        pipes: list[shmpipe.Pipeline] = []
+
+        def make() -> Iterator[Any]:  # starting the producers counts towards the first batch
+            pipes.append(shmpipe.from_iterators([source] * n, timeout=600))
+            return iter(pipes[0])
+
+        try:
+            return _measure(name, n, cfg, make)
+        finally:
+            for pipe in pipes:
+                pipe.close()
+    import torch.utils.data
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Iterator[Batch]:
+            return iter(source())
+
+    # batch_size=None: each worker yields its own batches whole, as a
+    # producer does; fork, the DataLoader's default here
+    loader_ = torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=n)
+    return _measure(name, n, cfg, lambda: iter(loader_))
+
+
 def available_recipes() -> dict[str, Recipe]:
     recipes: dict[str, Recipe] = {
         "generator": recipe_generator,
@@ -397,10 +533,21 @@ def available_recipes() -> dict[str, Recipe]:
     for name in shmpipe.available_transports():
         recipes[f"shmpipe:{name}"] = recipe_shmpipe(name)
     recipes["shmpipe:shm+reserve"] = recipe_shmpipe("shm", reserve=True)
+    for framework in STARTUP_FRAMEWORKS:
+        recipes[f"shmpipe:shm@{framework}"] = recipe_script("shmpipe", framework)
+        recipes[f"torch.DataLoader@{framework}"] = recipe_script("DataLoader", framework)
     return recipes
 
 
 def _why_not(name: str) -> str | None:
+    if "@" in name:  # a start-up recipe: its framework, and torch for the DataLoader
+        needs = {name.split("@", 1)[1]} | ({"torch"} if name.startswith("torch.") else set())
+        for module in sorted(needs):
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not installed"
+        name = name.split("@", 1)[0]
+        if name.startswith("torch."):
+            return None
     if name == "tf.data":
         try:
             import tensorflow  # noqa: F401
@@ -451,11 +598,13 @@ def _fmt_s(s: float) -> str:
 def table(results: list[RecipeResult]) -> str:
     """Markdown: per recipe the steady-state wait per batch, the producers'
     floor and the wait above it, the median, the first batch, the trainer's
-    CPU per batch and (where tf.data ran) the speed-up over the tf.data
-    recipe."""
+    CPU per batch, the producers' memory (where measured) and (where tf.data
+    ran) the speed-up over the tf.data recipe."""
     base = next((r for r in results if r.recipe == "tf.data" and r.waits_s), None)
+    memory = any(r.producers_pss_mib is not None for r in results)
     head = ["recipe", "producers", "wait per batch", "floor", "above floor", "median wait", "first batch",
-            "trainer CPU per batch"] + (["speed-up vs tf.data"] if base else [])
+            "trainer CPU per batch"]
+    head += (["producers' PSS"] if memory else []) + (["speed-up vs tf.data"] if base else [])
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for r in results:
         if r.skipped:
@@ -468,6 +617,8 @@ def table(results: list[RecipeResult]) -> str:
             producers = "1 (a thread)"
         cells = [r.recipe, producers, _fmt_s(r.wait_s), _fmt_s(r.floor_s), _fmt_s(r.above_floor_s),
                  _fmt_s(r.median_s), _fmt_s(r.first_batch_s), _fmt_s(r.cpu_per_batch_s)]
+        if memory:
+            cells.append(_mib(r.producers_pss_mib))
         if base:
             cells.append(f"{base.wait_s / r.wait_s:.1f}x" if r.wait_s > 0 else "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -503,7 +654,19 @@ def summary(results: list[RecipeResult], bound: list[RecipeResult] | None) -> li
             )
             + "."
         )
+    for framework in STARTUP_FRAMEWORKS:
+        ours, theirs = find(results, f"shmpipe:shm@{framework}"), find(results, f"torch.DataLoader@{framework}")
+        if ours is not None and theirs is not None:
+            lines.append(
+                f"With `import {framework}` at the top of the training script, shmpipe's first batch came in "
+                f"{_fmt_s(ours.first_batch_s)} with {_mib(ours.producers_pss_mib)} of producers' memory (PSS); the "
+                f"DataLoader's in {_fmt_s(theirs.first_batch_s)} with {_mib(theirs.producers_pss_mib)}."
+            )
     return lines
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} MiB"
 
 
 @contextmanager

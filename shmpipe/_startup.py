@@ -1,0 +1,268 @@
+"""How producer processes start: without the trainer's script where they can.
+
+multiprocessing's forkserver and spawn children import the script that
+started them (``__main__``, again, as ``__mp_main__``) before they unpickle
+their target, because a function of the script is pickled by its name
+there. A training script imports TensorFlow or torch at its top, and each
+producer paid for it: 9.5 s to the first batch and 1.1 GiB of producers'
+memory with 4 producers, for sources that use NumPy.
+
+Here a producer imports what its source needs and nothing of the script:
+
+- with forkserver (the default), producers are forked from shmpipe's own
+  fork server: a process started once per trainer, on the first pipeline,
+  that has imported shmpipe's producer side (NumPy, the shm transport) and
+  never the script. A producer is a fork of it: milliseconds, and the
+  pages it imported are shared by every producer;
+- with spawn, each producer is a fresh interpreter that is not told to
+  import the script;
+- the source travels as bytes (Shipped): what the script defines in it --
+  its function or class, and the globals they use -- by value (_byvalue),
+  the rest by reference, and producer_main loads it.
+
+Where a source cannot travel without the script (it uses a module-level
+lock, an open file, an enum of the script ...: _byvalue.NotByValue says
+which) or the transport is a class of the script, that producer starts as
+before, with multiprocessing's own context: it imports the script, with
+all its imports, and a script without a main guard gets the error that
+says to add one (_launch._refuse_while_bootstrapping). A ShmpipeWarning
+says so when the script has a heavy framework loaded. start_method='fork'
+is untouched: a fork of the trainer needs nothing shipped.
+
+The preparation data that a stdlib child reads before its target is the
+standard one less the two entries that name the script
+(init_main_from_path, init_main_from_name); the two _launch methods below
+are CPython 3.11's with only that changed (and our server), and the server
+is an instance of the standard library's ForkServer of our own, so its
+children read their arguments through the standard code
+(forkserver.main, spawn._main).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix, reduction, spawn, util
+from multiprocessing.context import BaseContext, set_spawning_popen
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from shmpipe import _byvalue
+from shmpipe.errors import ShmpipeWarning
+
+__all__ = ["HEAVY_FRAMEWORKS", "SERVER_PRELOAD", "Plan", "Shipped", "plan", "server_pid", "ships", "unpack"]
+
+#: What the fork server imports before it forks producers: what every
+#: producer needs to unpickle its arguments and run (the default transport
+#: included), so that a producer inherits it instead of importing it.
+SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm"]
+
+#: Frameworks whose import costs a producer seconds and hundreds of MiB:
+#: named in the warning when a producer has to import the script.
+HEAVY_FRAMEWORKS = ("tensorflow", "torch", "jax", "keras", "ray")
+
+_SERVER = forkserver.ForkServer()
+_SERVER.set_forkserver_preload(SERVER_PRELOAD)
+
+
+class Shipped:
+    """A source pickled in the consumer (_byvalue.dumps), loaded in the producer."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Shipped, (self.data,)
+
+    def load(self) -> Callable[[], Iterable[Any]]:
+        source: Callable[[], Iterable[Any]] = _byvalue.loads(self.data)
+        return source
+
+
+def unpack(source: Any) -> Callable[[], Iterable[Any]]:
+    """In a producer: its source, loaded if it was shipped."""
+    if isinstance(source, Shipped):
+        return source.load()
+    loaded: Callable[[], Iterable[Any]] = source
+    return loaded
+
+
+def ships(source: Any) -> str | None:
+    """None if `source` can travel to a producer without the script; else why not."""
+    try:
+        _byvalue.dumps(source)
+    except _byvalue.NotByValue as exc:
+        return str(exc)
+    return None
+
+
+@dataclass
+class Plan:
+    """How each producer of a pipeline starts."""
+
+    #: per producer: the Process class it starts with (multiprocessing's
+    #: context's, typed Any as there, or one of ours)
+    process_types: list[Callable[..., Any]]
+    #: per producer: what goes as its source argument (a Shipped, or the
+    #: source itself where it goes as before)
+    sources: list[Any]
+    #: per producer: why it imports the script (None: it does not)
+    imports_script: list[str | None]
+
+
+def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any) -> Plan:
+    """How the producers of `sources` start under `ctx` (multiprocessing's
+    context for the pipeline's start method)."""
+    method = ctx.get_start_method()
+    n = len(sources)
+    if method == "fork":
+        return Plan([ctx.Process] * n, list(sources), [None] * n)  # type: ignore[attr-defined]
+    if type(transport).__module__ in _byvalue.MAIN_NAMES:
+        why = f"the transport {type(transport).__qualname__} is a class of the script"
+        return Plan([ctx.Process] * n, list(sources), [why] * n)  # type: ignore[attr-defined]
+    clean: Callable[..., Any] = _ServerProcess if method == "forkserver" else _SpawnProcess
+    shipped: dict[int, Shipped | str] = {}  # by id: [make_batches] * 16 is pickled once
+    out = Plan([], [], [])
+    for source in sources:
+        if id(source) not in shipped:
+            try:
+                shipped[id(source)] = Shipped(_byvalue.dumps(source))
+            except _byvalue.NotByValue as exc:
+                shipped[id(source)] = str(exc)
+        item = shipped[id(source)]
+        if isinstance(item, Shipped):
+            out.process_types.append(clean)
+            out.sources.append(item)
+            out.imports_script.append(None)
+        else:
+            out.process_types.append(ctx.Process)  # type: ignore[attr-defined]
+            out.sources.append(source)
+            out.imports_script.append(item)
+    _warn_if_heavy(out.imports_script, sources)
+    return out
+
+
+def _warn_if_heavy(imports_script: list[str | None], sources: Sequence[Any]) -> None:
+    heavy = [name for name in HEAVY_FRAMEWORKS if name in sys.modules]
+    first = next((i for i, why in enumerate(imports_script) if why is not None), None)
+    if first is None or not heavy:
+        return
+    count = sum(why is not None for why in imports_script)
+    warnings.warn(
+        f"{count} producer(s) import the training script, and with it {', '.join(heavy)}, because source "
+        f"{first} ({sources[first]!r}) cannot travel without it: {imports_script[first]}. Each such producer "
+        "pays the script's imports (seconds, hundreds of MiB). Define what the source uses inside it, or in "
+        "a module of its own that does not import the framework.",
+        ShmpipeWarning,
+        stacklevel=_first_caller_outside_shmpipe(),
+    )
+
+
+def _first_caller_outside_shmpipe() -> int:
+    """warnings.warn's stacklevel, in its caller, of the first frame that is
+    not shmpipe's: the user's line that made the pipeline, however many of
+    shmpipe's calls lie between."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "shmpipe":
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def server_pid() -> int | None:
+    """The fork server's pid, once started (for tests and the doctor)."""
+    return _SERVER._forkserver_pid  # type: ignore[attr-defined]
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data for a child, less the script."""
+    data: dict[str, Any] = spawn.get_preparation_data(name)
+    data.pop("init_main_from_path", None)
+    data.pop("init_main_from_name", None)
+    return data
+
+
+def _pickled_for_child(popen: Any, process_obj: BaseProcess) -> io.BytesIO:
+    """What a child reads first, pickled as multiprocessing pickles it: the
+    preparation data (less the script), then the process object, with
+    `popen` taking the descriptors that travel along."""
+    buf = io.BytesIO()
+    set_spawning_popen(popen)
+    try:
+        reduction.dump(_preparation_data(process_obj.name), buf)
+        reduction.dump(process_obj, buf)
+    finally:
+        set_spawning_popen(None)
+    return buf
+
+
+class _ServerPopen(popen_forkserver.Popen):
+    """A child of shmpipe's fork server (popen_forkserver.Popen._launch with
+    the preparation data and the server changed)."""
+
+    def _launch(self, process_obj: BaseProcess) -> None:
+        buf = _pickled_for_child(self, process_obj)
+        self.sentinel, w = _SERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        # Keep a duplicate of the data pipe's write end as a sentinel of the
+        # parent process used by the child process.
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))  # type: ignore[attr-defined]
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _SpawnPopen(popen_spawn_posix.Popen):
+    """A spawned child told nothing of the script (popen_spawn_posix.Popen._launch
+    with the preparation data changed)."""
+
+    def _launch(self, process_obj: BaseProcess) -> None:
+        from multiprocessing import resource_tracker
+
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)  # type: ignore[attr-defined]
+        fp = _pickled_for_child(self, process_obj)
+
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            self._fds.extend([child_r, child_w])  # type: ignore[attr-defined]
+            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)  # type: ignore[arg-type,attr-defined]
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            fds_to_close = [fd for fd in (parent_r, parent_w) if fd is not None]
+            self.finalizer = util.Finalize(self, util.close_fds, fds_to_close)  # type: ignore[attr-defined]
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class _ServerProcess(BaseProcess):
+    """A producer forked from shmpipe's fork server."""
+
+    _start_method = "forkserver"
+
+    @staticmethod
+    def _Popen(process_obj: BaseProcess) -> _ServerPopen:  # noqa: N802 (multiprocessing's name)
+        return _ServerPopen(process_obj)
+
+
+class _SpawnProcess(BaseProcess):
+    """A producer spawned without the script."""
+
+    _start_method = "spawn"
+
+    @staticmethod
+    def _Popen(process_obj: BaseProcess) -> _SpawnPopen:  # noqa: N802 (multiprocessing's name)
+        return _SpawnPopen(process_obj)

@@ -1,0 +1,365 @@
+"""Producers import what their source needs, not the trainer's script
+(_startup, _byvalue): real scripts with a heavy import at their top, run in
+processes of their own, with forkserver and spawn."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import shmpipe
+from shmpipe import _byvalue
+
+T = 60  # seconds: no script of these tests may take longer
+
+#: A module of the test that is "heavy": it says in a file when it is
+#: imported (the producers' pids land there) and takes a while.
+HEAVY = textwrap.dedent(
+    """
+    import os, time
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imported_by"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(0.3)
+    """
+)
+
+#: A training script: the heavy module (and torch where asked) at its top,
+#: sources defined in it that use its globals, its functions and its
+#: classes. Each batch reports, from the producer, which of those modules
+#: it has loaded and whether it imported the script (__mp_main__).
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, threading
+    import numpy as np
+    import heavy_module
+    if "--torch" in sys.argv:
+        import torch
+    import shmpipe
+
+    OFFSET = 1000 + int(sys.argv[2])  # a global the trainer computes: travels with the source
+    LOCK = threading.Lock()           # module-level state no pickle can carry
+    SEEN = []                         # written by the source through `global`-free mutation
+
+    def scale(x):
+        return x * 2
+
+    class Shape:
+        def __init__(self, n):
+            self.n = n
+
+        def zeros(self):
+            return np.zeros(self.n, dtype=np.int64)
+
+    class Source:
+        def __init__(self, per):
+            self.per = per
+
+        def __call__(self):
+            for i in range(self.per):
+                yield report(Shape(3).zeros() + scale(i) + OFFSET)
+
+    def report(data):
+        loaded = [m for m in ("heavy_module", "torch") if m in sys.modules]
+        if hasattr(sys.modules["__main__"], "SOURCES"):  # this process ran the script's top level
+            loaded.append("script")
+        return {"data": data, "loaded": np.array([len(m) for m in loaded]), "pid": np.array(os.getpid())}
+
+    def make_batches():
+        yield from Source(3)()
+
+    def needs_the_script():
+        with LOCK:  # the lock is the script's own: only importing it gives one
+            yield from Source(3)()
+
+    SOURCES = {"main": make_batches, "class": Source(3), "script": needs_the_script}
+
+    def run():
+        source = SOURCES[sys.argv[3]]
+        with shmpipe.from_iterators([source] * 2, start_method=sys.argv[1], timeout=60) as pipe:
+            batches = [{k: v.copy() for k, v in b.items()} for b in pipe]
+        names = {len(m): m for m in ("heavy_module", "torch", "script")}
+        print(json.dumps({
+            "values": sorted(int(v) for b in batches for v in b["data"]),
+            "loaded": sorted({names[int(n)] for b in batches for n in b["loaded"]}),
+            "producers": sorted({int(b["pid"]) for b in batches}),
+            "script_pid": os.getpid(),
+        }))
+
+    GUARD
+    """
+)
+
+
+def run_script(tmp_path, start_method, source, guarded=True, torch=False, offset=7):
+    (tmp_path / "heavy_module.py").write_text(HEAVY)
+    script = tmp_path / "train.py"
+    body = SCRIPT.replace("GUARD", 'if __name__ == "__main__":\n    run()' if guarded else "run()")
+    script.write_text(body)
+    args = [sys.executable, str(script), start_method, str(offset), source] + (["--torch"] if torch else [])
+    out = subprocess.run(
+        args, capture_output=True, text=True, timeout=T, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    importers = set()
+    if (tmp_path / "imported_by").exists():
+        importers = {int(line) for line in (tmp_path / "imported_by").read_text().split()}
+    return out, importers
+
+
+def expected_values(offset):
+    return sorted(2 * i + 1000 + offset for i in range(3) for _ in range(3) for _ in range(2))
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("source", ["main", "class"])
+def test_a_source_of_the_script_runs_without_importing_it(tmp_path, start_method, source):
+    out, importers = run_script(tmp_path, start_method, source)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    # every batch arrived, computed from the trainer's globals (OFFSET from argv)
+    assert got["values"] == expected_values(7)
+    # ... by producers that loaded neither the heavy module nor the script
+    assert got["loaded"] == [], got
+    assert importers == {got["script_pid"]}, "only the trainer imported the heavy module"
+    assert out.stderr == "", out.stderr
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_producers_of_a_script_that_imports_torch_do_not_load_torch(tmp_path, start_method):
+    pytest.importorskip("torch")
+    out, _ = run_script(tmp_path, start_method, "main", torch=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["values"] == expected_values(7)
+    assert "torch" not in got["loaded"] and got["loaded"] == [], got
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_source_that_needs_the_script_still_works_by_importing_it(tmp_path, start_method):
+    out, importers = run_script(tmp_path, start_method, "script", torch=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["values"] == expected_values(7)
+    # the old way: each producer imported the script, and so the heavy module
+    assert got["loaded"] == ["heavy_module", "script", "torch"], got
+    assert importers == {got["script_pid"], *got["producers"]}
+    # and the trainer was told why, and what it costs
+    # (at the script's line that made the pipeline)
+    assert "train.py:48: ShmpipeWarning: 2 producer(s) import the training script, and with it torch" in out.stderr
+    assert "cannot pickle '_thread.lock' object" in out.stderr
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_script_without_a_main_guard_runs_when_its_sources_travel_by_value(tmp_path, start_method):
+    out, importers = run_script(tmp_path, start_method, "main", guarded=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["values"] == expected_values(7) and got["loaded"] == []
+    assert importers == {got["script_pid"]}
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_script_without_a_main_guard_whose_source_needs_it_is_told_to_add_one(tmp_path, start_method):
+    out, _ = run_script(tmp_path, start_method, "script", guarded=False)
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("shmpipe.errors.WorkerDiedError: worker "), out.stderr
+    assert f'under `if __name__ == "__main__":` in {tmp_path / "train.py"}' in last, last
+    assert "bootstrapping phase" not in out.stderr, out.stderr
+
+
+def test_a_global_set_under_the_main_guard_travels_with_the_source(tmp_path):
+    # Parsed arguments, say: a producer that imported the script would not
+    # have them (the guard is skipped there); by value they come along.
+    script = tmp_path / "args.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import shmpipe
+
+        def make_batches():
+            yield {"x": np.array(ARGS["scale"])}
+
+        if __name__ == "__main__":
+            ARGS = {"scale": int(sys.argv[1])}
+            with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
+                print(sorted(int(b["x"]) for b in pipe))
+        """
+    ))
+    out = subprocess.run(
+        [sys.executable, str(script), "21"], capture_output=True, text=True, timeout=T, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[21, 21]"
+
+
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
+    from shmpipe import _startup
+    from shmpipe.testing.sources import Counter
+
+    parents = set()
+    for _ in range(2):
+        with shmpipe.from_iterators([Counter(2)] * 2, start_method="forkserver", timeout=T) as pipe:
+            it = iter(pipe)
+            next(it)
+            parents |= {parent_of(pid) for pid in pipe.pids}
+            assert len(list(it)) == 3
+    server = _startup.server_pid()
+    assert parents == {server} and server != os.getpid()
+    with open(f"/proc/{server}/cmdline", "rb") as f:
+        assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
+
+
+# -- _byvalue, in this process: functions and classes "of the script" are made
+#    with exec under __name__ == "__main__" (their __module__) ----------------------
+
+
+def script_namespace(code):
+    namespace = {"__name__": "__main__"}
+    exec(textwrap.dedent(code), namespace)
+    return namespace
+
+
+def roundtrip(obj):
+    return _byvalue.loads(_byvalue.dumps(obj))
+
+
+def test_functions_travel_with_their_globals_closures_and_defaults():
+    ns = script_namespace(
+        """
+        import math
+        BASE = 10
+        UNUSED = list(range(1000))
+        def helper(x):
+            return x + BASE
+        def outer(k):
+            def inner(x, y=2, *, z=3):
+                return helper(x) * k + y + z + math.floor(0.5)
+            return inner
+        def fact(n):
+            return 1 if n <= 1 else n * fact(n - 1)
+        square = lambda x: x * x
+        """
+    )
+    inner = roundtrip(ns["outer"](5))
+    assert inner(1) == (1 + 10) * 5 + 2 + 3
+    assert inner.__module__ == "__main__" and inner.__qualname__ == "outer.<locals>.inner"
+    assert inner.__globals__ is not ns  # a copy, with only what the code names (helper's too)
+    assert set(inner.__globals__) - {"__builtins__", "__name__"} == {"helper", "math", "BASE"}
+    assert roundtrip(ns["fact"])(5) == 120  # names itself
+    assert roundtrip(ns["square"])(7) == 49
+    bound = roundtrip(functools.partial(ns["helper"], 5))
+    assert bound() == 15
+
+
+def test_the_functions_of_one_pickle_share_their_globals():
+    ns = script_namespace(
+        """
+        COUNT = 0
+        def bump():
+            global COUNT
+            COUNT += 1
+        def read():
+            return COUNT
+        """
+    )
+    bump, read = roundtrip((ns["bump"], ns["read"]))
+    bump()
+    bump()
+    assert read() == 2 and ns["COUNT"] == 0  # the trainer's own is untouched
+
+
+def test_classes_travel_with_their_methods():
+    ns = script_namespace(
+        """
+        import abc
+        class Base(abc.ABC):
+            @abc.abstractmethod
+            def make(self): ...
+            def twice(self):
+                return [self.make(), self.make()]
+        class Source(Base):
+            unit = 3
+            def __init__(self, n):
+                self.n = n
+            def make(self):
+                return self.n * self.unit
+            @staticmethod
+            def name():
+                return "source"
+            @classmethod
+            def create(cls):
+                return cls(2)
+            @property
+            def double(self):
+                return self.n * 2
+            def __repr__(self):
+                return f"Source({self.n}) " + super().__repr__()[:1]
+        """
+    )
+    source = roundtrip(ns["Source"](4))
+    assert type(source) is not ns["Source"] and type(source).__module__ == "__main__"
+    assert source.twice() == [12, 12] and source.double == 8
+    assert type(source).name() == "source" and type(source).create().n == 2
+    assert repr(source) == "Source(4) <"  # super() finds the rebuilt class
+    with pytest.raises(TypeError, match="abstract"):
+        type(source).__mro__[1]()  # Base is still abstract
+
+
+@pytest.mark.parametrize(
+    "code, name, why",
+    [
+        ("import threading\nLOCK = threading.Lock()\ndef f():\n    return LOCK", "f", "_thread.lock"),
+        ("import enum\nclass Color(enum.Enum):\n    RED = 1\ndef f():\n    return Color.RED", "f", "metaclass"),
+        ("class P:\n    __slots__ = ('x',)\ndef f():\n    return P", "f", "__slots__"),
+    ],
+)
+def test_what_cannot_travel_by_value_says_why(code, name, why):
+    ns = script_namespace(code)
+    with pytest.raises(_byvalue.NotByValue, match=why):
+        _byvalue.dumps(ns[name])
+
+
+def test_a_value_named_by_the_script_is_not_shipped_by_value():
+    # an object whose pickle names a global of __main__ (a singleton with a
+    # __reduce__ returning its name) would need the script in the producer
+    ns = script_namespace(
+        """
+        class Token:
+            def __reduce__(self):
+                return "TOKEN"
+        TOKEN = Token()
+        """
+    )
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(ns)
+    real = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        with pytest.raises(_byvalue.NotByValue, match="__main__.TOKEN"):
+            _byvalue.dumps([ns["TOKEN"]])
+    finally:
+        sys.modules["__main__"] = real
+
+
+def test_objects_of_other_modules_travel_by_reference():
+    from shmpipe.testing.sources import Counter
+
+    data = _byvalue.dumps(Counter(3))
+    assert b"shmpipe.testing.sources" in data and b"__main__" not in data
+    assert isinstance(_byvalue.loads(data), Counter)
