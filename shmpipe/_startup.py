@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -65,7 +66,66 @@ SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm
 #: named in the warning when a producer has to import the script.
 HEAVY_FRAMEWORKS = ("tensorflow", "torch", "jax", "keras", "ray")
 
-_SERVER = forkserver.ForkServer()
+class _ForkServer(forkserver.ForkServer):
+    """The standard library's fork server, whose process imports its preload
+    with the trainer's sys.path.
+
+    CPython 3.11's forkserver.main is given the trainer's sys.path but does
+    not apply it before the preload: the server, started as ``python -c``,
+    has the trainer's *current directory* first on its path, and a trainer
+    run from a source checkout of shmpipe (its compiled modules not built
+    there: CI runs the tests from one) made the server import that shmpipe,
+    which cannot load; every producer then failed to start. Later versions
+    apply it (and 3.13 adds an authentication key this copy would lack), so
+    the override is for versions before 3.12 only: ensure_running as in
+    3.11, with the command line setting sys.path first.
+    """
+
+    def ensure_running(self) -> None:
+        if sys.version_info >= (3, 12):
+            super().ensure_running()
+            return
+        from multiprocessing import connection, resource_tracker
+
+        with self._lock:  # type: ignore[attr-defined]
+            resource_tracker.ensure_running()
+            if self._forkserver_pid is not None:  # type: ignore[has-type]
+                pid, _ = os.waitpid(self._forkserver_pid, os.WNOHANG)  # type: ignore[has-type]
+                if not pid:
+                    return  # still alive
+                os.close(self._forkserver_alive_fd)  # type: ignore[has-type]
+                self._forkserver_address = None
+                self._forkserver_alive_fd = None
+                self._forkserver_pid = None
+            data = {k: v for k, v in spawn.get_preparation_data("ignore").items() if k in ("main_path", "sys_path")}
+            cmd = "import sys; sys.path[:] = %r; from multiprocessing.forkserver import main; main(%d, %d, %r, **%r)"
+            with socket.socket(socket.AF_UNIX) as listener:
+                address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+                listener.bind(address)
+                if not util.is_abstract_socket_namespace(address):
+                    os.chmod(address, 0o600)
+                listener.listen()
+                # Every client holds the write end of the "alive" pipe: the
+                # server ends when the read end says they all have.
+                alive_r, alive_w = os.pipe()
+                try:
+                    fds_to_pass = [listener.fileno(), alive_r]
+                    line = cmd % (data.get("sys_path", sys.path), listener.fileno(), alive_r,
+                                  self._preload_modules, data)  # type: ignore[attr-defined]
+                    exe = spawn.get_executable()
+                    args = [exe, *util._args_from_interpreter_flags(), "-c", line]  # type: ignore[attr-defined]
+                    pid = util.spawnv_passfds(exe, args, fds_to_pass)  # type: ignore[arg-type]
+                except BaseException:
+                    os.close(alive_w)
+                    raise
+                finally:
+                    os.close(alive_r)
+                self._forkserver_address = address
+                self._forkserver_alive_fd = alive_w
+                self._forkserver_pid = pid
+
+
+_SERVER = _ForkServer()
 _SERVER.set_forkserver_preload(SERVER_PRELOAD)
 
 
@@ -178,7 +238,7 @@ def _first_caller_outside_shmpipe() -> int:
 
 def server_pid() -> int | None:
     """The fork server's pid, once started (for tests and the doctor)."""
-    return _SERVER._forkserver_pid  # type: ignore[attr-defined]
+    return _SERVER._forkserver_pid
 
 
 def _preparation_data(name: str) -> dict[str, Any]:

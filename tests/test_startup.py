@@ -363,3 +363,34 @@ def test_objects_of_other_modules_travel_by_reference():
     data = _byvalue.dumps(Counter(3))
     assert b"shmpipe.testing.sources" in data and b"__main__" not in data
     assert isinstance(_byvalue.loads(data), Counter)
+
+
+def test_a_trainer_run_from_a_source_checkout_starts_its_producers(tmp_path):
+    """The fork server imports shmpipe with the trainer's sys.path, not from
+    the directory the trainer runs in: here one holding shmpipe's sources
+    without their compiled modules (a clean clone, where CI runs the tests).
+    Python 3.11's fork server used to import that copy, and every producer
+    failed to start."""
+    import shutil
+
+    package = os.path.dirname(shmpipe.__file__)
+    shutil.copytree(package, tmp_path / "shmpipe", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    script = tmp_path / "elsewhere" / "train.py"
+    script.parent.mkdir()
+    script.write_text(
+        textwrap.dedent(
+            """
+            import shmpipe
+            from shmpipe.testing.sources import Counter
+            if __name__ == "__main__":
+                with shmpipe.from_iterators([Counter(3)] * 2, timeout=60) as pipe:
+                    print(sorted(int(b["seq"]) for b in pipe))
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[0] == "[0, 0, 1, 1, 2, 2]"
