@@ -676,8 +676,9 @@ def _ok(r: LoaderResult) -> bool:
 
 
 def table(results: list[LoaderResult]) -> str:
-    """Markdown: per loader images/s, the first batch fresh and resumed at
-    each position, and what the check of the resumed runs found."""
+    """Markdown: per loader images/s (the median round, and the slowest and
+    fastest), the first batch fresh and resumed at each position (medians),
+    and what the check of the resumed runs found."""
     labels = _labels(results)
     head = ["loader", "resumes by", "images/s", "first batch: fresh",
             *(f"resumed at {lab}" for lab in labels), "resumed = rest of epoch", "fetched before position"]
@@ -695,8 +696,12 @@ def table(results: list[LoaderResult]) -> str:
             before = ", ".join(f"{c.fetched_before_position:,}" for c in r.checks)
         else:
             equal, before = "-", "-"
+        rate = _fmt(r.images_per_s, ",.0f")
+        if len(r.runs_images_per_s) > 1:
+            lo, hi = _spread(r.runs_images_per_s)
+            rate += f" ({lo:,.0f}-{hi:,.0f})"
         lines.append(
-            f"| {r.loader} | {r.resumes_by} | {_fmt(r.images_per_s, ',.0f')} | " + " | ".join(times)
+            f"| {r.loader} | {r.resumes_by} | {rate} | " + " | ".join(times)
             + f" | {equal} | {before} |"
         )
     return "\n".join(lines)
@@ -772,7 +777,7 @@ def plot(results: list[LoaderResult], path: str, title: str) -> None:
     """Two panels: images/s per loader, and the first batch fresh and
     resumed at each position (log scale)."""
     plt = pyplot()
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     done = [r for r in results if _ok(r)]
     labels = ["fresh", *_labels(done)]
@@ -781,10 +786,15 @@ def plot(results: list[LoaderResult], path: str, title: str) -> None:
     rates = [r.images_per_s for r in done][::-1]
     colors = ["#4C72B0" if n == "shmpipe" else "#9DB4D8" if n.startswith("shmpipe") else "#999999" for n in names]
     left.barh(names, rates, color=colors)
-    for y, v in enumerate(rates):
-        left.text(v, y, f" {v:,.0f}/s", va="center", fontsize=8)
-    left.set_xlim(0, max(rates, default=1) * 1.3)
-    left.set_xlabel("images/s, one epoch (median of the rounds)")
+    spread = [_spread(r.runs_images_per_s) for r in done][::-1]
+    if any(len(r.runs_images_per_s) > 1 for r in done):  # whiskers: the slowest and the fastest round
+        left.errorbar(rates, names, xerr=[[v - lo for v, (lo, _) in zip(rates, spread, strict=True)],
+                                          [hi - v for v, (_, hi) in zip(rates, spread, strict=True)]],
+                      fmt="none", ecolor="black", capsize=3)
+    for y, (v, (_, hi)) in enumerate(zip(rates, spread, strict=True)):
+        left.text(max(v, hi), y, f" {v:,.0f}/s", va="center", fontsize=8)
+    left.set_xlim(0, max((hi for _, hi in spread), default=1) * 1.3)
+    left.set_xlabel("images/s, one epoch (bar: median of the rounds; whiskers: slowest and fastest)")
     left.set_title("Throughput")
     shades = ["#222222", "#5b5b5b", "#8c8c8c", "#bdbdbd", "#dedede"]
     height = 0.8 / len(labels)
@@ -794,11 +804,12 @@ def plot(results: list[LoaderResult], path: str, title: str) -> None:
         right.barh(ys, vals, height=height, color=shades[j % len(shades)], label=lab)
     right.set_yticks(range(len(done)), names)
     right.set_xscale("log")
+    right.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     right.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g} s"))
     right.xaxis.set_minor_formatter(NullFormatter())
     right.set_xlabel("from making the loader to its first batch (median; log scale)")
     right.set_title("First batch: fresh, and resumed at")
-    right.legend(fontsize=8, loc="lower right")
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
