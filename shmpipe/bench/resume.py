@@ -471,10 +471,12 @@ class ResumeReport:
     restarts: dict[str, Any]
     make_jpegs_s: float = 0.0
     jpeg_bytes: int = 0
+    pillow: str | None = None  # the decoder's version
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "config": {**asdict(self.config), "batches": self.config.batches},
+            "pillow": self.pillow,
             "make_jpegs_s": self.make_jpegs_s,
             "jpeg_bytes": self.jpeg_bytes,
             "one_time_s": self.one_time_s,
@@ -640,7 +642,11 @@ def run(
     for r in results.values():
         r.images_per_s = _median(r.runs_images_per_s)
         r.first_batch_s = {k: _median(v) for k, v in r.runs_first_batch_s.items()}
-    return ResumeReport(cfg, one_time, list(results.values()), restarts_section(cfg), made_s, jpeg_bytes)
+    import PIL
+
+    return ResumeReport(
+        cfg, one_time, list(results.values()), restarts_section(cfg), made_s, jpeg_bytes, PIL.__version__
+    )
 
 
 def _check(label: str, k: int, epoch: list[list[int]], rest: list[list[int]], got: list[int]) -> Check:
