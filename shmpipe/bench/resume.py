@@ -557,17 +557,26 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _one_time(loaders: list[_Loader], ds: JpegFolder, cfg: ResumeConfig) -> dict[str, float]:
+def _one_time(
+    loaders: list[_Loader], ds: JpegFolder, cfg: ResumeConfig, results: dict[str, LoaderResult]
+) -> dict[str, float]:
     """Each process's one-time costs, paid here so that no loader's first
     batch carries them: importing torch, torchdata and Grain, and starting
-    shmpipe's forkserver (a pipeline of one producer to its first batch)."""
+    shmpipe's forkserver (a pipeline of one producer to its first batch).
+    A loader whose modules are there but do not import (a package installed
+    without its dependencies) is skipped, saying why."""
     out: dict[str, float] = {}
     for loader in loaders:
         for module in loader.imports:
-            if f"import {module}" not in out:
-                t = time.perf_counter()
+            if f"import {module}" in out:
+                continue
+            t = time.perf_counter()
+            try:
                 importlib.import_module(module)
-                out[f"import {module}"] = time.perf_counter() - t
+            except ImportError as exc:
+                results[loader.name].skipped = f"not installed: {module} does not import ({exc})"
+                break
+            out[f"import {module}"] = time.perf_counter() - t
     if any(isinstance(loader, _Shmpipe) and loader.start_method is None for loader in loaders):
         t = time.perf_counter()
         with shmpipe.from_dataset(ds, batch_size=1, num_workers=1, timeout=cfg.timeout_s) as pipe:
@@ -606,7 +615,8 @@ def run(
         made_s = time.perf_counter() - t
         jpeg_bytes = sum(os.path.getsize(os.path.join(images_dir, f)) for f in os.listdir(images_dir))
         base = JpegFolder(images_dir, cfg.images)
-        one_time = _one_time(running, base, cfg) if running else {}
+        one_time = _one_time(running, base, cfg, results) if running else {}
+        running = [loader for loader in running if results[loader.name].skipped is None]
         logs = iter(range(1 << 62))
 
         def with_log() -> tuple[JpegFolder, str]:
