@@ -254,11 +254,11 @@ def _bench_ranks(args: argparse.Namespace) -> int:
 def _bench_resume(args: argparse.Namespace) -> int:
     cfg = resume.ResumeConfig(
         images=args.images, side=args.side, batch_size=args.batch_size, workers=args.workers, at=tuple(args.at),
-        repeat=args.repeat, seed=args.seed, timeout_s=args.timeout,
+        repeat=args.repeat, seed=args.seed, timeout_s=args.timeout, kills=args.kills,
     )
     cfg.check()  # before the JPEGs are made
     loaders = args.loaders or list(resume.LOADERS)
-    steps = 2 + len(loaders) * cfg.repeat * (1 + len(cfg.at))
+    steps = 2 + (len(loaders) * (1 + len(cfg.at)) + 1) * cfg.repeat
     progress = Progress(steps, "bench resume")
     with progress.running():
         report = resume.run(cfg, loaders, progress=progress.step)
@@ -270,7 +270,8 @@ def _bench_resume(args: argparse.Namespace) -> int:
     if report.one_time_s:
         print("Paid once before the measurements, in no loader's first batch: "
               + ", ".join(f"{what} {s:.2f} s" for what, s in report.one_time_s.items()) + ".")
-    print(f"Producer restarts under SIGKILL (max_restarts): {report.restarts['why']}.")
+    print()
+    print(resume.restarts_table(report.restarts, cfg))
     for r in report.results:
         if r.error:
             print(f"\n{r.loader} failed: {r.error}", file=sys.stderr)
@@ -279,7 +280,7 @@ def _bench_resume(args: argparse.Namespace) -> int:
         resume.plot(report.results, args.plot,
                     f"{cfg.images} JPEGs {cfg.side}x{cfg.side}, batches of {cfg.batch_size}, {cfg.workers} workers")
         print(f"wrote {args.plot}")
-    return 1 if any(r.error for r in report.results) else 0
+    return 1 if any(r.error for r in report.results) or report.restarts.error else 0
 
 
 def _fraction(text: str) -> float:
@@ -461,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the JPEGs' pixels and every loader's shuffle (default {rd.seed})")
     e.add_argument("--timeout", type=_positive(float), default=rd.timeout_s,
                    help=f"the most seconds one batch may take (default {rd.timeout_s:g})")
+    e.add_argument("--kills", type=_positive(int), default=rd.kills,
+                   help=f"SIGKILLs of shmpipe's producers per epoch in the restarts section, with max_restarts=KILLS "
+                        f"(default {rd.kills}; 0: no restarts section)")
     e.add_argument("--loaders", nargs="+", metavar="LOADER", choices=list(resume.LOADERS),
                    help="loaders to run (default: all; one not installed is reported so): "
                         + " ".join(repr(n) if " " in n else n for n in resume.LOADERS))
