@@ -1,10 +1,11 @@
 """Regenerates every measured table and plot of docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # about 6 minutes on 2 cores
+    python benchmarks/run_all.py            # about 8 minutes on 2 cores
 
-Runs the three `shmpipe bench` commands (`bench feed`, the wait for the
+Runs the `shmpipe bench` commands below (`bench feed`, the wait for the
 next batch, twice: with its default of cpu_count() producers, and with 8 so
-the transports show), writes JSON and PNG files to docs/results/, and
+the transports show; `bench resume` measures the peers that are installed
+and says which are not), writes JSON and PNG files to docs/results/, and
 rewrites docs/results/README.md with the date, versions, exact commands and
 tables. One run each, on this machine: compare ratios within a run, not
 numbers across machines.
@@ -34,6 +35,10 @@ RUNS = [
      ["bench", "throughput", "--json", "throughput.json", "--plot", "throughput.png"]),
     ("serialize", "Serialization paths",
      ["bench", "serialize", "--json", "serialize.json", "--plot", "serialize.png"]),
+    ("train", "A training run: images/s into a trainer, every input pipeline",
+     ["bench", "train", "--json", "train.json", "--plot", "train.png"]),
+    ("resume", "A JPEG dataset: images/s, and the first batch fresh and after resuming, shmpipe and its peers",
+     ["bench", "resume", "--json", "resume.json", "--plot", "resume.png"]),
 ]
 
 

@@ -5,6 +5,7 @@
     shmpipe bench serialize    every serialization path, in one process
     shmpipe bench train        end to end: a JPEG pipeline into Keras and torch training, every loader
     shmpipe bench ranks        N ranks fed by one shared pool vs one pipeline or DataLoader each
+    shmpipe bench resume       a JPEG dataset: images/s and the first batch after resuming, shmpipe and its peers
     shmpipe doctor             check this machine for what breaks pipelines
     shmpipe clean              remove segments left by processes that died
 """
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 
 from shmpipe import _doctor
 from shmpipe import clean as do_clean
-from shmpipe.bench import feed, ranks, serialize, throughput, train
+from shmpipe.bench import feed, ranks, resume, serialize, throughput, train
 from shmpipe.bench._report import Progress, environment, human_size, parse_size
 from shmpipe.bench._report import output_captured as _output_captured
 from shmpipe.errors import ShmpipeError, TransportUnavailableError
@@ -250,6 +251,48 @@ def _bench_ranks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_resume(args: argparse.Namespace) -> int:
+    cfg = resume.ResumeConfig(
+        images=args.images, side=args.side, batch_size=args.batch_size, workers=args.workers, at=tuple(args.at),
+        repeat=args.repeat, seed=args.seed, timeout_s=args.timeout, kills=args.kills,
+    )
+    cfg.check()  # before the JPEGs are made
+    loaders = args.loaders or list(resume.LOADERS)
+    steps = 2 + (len(loaders) * (1 + len(cfg.at)) + 1) * cfg.repeat
+    progress = Progress(steps, "bench resume")
+    with progress.running():
+        report = resume.run(cfg, loaders, progress=progress.step)
+    print(resume.describe(report))
+    print(resume.table(report.results))
+    print()
+    for line in resume.summary(report.results):
+        print(line)
+    if report.one_time_s:
+        print("Paid once before the measurements, in no loader's first batch: "
+              + ", ".join(f"{what} {s:.2f} s" for what, s in report.one_time_s.items()) + ".")
+    print()
+    print(resume.restarts_table(report.restarts, cfg))
+    for r in report.results:
+        if r.error:
+            print(f"\n{r.loader} failed: {r.error}", file=sys.stderr)
+    _write_json(args.json, "resume", report.as_dict())
+    if args.plot:
+        resume.plot(report.results, args.plot,
+                    f"{cfg.images} JPEGs {cfg.side}x{cfg.side}, batches of {cfg.batch_size}, {cfg.workers} workers")
+        print(f"wrote {args.plot}")
+    return 1 if any(r.error for r in report.results) or report.restarts.error else 0
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a fraction: {text!r} (say 0.9 or 90%)") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"a position in an epoch is strictly between 0 and 1 (0% and 100%): {text}")
+    return value
+
+
 def _sides(text: str) -> tuple[int, int]:
     try:
         low, high = (int(v) for v in text.split(","))
@@ -297,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON instead of text")
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: feed, train, throughput, serialize, ranks", formatter_class=_HelpFormatter
+        "bench", help="benchmarks: feed, train, throughput, serialize, ranks, resume", formatter_class=_HelpFormatter
     )
     kinds = bench.add_subparsers(dest="kind", required=True)
 
@@ -398,6 +441,36 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
     r.add_argument("--plot", metavar="FILE.png",
                    help="draw batches/s, CPU per batch and memory per setup into FILE.png (default: no plot)")
+    rd = resume.ResumeConfig()  # the defaults, said once
+    e = kinds.add_parser("resume", help="a JPEG dataset: images/s and the first batch after resuming, shmpipe and "
+                                        "its peers (StatefulDataLoader, Grain, DataLoader)",
+                         description=resume.__doc__, formatter_class=_HelpFormatter)
+    e.add_argument("--images", type=_positive(int), default=rd.images,
+                   help=f"JPEG files, made at start in a temporary folder: the epoch (default {rd.images})")
+    e.add_argument("--side", type=_positive(int), default=rd.side,
+                   help=f"each JPEG is SIDE x SIDE RGB pixels (default {rd.side})")
+    e.add_argument("--batch-size", type=_positive(int), default=rd.batch_size,
+                   help=f"images per batch (default {rd.batch_size})")
+    e.add_argument("--workers", type=_positive(int), default=rd.workers,
+                   help=f"each loader's worker processes (default {rd.workers})")
+    e.add_argument("--at", type=_fraction, nargs="+", default=list(rd.at), metavar="FRACTION",
+                   help="checkpoints after these fractions of the epoch (default "
+                        + " ".join(f"{f:g}" for f in rd.at) + ")")
+    e.add_argument("--repeat", type=_positive(int), default=rd.repeat,
+                   help=f"rounds of every loader; the table shows the median (default {rd.repeat})")
+    e.add_argument("--seed", type=_positive(int), default=rd.seed,
+                   help=f"the JPEGs' pixels and every loader's shuffle (default {rd.seed})")
+    e.add_argument("--timeout", type=_positive(float), default=rd.timeout_s,
+                   help=f"the most seconds one batch may take (default {rd.timeout_s:g})")
+    e.add_argument("--kills", type=_positive(int), default=rd.kills,
+                   help=f"SIGKILLs of shmpipe's producers per epoch in the restarts section, with max_restarts=KILLS "
+                        f"(default {rd.kills}; 0: no restarts section)")
+    e.add_argument("--loaders", nargs="+", metavar="LOADER", choices=list(resume.LOADERS),
+                   help="loaders to run (default: all; one not installed is reported so): "
+                        + " ".join(repr(n) if " " in n else n for n in resume.LOADERS))
+    e.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
+    e.add_argument("--plot", metavar="FILE.png",
+                   help="draw images/s and the first batches per loader into FILE.png (default: no plot)")
     return parser
 
 
@@ -418,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kind = "feed"
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "feed": _bench_feed, "throughput": _bench_throughput, "serialize": _bench_serialize,
-        "train": _bench_train, "ranks": _bench_ranks,
+        "train": _bench_train, "ranks": _bench_ranks, "resume": _bench_resume,
     }
     try:
         return commands[args.kind](args)

@@ -169,3 +169,109 @@ def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):
     assert "must be at least two batches" in capsys.readouterr().err
     assert main(["bench", "train", "--crop", "128", "--sides", "96,224"]) == 2
     assert "crop (128) <= min_side (96)" in capsys.readouterr().err
+
+
+def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(tmp_path):
+    # A tiny run (40 JPEGs of 16x16, 5 batches, 1 worker): the JSON's
+    # structure, and the checks it records, never a timing.
+    import os
+
+    from shmpipe.bench import resume
+
+    out, png = tmp_path / "resume.json", tmp_path / "resume.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmpipe", "bench", "resume", "--images", "40", "--side", "16", "--batch-size", "8",
+         "--workers", "1", "--repeat", "1", "--timeout", "60", "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "resume"
+    assert data["config"]["images"] == 40 and data["config"]["batches"] == 5
+    restarts = data["restarts"]
+    if resume.restarts_available() is None:
+        # SIGKILLs in the first three quarters of the epoch (after batch 1
+        # or 2): the run delivered what the fault-free one did, each sample
+        # once; a kill sent to a producer not yet replaced is no new death.
+        assert restarts["available"] and restarts["error"] is None, restarts
+        (r,) = restarts["rounds"]
+        assert r["kills"] == 2 and r["sequence_equal"] and r["each_sample_once"], r
+        assert r["restarts"] == r["warnings"] <= r["kills"], r
+        assert r["epoch_s"] > 0 and r["epoch_with_kills_s"] > 0
+        assert "| 1 | 2 |" in proc.stdout
+    else:
+        assert restarts["available"] is False and restarts["why"] == "not available: max_restarts is not implemented"
+        assert "Producer restarts under SIGKILL (max_restarts): not available: max_restarts is not implemented" in proc.stdout
+    results = {r["loader"]: r for r in data["results"]}
+    assert list(results) == list(resume.LOADERS)
+    positions = {"10%": 1, "50%": 2, "90%": 4}  # of 5 batches: at least one before, one after
+    for name, r in results.items():
+        if r["skipped"] is not None:  # an optional peer, said so and not measured
+            assert name in ("StatefulDataLoader", "Grain") and r["skipped"].startswith("not installed"), (name, r)
+            assert r["runs_images_per_s"] == [] and r["checks"] == []
+            assert f"| {name} | {r['resumes_by']} | not installed" in proc.stdout
+            continue
+        assert r["error"] is None, (name, r)
+        assert r["images"] == 40 and r["images_per_s"] > 0, (name, r)
+        assert set(r["first_batch_s"]) == {"fresh", *positions} and all(v > 0 for v in r["first_batch_s"].values())
+        assert r["positions"] == positions
+        assert [(c["at"], c["batch"], c["resumed_batches"]) for c in r["checks"]] == [
+            (at, k, 5 - k) for at, k in positions.items()
+        ], name
+        for c in r["checks"]:
+            after = 40 - 8 * c["batch"]  # samples after the position
+            if name.startswith("shmpipe"):
+                # The resumed epoch is the rest of the uninterrupted one, and
+                # it fetched each sample after the position once, none before.
+                assert c["resumed_equals_rest"] and c["fetched_exactly_rest"], (name, c)
+                assert c["fetched"] == after and c["fetched_before_position"] == 0, (name, c)
+            elif name == "DataLoader":
+                # No resume: the fast-forward fetches what it skips, and the
+                # counter sees it.
+                assert c["resumed_equals_rest"], c
+                assert c["fetched"] == 40 and c["fetched_before_position"] == 8 * c["batch"], c
+            else:
+                assert isinstance(c["resumed_equals_rest"], bool) and c["fetched"] >= after, (name, c)
+        assert f"| {name} | {r['resumes_by']} |" in proc.stdout
+    assert "shmpipe: resumed batches equal the rest of the uninterrupted epoch; 0 samples" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_resume_check_sees_a_wrong_resume():
+    # The check of a resumed run, on runs made up here: one that repeats a
+    # batch and fetches a sample before the position is told apart.
+    from shmpipe.bench.resume import _check
+
+    epoch = [[3, 1], [0, 5], [4, 2]]
+    good = _check("50%", 1, epoch, [[0, 5], [4, 2]], [5, 0, 2, 4])
+    assert (good.resumed_equals_rest, good.fetched_exactly_rest, good.fetched_before_position) == (True, True, 0)
+    bad = _check("50%", 1, epoch, [[3, 1], [0, 5], [4, 2]], [3, 1, 0, 5, 4, 2])
+    assert (bad.resumed_equals_rest, bad.fetched_exactly_rest, bad.fetched_before_position) == (False, False, 2)
+    assert (bad.resumed_batches, bad.fetched) == (3, 6)
+
+
+def test_bench_resume_help_gives_every_default_and_bad_settings_are_refused(capsys):
+    from shmpipe.__main__ import main
+    from shmpipe.bench import resume
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "resume", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    cfg = resume.ResumeConfig()
+    for option, default in [
+        ("--images", cfg.images), ("--side", cfg.side), ("--batch-size", cfg.batch_size), ("--workers", cfg.workers),
+        ("--at", "0.1 0.5 0.9"), ("--repeat", cfg.repeat), ("--seed", cfg.seed), ("--timeout", f"{cfg.timeout_s:g}"),
+        ("--kills", cfg.kills),
+    ]:
+        assert re.search(rf"{option} \S+ [^-]*\(default {default}\b", text), option
+    for name in resume.LOADERS:
+        assert name in text
+    assert "max_restarts" in text
+    # Refused before any JPEG is made, with what to change.
+    assert main(["bench", "resume", "--images", "10", "--batch-size", "8"]) == 2
+    assert "must be at least two batches" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "resume", "--at", "1.5"])
+    assert exit_.value.code == 2
+    assert "strictly between 0 and 1" in capsys.readouterr().err
