@@ -780,6 +780,9 @@ cdef class RingWriter:
                 return slot
             if rc != SHMP_AGAIN:
                 _raise_status(rc, "waiting for a free slot")
+            # Between waits: a signal's handler runs here (a timeout, say),
+            # as the C core's bounded waits are there for.
+            PyErr_CheckSignals()
 
     cdef int _check_size(self, Py_ssize_t nbytes) except -1:
         if <uint64_t>nbytes > self.ring.r.slot_size:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
@@ -41,7 +42,10 @@ def _run_group(n: int, *, epochs: int, stop: int | None = None, state: dict | No
     procs = []
     try:
         for rank in range(n):
-            cfg = {"group": group, "rank": rank, "num_ranks": n, "epochs": epochs, "stop": stop, "state": state}
+            cfg = {
+                "group": group, "rank": rank, "num_ranks": n, "epochs": epochs, "stop": stop, "state": state,
+                "barrier": os.path.join(tmp, group),
+            }
             procs.append(
                 subprocess.Popen(
                     [sys.executable, HERE, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -103,6 +107,13 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                 continue
             break
         report["state"] = pipe.state_dict()
+        # A preemption stops every rank at once: none closes the group (rank
+        # 0's close ends it for the others) before all have their state.
+        os.makedirs(cfg["barrier"], exist_ok=True)
+        open(os.path.join(cfg["barrier"], str(cfg["rank"])), "w").close()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(cfg["barrier"])) < cfg["num_ranks"] and time.monotonic() < deadline:
+            time.sleep(0.01)
     print(json.dumps(report), flush=True)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -112,13 +113,31 @@ def _exercise(header: bytes) -> None:
         if got not in (AGAIN, END, FAULT):
             assert isinstance(got, dict) and np.asarray(got["x"]).nbytes <= ring.slot_size
             del got
-    try:
-        writer = _ring.RingWriter(ring, 0)
-        writer.start_pass(ring.current_pass)
-        writer.put({"x": np.zeros(10)})
-    except (CorruptChannelError, ShmpipeValueError, ValueError):
-        pass
-    except Exception as exc:  # Cancelled/Closed from the protocol words: fine, they are the ring's answers
+    # A producer's put waits for a slot as long as none is free (the ring's
+    # words may say every slot is taken, or the worker at its quota): it runs
+    # in a thread, and closing the ring ends the wait, as a consumer's close
+    # does.
+    outcome: list[BaseException | None] = []
+
+    def put() -> None:
+        try:
+            writer = _ring.RingWriter(ring, 0)
+            writer.start_pass(ring.current_pass)
+            writer.put({"x": np.zeros(10)})
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=put, daemon=True)
+    thread.start()
+    thread.join(1.0)
+    if thread.is_alive():
+        ring.close()
+        thread.join(10.0)
+    assert not thread.is_alive(), "a closed ring must end a producer's wait for a slot"
+    exc = outcome[0]
+    if exc is not None and not isinstance(exc, (CorruptChannelError, ShmpipeValueError, ValueError)):
+        # Cancelled/Closed from the protocol words: fine, they are the ring's answers
         assert type(exc).__name__ in ("Cancelled", "Closed"), repr(exc)
 
 
