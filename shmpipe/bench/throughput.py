@@ -353,13 +353,16 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
         out.append(("reserve: <= 5 us per batch at every size", us <= 5.0, f"{us:.1f} us at {at}"))
     # Batches of any size at ring speed (issue 21): each varying path against
     # the ring at the same size, in throughput and in the trainer's CPU.
+    # (X varying against X's own fixed-size path: "shm ring", "transport:X".)
     for v in sorted((v for v in results if v.path.endswith(VARYING)), key=lambda v: (v.path, v.nbytes)):
-        ring = by.get(("shm ring", v.nbytes))
+        transport = v.path[: -len(VARYING)]
+        fixed = "shm ring" if transport == "shm" else f"transport:{transport}"
+        ring = by.get((fixed, v.nbytes))
         if ring is None:
             continue
         at = human_size(v.nbytes)
         x = v.batches_per_s / ring.batches_per_s
-        out.append((f"{at}: {v.path} >= 0.8 x shm ring", x >= 0.8, f"{x:.2f}x"))
+        out.append((f"{at}: {v.path} >= 0.8 x {fixed}", x >= 0.8, f"{x:.2f}x"))
         cpu = v.cpu_us_per_batch / ring.cpu_us_per_batch
-        out.append((f"{at}: {v.path} trainer CPU per batch <= 2 x shm ring's", cpu <= 2.0, f"{cpu:.2f}x"))
+        out.append((f"{at}: {v.path} trainer CPU per batch <= 2 x {fixed}'s", cpu <= 2.0, f"{cpu:.2f}x"))
     return out
