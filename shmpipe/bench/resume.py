@@ -76,6 +76,7 @@ import numpy as np
 import shmpipe
 from shmpipe.bench._report import pyplot
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
+from shmpipe.testing.datasets import log_fetch
 
 __all__ = [
     "LOADERS", "JpegFolder", "LoaderResult", "ResumeConfig", "ResumeReport",
@@ -169,11 +170,7 @@ class JpegFolder:
             # torch's collate warns on every read-only array it is given.
             pixels = np.array(im.convert("RGB"))
         if self.log is not None:
-            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, f"{i}\n".encode())
-            finally:
-                os.close(fd)
+            log_fetch(self.log, i)
         return {"image": pixels, "label": i % _CLASSES, "index": i}
 
     def logged(self, log: str) -> JpegFolder:

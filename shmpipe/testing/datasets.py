@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochSampler", "FetchLog", "Numbered", "ShapeByIndex"]
+__all__ = ["EpochSampler", "FetchLog", "Numbered", "ShapeByIndex", "log_fetch"]
 
 
 class Numbered:
@@ -32,12 +32,18 @@ class Numbered:
         if not 0 <= i < self.n:
             raise IndexError(i)
         if self.log is not None:
-            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, f"{i}\n".encode())
-            finally:
-                os.close(fd)
+            log_fetch(self.log, i)
         return {"x": np.full(self.shape, i, np.int64), "i": i, "name": f"s{i}", "pair": (i, -i)}
+
+
+def log_fetch(path: str, index: int) -> None:
+    """Appends `index` to the fetch log at `path`: one line, one O_APPEND
+    write, so the lines of several processes never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{index}\n".encode())
+    finally:
+        os.close(fd)
 
 
 class FetchLog:
