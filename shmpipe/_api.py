@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
 from shmpipe._group import GroupOptions, RankPipeline, check_capacity, check_group, default_capacity
@@ -346,7 +346,7 @@ def _check_sampling(
 def _check_iterable(obj: Any, name: str) -> None:
     if not hasattr(obj, "__iter__"):
         raise ShmpipeTypeError(f"{name} must be iterable (a new iteration each epoch), got {type(obj).__name__}")
-    if isinstance(obj, Iterable) and iter(obj) is obj:
+    if isinstance(obj, Iterator):  # (not iter(obj) is obj: a sampler's __iter__ may draw from an RNG)
         raise ShmpipeTypeError(
             f"{name} is an iterator, which runs out after one epoch; give an iterable (a sampler, a list)"
         )
