@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -36,40 +37,50 @@ def _group() -> str:
 
 def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None) -> list[dict[str, Any]]:
     """Starts one process per config (after its delay, in the order given),
-    waits for all, returns their reports in rank order."""
+    waits for all, returns their reports in rank order. Their output goes
+    to files, not pipes: what outlives a rank (its fork server, a child of
+    fork_child_at) holds them without making the test wait."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = []
+    reports: list[dict[str, Any]] = []
     try:
         for i, cfg in enumerate(configs):
             if delays:
                 time.sleep(delays[i])
-            procs.append(
-                (
-                    cfg,
-                    subprocess.Popen(
-                        [sys.executable, HERE, json.dumps(cfg)],
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        env=env,
-                        text=True,
-                    ),
-                )
-            )
-        reports = []
-        for cfg, proc in procs:
-            out, err = proc.communicate(timeout=RANK_TIMEOUT_S)
-            lines = [line for line in out.splitlines() if line.startswith("{")]
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            procs.append((cfg, out, err, subprocess.Popen([sys.executable, HERE, json.dumps(cfg)],
+                                                           stdout=out, stderr=err, env=env, text=True)))
+        for cfg, out, err, proc in procs:
+            proc.wait(timeout=RANK_TIMEOUT_S)
+            out.seek(0)
+            err.seek(0)
+            lines = [line for line in out.read().splitlines() if line.startswith("{")]
             report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
             report.setdefault("rank", cfg["rank"])
             report["returncode"] = proc.returncode
-            report["stderr"] = err[-3000:]
+            report["stderr"] = err.read()[-3000:]
             reports.append(report)
     finally:
-        for _, proc in procs:
+        for _, out, err, proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+            out.close()
+            err.close()
+        for report in reports:
+            _end_child(report.get("child_pid"))
     return sorted(reports, key=lambda r: r["rank"])
+
+
+def _end_child(pid: int | None) -> None:
+    """Ends a child a rank forked to hold its sockets (fork_child_at),
+    once its part in the test is over."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _configs(n: int, **common: Any) -> list[dict[str, Any]]:
@@ -689,10 +700,17 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                 del b
                 if cfg.get("fork_child_at") == [p, len(got)]:
                     # A child that keeps this rank's end of the group's socket
-                    # open (as a DataLoader worker would) for 20 s.
-                    if os.fork() == 0:
+                    # open (as a DataLoader worker would) for 20 s, but not
+                    # the report's pipe (the test would wait for it); the
+                    # test ends it (child_pid).
+                    child = os.fork()
+                    if child == 0:
+                        null = os.open(os.devnull, os.O_WRONLY)
+                        os.dup2(null, 1)
+                        os.dup2(null, 2)
                         time.sleep(20)
                         os._exit(0)
+                    result["child_pid"] = child
                 if cfg.get("kill_at") == [p, len(got)]:
                     result["killed_at"] = time.time()
                     print(json.dumps(result), flush=True)
