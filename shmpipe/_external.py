@@ -138,7 +138,7 @@ from typing import Any
 
 import numpy as np
 
-from shmpipe import _fdpass, _ring
+from shmpipe import _cow, _fdpass, _ring
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._process import proc_kib
 from shmpipe.errors import CorruptChannelError, PipelineClosedError, SharedMemoryFullError, ShmpipeError
@@ -401,14 +401,17 @@ def outbox_pair() -> tuple[socket.socket, socket.socket]:
 
 
 class _Known:
-    """A region the consumer was told of: its descriptor, its size (read
-    once), and its read-only mapping once used (`view`: unmapped only when
-    no batch's root refers to it any more)."""
+    """A region the consumer was told of: its descriptor (`desc`: closed
+    once the region is dropped and no batch in it lives, as a batch's
+    tensors may still need a private mapping of it, _cow.py), its size
+    (read once), and its read-only mapping once used (`view`: unmapped only
+    when no batch's root refers to it any more)."""
 
-    __slots__ = ("address", "fd", "mapped", "rid", "size", "view")
+    __slots__ = ("address", "desc", "mapped", "rid", "size", "view")
 
     def __init__(self, rid: int, fd: int, size: int) -> None:
-        self.rid, self.fd, self.size = rid, fd, size
+        self.rid, self.size = rid, size
+        self.desc: _cow.Descriptor | None = _cow.Descriptor(fd)
         self.mapped = 0
         self.view: _ring.Mapping | None = None
         self.address = 0
@@ -417,12 +420,22 @@ class _Known:
 class _Held:
     """The base of a batch's root in a region: keeps the mapping (`view`)
     and the record (and so the slot, its lease) alive until the batch's
-    last array goes. Exports no buffer (NumPy cannot make views writable)."""
+    last array goes. Exports no buffer (NumPy cannot make views writable).
+    `desc`: the region's descriptor, where `view` is a read-only mapping
+    of it from its start; None where `view` is a private mapping of the
+    batch (a rank's big batch, map_external)."""
 
-    __slots__ = ("record", "view")
+    __slots__ = ("desc", "record", "view")
 
-    def __init__(self, view: _ring.Mapping, record: Any) -> None:
-        self.view, self.record = view, record
+    def __init__(self, view: _ring.Mapping, record: Any, desc: _cow.Descriptor | None) -> None:
+        self.view, self.record, self.desc = view, record, desc
+
+    def writable_view(self, arr: np.ndarray) -> np.ndarray:
+        """`arr` (an array of this batch) as a writable array whose writes
+        stay in this process (_cow.py)."""
+        if self.desc is None:
+            return _cow.writable_alias(arr)
+        return _cow.view(arr, self.desc.fd, self.view.address, 0)
 
 
 class Regions:
@@ -580,14 +593,14 @@ class Regions:
         """A new pass: batches of the old one are never taken, so the
         retired regions go (their mappings stay while batches in them live)."""
         for _index, known in self.retired.values():
-            os.close(known.fd)
+            known.desc = None  # closed once no batch in it lives
             known.view = None
         self.retired.clear()
 
     def _forget(self, key: tuple[int, int]) -> None:
         known = self.table.pop(key)
-        os.close(known.fd)
-        known.view = None  # the mapping goes with the last batch in it
+        known.desc = None  # the descriptor and the mapping go with the last batch in it
+        known.view = None
         self.dropped += 1
 
     def root(self, worker: int, index: int, rid: int, nbytes: int, record: Any) -> np.ndarray:
@@ -613,8 +626,8 @@ class Regions:
                     f"a record claims {nbytes:,} bytes in region {index} of worker {worker}, of {known.size:,}"
                 )
             self._map(known, nbytes)
-        assert known.view is not None
-        return _ring.region_root(_Held(known.view, record), known.address, nbytes)
+        assert known.view is not None and known.desc is not None
+        return _ring.region_root(_Held(known.view, record, known.desc), known.address, nbytes)
 
     def _lookup(self, worker: int, index: int, rid: int) -> _Known | None:
         """The region that index and id name: in the table, or among those
@@ -638,14 +651,17 @@ class Regions:
         pages, at most the region. The old mapping stays while batches in
         it live."""
         length = min(known.size, max(-(-2 * nbytes // _PAGE) * _PAGE, _PAGE))
-        known.view = _map_readonly(known.fd, length, nbytes, known.size)
+        assert known.desc is not None
+        known.view = _map_readonly(known.desc.fd, length, nbytes, known.size)
         known.address = known.view.address
         known.mapped = length
         self.maps += 1
 
     def fd_of(self, worker: int, index: int) -> int:
         """The descriptor of a region in the table (for a rank of a group)."""
-        return self.table[worker, index].fd
+        desc = self.table[worker, index].desc
+        assert desc is not None
+        return desc.fd
 
     def close(self) -> None:
         self.closed = True  # first: a thread still receiving knows the socket's end is no error
@@ -718,11 +734,12 @@ def _address_space_left() -> tuple[int, str]:
     return max(0, (1 << 47) - used), "this process's address space (or vm.max_map_count)"
 
 
-def _map_readonly(fd: int, length: int, nbytes: int, size: int) -> _ring.Mapping:
-    """`length` bytes of `fd` mapped read-only, for a batch of `nbytes` in
-    memory of `size`; every failure is a ShmpipeError naming the sizes."""
+def _map_readonly(fd: int, length: int, nbytes: int, size: int, *, private: bool = False) -> _ring.Mapping:
+    """`length` bytes of `fd` mapped read-only (or `private`: copy-on-write,
+    _cow.py), for a batch of `nbytes` in memory of `size`; every failure is
+    a ShmpipeError naming the sizes."""
     try:
-        return _ring.Mapping(fd, length, False)
+        return _ring.Mapping(fd, length, False, private)
     except OSError as exc:
         mapped = -(-length // _PAGE) * _PAGE
         if exc.errno == errno.ENOMEM:
@@ -746,7 +763,7 @@ def _map_readonly(fd: int, length: int, nbytes: int, size: int) -> _ring.Mapping
 
 
 def map_external(fd: int, nbytes: int, lease: Any, *, write_sealed: bool) -> np.ndarray:
-    """Maps exactly `nbytes` of the external batch `fd` read-only (whole
+    """Maps exactly `nbytes` of the external batch `fd` privately, copy-on-write (whole
     pages: the last one rounded up; never the file's own size) after
     checking it cannot be resized (nor written, with `write_sealed`: what
     its record claims) and holds `nbytes`; returns its root array (which
@@ -774,5 +791,8 @@ def map_external(fd: int, nbytes: int, lease: Any, *, write_sealed: bool) -> np.
         raise CorruptChannelError(f"an external batch claims {nbytes:,} bytes in memory of {size:,}")
     if nbytes == 0:
         return ExternalMemory(mmap.mmap(-1, 1), 0, False, lease).root()
-    mapping = _map_readonly(fd, nbytes, nbytes, size)
-    return _ring.region_root(_Held(mapping, lease), mapping.address, nbytes)
+    # Private (copy-on-write): this batch's own mapping, so its torch tensors
+    # can be written in place without touching the memory (_cow.py); its
+    # arrays are read-only all the same.
+    mapping = _map_readonly(fd, nbytes, nbytes, size, private=True)
+    return _ring.region_root(_Held(mapping, lease, None), mapping.address, nbytes)

@@ -120,7 +120,8 @@ cdef extern from "<sys/mman.h>" nogil:
     int shm_unlink(const char *name)
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
-    int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_POPULATE
+    int mprotect(void *addr, size_t length, int prot)
+    int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE, MAP_POPULATE
     void *MAP_FAILED
 
 cdef extern from "<fcntl.h>" nogil:
@@ -960,31 +961,41 @@ cdef class RingWriter:
 
 
 cdef class Mapping:
-    """`size` bytes of the memory `fd` refers to, mapped shared: read-only,
-    or writable and populated (every page touched once now). A region of
-    a batch larger than a slot (_external.py), in the producer (writable)
-    or the consumer (read-only). Unmapped when this object is freed, so
-    whatever views the memory must keep it (array(), region_root()).
-    Unlike Python's mmap it keeps no duplicate of the descriptor (one
-    descriptor per mapping would count against ulimit -n) and exports no
-    buffer (NumPy cannot make a read-only view of it writable)."""
+    """`size` bytes of the memory `fd` refers to, from `offset` (a whole
+    number of pages): shared and read-only; shared, writable and populated
+    (every page touched once now); or `private` (MAP_PRIVATE, writable: a
+    page written is copied for this process alone, the memory and every
+    other mapping of it never see the write; _cow.py). A region of a batch
+    larger than a slot (_external.py), in the producer (writable) or the
+    consumer (read-only), or a private view of a batch (_cow.py). Unmapped
+    when this object is freed, so whatever views the memory must keep it
+    (array(), region_root()). Unlike Python's mmap it keeps no duplicate of
+    the descriptor (one descriptor per mapping would count against ulimit
+    -n) and exports no buffer (NumPy cannot make a read-only view of it
+    writable)."""
     cdef readonly size_t address
     cdef readonly Py_ssize_t size
     cdef bint writable
 
-    def __cinit__(self, int fd, Py_ssize_t size, bint writable):
+    def __cinit__(self, int fd, Py_ssize_t size, bint writable, bint private=False, Py_ssize_t offset=0):
         cdef void *addr
-        cdef int prot = PROT_READ | (PROT_WRITE if writable else 0)
-        cdef int flags = MAP_SHARED | (MAP_POPULATE if writable else 0)
+        cdef int prot = PROT_READ | (PROT_WRITE if writable or private else 0)
+        cdef int flags
+        if private:
+            flags = MAP_PRIVATE
+        else:
+            flags = MAP_SHARED | (MAP_POPULATE if writable else 0)
         if size <= 0:
             raise ValueError(f"a mapping of {size} bytes")
+        if offset < 0 or offset % SHMP_PAGE:
+            raise ValueError(f"a mapping from offset {offset}, not a whole number of pages")
         with nogil:
-            addr = mmap(NULL, <size_t>size, prot, flags, fd, 0)
+            addr = mmap(NULL, <size_t>size, prot, flags, fd, <long>offset)
         if addr == MAP_FAILED:
             raise OSError(errno, f"mmap({size}): {strerror(errno).decode()}")
         self.address = <size_t>addr
         self.size = size
-        self.writable = writable
+        self.writable = writable or private
 
     def __dealloc__(self):
         if self.address:
@@ -994,6 +1005,22 @@ cdef class Mapping:
         """All of it as a uint8 array (writable where the mapping is),
         whose base is this object."""
         return _root_array(<unsigned char *>self.address, self.size, self, self.writable)
+
+
+def protect(size_t address, size_t length, bint writable):
+    """Makes the whole pages of [address, address + length) of a mapping of
+    this process read-only, or writable again (mprotect). A producer's
+    guard on a published batch that a view it kept could still write
+    (shm.py, _guard). The caller vouches the pages are its own mapping's."""
+    cdef size_t start = address & ~(<size_t>SHMP_PAGE - 1)
+    cdef size_t end = (address + length + SHMP_PAGE - 1) & ~(<size_t>SHMP_PAGE - 1)
+    cdef int rc
+    if end <= start:
+        return
+    with nogil:
+        rc = mprotect(<void *>start, end - start, PROT_READ | (PROT_WRITE if writable else 0))
+    if rc != 0:
+        raise OSError(errno, f"mprotect({end - start}): {strerror(errno).decode()}")
 
 
 def region_root(object owner, size_t address, Py_ssize_t nbytes):

@@ -88,12 +88,13 @@ class TorchBatches:
 
     def _host(self, batch: Any) -> Any:
         if self._quiet:
-            return _host_tensors(batch)
-        # torch warns once that the arrays are read-only (they are: views
-        # of shared memory); say nothing, the docs say so.
+            return _host_tensors(batch, not self.to_device)
+        # torch warns once that the arrays are read-only (NumPy's flag: the
+        # batch's arrays are; their tensors may be written all the same,
+        # _host_tensors and docs/gpu.md); say nothing.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            host = _host_tensors(batch)
+            host = _host_tensors(batch, not self.to_device)
         self._quiet = True
         return host
 
@@ -299,15 +300,29 @@ def _to_each_tensor(batch: Any, fn: Callable[[Any], Any]) -> Any:
     return map_leaves(batch, lambda leaf: fn(leaf) if isinstance(leaf, torch.Tensor) else leaf)
 
 
-def _host_tensors(batch: Any) -> Any:
-    """`batch` with each array (and NumPy scalar) as a torch tensor viewing it."""
+def _host_tensors(batch: Any, handed_out: bool) -> Any:
+    """`batch` with each array (and NumPy scalar) as a torch tensor viewing
+    it. Where the tensors are `handed_out` (not only copied to a device),
+    an array whose memory this process maps read-only is viewed through a
+    private, writable mapping of it: torch would write it in place (_cow.py)."""
     import torch
 
     def to_tensor(leaf: Any, path: str) -> Any:
         if not isinstance(leaf, (np.ndarray, np.generic)):
             return leaf
+        if not isinstance(leaf, np.ndarray):
+            leaf = np.asarray(leaf)  # a fresh 0-d array of the scalar
+        elif handed_out:
+            # Below the batch's root array is the holder of its memory; one
+            # that maps it read-only makes the private view.
+            holder = leaf.base
+            while type(holder) is np.ndarray:
+                holder = holder.base
+            writable_view = getattr(type(holder), "writable_view", None)
+            if writable_view is not None:
+                leaf = writable_view(holder, leaf)
         try:
-            return torch.from_numpy(leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf))
+            return torch.from_numpy(leaf)
         except TypeError:
             raise BatchTypeError(f"PyTorch has no dtype for {leaf.dtype!r}", path) from None
 

@@ -72,6 +72,30 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
     return sorted(reports, key=lambda r: r["rank"])
 
 
+def _add_one_in_place(t: Any) -> Any:
+    """Adds one to each byte of tensor `t` in place, checks it did, and
+    returns the bytes from before as a NumPy array of `t`'s dtype."""
+    import torch
+
+    u = t.view(torch.uint8)
+    before = u.clone()
+    u.add_(1)
+    assert torch.equal(u, before + 1)
+    return before.view(t.dtype).numpy()
+
+
+def _in_a_ring_mapping(address: int) -> bool:
+    """Whether `address` lies in a mapping of a shmpipe memfd (shared or
+    private) in this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:shmpipe" in line:
+                lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+                if lo <= address < hi:
+                    return True
+    return False
+
+
 def _end_child(pid: int | None) -> None:
     """Ends a child a rank forked to hold its sockets (fork_child_at),
     once its part in the test is over."""
@@ -159,6 +183,20 @@ def test_unordered_delivery_is_disjoint_and_equal_with_arrow_and_big_batches():
     assert len(got) == len(set(got)) == 18
     assert len(reports[0]["passes"][0]) == len(reports[1]["passes"][0]) == 9
     assert sum(r["big"] for r in reports) > 0  # some did travel outside the ring
+
+
+def test_in_place_torch_ops_in_every_rank_on_batches_of_any_size():
+    """A rank's batches lie in memory it maps read-only: an in-place op on
+    their tensors (x.add_(1)) killed the rank with SIGSEGV. Now each
+    tensor is a private view: the op works and the batch is intact (the
+    check compares the bytes from before the op with what was sent)."""
+    pytest.importorskip("torch")
+    reports = _run_ranks(_configs(2, sources=2, per_source=9, passes=1, grow=True, adapter="torch"))
+    for r in reports:
+        assert r["returncode"] == 0 and r["error"] is None, r
+        _assert_clean(r)
+    assert sorted(tuple(b) for r in reports for b in r["passes"][0]) == [(w, s) for w in range(2) for s in range(9)]
+    assert all(r["big"] > 0 for r in reports)  # each rank had batches outside the ring
 
 
 def test_a_slot_is_not_reused_while_a_rank_holds_its_batch_and_posix_backing_works():
@@ -643,6 +681,9 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         w, s = int(b["worker"]), int(b["seq"])
         if "x" in b:
             x = b["x"]
+            if adapter == "torch":
+                # In place, on a batch larger than a slot too: a private view.
+                x = _add_one_in_place(x)
             expected = np.empty(x.shape, x.dtype)
             fill_pattern(expected, w, s)
             assert crc_of(x) == int(b["crc"]) and x.tobytes() == expected.tobytes()
@@ -652,9 +693,11 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             data = b["data"]
             if adapter == "torch":
                 assert isinstance(data, torch.Tensor)
-                lo, size = pipe.memory_ranges()[0]
-                result["zero_copy"] = lo <= data.data_ptr() < lo + size
-                data = data.numpy()
+                # No copy: the tensor's pages are the group's ring (in rank 0)
+                # or a private mapping of it (elsewhere: read-only there).
+                result["zero_copy"] = _in_a_ring_mapping(data.data_ptr())
+                # In place: a SIGSEGV on a rank's read-only mapping, once.
+                data = _add_one_in_place(data)
             elif adapter is None:
                 assert not data.flags.writeable
                 try:

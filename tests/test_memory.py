@@ -418,7 +418,7 @@ def test_the_descriptors_of_regions_arrive_close_on_exec():
         for b in pipe:
             check_delivered(b)
             got.append(b)  # all held: each big one is in a region of its own
-        fds = [known.fd for known in pipe.channel.regions.table.values()]
+        fds = [known.desc.fd for known in pipe.channel.regions.table.values()]
         assert len(fds) == len(shapes) - 1, pipe.channel.external_stats()
         flags = {fd: fcntl.fcntl(fd, fcntl.F_GETFD) for fd in fds}
         assert all(f & fcntl.FD_CLOEXEC for f in flags.values()), f"inheritable: {flags}"

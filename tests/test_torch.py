@@ -282,3 +282,55 @@ def test_on_the_gpu_no_batch_changes_before_its_copy_ran(pin_memory):
             n += 1
         torch.cuda.synchronize()
     assert n == 60 and int(bad) == 0
+
+
+# -- in-place ops on a batch's tensors ------------------------------------------
+
+
+def _bytes_of(t):
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("transport", ["shm", "arrow"])
+def test_in_place_ops_on_any_batch_never_crash_and_stay_private(transport):
+    """Batches larger than a slot lie in their producer's region, which the
+    trainer maps read-only: an in-place op on their tensors (x.mul_(2)) was a
+    SIGSEGV. Each such tensor is now a private copy-on-write view: the op
+    works, the batch's NumPy arrays never see it, and the next batch in the
+    same region is read whole (no page of the write stays behind)."""
+    from shmpipe.testing.sources import Shapes, crc_of
+
+    # The first batch (4 KiB) sizes the slot; the others are up to 16x larger,
+    # through the same few regions again and again.
+    shapes = [(1024 * (1 + (i * 7) % 16),) for i in range(40)]
+    with shmpipe.from_iterators([Shapes(shapes)] * 2, transport=transport, capacity=4, timeout=T) as pipe:
+        big = 0
+        for b in pipe.to_torch():
+            x = b["x"]
+            assert crc_of(x.numpy()) == b["crc"], "a batch read stale bytes of an earlier write"
+            u = x.view(torch.uint8)
+            before = u.clone()
+            u.add_(1)
+            assert torch.equal(u, before + 1)
+            big += x.numel() * 4 > pipe.channel.ring.slot_size
+        assert big > 20
+        # The NumPy arrays of a batch and its tensors: a write through the
+        # tensor stays in the tensor (where the batch lies in a slot, the
+        # tensor is the batch itself: see the next test).
+        for b in pipe:
+            host = shmpipe._torch._host_tensors(b, True)
+            host["x"].view(torch.uint8).add_(1)
+            if b["x"].nbytes > pipe.channel.ring.slot_size:
+                assert crc_of(b["x"]) == b["crc"]
+                assert _bytes_of(host["x"]) != b["x"].tobytes()
+
+
+def test_in_place_ops_on_a_batch_in_a_slot_write_that_batch_only():
+    """Where the trainer's own ring holds a batch (mapped writable), its
+    tensors are the slot itself: an in-place op writes the batch, which is
+    the trainer's until it lets it go; the next batches are intact."""
+    with shmpipe.from_iterators([Counter(40, shape=(64,))] * 2, capacity=4, timeout=T) as pipe:
+        for b in pipe.to_torch():
+            assert in_segment(b["data"], pipe)
+            np.testing.assert_array_equal(b["data"].numpy(), payload_for(b["worker"], b["seq"], (64,)))
+            b["data"].mul_(0)

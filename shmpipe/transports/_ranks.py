@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from shmpipe import _external, _ring
+from shmpipe import _cow, _external, _ring
 from shmpipe.errors import CorruptChannelError
 from shmpipe.transport import RankReader
 
@@ -48,12 +48,16 @@ class _SlotView:
     the base of the batch's root array (through ``__array_interface__``).
     When the last array of the batch is gone, this object goes, and tells
     rank 0 to release the slot. Not a buffer exporter, and the pages are
-    mapped read-only, so no array of the batch can be made writeable."""
+    mapped read-only, so no array of the batch can be made writeable; its
+    torch tensors are private views (writable_view, _cow.py)."""
 
-    __slots__ = ("__weakref__", "_interface", "_mapping", "_release")
+    __slots__ = ("__weakref__", "_desc", "_interface", "_mapping", "_release")
 
-    def __init__(self, mapping: np.ndarray, offset: int, nbytes: int, release: Callable[[], None]) -> None:
+    def __init__(
+        self, mapping: np.ndarray, desc: _cow.Descriptor, offset: int, nbytes: int, release: Callable[[], None]
+    ) -> None:
         self._mapping = mapping  # keeps the ring mapped while the batch lives
+        self._desc = desc  # and its descriptor open
         self._release = release
         self._interface = {
             "shape": (nbytes,),
@@ -65,6 +69,11 @@ class _SlotView:
     @property
     def __array_interface__(self) -> dict[str, Any]:
         return self._interface
+
+    def writable_view(self, arr: np.ndarray) -> np.ndarray:
+        """`arr` (an array of this batch) as a writable array whose writes
+        stay in this process (_cow.py)."""
+        return _cow.view(arr, self._desc.fd, int(self._mapping.ctypes.data), 0)
 
     def __del__(self) -> None:
         self._release()
@@ -131,6 +140,9 @@ class ShmRankReader(RankReader):
             if size < total:
                 raise CorruptChannelError(f"the shared ring's memory has {size:,} bytes, its geometry says {total:,}")
             mm = mmap.mmap(fd, total, prot=mmap.PROT_READ)
+            # Kept for private views of batches (_cow.py), closed with the
+            # last batch after close().
+            self._desc: _cow.Descriptor | None = _cow.Descriptor(os.dup(fd))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -169,7 +181,8 @@ class ShmRankReader(RankReader):
                 raise CorruptChannelError(
                     f"a batch record points outside the ring's slots: offset {offset}, {nbytes} bytes"
                 )
-            root = np.asarray(_SlotView(mapping, offset, nbytes, released))
+            assert self._desc is not None
+            root = np.asarray(_SlotView(mapping, self._desc, offset, nbytes, released))
         elif (
             kind == "big"
             and len(record) == 3
@@ -192,5 +205,7 @@ class ShmRankReader(RankReader):
         return [(self._address, self._total)] if self._mapping is not None else []
 
     def close(self) -> None:
-        # The batches still alive keep the mapping (their _SlotViews refer to it).
+        # The batches still alive keep the mapping and the descriptor (their
+        # _SlotViews refer to them).
         self._mapping = None
+        self._desc = None
