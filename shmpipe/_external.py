@@ -134,6 +134,7 @@ import resource
 import socket
 import struct
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -227,9 +228,27 @@ class Region:
     array over all of it) and the batch it last carried (`slot`, `pass_no`,
     `wseq`; slot -1: none since it was made). Busy while that slot holds
     that batch (see the module doc); `reserved` while a reservation's
-    arrays are being filled in it (not yet published)."""
+    arrays are being filled in it (not yet published). `tainted`: a weak
+    reference to the root of a reservation yielded while a NumPy view of its
+    arrays lived; while that root lives, the region is made read-only in
+    this process whenever it carries a batch, until it is taken again
+    (RegionPool.published, take: a view kept past its yield cannot change a
+    batch the consumer holds). `protected`: it is read-only now."""
 
-    __slots__ = ("buf", "index", "last_used", "pass_no", "reserved", "rid", "size", "slot", "used_ns", "wseq")
+    __slots__ = (
+        "buf",
+        "index",
+        "last_used",
+        "pass_no",
+        "protected",
+        "reserved",
+        "rid",
+        "size",
+        "slot",
+        "tainted",
+        "used_ns",
+        "wseq",
+    )
 
     def __init__(self, index: int, rid: int, buf: np.ndarray) -> None:
         self.index, self.rid, self.buf = index, rid, buf
@@ -240,6 +259,22 @@ class Region:
         self.last_used = 0  # the pool's batch count when it was last taken
         self.used_ns = 0  # and the monotonic clock then
         self.reserved = False
+        self.tainted: weakref.ref[np.ndarray] | None = None
+        self.protected = False
+
+    def new_root(self) -> np.ndarray:
+        """A writable uint8 array over all of the region, of its own (its
+        base is the mapping): the root of one reservation's arrays."""
+        mapping = self.buf.base
+        assert isinstance(mapping, _ring.Mapping)
+        return mapping.array()
+
+    def taint(self, root: np.ndarray) -> None:
+        self.tainted = weakref.ref(root)
+
+    def set_protected(self, protected: bool) -> None:
+        _ring.protect(self.buf.ctypes.data, self.size, not protected)
+        self.protected = protected
 
 
 class Outbox:
@@ -288,6 +323,7 @@ class RegionPool:
         self.peak_at = 0
         #: Regions made (memfds created) since the pool began: a statistic.
         self.created = 0
+        self.guards = 0  # times a region was made read-only (guard_if_tainted)
 
     def free(self, region: Region) -> bool:
         """Whether no array of the batch `region` last carried can live in
@@ -331,7 +367,22 @@ class RegionPool:
             best = self._new(index, max(nbytes, self.peak))
         best.last_used = self.puts
         best.used_ns = time.monotonic_ns()
+        if best.protected:
+            best.set_protected(False)  # ours to write again (see Region)
         return best
+
+    def guard_if_tainted(self, region: Region) -> None:
+        """Makes `region` read-only here if a view of a reservation in it
+        may still write it (see Region); forgets a taint whose views are
+        gone."""
+        tainted = region.tainted
+        if tainted is None:
+            return
+        if tainted() is None:
+            region.tainted = None
+        elif not region.protected:
+            region.set_protected(True)
+            self.guards += 1
 
     def _new(self, index: int, nbytes: int) -> Region:
         size = region_size_for(nbytes)
@@ -362,6 +413,7 @@ class RegionPool:
         writer's current pass and wseq): busy until the consumer lets it go."""
         region.slot, region.pass_no, region.wseq = slot, self.writer.pass_no, self.writer.wseq
         region.reserved = False
+        self.guard_if_tainted(region)
 
     def tick(self) -> None:
         """One batch sent; every SWEEP_EVERY, idle regions are dropped."""

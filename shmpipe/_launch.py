@@ -145,6 +145,8 @@ class ProcessLauncher(Launcher):
         assert p.pid is not None  # started
         return p, parent_end
 
+    can_restart = True
+
     def restart(self, worker: int) -> int:
         """Replaces producer `worker`, whose process has ended, by a new one
         attached to the channel (transports that restarts_producers: the

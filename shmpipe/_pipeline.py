@@ -461,7 +461,7 @@ class Pipeline(FrameworkStream):
         no restart is left: `death` is then the pipeline's failure, with the
         earlier restarts in a note. Called under the consumer lock (no
         take runs meanwhile)."""
-        if self._failure is not None or self._closed or not isinstance(self._launcher, ProcessLauncher):
+        if self._failure is not None or self._closed or not self._launcher.can_restart:
             return False
         if len(self._restarts) >= self.options.max_restarts:
             if self._restarts:

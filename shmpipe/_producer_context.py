@@ -100,6 +100,15 @@ def reserve(template: Any) -> Any:
     reserve() returned: the batch is published without a copy. Yielding
     anything else copies the arrays out and gives the slot back.
 
+    Once yielded, the batch is the consumer's: the arrays become read-only.
+    A NumPy view of them you keep past the yield is made read-only too, at
+    the level of memory: a write through it kills the producer (SIGSEGV,
+    reported as its death) rather than change a batch the consumer holds.
+    (That guard costs system calls only while such a view lives; a buffer
+    taken from the arrays by other means, ``memoryview(arr)`` or
+    ``torch.from_numpy(arr)``, is not seen: do not write through one after
+    the yield.)
+
     Blocks while every slot is busy. Outside a producer, or with a transport
     that has no slots, it returns ordinary new arrays, and yielding them
     sends them as any batch.

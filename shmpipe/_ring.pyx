@@ -21,11 +21,13 @@ Lifetime rules (the reason for most of this file):
 """
 
 import os
+import weakref
 
 import numpy as np
 
 cimport numpy as cnp
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.ref cimport Py_REFCNT
 from libc.errno cimport ENOENT, errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
 from libc.string cimport strerror, memcmp, memcpy
@@ -741,10 +743,23 @@ cdef class RingWriter:
     cdef readonly uint64_t wseq
     cdef Encoder enc
     cdef Decoder dec
-    # The pending reservation: its slot and the arrays handed out in it.
+    # The pending reservation: its slot, the arrays handed out in it, and
+    # their root (every array's base, and every NumPy view's of them:
+    # _taint_if_viewed).
     cdef bint has_reserved
     cdef uint32_t reserved_slot
     cdef list reserved_arrays
+    cdef object reserved_root
+    # slot -> a weak reference to the root of a reservation of that slot
+    # that was yielded (or given back) while views of it lived: each time a
+    # batch is published there while that root lives, the slot's pages are
+    # made read-only in this process until the slot is claimed again
+    # (_guard), so a view kept past its yield cannot change a batch the
+    # consumer holds. Empty, and no system call, when no view outlives its
+    # batch.
+    cdef dict tainted
+    cdef set protected
+    cdef readonly uint64_t guards
     cdef int64_t wait_ns
 
     def __cinit__(self, Ring ring, uint32_t worker):
@@ -755,6 +770,8 @@ cdef class RingWriter:
         self.enc = Encoder()
         self.dec = Decoder()
         self.reserved_arrays = []
+        self.tainted = {}
+        self.protected = set()
         self.wait_ns = 200_000_000
 
     def start_pass(self, uint32_t pass_no, uint64_t first_wseq=0):
@@ -778,6 +795,8 @@ cdef class RingWriter:
             with nogil:
                 rc = shmp_acquire(&self.ring.r, self.worker, self.pass_no, self.wait_ns, &slot)
             if rc == SHMP_OK:
+                if self.protected:
+                    self._unguard(slot)
                 return slot
             if rc != SHMP_AGAIN:
                 _raise_status(rc, "waiting for a free slot")
@@ -825,8 +844,15 @@ cdef class RingWriter:
         if self.has_reserved:
             payload = self.ring.payload(self.reserved_slot)
             if self.enc.same_meta(payload) and self.enc.in_place(payload):
-                self._publish(self.reserved_slot, nbytes)
+                # Sealed before it is published: a view of the arrays that
+                # lives on must be guarded before the consumer may take it.
+                slot = self.reserved_slot
                 self._seal_reservation()
+                try:
+                    self._publish(slot, nbytes)
+                except BaseException:
+                    shmp_abandon(&self.ring.r, slot, self.worker)
+                    raise
                 return 0
         if <uint64_t>nbytes > self.ring.r.slot_size:
             return nbytes
@@ -842,9 +868,50 @@ cdef class RingWriter:
         return 0
 
     cdef int _publish(self, uint32_t slot, Py_ssize_t nbytes) except -1:
+        if self.tainted:
+            self._guard_if_tainted(slot)
         _raise_status(shmp_publish(&self.ring.r, slot, self.worker, self.pass_no, self.wseq,
                                    nbytes), "publishing a batch")
         self.wseq += 1
+        return 0
+
+    # -- views kept past their batch's yield --------------------------------------
+    # The arrays reserve() hands out become read-only when their batch is
+    # published, but a NumPy view made of them before (v = arr[::2]) keeps
+    # its own flag. Every such view is based on the reservation's root
+    # (NumPy collapses views onto the first base that is not a view), so
+    # the root's reference count tells whether any lives. Only then are
+    # system calls made: the slot's pages are made read-only here (a write
+    # through the view is a SIGSEGV of this producer, reported as its death,
+    # instead of a batch changing under the consumer) until the slot is
+    # claimed again. What is not caught: a buffer exported from the arrays
+    # themselves (memoryview(arr), torch.from_numpy(arr)) before the yield.
+
+    cdef int _taint_if_viewed(self, uint32_t slot) except -1:
+        cdef object root = self.reserved_root
+        # One reference per array handed out (each based on the root, and
+        # kept by reserved_arrays), the attribute's and `root`'s here: any
+        # more is a view.
+        if root is not None and Py_REFCNT(root) - 2 > len(self.reserved_arrays):
+            self.tainted[slot] = weakref.ref(root)
+        return 0
+
+    cdef int _guard_if_tainted(self, uint32_t slot) except -1:
+        taint = self.tainted.get(slot)
+        if taint is None:
+            return 0
+        if taint() is None:  # every view of it is gone
+            del self.tainted[slot]
+            return 0
+        protect(<size_t>self.ring.payload(slot), <size_t>self.ring.r.slot_size, False)
+        self.protected.add(slot)
+        self.guards += 1
+        return 0
+
+    cdef int _unguard(self, uint32_t slot) except -1:
+        if slot in self.protected:
+            protect(<size_t>self.ring.payload(slot), <size_t>self.ring.r.slot_size, True)
+            self.protected.discard(slot)
         return 0
 
     def claim(self):
@@ -922,6 +989,7 @@ cdef class RingWriter:
         self.has_reserved = True
         self.reserved_slot = slot
         self.reserved_arrays = arrays
+        self.reserved_root = root
         return batch
 
     def drop_reservation(self):
@@ -945,18 +1013,24 @@ cdef class RingWriter:
 
     cdef _seal_reservation(self):
         # The slot now belongs to the consumer: writes through the arrays we
-        # handed out would change a published batch, so make them read-only.
+        # handed out would change a published batch, so make them read-only
+        # (and the slot too, where a view of them lives: _taint_if_viewed).
         for arr in self.reserved_arrays:
             cnp.PyArray_CLEARFLAGS(<cnp.ndarray>arr, cnp.NPY_ARRAY_WRITEABLE)
+        self._taint_if_viewed(self.reserved_slot)
         self.has_reserved = False
         self.reserved_arrays = []
+        self.reserved_root = None
 
     cdef _drop_reservation(self):
         if self.has_reserved:
             # Unpublished: the slot goes back; the arrays may still be read
-            # by whoever holds them, so they become read-only too.
+            # by whoever holds them, so they become read-only too (and the
+            # slot, while free, where a view of them lives).
             slot = self.reserved_slot
             self._seal_reservation()
+            if self.tainted:
+                self._guard_if_tainted(slot)
             shmp_abandon(&self.ring.r, slot, self.worker)
 
 

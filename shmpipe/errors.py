@@ -258,6 +258,12 @@ class WorkerDiedError(WorkerError):
                 how = f"was killed by signal {_signal.Signals(sig).name}"
             except ValueError:
                 how = f"was killed by signal {sig}"
+            if sig == _signal.SIGSEGV:
+                how += (
+                    " (a crash in native code, or a write through a view of a reserve()d array kept past "
+                    "its batch's yield: the batch was the consumer's by then, and its memory read-only "
+                    "in the producer)"
+                )
         else:
             code = exitcode
             how = f"exited early with exit code {exitcode}"

@@ -496,6 +496,23 @@ class Launcher(abc.ABC):
         (then a resume goes by count). Default: never."""
         return False, None
 
+    #: Whether restart() and send_pass() replace a dead producer (shmpipe's
+    #: own launcher, over a channel that ``restarts_producers``); the
+    #: pipeline asks only such a launcher, and only with max_restarts.
+    can_restart: bool = False
+
+    def restart(self, worker: int) -> int:
+        """(can_restart) Replaces producer `worker`, whose process has ended,
+        by a new one attached to the channel; returns its pid. It runs
+        nothing until send_pass()."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restart a producer")
+
+    def send_pass(self, worker: int, work: PassWork) -> None:
+        """(can_restart) Pass `work.pass_no`, already begun, for producer
+        `worker` alone (a replacement, which goes on where its predecessor
+        stopped)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restart a producer")
+
     def children(self) -> list[Any]:
         """The multiprocessing processes this launcher started from this
         process. A launcher that starts local processes must list them: a

@@ -549,3 +549,41 @@ def test_close_hooks_run_while_the_channel_memory_still_exists(how):
         gc.collect()
     assert seen == [("last", True), ("first", True)]  # last registered, first run
     assert not os.path.exists(path)
+
+
+class KeepsAView:
+    """Reserves batches of {"x": int32[4096]} (after the first, 16x larger
+    with `big`: larger than a slot) filled with their number, and keeps a
+    NumPy view of each past its yield; after yielding batch `write_at`,
+    writes through that view (the batch is the consumer's)."""
+
+    def __init__(self, n: int, write_at: int, big: bool = False) -> None:
+        self.n, self.write_at, self.big = n, write_at, big
+
+    def __call__(self):
+        kept = None
+        for i in range(self.n):
+            size = 4096 * (16 if self.big and i else 1)
+            batch = shmpipe.reserve({"x": shmpipe.ArraySpec((size,), np.int32)})
+            batch["x"][:] = i
+            if i == self.write_at + 1:
+                kept[:] = -1  # batch write_at was yielded: never lands
+            kept = batch["x"][::2]
+            yield batch
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["slot", "region"])
+def test_a_write_through_a_view_kept_past_its_yield_is_the_producers_death_not_a_changed_batch(big):
+    """A view of a reserved array made before its batch's yield kept its own
+    writable flag, and a write through it changed the batch the trainer
+    held, silently. Now the producer dies at the write (SIGSEGV, named so
+    in the error) and the batch is intact."""
+    with shmpipe.from_iterators([KeepsAView(6, write_at=1, big=big)], capacity=4, timeout=T) as pipe:
+        it = iter(pipe)
+        held = [next(it), next(it)]  # batches 0 and 1, held while the producer goes on
+        with pytest.raises(shmpipe.WorkerDiedError, match="SIGSEGV.*kept past") as died:
+            for b in it:
+                held.append(b)
+        assert died.value.signal == 11
+    for i, b in enumerate(held):
+        assert (b["x"] == i).all(), f"batch {i} changed after it was delivered"

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import shmpipe
 from shmpipe import _codec, _external, _fdpass
+from shmpipe import ArraySpec
 from shmpipe.errors import CorruptChannelError
 from shmpipe.testing.memory import ring_descriptors
 from shmpipe.testing.processes import wait_until
@@ -298,6 +299,47 @@ def test_a_producer_writing_its_own_region_ids_into_records_is_caught_before_use
         got = c.get(0, -1, 0, WAIT)
         assert int(got[0]) == 4 and c.external_stats()["received"] == 1  # the region was reused
         del got
+        producer.close()
+    finally:
+        c.close()
+        c.destroy()
+
+
+def test_a_view_of_a_reservation_in_a_region_kept_past_its_yield_guards_the_region_and_only_then():
+    """reserve() of a batch larger than a slot hands out arrays in a region;
+    a NumPy view of them kept past the yield could change the batch the
+    consumer holds. Seen as for a slot (the reservation's root has more
+    references than its arrays): the region is read-only here while it
+    carries a batch and the view lives; never otherwise."""
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=4, slot_size=8192, ordered=False))
+    try:
+        writer = attach_writer(c.handle, 0)
+        writer.start_pass(0)
+        producer = ShmProducer(writer, _external.Outbox(socket.socket(fileno=os.dup(c.handle.outbox.fd))))
+        pool = producer.regions
+        template = {"x": ArraySpec((50_000,), np.int64)}
+        for i in range(4):  # filled through a local holding the array itself: no guard
+            r = producer.reserve(template)
+            x = r["x"]
+            x[:] = i
+            producer.put(r)
+            assert int(c.get(0, -1, i, WAIT)["x"][-1]) == i
+        assert pool.guards == 0
+        r = producer.reserve(template)
+        view = r["x"][100:200]
+        r["x"][:] = 4
+        producer.put(r)
+        region = next(reg for reg in pool.regions if reg.tainted is not None)
+        assert pool.guards == 1 and region.protected and view.flags.writeable
+        got = c.get(0, -1, 4, WAIT)
+        assert int(got["x"][150]) == 4
+        del got, view, r, x
+        for i in range(5, 9):  # the view is gone: the region is written and published unguarded
+            r = producer.reserve(template)
+            r["x"][:] = i
+            producer.put(r)
+            assert int(c.get(0, -1, i, WAIT)["x"][0]) == i
+        assert pool.guards == 1 and not region.protected and region.tainted is None
         producer.close()
     finally:
         c.close()

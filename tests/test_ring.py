@@ -745,3 +745,72 @@ def test_live_pipeline_survives_its_header_being_rewritten(tmp_path):
         timeout=120,
     )
     assert f"delivered {2 * 300}" in lines
+
+
+# -- views of reserved arrays kept past their yield ------------------------------
+
+
+def test_a_view_kept_past_its_yield_guards_the_slot_and_only_then(make_ring):
+    """A NumPy view of a reserved array, made before the yield, kept its own
+    writable flag: writes through it changed the published batch. Such a
+    view is seen (the reservation's root has more references than its
+    arrays) and the slot's pages become read-only here until the slot is
+    claimed again; with no view, no system call (guards stays 0)."""
+    c, (w,) = make_ring(capacity=3, slot_size=1 << 16)
+    # The usual ways of filling: through the structure, and through locals
+    # holding the arrays themselves (not views): never guarded.
+    for i in range(6):
+        r = w.reserve({"x": _ring_spec((100,), np.float32)})
+        x = r["x"]
+        x[:] = i
+        w.put(r)
+        assert take(c, wseq=i)["x"][0] == i
+    assert w.guards == 0
+    # A view kept past the yield: guarded at once, and each time the slot
+    # holds a batch of ours again while the view lives.
+    r = w.reserve({"x": _ring_spec((100,), np.float32)})
+    view = r["x"][10:20]
+    w.put(r)
+    assert w.guards == 1 and not r["x"].flags.writeable and view.flags.writeable
+    assert take(c, wseq=6)["x"].shape == (100,)
+    del view, r
+    # The view is gone: the next batches in that slot are not guarded.
+    for i in range(7, 13):
+        r = w.reserve({"x": _ring_spec((100,), np.float32)})
+        r["x"][:] = i
+        w.put(r)
+        take(c, wseq=i)
+    assert w.guards == 1
+
+
+WRITES_THROUGH_A_KEPT_VIEW = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from shmpipe import ArraySpec
+    from shmpipe.transport import ChannelSpec
+    from shmpipe.transports.shm import ShmConsumer, attach_writer
+
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=3, slot_size=1 << 16, ordered=False, first_pass=0))
+    w = attach_writer(c.handle, 0)
+    w.start_pass(0)
+    r = w.reserve({"x": ArraySpec((1000,), np.int32)})
+    r["x"][:] = 7
+    view = r["x"][::2]
+    w.put(r)
+    batch = c.get(0, -1, 0, 2.0)
+    print("published", w.guards, int(batch["x"].sum()), flush=True)
+    view[0] = -1  # the batch is the consumer's: this must never land
+    print("written", int(batch["x"].sum()), flush=True)
+    """
+)
+
+
+def test_a_write_through_a_view_kept_past_its_yield_never_reaches_the_batch(tmp_path):
+    """The write is a SIGSEGV of the producer (reported as its death by a
+    pipeline) instead of a change to a batch the consumer holds."""
+    script = tmp_path / "writes.py"
+    script.write_text(WRITES_THROUGH_A_KEPT_VIEW)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["published 1 7000"], out.stdout + out.stderr
+    assert out.returncode == -11  # SIGSEGV, at the write

@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -372,12 +373,15 @@ class ShmProducer(ProducerEnd):
         slot = self.writer.claim_slot()
         try:
             region = regions.take(nbytes)
-            batch = _codec.reserve_into(template, region.buf)
+            # A root of this reservation's own: the base of its arrays and of
+            # every NumPy view of them (_ExternalReservation.seal_arrays).
+            root = region.new_root()
+            batch = _codec.reserve_into(template, root)
         except BaseException:
             self.writer.abandon(slot)
             raise
         region.reserved = True  # being filled: no other batch may take it
-        self._reserved = _ExternalReservation(slot, region, nbytes, batch)
+        self._reserved = _ExternalReservation(slot, region, nbytes, batch, root)
         return batch
 
     def _publish_external_reservation(self, reserved: _ExternalReservation) -> None:
@@ -385,28 +389,31 @@ class ShmProducer(ProducerEnd):
         regions = self.regions
         assert regions is not None
         self._reserved = None
+        # Sealed before it is published: the arrays handed out become
+        # read-only, as a slot's (their bytes are the region's: rewritten
+        # once the consumer lets the batch go, as a slot's are), and a view
+        # of them that lives on taints the region (guarded by published()).
+        reserved.seal_arrays()
         regions.published(reserved.region, reserved.slot)
         writer.publish_record(reserved.slot, reserved.nbytes, reserved.region.index, reserved.region.rid)
-        # Published: the arrays handed out become read-only, as a slot's
-        # (their bytes are the region's: rewritten once the consumer lets
-        # the batch go, as a slot's are).
-        reserved.seal_arrays()
 
     def _drop_external_reservation(self) -> None:
         reserved, self._reserved = self._reserved, None
         if reserved is not None:
-            reserved.give_back(self.writer)
+            assert self.regions is not None
+            reserved.give_back(self.writer, self.regions)
 
 
 class _ExternalReservation:
     """A reserve() larger than a slot, until its structure is yielded."""
 
-    __slots__ = ("batch", "layouts", "leaves", "nbytes", "region", "slot", "structure")
+    __slots__ = ("batch", "layouts", "leaves", "nbytes", "region", "root", "slot", "structure")
 
-    def __init__(self, slot: int, region: _external.Region, nbytes: int, batch: Any) -> None:
+    def __init__(self, slot: int, region: _external.Region, nbytes: int, batch: Any, root: np.ndarray) -> None:
         self.slot, self.region, self.nbytes, self.batch = slot, region, nbytes, batch
         self.structure, self.leaves = _tree.flatten(batch)
         self.layouts = [_layout(leaf) for leaf in self.leaves]
+        self.root: np.ndarray | None = root
 
     def unchanged(self) -> bool:
         """Whether the structure yielded is still the one handed out: same
@@ -419,14 +426,25 @@ class _ExternalReservation:
         )
 
     def seal_arrays(self) -> None:
-        # Published: writes through the arrays would change a delivered batch.
+        # Published: writes through the arrays would change a delivered
+        # batch. A NumPy view made of them keeps its own flag: where one
+        # lives (the root has more references than one per array handed
+        # out, each based on it, which self.leaves keeps), the region is
+        # tainted (RingWriter's _taint_if_viewed has the slots' side).
+        arrays = 0
         for leaf in self.leaves:
             if isinstance(leaf, np.ndarray):
                 leaf.flags.writeable = False
+                arrays += 1
+        root, self.root = self.root, None
+        # (less `root` here and getrefcount's argument)
+        if root is not None and sys.getrefcount(root) - 2 > arrays:
+            self.region.taint(root)
 
-    def give_back(self, writer: _ring.RingWriter) -> None:
+    def give_back(self, writer: _ring.RingWriter, regions: _external.RegionPool) -> None:
         self.seal_arrays()
         self.region.reserved = False  # unpublished: free again
+        regions.guard_if_tainted(self.region)  # while free, as a slot's
         writer.abandon(self.slot)
 
 
