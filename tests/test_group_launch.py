@@ -200,8 +200,16 @@ def test_under_torchrun_a_process_started_by_hand_cannot_take_a_ranks_place():
     with _Processes() as procs:
         stray = procs.rank(_rank_cfg(group, 1, group_timeout=120), {})
         job = procs.start(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", HERE,
-             json.dumps(cfg)],
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                HERE,
+                json.dumps(cfg),
+            ],
             _env({}),
         )
         stray_report = procs.report(stray)
@@ -366,7 +374,11 @@ def test_a_launch_is_run_id_else_torchruns_and_torchruns_restart_count(monkeypat
     torchrun = _group_options(monkeypatch, _torchrun("run-a", restart=2)).launch
     assert torchrun.restart == 2 and "TORCHELASTIC_RUN_ID" in torchrun.source
     # each of torchrun's variables counts
-    for changed in (_torchrun("run-b", 2), _torchrun("run-a", 2, port=29501), {**_torchrun("run-a", 2), "MASTER_ADDR": "h"}):
+    for changed in (
+        _torchrun("run-b", 2),
+        _torchrun("run-a", 2, port=29501),
+        {**_torchrun("run-a", 2), "MASTER_ADDR": "h"},
+    ):
         assert _group_options(monkeypatch, changed).launch.run_id != torchrun.run_id
     given = _group_options(monkeypatch, _torchrun("run-a", restart=2), run_id="job-1").launch
     assert (given.run_id, given.restart, given.source) == ("job-1", 2, "run_id=")  # the argument first
