@@ -41,6 +41,7 @@ def from_iterators(
     rank: None = None,
     num_ranks: None = None,
     group_timeout: float = 60.0,
+    run_id: None = None,
 ) -> Pipeline: ...
 
 
@@ -60,6 +61,7 @@ def from_iterators(
     rank: int | None = None,
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
+    run_id: str | None = None,
 ) -> RankPipeline: ...
 
 
@@ -78,6 +80,7 @@ def from_iterators(
     rank: int | None = None,
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
+    run_id: str | None = None,
 ) -> Pipeline | RankPipeline:
     """Starts one producer process per source and returns the Pipeline that
     delivers their batches.
@@ -125,6 +128,15 @@ def from_iterators(
         num_ranks: the group's size; default LOCAL_WORLD_SIZE (torchrun
             sets it).
         group_timeout: seconds the ranks wait for each other to join.
+        run_id: this launch's id, the same in every rank of it and in no
+            other process (your job's id): rank 0 takes only ranks that
+            give its own, so a process left over from another run or
+            restart, or a second job given the same group name, cannot take
+            a rank's place (it gets GroupLaunchError). Default: torchrun's
+            (TORCHELASTIC_RUN_ID with MASTER_ADDR and MASTER_PORT); with
+            either, torchrun's TORCHELASTIC_RESTART_COUNT must match too.
+            Without both, any process of this user may join. See
+            docs/several-ranks.md, "Which processes may join".
 
     Every argument is checked before any process starts.
     """
@@ -142,6 +154,7 @@ def from_iterators(
         rank=rank,
         num_ranks=num_ranks,
         group_timeout=group_timeout,
+        run_id=run_id,
     )
     # The producers run each source through an IteratorSource, which skips
     # what a resumed pass must (shmpipe/_sources.py); the checks above saw
@@ -167,11 +180,12 @@ def check_arguments(
     rank: int | None = None,
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
+    run_id: str | None = None,
 ) -> tuple[PipelineOptions, GroupOptions | None]:
     """from_iterators' arguments, checked: the pipeline's options and the
     group's (None without a group), or the error that says what is wrong."""
     resolved = resolve_transport(transport)
-    grouped = check_group(group, rank, num_ranks, group_timeout, resolved)
+    grouped = check_group(group, rank, num_ranks, group_timeout, resolved, run_id)
     if grouped is not None and max_restarts:
         raise ShmpipeValueError("max_restarts is not available with group= yet: a producer's death ends the group")
     options = check_options(
@@ -223,6 +237,7 @@ def from_dataset(
     rank: int | None = None,
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
+    run_id: str | None = None,
 ) -> Pipeline | RankPipeline:
     """Batches of a map-style dataset, fetched and collated by
     ``num_workers`` producer processes: the DataLoader's arguments, on
@@ -266,7 +281,7 @@ def from_dataset(
 
     ``transport``, ``capacity``, ``start_method``, ``timeout``,
     ``slot_size`` and the group's arguments (``group``, ``rank``,
-    ``num_ranks``, ``group_timeout``) are as for :func:`from_iterators`.
+    ``num_ranks``, ``group_timeout``, ``run_id``) are as for :func:`from_iterators`.
     With ``group``, the epoch's batches are dealt to the ranks in rounds
     (rank r gets batches r, r + num_ranks, ...; the incomplete last round
     is dropped), and any rank's ``state_dict()`` at the same step is the
@@ -303,6 +318,7 @@ def from_dataset(
         rank=rank,
         num_ranks=num_ranks,
         group_timeout=group_timeout,
+        run_id=run_id,
     )
     schedule = DatasetSchedule(
         num_workers,

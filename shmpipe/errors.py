@@ -19,6 +19,7 @@ work as they would anywhere else::
     │   └── WorkerDiedError           a producer was killed or exited early
     └── GroupError(RuntimeError)      a group of ranks sharing one pipeline failed
         ├── GroupStartError           the ranks did not all join (or disagree)
+        │   └── GroupLaunchError      this process is of another launch than the group
         └── RankDiedError             a rank of the group died or left mid-pass
 
     ShmpipeWarning(UserWarning)       something works, but slower than it should
@@ -47,6 +48,7 @@ __all__ = [
     "WorkerDiedError",
     "GroupError",
     "GroupStartError",
+    "GroupLaunchError",
     "RankDiedError",
     "Cancelled",
     "Closed",
@@ -290,6 +292,16 @@ class GroupError(ShmpipeError, RuntimeError):
 class GroupStartError(GroupError):
     """The ranks of a group did not all join within the start-up timeout
     (the message names the missing ones), or they disagree on the group."""
+
+
+class GroupLaunchError(GroupStartError):
+    """The group this process tried to join is of another launch: its rank
+    0 runs under another torchrun run id, rendezvous address or restart
+    count, or another ``run_id=``, than this process (one left over from an
+    earlier run or restart, or a second job given the same group name). The
+    message shows each launch's tag, a digest that reveals no id. The group
+    goes on without this process. See docs/several-ranks.md, "Which
+    processes may join"."""
 
 
 class RankDiedError(GroupError):

@@ -11,6 +11,13 @@ and the group, a service thread and a dispatch thread. Every rank, rank 0
 included, is a *client* of the leader over that socket. docs/several-ranks.md
 is the user's guide; docs/design.md ("Several ranks") the reasons.
 
+Joining. Each rank's hello carries its rank, its arguments and a proof of
+its launch (``run_id=``, else torchrun's run id, rendezvous address and
+restart count: _options.check_launch; the proof: _wire.launch_proof). Rank
+0 checks every field of it, turns away a malformed hello or one of another
+launch (GroupLaunchError) without harm to the group, and fails the group
+only when ranks of its own launch disagree.
+
 Dealing. The dispatch thread takes batches from the pipeline in its usual
 order (ordered=True: the deterministic one) as undecoded SharedBatch objects
 (``SharingConsumerEnd.take_shared``) and deals them in *rounds* of

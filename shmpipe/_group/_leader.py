@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import hmac
 import itertools
 import os
 import select
@@ -27,7 +28,7 @@ from shmpipe._process import ProcessWatch
 from shmpipe._schedule import Schedule
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S
-from shmpipe.errors import GroupError, GroupStartError, RankDiedError
+from shmpipe.errors import GroupError, GroupLaunchError, GroupStartError, RankDiedError
 from shmpipe.transport import ConsumerEnd, SharedBatch, SharingConsumerEnd
 
 __all__ = ["DealingPipeline", "Leader"]
@@ -39,6 +40,15 @@ HELLO_TIMEOUT_S = 5.0
 #: Connections waiting to say hello, at most (beyond the ranks to come): a
 #: new one beyond it closes the oldest.
 MAX_PENDING = 16
+
+
+def _describe_launch(proof: str | None, restart: int | None) -> str:
+    """A launch as a message shows it: its tag, never its proof or id."""
+    if proof is None:
+        text = "no launch id (neither run_id= nor torchrun's environment)"
+    else:
+        text = f"launch {_wire.launch_tag(proof)}"
+    return text if restart is None else f"{text}, restart {restart}"
 
 
 class DealingPipeline(Pipeline):
@@ -111,6 +121,9 @@ class Leader:
         self.group_options = group
         self.n = group.num_ranks
         self.group = group.name
+        #: This launch's proof and restart count: a hello must show both.
+        self.proof = _wire.launch_proof(group.name, group.launch)
+        self.restart = group.launch.restart if group.launch is not None else None
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             listener.bind(_wire.socket_address(group.name))
@@ -284,40 +297,78 @@ class Leader:
             return
         for fd in fds:
             os.close(fd)
-        if message is None or len(message) != 4 or message[0] != "hello":
+        if message is None or message[0] != "hello":
             self._reject(sock, watch, None)  # not one of ours
+            return
+        # From here on, whatever a hello holds turns that connection away at
+        # worst, never the group: anyone of this user can connect and say
+        # anything, and only a rank of this launch is one of the group's.
+        try:
+            hello = _wire.parse_hello(message)
+        except (GroupError, *_wire.MALFORMED) as malformed:  # MALFORMED: a check missed something
+            refusal = GroupStartError(f"group {self.group!r} refused a process (pid {pid}): {malformed}")
+            self._reject(sock, watch, _wire.error_message(refusal))
+            return
+        foreign = self._other_launch(hello, pid)
+        if foreign is not None:
+            # A leftover of another run or restart, a second job with this
+            # name: not the group's to judge (its arguments may well differ)
+            # nor to fail; the real rank may still come.
+            self._reject(sock, watch, _wire.error_message(GroupLaunchError(foreign)))
             return
         if self.failure is not None:  # tell it why the group failed, as the others heard
             self._reject(sock, watch, self.failure)
             return
-        _, rank, fingerprint, _ = message
-        problem = self._problem_with(rank, fingerprint, pid)
+        problem = self._problem_with(hello, pid)
         if self.ready:
             # The group runs, in step: a latecomer (a stray process, a rank
             # started twice) is turned away, the group goes on.
-            problem = problem or f"rank {rank} (pid {pid}) joined a group that already started"
+            problem = problem or f"rank {hello.rank} (pid {pid}) joined a group that already started"
             self._reject(sock, watch, _wire.error_message(GroupStartError(f"group {self.group!r}: {problem}")))
             return
         if problem is not None:
-            # Before the start, the group itself is misconfigured (ranks
-            # disagree): every rank hears it now rather than at the timeout.
+            # Before the start, the group itself is misconfigured (ranks of
+            # one launch disagree): every rank hears it now rather than at
+            # the timeout.
             exc = GroupStartError(f"group {self.group!r}: {problem}")
             self._reject(sock, watch, _wire.error_message(exc))
             self.fail(exc)
             return
-        self._join(_Link(sock, rank, pid, watch))
+        self._join(_Link(sock, hello.rank, pid, watch))
 
-    def _problem_with(self, rank: Any, fingerprint: Any, pid: int) -> str | None:
-        """What is wrong with a hello from `pid` (None: nothing)."""
+    def _other_launch(self, hello: _wire.Hello, pid: int) -> str | None:
+        """Why a hello is of another launch than the group (None: it is of
+        this one). Shows tags only: the group's proof would let the reader
+        join (docs/several-ranks.md, "Which processes may join")."""
+        same_proof = (hello.proof is None) == (self.proof is None) and (
+            hello.proof is None or hmac.compare_digest(hello.proof, self.proof or "")
+        )
+        if same_proof and hello.restart == self.restart:
+            return None
+        launch = self.group_options.launch
+        return (
+            f"group {self.group!r} is of another launch than this process (rank {hello.rank}, pid {pid}): "
+            f"it presented {_describe_launch(hello.proof, hello.restart)}, the group's is "
+            f"{_describe_launch(self.proof, self.restart)}"
+            + (f" (from {launch.source})" if launch is not None else "")
+            + ". A rank left over from another run or an earlier restart, or a second job given the same "
+            "group name? The group goes on without it; give each job its own group name, or the same "
+            "run_id= to every rank of one launch."
+        )
+
+    def _problem_with(self, hello: _wire.Hello, pid: int) -> str | None:
+        """What is wrong with a well-formed hello from `pid` of this
+        launch (None: nothing)."""
         ours = _wire.fingerprint(self.options, self.group_options, self.schedule.fingerprint())
-        if type(rank) is not int or not 0 <= rank < self.n:
-            return f"a process (pid {pid}) asked to join as rank {rank!r:.20}; the group has ranks 0 to {self.n - 1}"
+        rank = hello.rank
+        if not 0 <= rank < self.n:
+            return f"a process (pid {pid}) asked to join as rank {rank}; the group has ranks 0 to {self.n - 1}"
         if rank in self.links:
             return f"two processes (pids {self.links[rank].pid} and {pid}) joined as rank {rank}"
-        if fingerprint != ours:
+        if hello.fingerprint != ours:
             return (
                 f"rank {rank} (pid {pid}) calls from_iterators with other arguments than rank 0: "
-                f"{fingerprint!r:.300} vs {ours}"
+                f"{hello.fingerprint!r:.300} vs {ours}"
             )
         return None
 

@@ -1,8 +1,9 @@
 """A group's arguments of ``from_iterators``, checked: GroupOptions.
 
 Apart from the pipeline's own options (_options.py): a group adds its name,
-this process's rank, the group's size and how long the ranks wait for each
-other, and needs more slots than a pipeline of its own.
+this process's rank, the group's size, how long the ranks wait for each
+other and which launch this process is of (Launch), and needs more slots
+than a pipeline of its own.
 """
 
 from __future__ import annotations
@@ -10,28 +11,54 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shmpipe._options import PipelineOptions, is_int
 from shmpipe.errors import ShmpipeValueError
 from shmpipe.transport import ChannelSpec, ServesRanks, Transport
 
-__all__ = ["GroupOptions", "check_capacity", "check_group", "default_capacity", "group_capacity"]
+__all__ = ["GroupOptions", "Launch", "check_capacity", "check_group", "default_capacity", "group_capacity"]
 
 #: What a group's name may hold: it names an abstract Unix socket.
 _GROUP_NAME = re.compile(r"[A-Za-z0-9._:+-]{1,64}")
+#: The longest run_id= taken (a job id, a uuid, a token: far less).
+MAX_RUN_ID = 1024
+#: What torchrun's agent sets in every worker of one attempt, and in no
+#: other process (docs/several-ranks.md, "Which processes may join").
+_TORCHRUN_ID = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_RESTART = "TORCHELASTIC_RESTART_COUNT"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Which launch (one start of the job's ranks) this process is of:
+    every rank of one launch has the same, a process of another launch or
+    of an earlier restart of this one another. The leader takes only ranks
+    of its own launch (docs/several-ranks.md, "Which processes may join").
+
+    `run_id` never leaves this process: the hello carries a digest of it
+    (_wire.launch_proof), errors a digest of that; it is kept out of the
+    repr, since a user may give a secret token as run_id."""
+
+    run_id: str = field(repr=False)
+    #: torchrun's attempt number (TORCHELASTIC_RESTART_COUNT), or None.
+    restart: int | None
+    #: Where the id came from, for messages: "run_id=" or torchrun's variables.
+    source: str
 
 
 @dataclass(frozen=True)
 class GroupOptions:
     """A group of ranks sharing one pipeline (docs/several-ranks.md): its
-    name on this node, this process's rank, how many ranks there are, and
-    how long they wait for each other to join."""
+    name on this node, this process's rank, how many ranks there are, how
+    long they wait for each other to join, and the launch they are of
+    (None: no launch id, so any process of the user may join)."""
 
     name: str
     rank: int
     num_ranks: int
     timeout: float = 60.0
+    launch: Launch | None = None
 
 
 def group_capacity(num_workers: int, num_ranks: int, ordered: bool) -> int:
@@ -83,14 +110,57 @@ def _env_int(name: str) -> int | None:
         raise ShmpipeValueError(f"the environment variable {name}={value!r} is not an int") from None
 
 
+def check_launch(run_id: str | None) -> Launch | None:
+    """The launch this process is of: `run_id` if given, else torchrun's
+    run id and rendezvous address; with either, torchrun's restart count if
+    set. None when there is neither (any process of the user may join).
+
+    Why these. A launcher gives every rank of one launch the same values,
+    which no process of another launch has: torchrun's run id is a fresh
+    uuid for a single-node launch (``--standalone``, or no
+    ``--master-port``), but ``none`` with ``--master-port`` or several
+    nodes unless ``--rdzv-id`` is given, and then MASTER_ADDR:MASTER_PORT
+    (one per running job: two jobs cannot share its store) tells jobs
+    apart; the restart count tells an earlier attempt's leftover from this
+    attempt's rank (the run id, and often the group name, stay the same
+    across restarts). Nothing else in the environment is used: a variable
+    a rank's code may set itself (an mp.spawn script sets MASTER_PORT, maybe
+    after from_iterators) could differ between ranks of one launch, and
+    refuse a rank that belongs."""
+    if run_id is not None:
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= MAX_RUN_ID:
+            raise ShmpipeValueError(
+                f"run_id must be a non-empty str of at most {MAX_RUN_ID} characters (the same in every rank "
+                f"of this launch, e.g. your job's id), got {type(run_id).__name__}"
+                + (f" of {len(run_id)} characters" if isinstance(run_id, str) else "")
+            )
+        given, source = run_id, "run_id="
+    elif os.environ.get(_TORCHRUN_ID[0]) is not None:
+        values = "\0".join(os.environ.get(name, "") for name in _TORCHRUN_ID)
+        given, source = f"torchrun\0{values}", "torchrun's " + ", ".join(_TORCHRUN_ID)
+    else:
+        return None  # as before launches were told apart: the limit, documented
+    restart = _env_int(_TORCHRUN_RESTART)
+    if restart is not None and restart < 0:
+        raise ShmpipeValueError(f"the environment variable {_TORCHRUN_RESTART}={restart} is negative")
+    return Launch(given, restart, source)
+
+
 def check_group(
-    group: str | None, rank: int | None, num_ranks: int | None, group_timeout: float, transport: Transport
+    group: str | None,
+    rank: int | None,
+    num_ranks: int | None,
+    group_timeout: float,
+    transport: Transport,
+    run_id: str | None = None,
 ) -> GroupOptions | None:
     """GroupOptions from from_iterators' group arguments, or None without a
     group; a ShmpipeValueError that says what is wrong."""
     if group is None:
-        if rank is not None or num_ranks is not None:
-            raise ShmpipeValueError("rank= and num_ranks= need group= (the name of the pipeline the ranks share)")
+        if rank is not None or num_ranks is not None or run_id is not None:
+            raise ShmpipeValueError(
+                "rank=, num_ranks= and run_id= need group= (the name of the pipeline the ranks share)"
+            )
         return None
     if not isinstance(group, str) or not _GROUP_NAME.fullmatch(group):
         raise ShmpipeValueError(
@@ -121,4 +191,4 @@ def check_group(
             f"the {transport.name!r} transport claims serves_ranks but does not implement the protocol "
             "(shmpipe.transport.ServesRanks: rank_reader, and a SharingConsumerEnd)"
         )
-    return GroupOptions(group, rank, num_ranks, float(group_timeout))
+    return GroupOptions(group, rank, num_ranks, float(group_timeout), check_launch(run_id))

@@ -197,7 +197,7 @@ class RankPipeline(FrameworkStream):
             if leader_fd is not None:
                 self._poller.register(leader_fd, select.POLLIN)
             conn = _Connection(sock, leader)
-            _wire.send(sock, ["hello", self.rank, _wire.fingerprint(options, group, self._batches), os.getpid()])
+            _wire.send(sock, _wire.hello(self.rank, _wire.fingerprint(options, group, self._batches), group))
             # Rank 0 reports missing ranks at its deadline; a little later
             # here, so its message (which names them) comes first.
             self._wait_ready(conn, deadline + 5.0)

@@ -9,7 +9,8 @@ code to run), with descriptors as SCM_RIGHTS beside it. Both ends check
 with SO_PEERCRED that the other runs as the same user: the abstract
 namespace has no permissions.
 
-Messages (rank -> rank 0): ``["hello", rank, fingerprint, pid]``,
+Messages (rank -> rank 0): ``["hello", rank, fingerprint, pid, launch]``
+(launch: null, or ``{"proof": 64 hex digits, "restart": int or null}``),
 ``["begin", pass]``, ``["release", token]``, ``["bye"]``.
 (rank 0 -> rank): ``["ready", seed]`` (the pipeline's seed), ``["ring", share]`` + the ring's
 descriptor, ``["batch", pass, token, record, worker, nbytes]`` (+ a
@@ -18,22 +19,34 @@ descriptor for a batch larger than a slot), ``["end", pass, dropped]``,
 
 Everything read here is untrusted: a malformed message is a GroupError,
 never a TypeError from deep inside, and an error message builds only
-shmpipe's own exceptions from values of the types they expect.
+shmpipe's own exceptions from values of the types they expect. A hello is
+checked field by field (types, sizes, nesting) by parse_hello before the
+leader looks at any of it.
+
+A launch's id never travels: a hello carries its proof (an HMAC of the
+group's name keyed by the id), and a message shows only the proof's tag (a
+digest of the proof, 8 hex digits): the tag tells a user whether two
+launches differ, and gives a stray that reads it nothing to join with.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import re
 import socket
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from shmpipe import _fdpass
-from shmpipe._group._options import GroupOptions
+from shmpipe._group._options import GroupOptions, Launch
 from shmpipe._options import PipelineOptions
 from shmpipe.errors import (
     GroupError,
+    GroupLaunchError,
     GroupStartError,
     PipelineTimeoutError,
     RankDiedError,
@@ -45,11 +58,16 @@ from shmpipe.errors import (
 __all__ = [
     "MALFORMED",
     "MAX_ERROR_BYTES",
+    "Hello",
     "encode",
     "error_from",
     "error_message",
     "expect",
     "fingerprint",
+    "hello",
+    "launch_proof",
+    "launch_tag",
+    "parse_hello",
     "peer",
     "recv",
     "send",
@@ -135,6 +153,112 @@ def peer(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
+# -- the hello ------------------------------------------------------------------
+
+#: A proof: hex of a SHA-256 HMAC.
+_PROOF = re.compile(r"[0-9a-f]{64}")
+#: What a fingerprint may hold (it is compared, and shown clipped, so its
+#: size and nesting are bounded before either): the arguments are a dict of
+#: scalars and one dict of scalars (the schedule's).
+_FINGERPRINT_KEYS = 32
+_FINGERPRINT_TEXT = 1024  # a sampler's module and qualname, a transport's name
+_FINGERPRINT_DEPTH = 2
+_PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT
+_INT_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A hello whose every field has the type and size it should (what
+    parse_hello returns); whether its values suit the group is the
+    leader's to judge."""
+
+    rank: int
+    fingerprint: dict[str, Any]
+    pid: int
+    proof: str | None
+    restart: int | None
+
+
+def launch_proof(group: str, launch: Launch | None) -> str | None:
+    """What a rank shows of its launch: an HMAC of the group's name keyed by
+    the launch's id. Keyed, so the hello does not carry the id (a user's
+    token stays in its process); of the group's name, so a hello heard by
+    another group's leader is no proof for any other group."""
+    if launch is None:
+        return None
+    return hmac.new(launch.run_id.encode(), b"shmpipe-group-launch\0" + group.encode(), hashlib.sha256).hexdigest()
+
+
+def launch_tag(proof: str | None) -> str:
+    """A proof as a message shows it: 8 hex digits of a digest of it (equal
+    tags: the same launch), which cannot be turned back into the proof."""
+    if proof is None:
+        return "none"
+    return hashlib.sha256(b"shmpipe-launch-tag\0" + proof.encode()).hexdigest()[:8]
+
+
+def hello(rank: int, fingerprint: dict[str, Any], group: GroupOptions) -> list[Any]:
+    """A rank's hello: its rank, its arguments, its pid and its launch."""
+    proof = launch_proof(group.name, group.launch)
+    launch = None if proof is None else {"proof": proof, "restart": group.launch.restart if group.launch else None}
+    return ["hello", rank, fingerprint, os.getpid(), launch]
+
+
+def parse_hello(message: list[Any]) -> Hello:
+    """`message` (a "hello" from anyone of this user) as a Hello, each field
+    checked for its exact type and size before anything else is done with
+    it; a GroupError that says which field is wrong otherwise."""
+    if len(message) != 5:
+        raise GroupError(
+            f"a hello of {len(message)} fields, not 5 (a process of another shmpipe version, or not a rank)"
+        )
+    _, rank, fingerprint_, pid, launch = message
+    if type(rank) is not int or not 0 <= rank <= _INT_MAX:
+        raise GroupError(f"a hello whose rank is {_shown(rank)}")
+    _check_fingerprint(fingerprint_, _FINGERPRINT_DEPTH)
+    if type(pid) is not int or not 0 < pid <= _PID_MAX:
+        raise GroupError(f"a hello whose pid is {_shown(pid)}")
+    proof: str | None = None
+    restart: int | None = None
+    if launch is not None:
+        if type(launch) is not dict or set(launch) != {"proof", "restart"}:
+            raise GroupError(f"a hello whose launch is {_shown(launch)}")
+        proof, restart = launch["proof"], launch["restart"]
+        if type(proof) is not str or not _PROOF.fullmatch(proof):
+            raise GroupError(f"a hello whose launch proof is {_shown(proof)}")
+        if restart is not None and (type(restart) is not int or not 0 <= restart <= _INT_MAX):
+            raise GroupError(f"a hello whose restart count is {_shown(restart)}")
+    return Hello(rank, fingerprint_, pid, proof, restart)
+
+
+def _shown(value: Any) -> str:
+    """An untrusted value in a message: a scalar's repr, clipped; of anything
+    else its type only (the repr of a deeply nested list can raise
+    RecursionError, and a long one is of no use)."""
+    if value is None or type(value) in (int, float, bool, str):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:40] + "..."
+    return f"a {type(value).__name__}"
+
+
+def _check_fingerprint(value: Any, depth: int) -> None:
+    """A dict of at most _FINGERPRINT_KEYS str keys whose values are
+    scalars (texts of bounded size) or, `depth` levels down, such dicts."""
+    if type(value) is not dict or len(value) > _FINGERPRINT_KEYS:
+        raise GroupError(f"a hello whose arguments are not a dict of at most {_FINGERPRINT_KEYS} entries")
+    for key, item in value.items():
+        if len(key) > _FINGERPRINT_TEXT:
+            raise GroupError("a hello whose arguments have a key too long")
+        if type(item) is dict and depth > 1:
+            _check_fingerprint(item, depth - 1)
+        elif type(item) is str:
+            if len(item) > _FINGERPRINT_TEXT:
+                raise GroupError(f"a hello whose argument {key!r:.40} is too long")
+        elif item is not None and type(item) not in (int, float, bool):
+            raise GroupError(f"a hello whose argument {key!r:.40} is a {type(item).__name__}")
+
+
 def fingerprint(options: PipelineOptions, group: GroupOptions, batches: dict[str, Any]) -> dict[str, Any]:
     """What every rank of a group must agree on (each passes its own
     arguments; a rank with other ones is a mistake to report, not to
@@ -182,6 +306,8 @@ def _error_message_unclipped(exc: BaseException) -> list[Any]:
         return ["error", "worker", list(exc.__reduce__()[1])]
     if isinstance(exc, RankDiedError):
         return ["error", "rank_died", [str(exc), exc.rank]]
+    if isinstance(exc, GroupLaunchError):  # before its base class
+        return ["error", "launch", [str(exc)]]
     if isinstance(exc, GroupStartError):
         return ["error", "start", [str(exc)]]
     if isinstance(exc, PipelineTimeoutError):
@@ -218,6 +344,8 @@ def error_from(message: list[Any]) -> ShmpipeError:
             (rank,) = rest
             expect(rank, int)
             return RankDiedError(text, rank)
+        if kind == "launch":
+            return GroupLaunchError(text)
         if kind == "start":
             return GroupStartError(text)
         if kind == "timeout":
