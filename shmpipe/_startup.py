@@ -40,10 +40,13 @@ children read their arguments through the standard code
 
 from __future__ import annotations
 
+import dis
+import importlib.util
 import io
 import os
 import socket
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -59,8 +62,10 @@ __all__ = ["HEAVY_FRAMEWORKS", "SERVER_PRELOAD", "Plan", "Shipped", "plan", "ser
 
 #: What the fork server imports before it forks producers: what every
 #: producer needs to unpickle its arguments and run (the default transport
-#: included), so that a producer inherits it instead of importing it.
-SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm"]
+#: included, and numpy.random, which every producer seeds before each pass:
+#: 20-40 ms of each producer's first batch where it imported it itself), so
+#: that a producer inherits it instead of importing it.
+SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm", "numpy.random"]
 
 #: Frameworks whose import costs a producer seconds and hundreds of MiB:
 #: named in the warning when a producer has to import the script.
@@ -213,23 +218,102 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any) -> Plan:
 def _preload_with_the_server(sources: Sequence[Any]) -> None:
     """Before the fork server's first start: it imports the modules the
     sources are made of too (their classes', functions' and attributes'
-    modules, one level deep, where the trainer has them imported and they
-    are not the script), so each producer inherits them instead of
-    importing them before its first batch (a dataset's module: 10-20 ms a
-    producer, measured). A server already running keeps what it has: its
-    producers import the rest themselves."""
+    modules, one level deep, and the modules their code imports as it runs,
+    where the trainer has them imported and they are not the script), so
+    each producer inherits them instead of importing them before its first
+    batch (a dataset's module: 10-20 ms a producer; Pillow, which a dataset
+    of images imports in its __getitem__: 30 ms, measured). A server already
+    running keeps what it has: its producers import the rest themselves."""
     if server_pid() is not None:
         return
-    modules: set[str] = set()
+    names: set[object] = set()  # module names, and None where an object has none
     for source in sources:
         for obj in (source, *_attributes(source)):
-            for name in (getattr(obj, "__module__", None), type(obj).__module__):
-                if isinstance(name, str) and name not in _byvalue.MAIN_NAMES and name != "builtins":
-                    module = sys.modules.get(name)
-                    if module is not None and getattr(module, "__file__", None):
-                        modules.add(name)
+            names.update((getattr(obj, "__module__", None), type(obj).__module__))
+            for imported in _imported_by_code(obj):
+                # with the submodules of it that the trainer has loaded, as a
+                # fork would have them (Pillow loads its JPEG plugin at the
+                # first open: 15 ms more)
+                if imported is not None:
+                    names.update(m for m in list(sys.modules) if m == imported or m.startswith(imported + "."))
+    modules: set[str] = set()
+    for name in names:
+        if isinstance(name, str) and name not in _byvalue.MAIN_NAMES and name != "builtins":
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "__file__", None):
+                modules.add(name)
     extra = sorted(modules - set(SERVER_PRELOAD))
     _SERVER.set_forkserver_preload([*SERVER_PRELOAD, *extra])
+
+
+def _imported_by_code(obj: Any) -> set[str | None]:
+    """The modules that the code of `obj` (a function; else the methods of
+    its class and of that class's bases) imports when it runs: an import
+    inside a function, which importing its module does not make. And for
+    a function of the script (which travels by value: its module is not
+    imported in the producer), the modules of the globals its code uses
+    (`np`, a class imported from a module)."""
+    functions: list[types.FunctionType] = []
+    if isinstance(obj, types.FunctionType):
+        functions.append(obj)
+    else:
+        for cls in (obj if isinstance(obj, type) else type(obj)).__mro__:
+            if cls.__module__ == "builtins":
+                continue
+            for value in vars(cls).values():
+                if isinstance(value, (staticmethod, classmethod)):
+                    value = value.__func__
+                elif isinstance(value, property):
+                    value = value.fget
+                if isinstance(value, types.FunctionType):
+                    functions.append(value)
+    names: set[str | None] = set()
+    for fn in functions:
+        if fn.__module__ in _byvalue.MAIN_NAMES:
+            for name in _byvalue.global_names(fn.__code__):
+                names.add(_module_of(fn.__globals__.get(name)))
+        module = sys.modules.get(fn.__module__)
+        package = getattr(module, "__package__", None) or ""
+        codes = [fn.__code__]
+        while codes:
+            code = codes.pop()
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            names.update(_imports_of(code, package))
+    return names
+
+
+def _module_of(value: Any) -> str | None:
+    """The module that `value` is (a module) or comes from, by name; None
+    where it says none."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    try:
+        name = getattr(value, "__module__", None)
+    except Exception:  # noqa: BLE001 - an object that raises on a look is no module's
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _imports_of(code: types.CodeType, package: str) -> set[str]:
+    """What the import statements of `code` itself name: `import a.b` is
+    a.b, `from a import b` is a and a.b (b may be a module), a relative
+    import is resolved against `package`."""
+    names: set[str] = set()
+    consts: list[Any] = []  # the constants loaded last: an import's level and names
+    imported: str | None = None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "IMPORT_NAME":
+            level = consts[-2] if len(consts) >= 2 and isinstance(consts[-2], int) else 0
+            try:
+                imported = importlib.util.resolve_name("." * level + ins.argval, package) if level else ins.argval
+            except ImportError:  # a relative import beyond the top-level package
+                imported = None
+            if imported:
+                names.add(imported)
+        elif ins.opname == "IMPORT_FROM" and imported:
+            names.add(f"{imported}.{ins.argval}")
+        consts = [*consts[-1:], ins.argval] if ins.opname == "LOAD_CONST" else []
+    return names
 
 
 def _attributes(obj: Any) -> list[Any]:

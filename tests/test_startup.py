@@ -223,6 +223,104 @@ def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
         assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
 
 
+#: Modules of the preload tests: each says in a file who imported it.
+PRELOAD_MODULES = {
+    "recorded.py": """
+        import os
+
+        def record(name):
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imported_by"), "a") as f:
+                f.write(f"{name} {os.getpid()}\\n")
+    """,
+    "decoder.py": "import recorded\nrecorded.record('decoder')\nSCALE = 3\n",
+    "helper.py": "import recorded\nrecorded.record('helper')\nOFFSET = 100\n",
+    "images.py": """
+        import sys
+        import numpy as np
+
+        class Images:
+            def __init__(self, n):
+                self.n = n
+
+            def __len__(self):
+                return self.n
+
+            def __getitem__(self, i):
+                import decoder  # where it is used, as a dataset of images imports its decoder
+
+                return {"x": np.array(i * decoder.SCALE), "random": np.array(self.random_loaded)}
+
+            def __setstate__(self, state):
+                self.__dict__.update(state)
+                # in the producer, as its source is loaded: before the pass seeds NumPy's generator
+                self.random_loaded = "numpy.random" in sys.modules
+    """,
+}
+
+#: The trainer: it has the modules loaded; its pipeline is made the way
+#: argv[1] says.
+PRELOAD_SCRIPT = """
+    import json, os, sys
+    import numpy as np
+    import shmpipe
+    import decoder, helper
+    from images import Images
+
+    def make_batches():
+        yield {"y": np.array(helper.OFFSET)}  # a function of the script: travels by value, `helper` by name
+
+    if __name__ == "__main__":
+        kind = sys.argv[1]
+        if kind == "dataset":
+            pipe = shmpipe.from_dataset(Images(8), batch_size=2, num_workers=2, timeout=60)
+        else:
+            pipe = shmpipe.from_iterators([make_batches] * 2, timeout=60)
+        with pipe:
+            got = sorted(tuple(int(v) for b in pipe for v in b["x" if kind == "dataset" else "y"].ravel()))
+            random = [bool(b["random"].all()) for b in pipe] if kind == "dataset" else []
+        from shmpipe import _startup
+        print(json.dumps({"got": got, "random": random, "trainer": os.getpid(), "server": _startup.server_pid(),
+                          "producers": pipe.pids}))
+"""
+
+
+def run_preload_script(tmp_path, kind):
+    for name, text in PRELOAD_MODULES.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    (tmp_path / "train.py").write_text(textwrap.dedent(PRELOAD_SCRIPT))
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py"), kind], capture_output=True, text=True, timeout=T,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )
+    assert out.returncode == 0, out.stderr
+    importers: dict[str, set[int]] = {}
+    for line in (tmp_path / "imported_by").read_text().split("\n"):
+        if line:
+            name, pid = line.split()
+            importers.setdefault(name, set()).add(int(pid))
+    return json.loads(out.stdout), importers
+
+
+def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(tmp_path):
+    # Images.__getitem__ imports decoder: the fork server imports it once (the
+    # trainer has it loaded), and numpy.random, which every producer seeds;
+    # the producers inherit both instead of importing them before their first
+    # batch.
+    got, importers = run_preload_script(tmp_path, "dataset")
+    assert got["got"] == [3 * i for i in range(8)]
+    assert importers["decoder"] == {got["trainer"], got["server"]}, (importers, got)
+    assert not set(got["producers"]) & importers["decoder"]
+    assert got["random"] == [True] * 4  # numpy.random was there as each producer loaded its source
+
+
+def test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses(tmp_path):
+    # make_batches travels by value; `helper`, a global it uses, by name:
+    # the server imports it, not each producer.
+    got, importers = run_preload_script(tmp_path, "function")
+    assert got["got"] == [100, 100]
+    assert importers["helper"] == {got["trainer"], got["server"]}, (importers, got)
+
+
 # -- _byvalue, in this process: functions and classes "of the script" are made
 #    with exec under __name__ == "__main__" (their __module__) ----------------------
 
