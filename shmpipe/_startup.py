@@ -58,7 +58,16 @@ from typing import Any
 from shmpipe import _byvalue
 from shmpipe.errors import ShmpipeWarning
 
-__all__ = ["HEAVY_FRAMEWORKS", "SERVER_PRELOAD", "Plan", "Shipped", "plan", "server_pid", "ships", "unpack"]
+__all__ = [
+    "HEAVY_FRAMEWORKS",
+    "SERVER_PRELOAD",
+    "Plan",
+    "Shipments",
+    "Shipped",
+    "plan",
+    "server_pid",
+    "unpack",
+]
 
 #: What the fork server imports before it forks producers: what every
 #: producer needs to unpickle its arguments and run (the default transport
@@ -158,13 +167,36 @@ def unpack(source: Any) -> Callable[[], Iterable[Any]]:
     return loaded
 
 
-def ships(source: Any) -> str | None:
-    """None if `source` can travel to a producer without the script; else why not."""
-    try:
-        _byvalue.dumps(source)
-    except _byvalue.NotByValue as exc:
-        return str(exc)
-    return None
+class Shipments:
+    """Sources pickled for producers that do not import the script, each
+    once: the options' check pickles every source to know whether it can
+    travel so (ship), and the launcher ships what the check made
+    (plan) instead of pickling it again (a dataset held in memory: 150-330
+    ms for 80 MB, measured). Kept by identity, with the source itself, so
+    a source replaced since (wrapped) is pickled anew, never mistaken for
+    another; plan takes them out, so the pickles live on in the launcher's
+    plan alone."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Any, Shipped | str]] = {}
+
+    def ship(self, source: Any) -> Shipped | str:
+        """`source` pickled (a Shipped), or why it cannot travel without the script."""
+        made = self._made.get(id(source))
+        if made is not None and made[0] is source:
+            return made[1]
+        try:
+            result: Shipped | str = Shipped(_byvalue.dumps(source))
+        except _byvalue.NotByValue as exc:
+            result = str(exc)
+        self._made[id(source)] = (source, result)
+        return result
+
+    def take(self, source: Any) -> Shipped | str:
+        """ship(source), forgetting it here."""
+        result = self.ship(source)
+        del self._made[id(source)]
+        return result
 
 
 @dataclass
@@ -181,9 +213,10 @@ class Plan:
     imports_script: list[str | None]
 
 
-def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any) -> Plan:
+def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Shipments | None = None) -> Plan:
     """How the producers of `sources` start under `ctx` (multiprocessing's
-    context for the pipeline's start method)."""
+    context for the pipeline's start method); `shipments`: the sources the
+    options' check pickled already."""
     method = ctx.get_start_method()
     n = len(sources)
     if method == "fork":
@@ -194,14 +227,12 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any) -> Plan:
     clean: Callable[..., Any] = _ServerProcess if method == "forkserver" else _SpawnProcess
     if method == "forkserver":
         _preload_with_the_server(sources)
+    shipments = shipments or Shipments()
     shipped: dict[int, Shipped | str] = {}  # by id: [make_batches] * 16 is pickled once
     out = Plan([], [], [])
     for source in sources:
         if id(source) not in shipped:
-            try:
-                shipped[id(source)] = Shipped(_byvalue.dumps(source))
-            except _byvalue.NotByValue as exc:
-                shipped[id(source)] = str(exc)
+            shipped[id(source)] = shipments.take(source)
         item = shipped[id(source)]
         if isinstance(item, Shipped):
             out.process_types.append(clean)

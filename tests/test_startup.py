@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import shmpipe
@@ -319,6 +320,54 @@ def test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses(tmp_
     got, importers = run_preload_script(tmp_path, "function")
     assert got["got"] == [100, 100]
     assert importers["helper"] == {got["trainer"], got["server"]}, (importers, got)
+
+
+class CountsItsPickles:
+    """A dataset that counts, in a file, how often the trainer pickles it."""
+
+    def __init__(self, path, n):
+        self.path, self.n = path, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.array(i)
+
+    def __call__(self):  # a source of from_iterators too
+        for i in range(self.n):
+            yield np.array([i])
+
+    def __reduce__(self):
+        if os.getpid() == self.owner:
+            with open(self.path, "a") as f:
+                f.write("pickled\n")
+        return CountsItsPickles._rebuild, (self.path, self.n, self.owner)
+
+    @staticmethod
+    def _rebuild(path, n, owner):
+        made = CountsItsPickles(path, n)
+        made.owner = owner
+        return made
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("kind", ["dataset", "iterators"])
+def test_a_source_is_pickled_once_for_all_its_producers(tmp_path, start_method, kind):
+    # The options' check pickles each source to know whether it can travel
+    # without the script; the launcher ships that pickle: a dataset held in
+    # memory is not pickled again, nor once per producer.
+    log = tmp_path / "pickles"
+    source = CountsItsPickles(str(log), 12)
+    source.owner = os.getpid()
+    if kind == "dataset":
+        pipe = shmpipe.from_dataset(source, batch_size=3, num_workers=3, start_method=start_method, timeout=T)
+    else:
+        pipe = shmpipe.from_iterators([source] * 3, start_method=start_method, timeout=T)
+    with pipe:
+        got = sorted(int(v) for b in pipe for v in b)
+    assert got == sorted(list(range(12)) * (1 if kind == "dataset" else 3))
+    assert log.read_text().split() == ["pickled"]
 
 
 # -- _byvalue, in this process: functions and classes "of the script" are made
