@@ -65,6 +65,7 @@ __all__ = [
     "Shipments",
     "Shipped",
     "plan",
+    "prestart",
     "server_pid",
     "unpack",
 ]
@@ -380,6 +381,23 @@ def _first_caller_outside_shmpipe() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def prestart(objects: Sequence[Any]) -> None:
+    """shmpipe.prestart(): the fork server started now, in the background,
+    preloading what `objects` are made of as it would the first pipeline's
+    sources; nothing where it runs already or the platform has none."""
+    import multiprocessing
+
+    from shmpipe._launch import _born_with_ctrl_c_blocked
+
+    if server_pid() is not None or "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    _preload_with_the_server(objects)
+    # Born with SIGINT blocked, as when a pipeline starts it: so are the
+    # producers it forks (_launch._born_with_ctrl_c_blocked says why).
+    with _born_with_ctrl_c_blocked("forkserver"):
+        _SERVER.ensure_running()  # spawns the server; its imports run on their own meanwhile
 
 
 def server_pid() -> int | None:

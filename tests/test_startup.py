@@ -258,8 +258,8 @@ PRELOAD_MODULES = {
     """,
 }
 
-#: The trainer: it has the modules loaded; its pipeline is made the way
-#: argv[1] says.
+#: The trainer: it has the modules loaded; its pipeline is made (after
+#: shmpipe.prestart(...) with "--prestart") the way argv[1] says.
 PRELOAD_SCRIPT = """
     import json, os, sys
     import numpy as np
@@ -272,6 +272,8 @@ PRELOAD_SCRIPT = """
 
     if __name__ == "__main__":
         kind = sys.argv[1]
+        if "--prestart" in sys.argv:
+            shmpipe.prestart(Images(8) if kind == "dataset" else make_batches)
         if kind == "dataset":
             pipe = shmpipe.from_dataset(Images(8), batch_size=2, num_workers=2, timeout=60)
         else:
@@ -285,12 +287,12 @@ PRELOAD_SCRIPT = """
 """
 
 
-def run_preload_script(tmp_path, kind):
+def run_preload_script(tmp_path, kind, *flags):
     for name, text in PRELOAD_MODULES.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
     (tmp_path / "train.py").write_text(textwrap.dedent(PRELOAD_SCRIPT))
     out = subprocess.run(
-        [sys.executable, str(tmp_path / "train.py"), kind], capture_output=True, text=True, timeout=T,
+        [sys.executable, str(tmp_path / "train.py"), kind, *flags], capture_output=True, text=True, timeout=T,
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
     )
     assert out.returncode == 0, out.stderr
@@ -302,24 +304,67 @@ def run_preload_script(tmp_path, kind):
     return json.loads(out.stdout), importers
 
 
-def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--prestart",)])
+def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(tmp_path, flags):
     # Images.__getitem__ imports decoder: the fork server imports it once (the
     # trainer has it loaded), and numpy.random, which every producer seeds;
     # the producers inherit both instead of importing them before their first
-    # batch.
-    got, importers = run_preload_script(tmp_path, "dataset")
+    # batch. The same where shmpipe.prestart(dataset) started the server.
+    got, importers = run_preload_script(tmp_path, "dataset", *flags)
     assert got["got"] == [3 * i for i in range(8)]
     assert importers["decoder"] == {got["trainer"], got["server"]}, (importers, got)
     assert not set(got["producers"]) & importers["decoder"]
     assert got["random"] == [True] * 4  # numpy.random was there as each producer loaded its source
 
 
-def test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--prestart",)])
+def test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses(tmp_path, flags):
     # make_batches travels by value; `helper`, a global it uses, by name:
     # the server imports it, not each producer.
-    got, importers = run_preload_script(tmp_path, "function")
+    got, importers = run_preload_script(tmp_path, "function", *flags)
     assert got["got"] == [100, 100]
     assert importers["helper"] == {got["trainer"], got["server"]}, (importers, got)
+
+
+def test_prestart_starts_the_server_before_any_pipeline_and_pipelines_use_it(tmp_path):
+    script = tmp_path / "prestart.py"
+    script.write_text(textwrap.dedent(
+        """
+        import json, os
+        import numpy as np
+        import shmpipe
+        from shmpipe import _startup
+
+        def make_batches():
+            yield np.arange(3)
+
+        if __name__ == "__main__":
+            before = _startup.server_pid()
+            shmpipe.prestart()
+            server = _startup.server_pid()
+            shmpipe.prestart()  # once only
+            again = _startup.server_pid()
+            parents = set()
+            for _ in range(2):
+                with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
+                    got = [b.tolist() for b in pipe]
+                    for pid in pipe.pids:
+                        with open(f"/proc/{pid}/stat") as f:
+                            parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
+            print(json.dumps({"before": before, "server": server, "again": again, "parents": sorted(parents),
+                              "got": got}))
+        """
+    ))
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=T, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["before"] is None and got["server"] is not None and got["again"] == got["server"]
+    assert got["parents"] == [got["server"]]  # every producer of both pipelines forked from it
+    assert got["got"] == [[0, 1, 2], [0, 1, 2]]
+    assert out.stderr == ""
 
 
 class CountsItsPickles:
