@@ -115,9 +115,11 @@ def prestart(*objects: Any) -> None:
     interpreter that imports NumPy and shmpipe's producer side, 0.15 to 0.3 s
     of that pipeline's first batch. Called early, at the top of a training
     script before ``import torch`` or ``import tensorflow``, it starts the
-    server while the script goes on; returns at once. Does nothing where the
-    server runs already, or the platform has no forkserver. Optional: without
-    it the first pipeline starts the server.
+    server, which imports while the script goes on, and imports here what a
+    first pipeline imports in this process (the default transport,
+    ``numpy.random``): tens of milliseconds, then it returns. Starts no
+    server where one runs already, or the platform has no forkserver.
+    Optional: without it the first pipeline starts the server.
 
     The server imports what ``objects`` are made of too (the dataset, or the
     sources, that the pipelines will get: their modules and those their code

@@ -386,18 +386,27 @@ def _first_caller_outside_shmpipe() -> int:
 def prestart(objects: Sequence[Any]) -> None:
     """shmpipe.prestart(): the fork server started now, in the background,
     preloading what `objects` are made of as it would the first pipeline's
-    sources; nothing where it runs already or the platform has none."""
+    sources (not where it runs already or the platform has none); and what a
+    first pipeline imports in this process, imported now."""
     import multiprocessing
 
     from shmpipe._launch import _born_with_ctrl_c_blocked
 
-    if server_pid() is not None or "forkserver" not in multiprocessing.get_all_start_methods():
-        return
-    _preload_with_the_server(objects)
-    # Born with SIGINT blocked, as when a pipeline starts it: so are the
-    # producers it forks (_launch._born_with_ctrl_c_blocked says why).
-    with _born_with_ctrl_c_blocked("forkserver"):
-        _SERVER.ensure_running()  # spawns the server; its imports run on their own meanwhile
+    if server_pid() is None and "forkserver" in multiprocessing.get_all_start_methods():
+        _preload_with_the_server(objects)
+        # Born with SIGINT blocked, as when a pipeline starts it: so are the
+        # producers it forks (_launch._born_with_ctrl_c_blocked says why).
+        with _born_with_ctrl_c_blocked("forkserver"):
+            _SERVER.ensure_running()  # spawns the server; its imports run on their own meanwhile
+    # Meanwhile, what a first pipeline imports in this process: the default
+    # transport's modules, and numpy.random, which draws the producers'
+    # seeds (30 ms of that pipeline's first batch, measured, without
+    # compiled bytecode), now rather than then.
+    import numpy.random  # noqa: F401
+
+    from shmpipe.registry import get_transport
+
+    get_transport("shm")
 
 
 def server_pid() -> int | None:
