@@ -81,6 +81,36 @@ SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm
 #: named in the warning when a producer has to import the script.
 HEAVY_FRAMEWORKS = ("tensorflow", "torch", "jax", "keras", "ray")
 
+#: The fork server's command line (Python 3.11, _ForkServer): the trainer's
+#: sys.path first, then the preload, then the standard library's server
+#: (given no preload of its own). NumPy's OpenBLAS starts its threads as it is
+#: imported, and each spins on a core for 2**28 cycles (about 0.1 s) before
+#: it sleeps, taking it from the trainer and the server itself while the
+#: first pipeline waits for the server: on 2 cores, the server's preload
+#: took 283 ms (281 ms of CPU) with the spin, 225 ms (217 ms) without
+#: (median of 15). So the preload runs with OPENBLAS_THREAD_TIMEOUT=4 (2**4
+#: cycles), unless the trainer's environment sets it; it is removed before
+#: the server forks anyone, so the producers' environment is the
+#: trainer's (their BLAS threads sleep sooner when idle: a wake-up of
+#: microseconds per call).
+_SERVER_COMMAND = """\
+import os, sys
+sys.path[:] = %r
+quiet = "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+if quiet:
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = "4"
+for name in %r:
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+if quiet:
+    del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+from multiprocessing.forkserver import main
+main(%d, %d, [], **%r)
+"""
+
+
 class _ForkServer(forkserver.ForkServer):
     """The standard library's fork server, whose process imports its preload
     with the trainer's sys.path.
@@ -93,7 +123,7 @@ class _ForkServer(forkserver.ForkServer):
     which cannot load; every producer then failed to start. Later versions
     apply it (and 3.13 adds an authentication key this copy would lack), so
     the override is for versions before 3.12 only: ensure_running as in
-    3.11, with the command line setting sys.path first.
+    3.11, with the command line setting sys.path first (_SERVER_COMMAND).
     """
 
     def ensure_running(self) -> None:
@@ -113,7 +143,6 @@ class _ForkServer(forkserver.ForkServer):
                 self._forkserver_alive_fd = None
                 self._forkserver_pid = None
             data = {k: v for k, v in spawn.get_preparation_data("ignore").items() if k in ("main_path", "sys_path")}
-            cmd = "import sys; sys.path[:] = %r; from multiprocessing.forkserver import main; main(%d, %d, %r, **%r)"
             with socket.socket(socket.AF_UNIX) as listener:
                 address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
                 listener.bind(address)
@@ -125,8 +154,8 @@ class _ForkServer(forkserver.ForkServer):
                 alive_r, alive_w = os.pipe()
                 try:
                     fds_to_pass = [listener.fileno(), alive_r]
-                    line = cmd % (data.get("sys_path", sys.path), listener.fileno(), alive_r,
-                                  self._preload_modules, data)  # type: ignore[attr-defined]
+                    line = _SERVER_COMMAND % (data.get("sys_path", sys.path), self._preload_modules,  # type: ignore[attr-defined]
+                                              listener.fileno(), alive_r, data)
                     exe = spawn.get_executable()
                     args = [exe, *util._args_from_interpreter_flags(), "-c", line]  # type: ignore[attr-defined]
                     pid = util.spawnv_passfds(exe, args, fds_to_pass)  # type: ignore[arg-type]

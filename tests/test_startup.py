@@ -369,6 +369,37 @@ def test_prestart_starts_the_server_before_any_pipeline_and_pipelines_use_it(tmp
     assert out.stderr == ""
 
 
+ENVIRONMENT_SCRIPT = """
+import os, sys
+import shmpipe
+
+def report():
+    yield {"value": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "unset")}
+
+if __name__ == "__main__":
+    with shmpipe.from_iterators([report] * 2, timeout=60) as pipe:
+        print(sorted(b["value"] for b in pipe))
+"""
+
+
+@pytest.mark.parametrize("value", [None, "12"])
+def test_the_producers_environment_is_the_trainers(tmp_path, value):
+    # The fork server imports its preload with OPENBLAS_THREAD_TIMEOUT=4 (its
+    # OpenBLAS threads would spin a core for 0.1 s), unless the trainer's
+    # environment sets it, and removes it before it forks any producer.
+    script = tmp_path / "environment.py"
+    script.write_text(ENVIRONMENT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if value is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = value
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=T, cwd=tmp_path,
+        env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([value or "unset"] * 2)
+
+
 class CountsItsPickles:
     """A dataset that counts, in a file, how often the trainer pickles it."""
 
