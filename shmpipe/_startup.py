@@ -154,8 +154,13 @@ class _ForkServer(forkserver.ForkServer):
                 alive_r, alive_w = os.pipe()
                 try:
                     fds_to_pass = [listener.fileno(), alive_r]
-                    line = _SERVER_COMMAND % (data.get("sys_path", sys.path), self._preload_modules,  # type: ignore[attr-defined]
-                                              listener.fileno(), alive_r, data)
+                    line = _SERVER_COMMAND % (
+                        data.get("sys_path", sys.path),
+                        self._preload_modules,  # type: ignore[attr-defined]
+                        listener.fileno(),
+                        alive_r,
+                        data,
+                    )
                     exe = spawn.get_executable()
                     args = [exe, *util._args_from_interpreter_flags(), "-c", line]  # type: ignore[attr-defined]
                     pid = util.spawnv_passfds(exe, args, fds_to_pass)  # type: ignore[arg-type]
