@@ -85,6 +85,7 @@ __all__ = [
     "from_iterators",
     "get_transport",
     "get_worker_info",
+    "prestart",
     "register_transport",
     "reserve",
     "signature_of",
@@ -105,6 +106,34 @@ def clean(dry_run: bool = False) -> list[str]:
     from shmpipe._segments import sweep  # the ring engine loads when it is used
 
     return sweep(dry_run=dry_run)
+
+
+def prestart(*objects: Any) -> None:
+    """Starts shmpipe's fork server now, in the background, so that the
+    first pipeline of this process finds it running.
+
+    Producers (start method ``"forkserver"``, the default) are forked from a
+    server process that the first pipeline starts and waits for: a fresh
+    interpreter that imports NumPy and shmpipe's producer side, 0.15 to 0.3 s
+    of that pipeline's first batch. Called early, at the top of a training
+    script before ``import torch`` or ``import tensorflow``, it starts the
+    server, which imports while the script goes on, and imports here what a
+    first pipeline imports in this process (the default transport,
+    ``numpy.random``): tens of milliseconds, then it returns. Starts no
+    server where one runs already, or the platform has no forkserver.
+    Optional: without it the first pipeline starts the server.
+
+    The server imports what ``objects`` are made of too (the dataset, or the
+    sources, that the pipelines will get: their modules and those their code
+    imports), as the first pipeline would for its own sources, so that its
+    producers inherit those modules instead of each importing them. A
+    pipeline cannot add to a running server: what its sources need beyond
+    it, each of its producers imports itself (a dataset whose module imports
+    torch at its top: torch, in every producer). So where the dataset comes
+    from such a module, pass it, once it is made: ``shmpipe.prestart(dataset)``."""
+    from shmpipe._startup import prestart as _prestart
+
+    _prestart(objects)
 
 
 def signature_of(*batches: Any) -> Any:

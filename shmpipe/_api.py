@@ -8,7 +8,6 @@ memory is made.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
@@ -155,11 +154,11 @@ def from_iterators(
         num_ranks=num_ranks,
         group_timeout=group_timeout,
         run_id=run_id,
+        # The producers run each source through an IteratorSource, which
+        # skips what a resumed pass must (shmpipe/_sources.py); the checks
+        # see the user's own objects, and pickle what the producers get.
+        wrap=IteratorSource,
     )
-    # The producers run each source through an IteratorSource, which skips
-    # what a resumed pass must (shmpipe/_sources.py); the checks above saw
-    # the user's own objects.
-    options = dataclasses.replace(options, sources=tuple(IteratorSource(s) for s in options.sources))
     if grouped is not None:
         return RankPipeline(options, grouped)
     return Pipeline(options)
@@ -181,9 +180,11 @@ def check_arguments(
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
     run_id: str | None = None,
+    wrap: Callable[[Source], Source] | None = None,
 ) -> tuple[PipelineOptions, GroupOptions | None]:
     """from_iterators' arguments, checked: the pipeline's options and the
-    group's (None without a group), or the error that says what is wrong."""
+    group's (None without a group), or the error that says what is wrong.
+    `wrap`: what a producer runs for each source (check_options)."""
     resolved = resolve_transport(transport)
     grouped = check_group(group, rank, num_ranks, group_timeout, resolved, run_id)
     if grouped is not None and max_restarts:
@@ -199,6 +200,7 @@ def check_arguments(
         seed=seed,
         default_capacity=default_capacity(grouped.num_ranks) if grouped is not None else None,
         max_restarts=max_restarts,
+        wrap=wrap,
     )
     if grouped is not None:
         check_capacity(options, grouped)

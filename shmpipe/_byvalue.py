@@ -41,7 +41,7 @@ import types
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-__all__ = ["MAIN_NAMES", "NotByValue", "dumps", "loads"]
+__all__ = ["MAIN_NAMES", "NotByValue", "dumps", "global_names", "loads"]
 
 #: The names the script has as a module: __main__ in the trainer,
 #: __mp_main__ where multiprocessing imported it again.
@@ -126,7 +126,7 @@ class _Pickler(ForkingPickler):
         return NotImplemented
 
     def _function(self, fn: types.FunctionType) -> tuple[Any, ...]:
-        names = _global_names(fn.__code__)
+        names = global_names(fn.__code__)
         scope = fn.__globals__
         # Builtins are not copied: the producer's own resolve them.
         used = {name: scope[name] for name in sorted(names) if name in scope}
@@ -161,13 +161,13 @@ def _cell_value(cell: types.CellType) -> Any:
         return _Empty
 
 
-def _global_names(code: types.CodeType) -> set[str]:
+def global_names(code: types.CodeType) -> set[str]:
     """The global names `code` and the code nested in it read or write
     (LOAD_NAME: a class body nested in a function reads globals so)."""
     names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_OPS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
+            names |= global_names(const)
     return names
 
 

@@ -68,6 +68,7 @@ class ProcessLauncher(Launcher):
         transport: Transport,
         sources: Sequence[Callable[[], Iterable[Any]]],
         spec: ChannelSpec,
+        shipments: _startup.Shipments | None = None,
     ) -> None:
         self.transport = transport
         self.spec = spec
@@ -92,20 +93,21 @@ class ProcessLauncher(Launcher):
         try:
             if not lazy:
                 self.channel = transport.open(spec)
-            self._start(sources)
+            self._start(sources, shipments)
         except BaseException:  # a Ctrl-C too: what was made is destroyed before it propagates
             self.shutdown()
             raise
 
-    def _start(self, sources: Sequence[Callable[[], Iterable[Any]]]) -> None:
+    def _start(self, sources: Sequence[Callable[[], Iterable[Any]]], shipments: _startup.Shipments | None) -> None:
         self.sources = list(sources)
         # A channel opened before the producers goes with their arguments: some
         # handles (multiprocessing queues) can only travel that way.
         handle = self.channel.handle if self.channel is not None else None
         # Each producer imports what its source needs, not the trainer's
         # script, where the source can travel without it (_startup); a
-        # restarted producer starts the same way (_spawn).
-        self._plan = _startup.plan(self.spec.mp_context, self.sources, self.transport)
+        # restarted producer starts the same way (_spawn). What the options'
+        # check pickled goes as it is (shipments).
+        self._plan = _startup.plan(self.spec.mp_context, self.sources, self.transport, shipments)
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
             for worker in range(len(self.sources)):
                 p, parent_end = self._spawn(worker, handle)

@@ -13,13 +13,16 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import ChannelSpec, Transport
+
+if TYPE_CHECKING:
+    from shmpipe import _startup
 
 __all__ = ["PipelineOptions", "Source", "check_options", "default_start_method", "is_int"]
 
@@ -52,6 +55,10 @@ class PipelineOptions:
     #: Producers that die may be replaced this many times in all (the
     #: transport must restarts_producers).
     max_restarts: int = 0
+    #: The sources as the check pickled them for producers that do not
+    #: import the script (None where none was: fork, a transport's own
+    #: producers); the launcher ships these pickles.
+    shipments: _startup.Shipments | None = None
 
     @property
     def num_workers(self) -> int:
@@ -83,12 +90,22 @@ def check_options(
     seed: int | None,
     default_capacity: Callable[[int, bool], int] | None = None,
     max_restarts: int = 0,
+    wrap: Callable[[Source], Source] | None = None,
 ) -> PipelineOptions:
     """PipelineOptions from from_iterators' arguments (see its doc), or the
     ShmpipeTypeError / ShmpipeValueError that says what is wrong.
     `default_capacity(num_workers, ordered)` is the capacity when the user
-    gave none (a group needs more than a pipeline of its own)."""
+    gave none (a group needs more than a pipeline of its own). `wrap(source)`:
+    what a producer runs for a source (from_iterators' IteratorSource), made
+    once per distinct source; the options' sources are those."""
     checked = _check_sources(sources)
+    runs = checked
+    if wrap is not None:
+        made: dict[int, Source] = {}  # by id: [make_batches] * 16 is wrapped, and so pickled, once
+        for s in checked:
+            if id(s) not in made:
+                made[id(s)] = wrap(s)
+        runs = [made[id(s)] for s in checked]
     n = len(checked)
     resolved = resolve_transport(transport)
     if not isinstance(ordered, (bool, np.bool_)):
@@ -123,10 +140,11 @@ def check_options(
         raise ShmpipeValueError(
             f"unknown start_method {method!r}; this platform has {', '.join(multiprocessing.get_all_start_methods())}"
         )
+    shipments = None
     if method != "fork" and not resolved.capabilities.own_producers:
-        _check_picklable(checked, method)
+        shipments = _check_picklable(checked, runs, method)
     options = PipelineOptions(
-        sources=tuple(checked),
+        sources=tuple(runs),
         transport=resolved,
         capacity=capacity,
         ordered=bool(ordered),
@@ -136,6 +154,7 @@ def check_options(
         seed=seed,
         seed_given=seed_given,
         max_restarts=max_restarts,
+        shipments=shipments,
     )
     resolved.check_spec(options.channel_spec())  # what only the transport knows it cannot do
     return options
@@ -163,19 +182,23 @@ def _check_sources(sources: Any) -> list[Source]:
     return listed
 
 
-def _check_picklable(sources: list[Source], method: str) -> None:
+def _check_picklable(sources: list[Source], runs: list[Source], method: str) -> _startup.Shipments:
     """Each source can reach a `method` producer: pickled with what the
     script defines in it by value (_startup: the producer never imports the
-    script), or else by reference, for a producer that imports the script."""
+    script), or else by reference, for a producer that imports the script.
+    `runs[i]` is what producer i runs (sources[i], or a wrapper of it): what
+    is pickled. Returns the pickles made (the launcher ships them)."""
     from shmpipe import _startup
 
     main = sys.modules.get("__main__")
     main_file = getattr(main, "__file__", None)
     interactive = main_file is None
-    why_not: dict[int, str | None] = {}  # by id: [make_batches] * 16 is checked once
-    for i, s in enumerate(sources):
+    shipments = _startup.Shipments()  # by identity: [make_batches] * 16 is pickled once
+    why_not: dict[int, str | None] = {}
+    for i, (s, run) in enumerate(zip(sources, runs, strict=True)):
         if id(s) not in why_not:
-            why_not[id(s)] = _startup.ships(s)
+            shipped = shipments.ship(run)
+            why_not[id(s)] = shipped if isinstance(shipped, str) else None
         if why_not[id(s)] is None:
             continue  # travels without the script
         if main_file is not None and not os.path.exists(main_file):
@@ -203,3 +226,4 @@ def _check_picklable(sources: list[Source], method: str) -> None:
                 f"needs: {exc}. Define it at the top level of an importable module (not a "
                 "lambda or a nested function), or wrap such a function in functools.partial."
             ) from exc
+    return shipments

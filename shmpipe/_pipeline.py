@@ -177,7 +177,7 @@ class Pipeline(FrameworkStream):
                 if transport.capabilities.own_producers:
                     launcher = transport.launch(options.sources, self._spec, options.seed)
                 else:
-                    launcher = ProcessLauncher(transport, options.sources, self._spec)
+                    launcher = ProcessLauncher(transport, options.sources, self._spec, options.shipments)
                 self._launcher = launcher
                 # The launcher, not this object, owns the processes and the
                 # channel, so a forgotten pipeline is shut down when collected.

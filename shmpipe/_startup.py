@@ -40,10 +40,13 @@ children read their arguments through the standard code
 
 from __future__ import annotations
 
+import dis
+import importlib.util
 import io
 import os
 import socket
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -55,16 +58,58 @@ from typing import Any
 from shmpipe import _byvalue
 from shmpipe.errors import ShmpipeWarning
 
-__all__ = ["HEAVY_FRAMEWORKS", "SERVER_PRELOAD", "Plan", "Shipped", "plan", "server_pid", "ships", "unpack"]
+__all__ = [
+    "HEAVY_FRAMEWORKS",
+    "SERVER_PRELOAD",
+    "Plan",
+    "Shipments",
+    "Shipped",
+    "plan",
+    "prestart",
+    "server_pid",
+    "unpack",
+]
 
 #: What the fork server imports before it forks producers: what every
 #: producer needs to unpickle its arguments and run (the default transport
-#: included), so that a producer inherits it instead of importing it.
-SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm"]
+#: included, and numpy.random, which every producer seeds before each pass:
+#: 20-40 ms of each producer's first batch where it imported it itself), so
+#: that a producer inherits it instead of importing it.
+SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm", "numpy.random"]
 
 #: Frameworks whose import costs a producer seconds and hundreds of MiB:
 #: named in the warning when a producer has to import the script.
 HEAVY_FRAMEWORKS = ("tensorflow", "torch", "jax", "keras", "ray")
+
+#: The fork server's command line (Python 3.11, _ForkServer): the trainer's
+#: sys.path first, then the preload, then the standard library's server
+#: (given no preload of its own). NumPy's OpenBLAS starts its threads as it is
+#: imported, and each spins on a core for 2**28 cycles (about 0.1 s) before
+#: it sleeps, taking it from the trainer and the server itself while the
+#: first pipeline waits for the server: on 2 cores, the server's preload
+#: took 283 ms (281 ms of CPU) with the spin, 225 ms (217 ms) without
+#: (median of 15). So the preload runs with OPENBLAS_THREAD_TIMEOUT=4 (2**4
+#: cycles), unless the trainer's environment sets it; it is removed before
+#: the server forks anyone, so the producers' environment is the
+#: trainer's (their BLAS threads sleep sooner when idle: a wake-up of
+#: microseconds per call).
+_SERVER_COMMAND = """\
+import os, sys
+sys.path[:] = %r
+quiet = "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+if quiet:
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = "4"
+for name in %r:
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+if quiet:
+    del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+from multiprocessing.forkserver import main
+main(%d, %d, [], **%r)
+"""
+
 
 class _ForkServer(forkserver.ForkServer):
     """The standard library's fork server, whose process imports its preload
@@ -78,7 +123,7 @@ class _ForkServer(forkserver.ForkServer):
     which cannot load; every producer then failed to start. Later versions
     apply it (and 3.13 adds an authentication key this copy would lack), so
     the override is for versions before 3.12 only: ensure_running as in
-    3.11, with the command line setting sys.path first.
+    3.11, with the command line setting sys.path first (_SERVER_COMMAND).
     """
 
     def ensure_running(self) -> None:
@@ -98,7 +143,6 @@ class _ForkServer(forkserver.ForkServer):
                 self._forkserver_alive_fd = None
                 self._forkserver_pid = None
             data = {k: v for k, v in spawn.get_preparation_data("ignore").items() if k in ("main_path", "sys_path")}
-            cmd = "import sys; sys.path[:] = %r; from multiprocessing.forkserver import main; main(%d, %d, %r, **%r)"
             with socket.socket(socket.AF_UNIX) as listener:
                 address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
                 listener.bind(address)
@@ -110,8 +154,13 @@ class _ForkServer(forkserver.ForkServer):
                 alive_r, alive_w = os.pipe()
                 try:
                     fds_to_pass = [listener.fileno(), alive_r]
-                    line = cmd % (data.get("sys_path", sys.path), listener.fileno(), alive_r,
-                                  self._preload_modules, data)  # type: ignore[attr-defined]
+                    line = _SERVER_COMMAND % (
+                        data.get("sys_path", sys.path),
+                        self._preload_modules,  # type: ignore[attr-defined]
+                        listener.fileno(),
+                        alive_r,
+                        data,
+                    )
                     exe = spawn.get_executable()
                     args = [exe, *util._args_from_interpreter_flags(), "-c", line]  # type: ignore[attr-defined]
                     pid = util.spawnv_passfds(exe, args, fds_to_pass)  # type: ignore[arg-type]
@@ -153,13 +202,36 @@ def unpack(source: Any) -> Callable[[], Iterable[Any]]:
     return loaded
 
 
-def ships(source: Any) -> str | None:
-    """None if `source` can travel to a producer without the script; else why not."""
-    try:
-        _byvalue.dumps(source)
-    except _byvalue.NotByValue as exc:
-        return str(exc)
-    return None
+class Shipments:
+    """Sources pickled for producers that do not import the script, each
+    once: the options' check pickles every source to know whether it can
+    travel so (ship), and the launcher ships what the check made
+    (plan) instead of pickling it again (a dataset held in memory: 150-330
+    ms for 80 MB, measured). Kept by identity, with the source itself, so
+    a source replaced since (wrapped) is pickled anew, never mistaken for
+    another; plan takes them out, so the pickles live on in the launcher's
+    plan alone."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Any, Shipped | str]] = {}
+
+    def ship(self, source: Any) -> Shipped | str:
+        """`source` pickled (a Shipped), or why it cannot travel without the script."""
+        made = self._made.get(id(source))
+        if made is not None and made[0] is source:
+            return made[1]
+        try:
+            result: Shipped | str = Shipped(_byvalue.dumps(source))
+        except _byvalue.NotByValue as exc:
+            result = str(exc)
+        self._made[id(source)] = (source, result)
+        return result
+
+    def take(self, source: Any) -> Shipped | str:
+        """ship(source), forgetting it here."""
+        result = self.ship(source)
+        del self._made[id(source)]
+        return result
 
 
 @dataclass
@@ -176,9 +248,10 @@ class Plan:
     imports_script: list[str | None]
 
 
-def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any) -> Plan:
+def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Shipments | None = None) -> Plan:
     """How the producers of `sources` start under `ctx` (multiprocessing's
-    context for the pipeline's start method)."""
+    context for the pipeline's start method); `shipments`: the sources the
+    options' check pickled already."""
     method = ctx.get_start_method()
     n = len(sources)
     if method == "fork":
@@ -189,14 +262,12 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any) -> Plan:
     clean: Callable[..., Any] = _ServerProcess if method == "forkserver" else _SpawnProcess
     if method == "forkserver":
         _preload_with_the_server(sources)
+    shipments = shipments or Shipments()
     shipped: dict[int, Shipped | str] = {}  # by id: [make_batches] * 16 is pickled once
     out = Plan([], [], [])
     for source in sources:
         if id(source) not in shipped:
-            try:
-                shipped[id(source)] = Shipped(_byvalue.dumps(source))
-            except _byvalue.NotByValue as exc:
-                shipped[id(source)] = str(exc)
+            shipped[id(source)] = shipments.take(source)
         item = shipped[id(source)]
         if isinstance(item, Shipped):
             out.process_types.append(clean)
@@ -213,23 +284,102 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any) -> Plan:
 def _preload_with_the_server(sources: Sequence[Any]) -> None:
     """Before the fork server's first start: it imports the modules the
     sources are made of too (their classes', functions' and attributes'
-    modules, one level deep, where the trainer has them imported and they
-    are not the script), so each producer inherits them instead of
-    importing them before its first batch (a dataset's module: 10-20 ms a
-    producer, measured). A server already running keeps what it has: its
-    producers import the rest themselves."""
+    modules, one level deep, and the modules their code imports as it runs,
+    where the trainer has them imported and they are not the script), so
+    each producer inherits them instead of importing them before its first
+    batch (a dataset's module: 10-20 ms a producer; Pillow, which a dataset
+    of images imports in its __getitem__: 30 ms, measured). A server already
+    running keeps what it has: its producers import the rest themselves."""
     if server_pid() is not None:
         return
-    modules: set[str] = set()
+    names: set[object] = set()  # module names, and None where an object has none
     for source in sources:
         for obj in (source, *_attributes(source)):
-            for name in (getattr(obj, "__module__", None), type(obj).__module__):
-                if isinstance(name, str) and name not in _byvalue.MAIN_NAMES and name != "builtins":
-                    module = sys.modules.get(name)
-                    if module is not None and getattr(module, "__file__", None):
-                        modules.add(name)
+            names.update((getattr(obj, "__module__", None), type(obj).__module__))
+            for imported in _imported_by_code(obj):
+                # with the submodules of it that the trainer has loaded, as a
+                # fork would have them (Pillow loads its JPEG plugin at the
+                # first open: 15 ms more)
+                if imported is not None:
+                    names.update(m for m in list(sys.modules) if m == imported or m.startswith(imported + "."))
+    modules: set[str] = set()
+    for name in names:
+        if isinstance(name, str) and name not in _byvalue.MAIN_NAMES and name != "builtins":
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "__file__", None):
+                modules.add(name)
     extra = sorted(modules - set(SERVER_PRELOAD))
     _SERVER.set_forkserver_preload([*SERVER_PRELOAD, *extra])
+
+
+def _imported_by_code(obj: Any) -> set[str | None]:
+    """The modules that the code of `obj` (a function; else the methods of
+    its class and of that class's bases) imports when it runs: an import
+    inside a function, which importing its module does not make. And for
+    a function of the script (which travels by value: its module is not
+    imported in the producer), the modules of the globals its code uses
+    (`np`, a class imported from a module)."""
+    functions: list[types.FunctionType] = []
+    if isinstance(obj, types.FunctionType):
+        functions.append(obj)
+    else:
+        for cls in (obj if isinstance(obj, type) else type(obj)).__mro__:
+            if cls.__module__ == "builtins":
+                continue
+            for value in vars(cls).values():
+                if isinstance(value, (staticmethod, classmethod)):
+                    value = value.__func__
+                elif isinstance(value, property):
+                    value = value.fget
+                if isinstance(value, types.FunctionType):
+                    functions.append(value)
+    names: set[str | None] = set()
+    for fn in functions:
+        if fn.__module__ in _byvalue.MAIN_NAMES:
+            for name in _byvalue.global_names(fn.__code__):
+                names.add(_module_of(fn.__globals__.get(name)))
+        module = sys.modules.get(fn.__module__)
+        package = getattr(module, "__package__", None) or ""
+        codes = [fn.__code__]
+        while codes:
+            code = codes.pop()
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            names.update(_imports_of(code, package))
+    return names
+
+
+def _module_of(value: Any) -> str | None:
+    """The module that `value` is (a module) or comes from, by name; None
+    where it says none."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    try:
+        name = getattr(value, "__module__", None)
+    except Exception:  # noqa: BLE001 - an object that raises on a look is no module's
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _imports_of(code: types.CodeType, package: str) -> set[str]:
+    """What the import statements of `code` itself name: `import a.b` is
+    a.b, `from a import b` is a and a.b (b may be a module), a relative
+    import is resolved against `package`."""
+    names: set[str] = set()
+    consts: list[Any] = []  # the constants loaded last: an import's level and names
+    imported: str | None = None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "IMPORT_NAME":
+            level = consts[-2] if len(consts) >= 2 and isinstance(consts[-2], int) else 0
+            try:
+                imported = importlib.util.resolve_name("." * level + ins.argval, package) if level else ins.argval
+            except ImportError:  # a relative import beyond the top-level package
+                imported = None
+            if imported:
+                names.add(imported)
+        elif ins.opname == "IMPORT_FROM" and imported:
+            names.add(f"{imported}.{ins.argval}")
+        consts = [*consts[-1:], ins.argval] if ins.opname == "LOAD_CONST" else []
+    return names
 
 
 def _attributes(obj: Any) -> list[Any]:
@@ -265,6 +415,32 @@ def _first_caller_outside_shmpipe() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def prestart(objects: Sequence[Any]) -> None:
+    """shmpipe.prestart(): the fork server started now, in the background,
+    preloading what `objects` are made of as it would the first pipeline's
+    sources (not where it runs already or the platform has none); and what a
+    first pipeline imports in this process, imported now."""
+    import multiprocessing
+
+    from shmpipe._launch import _born_with_ctrl_c_blocked
+
+    if server_pid() is None and "forkserver" in multiprocessing.get_all_start_methods():
+        _preload_with_the_server(objects)
+        # Born with SIGINT blocked, as when a pipeline starts it: so are the
+        # producers it forks (_launch._born_with_ctrl_c_blocked says why).
+        with _born_with_ctrl_c_blocked("forkserver"):
+            _SERVER.ensure_running()  # spawns the server; its imports run on their own meanwhile
+    # Meanwhile, what a first pipeline imports in this process: the default
+    # transport's modules, and numpy.random, which draws the producers'
+    # seeds (30 ms of that pipeline's first batch, measured, without
+    # compiled bytecode), now rather than then.
+    import numpy.random  # noqa: F401
+
+    from shmpipe.registry import get_transport
+
+    get_transport("shm")
 
 
 def server_pid() -> int | None:

@@ -106,7 +106,7 @@ def test_feed_ray_recipes(tmp_path):
 
 def test_feed_startup_recipes_run_a_script_that_imports_the_framework(tmp_path):
     pytest.importorskip("torch")
-    recipes = ["shmpipe:shm@torch", "torch.DataLoader@torch"]
+    recipes = ["shmpipe:shm@torch", "shmpipe:shm+prestart@torch", "torch.DataLoader@torch"]
     out = subprocess.run(
         [sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", *recipes, "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
@@ -121,6 +121,7 @@ def test_feed_startup_recipes_run_a_script_that_imports_the_framework(tmp_path):
         assert f"| {name} | 2 |" in out.stdout
     assert "| producers' PSS |" in out.stdout
     assert "With `import torch` at the top of the training script, shmpipe's first batch came in " in out.stdout
+    assert " with shmpipe.prestart() before the import)" in out.stdout
 
 
 class Missing(QueueTransport):

@@ -206,6 +206,73 @@ def test_a_ring_larger_than_a_64_mb_dev_shm_runs(tmp_path):
     assert "/dev/shm" in lines["posix"] and "--shm-size" in lines["posix"]
 
 
+DEV_SHM_FULL_AFTER_THE_RING = """
+import os, sys, time
+import numpy as np
+import shmpipe
+from shmpipe.transports.shm import ShmTransport
+
+GO = sys.argv[1]  # the producers write nothing before this file exists
+
+
+def make_batches():
+    while not os.path.exists(GO):
+        time.sleep(0.01)
+    for i in range(8):
+        yield {"x": np.full(1 << 20, i + 1, np.float32)}  # 4 MiB: every page of a slot's payload written
+
+
+if __name__ == "__main__":
+    # slot_size given: the ring (6 slots of 4 MiB and a page, named, in a
+    # 64 MB /dev/shm) is made, not one page of it touched, before the loop
+    with shmpipe.from_iterators(
+        [make_batches] * 2, transport=ShmTransport(backing="posix"), capacity=6, slot_size=(4 << 20) + 4096,
+        timeout=60,
+    ) as pipe:
+        # Now /dev/shm is filled to the last byte by another file, before any
+        # slot is written: each first write to a page of the ring must find
+        # the page reserved (no SIGBUS), from the producers and the trainer.
+        with open("/dev/shm/filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\\1" * 4096)
+            except OSError as exc:
+                print("filled", exc.errno == 28, flush=True)
+        st = os.statvfs("/dev/shm")
+        print("free", st.f_bavail * st.f_frsize, flush=True)
+        open(GO, "w").close()
+        got = sorted(int(b["x"][0]) for b in pipe if (b["x"] == b["x"][0]).all())
+        print("batches", got == sorted(list(range(1, 9)) * 2), flush=True)
+        print("ring_bytes", pipe.channel.segment.size, flush=True)
+"""
+
+
+def test_a_ring_is_reserved_whole_so_a_dev_shm_filled_after_it_is_no_sigbus(tmp_path):
+    # The ring's pages are touched where they are first written, not when it
+    # is made (the first batch waits for its making): posix_fallocate reserved
+    # every one of them, so /dev/shm filling up later costs no process a
+    # SIGBUS. Docker's default /dev/shm, made for real: a mount namespace of
+    # our own with a 64 MB tmpfs on /dev/shm, filled by another file after
+    # the ring is made and before anything is written to it.
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, text=True, timeout=30
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here (unshare -m: {probe.stderr.strip()})")
+    mount = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$@\""
+    out = run_script(
+        tmp_path,
+        DEV_SHM_FULL_AFTER_THE_RING,
+        str(tmp_path / "go"),
+        prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"),
+    )
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["filled"] == "True" and int(lines["free"]) < 4096, out.stdout
+    assert lines["batches"] == "True", out.stdout  # every batch, whole: no producer died
+    assert int(lines["ring_bytes"]) > 24 << 20
+
+
 EVERYONE_KILLED = """
 import json, os, sys, time
 import numpy as np

@@ -25,8 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmpipe
-from shmpipe import _codec, _external, _fdpass
-from shmpipe import ArraySpec
+from shmpipe import ArraySpec, _codec, _external, _fdpass
 from shmpipe.errors import CorruptChannelError
 from shmpipe.testing.memory import ring_descriptors
 from shmpipe.testing.processes import wait_until

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import shmpipe
@@ -221,6 +222,230 @@ def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
     assert parents == {server} and server != os.getpid()
     with open(f"/proc/{server}/cmdline", "rb") as f:
         assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
+
+
+#: Modules of the preload tests: each says in a file who imported it.
+PRELOAD_MODULES = {
+    "recorded.py": """
+        import os
+
+        def record(name):
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imported_by"), "a") as f:
+                f.write(f"{name} {os.getpid()}\\n")
+    """,
+    "decoder.py": "import recorded\nrecorded.record('decoder')\nSCALE = 3\n",
+    "helper.py": "import recorded\nrecorded.record('helper')\nOFFSET = 100\n",
+    "images.py": """
+        import sys
+        import numpy as np
+
+        class Images:
+            def __init__(self, n):
+                self.n = n
+
+            def __len__(self):
+                return self.n
+
+            def __getitem__(self, i):
+                import decoder  # where it is used, as a dataset of images imports its decoder
+
+                return {"x": np.array(i * decoder.SCALE), "random": np.array(self.random_loaded)}
+
+            def __setstate__(self, state):
+                self.__dict__.update(state)
+                # in the producer, as its source is loaded: before the pass seeds NumPy's generator
+                self.random_loaded = "numpy.random" in sys.modules
+    """,
+}
+
+#: The trainer: it has the modules loaded; its pipeline is made (after
+#: shmpipe.prestart(...) with "--prestart") the way argv[1] says.
+PRELOAD_SCRIPT = """
+    import json, os, sys
+    import numpy as np
+    import shmpipe
+    import decoder, helper
+    from images import Images
+
+    def make_batches():
+        yield {"y": np.array(helper.OFFSET)}  # a function of the script: travels by value, `helper` by name
+
+    if __name__ == "__main__":
+        kind = sys.argv[1]
+        if "--prestart" in sys.argv:
+            shmpipe.prestart(Images(8) if kind == "dataset" else make_batches)
+        if kind == "dataset":
+            pipe = shmpipe.from_dataset(Images(8), batch_size=2, num_workers=2, timeout=60)
+        else:
+            pipe = shmpipe.from_iterators([make_batches] * 2, timeout=60)
+        with pipe:
+            got = sorted(tuple(int(v) for b in pipe for v in b["x" if kind == "dataset" else "y"].ravel()))
+            random = [bool(b["random"].all()) for b in pipe] if kind == "dataset" else []
+        from shmpipe import _startup
+        print(json.dumps({"got": got, "random": random, "trainer": os.getpid(), "server": _startup.server_pid(),
+                          "producers": pipe.pids}))
+"""
+
+
+def run_preload_script(tmp_path, kind, *flags):
+    for name, text in PRELOAD_MODULES.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    (tmp_path / "train.py").write_text(textwrap.dedent(PRELOAD_SCRIPT))
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "train.py"), kind, *flags], capture_output=True, text=True, timeout=T,
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )
+    assert out.returncode == 0, out.stderr
+    importers: dict[str, set[int]] = {}
+    for line in (tmp_path / "imported_by").read_text().split("\n"):
+        if line:
+            name, pid = line.split()
+            importers.setdefault(name, set()).add(int(pid))
+    return json.loads(out.stdout), importers
+
+
+@pytest.mark.parametrize("flags", [(), ("--prestart",)])
+def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(tmp_path, flags):
+    # Images.__getitem__ imports decoder: the fork server imports it once (the
+    # trainer has it loaded), and numpy.random, which every producer seeds;
+    # the producers inherit both instead of importing them before their first
+    # batch. The same where shmpipe.prestart(dataset) started the server.
+    got, importers = run_preload_script(tmp_path, "dataset", *flags)
+    assert got["got"] == [3 * i for i in range(8)]
+    assert importers["decoder"] == {got["trainer"], got["server"]}, (importers, got)
+    assert not set(got["producers"]) & importers["decoder"]
+    assert got["random"] == [True] * 4  # numpy.random was there as each producer loaded its source
+
+
+@pytest.mark.parametrize("flags", [(), ("--prestart",)])
+def test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses(tmp_path, flags):
+    # make_batches travels by value; `helper`, a global it uses, by name:
+    # the server imports it, not each producer.
+    got, importers = run_preload_script(tmp_path, "function", *flags)
+    assert got["got"] == [100, 100]
+    assert importers["helper"] == {got["trainer"], got["server"]}, (importers, got)
+
+
+def test_prestart_starts_the_server_before_any_pipeline_and_pipelines_use_it(tmp_path):
+    script = tmp_path / "prestart.py"
+    script.write_text(textwrap.dedent(
+        """
+        import json, os, sys
+        import numpy as np
+        import shmpipe
+        from shmpipe import _startup
+
+        def make_batches():
+            yield np.arange(3)
+
+        if __name__ == "__main__":
+            before = _startup.server_pid()
+            shmpipe.prestart()
+            # what a first pipeline imports in this process is here already
+            ready = all(m in sys.modules for m in ("numpy.random", "shmpipe.transports.shm", "shmpipe._ring"))
+            server = _startup.server_pid()
+            shmpipe.prestart()  # once only
+            again = _startup.server_pid()
+            parents = set()
+            for _ in range(2):
+                with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
+                    got = [b.tolist() for b in pipe]
+                    for pid in pipe.pids:
+                        with open(f"/proc/{pid}/stat") as f:
+                            parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
+            print(json.dumps({"before": before, "server": server, "again": again, "parents": sorted(parents),
+                              "got": got, "ready": ready}))
+        """
+    ))
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=T, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["before"] is None and got["server"] is not None and got["again"] == got["server"]
+    assert got["parents"] == [got["server"]]  # every producer of both pipelines forked from it
+    assert got["got"] == [[0, 1, 2], [0, 1, 2]] and got["ready"]
+    assert out.stderr == ""
+
+
+ENVIRONMENT_SCRIPT = """
+import os, sys
+import shmpipe
+
+def report():
+    yield {"value": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "unset")}
+
+if __name__ == "__main__":
+    with shmpipe.from_iterators([report] * 2, timeout=60) as pipe:
+        print(sorted(b["value"] for b in pipe))
+"""
+
+
+@pytest.mark.parametrize("value", [None, "12"])
+def test_the_producers_environment_is_the_trainers(tmp_path, value):
+    # The fork server imports its preload with OPENBLAS_THREAD_TIMEOUT=4 (its
+    # OpenBLAS threads would spin a core for 0.1 s), unless the trainer's
+    # environment sets it, and removes it before it forks any producer.
+    script = tmp_path / "environment.py"
+    script.write_text(ENVIRONMENT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if value is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = value
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=T, cwd=tmp_path,
+        env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([value or "unset"] * 2)
+
+
+class CountsItsPickles:
+    """A dataset that counts, in a file, how often the trainer pickles it."""
+
+    def __init__(self, path, n):
+        self.path, self.n = path, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.array(i)
+
+    def __call__(self):  # a source of from_iterators too
+        for i in range(self.n):
+            yield np.array([i])
+
+    def __reduce__(self):
+        if os.getpid() == self.owner:
+            with open(self.path, "a") as f:
+                f.write("pickled\n")
+        return CountsItsPickles._rebuild, (self.path, self.n, self.owner)
+
+    @staticmethod
+    def _rebuild(path, n, owner):
+        made = CountsItsPickles(path, n)
+        made.owner = owner
+        return made
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("kind", ["dataset", "iterators"])
+def test_a_source_is_pickled_once_for_all_its_producers(tmp_path, start_method, kind):
+    # The options' check pickles each source to know whether it can travel
+    # without the script; the launcher ships that pickle: a dataset held in
+    # memory is not pickled again, nor once per producer.
+    log = tmp_path / "pickles"
+    source = CountsItsPickles(str(log), 12)
+    source.owner = os.getpid()
+    if kind == "dataset":
+        pipe = shmpipe.from_dataset(source, batch_size=3, num_workers=3, start_method=start_method, timeout=T)
+    else:
+        pipe = shmpipe.from_iterators([source] * 3, start_method=start_method, timeout=T)
+    with pipe:
+        got = sorted(int(v) for b in pipe for v in b)
+    assert got == sorted(list(range(12)) * (1 if kind == "dataset" else 3))
+    assert log.read_text().split() == ["pickled"]
 
 
 # -- _byvalue, in this process: functions and classes "of the script" are made

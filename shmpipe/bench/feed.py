@@ -24,6 +24,10 @@ each batch. Recipes:
                      DataLoader (fork, the same number of workers). Their
                      first batch and producers' PSS say what the script's
                      imports cost a producer
+  shmpipe:shm+prestart@FRAMEWORK
+                     the same script calling shmpipe.prestart() before its
+                     `import FRAMEWORK`: shmpipe's fork server starts while
+                     the script imports, not in the first batch
 
 Each recipe runs in this process (the start-up ones in a script started
 from it), one after the other, so they compare on the same machine in the
@@ -438,10 +442,12 @@ def recipe_shmpipe(transport: str, reserve: bool = False) -> Recipe:
 
 
 #: The training script of the start-up recipes: FRAMEWORK imported at its
-#: top, the source defined in it (using its global CFG), the loop under the
-#: main guard. It prints the RecipeResult as JSON.
+#: top (after shmpipe.prestart() where PRESTART says so), the source defined
+#: in it (using its global CFG), the loop under the main guard. It prints the
+#: RecipeResult as JSON.
 _SCRIPT = textwrap.dedent(
     """
+    PRESTART
     import FRAMEWORK
     import json
     import sys
@@ -462,17 +468,20 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def recipe_script(loader: str, framework: str) -> Recipe:
+def recipe_script(loader: str, framework: str, prestart: bool = False) -> Recipe:
     """A start-up recipe: the training script (_SCRIPT) importing
     `framework`, fed by `loader` ("shmpipe" or "DataLoader"), run as a
-    process of its own (its __main__ is that script, as a user's is)."""
+    process of its own (its __main__ is that script, as a user's is).
+    `prestart`: the script calls shmpipe.prestart() first."""
 
     def run_recipe(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
-        name = ("shmpipe:shm" if loader == "shmpipe" else "torch.DataLoader") + f"@{framework}"
+        name = ("shmpipe:shm" if loader == "shmpipe" else "torch.DataLoader") + ("+prestart" if prestart else "")
+        name += f"@{framework}"
+        first = "import shmpipe\nshmpipe.prestart()" if prestart else ""
         with tempfile.TemporaryDirectory(prefix="shmpipe-bench-") as folder:
             script = os.path.join(folder, "train.py")
             with open(script, "w") as f:
-                f.write(_SCRIPT.replace("FRAMEWORK", framework))
+                f.write(_SCRIPT.replace("PRESTART", first).replace("FRAMEWORK", framework))
             config = json.dumps(dataclasses.asdict(cfg))
             # The script finds this very shmpipe (a checkout too); started
             # in its own folder, it is what `python train.py` runs.
@@ -535,6 +544,7 @@ def available_recipes() -> dict[str, Recipe]:
     recipes["shmpipe:shm+reserve"] = recipe_shmpipe("shm", reserve=True)
     for framework in STARTUP_FRAMEWORKS:
         recipes[f"shmpipe:shm@{framework}"] = recipe_script("shmpipe", framework)
+        recipes[f"shmpipe:shm+prestart@{framework}"] = recipe_script("shmpipe", framework, prestart=True)
         recipes[f"torch.DataLoader@{framework}"] = recipe_script("DataLoader", framework)
     return recipes
 
@@ -656,11 +666,13 @@ def summary(results: list[RecipeResult], bound: list[RecipeResult] | None) -> li
         )
     for framework in STARTUP_FRAMEWORKS:
         ours, theirs = find(results, f"shmpipe:shm@{framework}"), find(results, f"torch.DataLoader@{framework}")
+        early = find(results, f"shmpipe:shm+prestart@{framework}")
         if ours is not None and theirs is not None:
             lines.append(
                 f"With `import {framework}` at the top of the training script, shmpipe's first batch came in "
-                f"{_fmt_s(ours.first_batch_s)} with {_mib(ours.producers_pss_mib)} of producers' memory (PSS); the "
-                f"DataLoader's in {_fmt_s(theirs.first_batch_s)} with {_mib(theirs.producers_pss_mib)}."
+                f"{_fmt_s(ours.first_batch_s)} with {_mib(ours.producers_pss_mib)} of producers' memory (PSS)"
+                + (f" ({_fmt_s(early.first_batch_s)} with shmpipe.prestart() before the import)" if early else "")
+                + f"; the DataLoader's in {_fmt_s(theirs.first_batch_s)} with {_mib(theirs.producers_pss_mib)}."
             )
     return lines
 
