@@ -40,6 +40,13 @@ a system call on either side:
    mapping *and* the record, so the slot, until the last array of the
    batch is gone.
 
+What runs for every such batch is compiled, next to the ring's own slot
+handling (_ring.pyx: RegionPoolCore, the producer's pick of a free region
+and the record's publication; RegionTable, the reader's lookup of a region
+it mapped already): a batch in a region costs no more Python calls than
+one in a slot. Everything that runs once per region -- making, announcing,
+mapping, dropping one, and every check of the outbox -- is here.
+
 **Lifetimes** (every rule the reuse rests on):
 
 - *A region is busy while the slot that announced its last batch still
@@ -134,7 +141,6 @@ import resource
 import socket
 import struct
 import time
-import weakref
 from typing import Any
 
 import numpy as np
@@ -223,58 +229,8 @@ def future_write_sealable() -> bool:
 # -- the producer's side ----------------------------------------------------------
 
 
-class Region:
-    """One region of a producer's pool: its writable mapping (`buf`, a uint8
-    array over all of it) and the batch it last carried (`slot`, `pass_no`,
-    `wseq`; slot -1: none since it was made). Busy while that slot holds
-    that batch (see the module doc); `reserved` while a reservation's
-    arrays are being filled in it (not yet published). `tainted`: a weak
-    reference to the root of a reservation yielded while a NumPy view of its
-    arrays lived; while that root lives, the region is made read-only in
-    this process whenever it carries a batch, until it is taken again
-    (RegionPool.published, take: a view kept past its yield cannot change a
-    batch the consumer holds). `protected`: it is read-only now."""
-
-    __slots__ = (
-        "buf",
-        "index",
-        "last_used",
-        "pass_no",
-        "protected",
-        "reserved",
-        "rid",
-        "size",
-        "slot",
-        "tainted",
-        "used_ns",
-        "wseq",
-    )
-
-    def __init__(self, index: int, rid: int, buf: np.ndarray) -> None:
-        self.index, self.rid, self.buf = index, rid, buf
-        self.size = buf.nbytes
-        self.slot = -1
-        self.pass_no = 0
-        self.wseq = 0
-        self.last_used = 0  # the pool's batch count when it was last taken
-        self.used_ns = 0  # and the monotonic clock then
-        self.reserved = False
-        self.tainted: weakref.ref[np.ndarray] | None = None
-        self.protected = False
-
-    def new_root(self) -> np.ndarray:
-        """A writable uint8 array over all of the region, of its own (its
-        base is the mapping): the root of one reservation's arrays."""
-        mapping = self.buf.base
-        assert isinstance(mapping, _ring.Mapping)
-        return mapping.array()
-
-    def taint(self, root: np.ndarray) -> None:
-        self.tainted = weakref.ref(root)
-
-    def set_protected(self, protected: bool) -> None:
-        _ring.protect(self.buf.ctypes.data, self.size, not protected)
-        self.protected = protected
+#: One region of a producer's pool (compiled: the pool picks one per batch).
+Region = _ring.Region
 
 
 class Outbox:
@@ -296,93 +252,57 @@ class Outbox:
         self.sock.close()
 
 
-class RegionPool:
-    """A producer's regions (see the module doc for the rules): take() one
-    for a batch, published() once its record is published, tick() for
-    every batch the producer sends (in a slot or not: idle regions are
-    dropped by the count)."""
+class RegionPool(_ring.RegionPoolCore):
+    """A producer's regions (see the module doc for the rules). What runs
+    for every batch is compiled (_ring.RegionPoolCore): put_external() picks
+    the smallest free region that fits and publishes the batch's record,
+    and tick() counts every batch the producer sends (in a slot or not:
+    idle regions are dropped by the count). Here: making a region when none
+    fits (take, _make), and dropping idle ones (sweep)."""
 
     def __init__(self, writer: _ring.RingWriter, outbox: Outbox) -> None:
-        self.writer = writer
+        # One region per slot is all a producer can keep busy, plus the one
+        # it fills (module doc), plus one: a reservation's, kept busy while
+        # what was yielded instead is copied (it may hold its arrays). The
+        # bound the consumer checks too.
+        limit = writer.ring.nslots + 1
+        super().__init__(writer, limit, max(IDLE_PUTS, 16 * limit), SWEEP_EVERY)
         self.outbox = outbox
-        self.regions: list[Region] = []
-        #: One region per slot is all a producer can keep busy, plus the
-        #: one it fills (module doc), plus one: a reservation's, kept busy
-        #: while what was yielded instead is copied (it may hold its
-        #: arrays). The bound the consumer checks too.
-        self.limit = writer.ring.nslots + 1
-        self.idle_puts = max(IDLE_PUTS, 16 * self.limit)
         self.next_rid = outbox.first_rid
-        self.puts = 0
-        self.next_sweep = SWEEP_EVERY
-        #: The largest batch that needed a region lately (within idle_puts
-        #: batches), and when: a region is made for it, not only for the
-        #: batch that needs one now, so that sizes that vary share regions
-        #: rather than replace them by larger ones over and over.
-        self.peak = 0
-        self.peak_at = 0
         #: Regions made (memfds created) since the pool began: a statistic.
         self.created = 0
-        self.guards = 0  # times a region was made read-only (guard_if_tainted)
-
-    def free(self, region: Region) -> bool:
-        """Whether no array of the batch `region` last carried can live in
-        the consumer any more (then it may be written again)."""
-        if region.reserved:
-            return False
-        if region.slot < 0:
-            return True
-        if self.writer.holds(region.slot, region.pass_no, region.wseq):
-            return False
-        region.slot = -1  # released for good: the next look needs no load
-        return True
 
     def take(self, nbytes: int) -> Region:
         """A free region with room for `nbytes` (announced to the consumer
-        if it is new). Call with the batch's slot claimed."""
-        if nbytes >= self.peak or self.puts - self.peak_at > self.idle_puts:
-            self.peak, self.peak_at = nbytes, self.puts
-        best: Region | None = None
-        small: Region | None = None
-        for region in self.regions:
-            if region.size >= nbytes:
-                if (best is None or region.size < best.size) and self.free(region):
-                    best = region
-            elif (small is None or region.size < small.size) and self.free(region):
-                small = region
-        if best is None:
-            if small is not None:
-                # Too small for what comes now: replaced at its index (the
-                # consumer drops the old one when the NEW comes).
-                self.regions.remove(small)
-                index = small.index
-            else:
-                used = {r.index for r in self.regions}
-                index = next((i for i in range(self.limit) if i not in used), -1)
-                if index < 0:
-                    raise AssertionError(
-                        f"all {self.limit} regions of worker {self.writer.worker} are busy while it holds a "
-                        "claimed slot: more batches in flight than slots"
-                    )
-            best = self._new(index, max(nbytes, self.peak))
-        best.last_used = self.puts
-        best.used_ns = time.monotonic_ns()
-        if best.protected:
-            best.set_protected(False)  # ours to write again (see Region)
-        return best
+        if it is new), taken. Call with the batch's slot claimed."""
+        region = self.pick(nbytes)
+        return self._make(nbytes) if region is None else region
 
-    def guard_if_tainted(self, region: Region) -> None:
-        """Makes `region` read-only here if a view of a reservation in it
-        may still write it (see Region); forgets a taint whose views are
-        gone."""
-        tainted = region.tainted
-        if tainted is None:
-            return
-        if tainted() is None:
-            region.tainted = None
-        elif not region.protected:
-            region.set_protected(True)
-            self.guards += 1
+    def _make(self, nbytes: int) -> Region:
+        """A region for `nbytes` where none that is free fits (pick() said
+        so, and noted the peak): in place of the smallest free one, too
+        small (a new rid at its index: the consumer drops the old one when
+        the NEW comes), else at a new index. Taken."""
+        small = min((r for r in self.regions if self.free(r)), key=lambda r: r.size, default=None)
+        if small is not None:
+            # Too small for what comes now: replaced at its index (the
+            # consumer drops the old one when the NEW comes).
+            self.regions.remove(small)
+            index = small.index
+        else:
+            used = {r.index for r in self.regions}
+            index = next((i for i in range(self.limit) if i not in used), -1)
+            if index < 0:
+                raise AssertionError(
+                    f"all {self.limit} regions of worker {self.writer.worker} are busy while it holds a "
+                    "claimed slot: more batches in flight than slots"
+                )
+        # Made for the peak (the largest batch that needed a region lately),
+        # not only for this batch: sizes that vary share regions rather
+        # than replace them by larger ones over and over.
+        region = self._new(index, max(nbytes, self.peak))
+        self.use(region)
+        return region
 
     def _new(self, index: int, nbytes: int) -> Region:
         size = region_size_for(nbytes)
@@ -403,23 +323,10 @@ class RegionPool:
             self.outbox.announce(fd, self.writer.worker, index, rid)
         finally:
             os.close(fd)  # our mapping keeps the memory; the consumer has its own descriptor
-        region = Region(index, rid, mapping.array())
+        region = Region(index, rid, mapping)
         self.regions.append(region)
         self.created += 1
         return region
-
-    def published(self, region: Region, slot: int) -> None:
-        """`region` carries the batch about to be published in `slot` (the
-        writer's current pass and wseq): busy until the consumer lets it go."""
-        region.slot, region.pass_no, region.wseq = slot, self.writer.pass_no, self.writer.wseq
-        region.reserved = False
-        self.guard_if_tainted(region)
-
-    def tick(self) -> None:
-        """One batch sent; every SWEEP_EVERY, idle regions are dropped."""
-        self.puts += 1
-        if self.puts >= self.next_sweep:
-            self.sweep()
 
     def sweep(self) -> None:
         self.next_sweep = self.puts + SWEEP_EVERY
@@ -452,42 +359,24 @@ def outbox_pair() -> tuple[socket.socket, socket.socket]:
     return inbox, outbox
 
 
-class _Known:
-    """A region the consumer was told of: its descriptor (`desc`: closed
-    once the region is dropped and no batch in it lives, as a batch's
-    tensors may still need a private mapping of it, _cow.py), its size
-    (read once), and its read-only mapping once used (`view`: unmapped only
-    when no batch's root refers to it any more)."""
-
-    __slots__ = ("address", "desc", "mapped", "rid", "size", "view")
-
-    def __init__(self, rid: int, fd: int, size: int) -> None:
-        self.rid, self.size = rid, size
-        self.desc: _cow.Descriptor | None = _cow.Descriptor(fd)
-        self.mapped = 0
-        self.view: _ring.Mapping | None = None
-        self.address = 0
+#: A region the consumer was told of (compiled: the reader looks it up per batch).
+_Known = _ring.RegionEntry
 
 
-class _Held:
-    """The base of a batch's root in a region: keeps the mapping (`view`)
-    and the record (and so the slot, its lease) alive until the batch's
-    last array goes. Exports no buffer (NumPy cannot make views writable).
-    `desc`: the region's descriptor, where `view` is a read-only mapping
-    of it from its start; None where `view` is a private mapping of the
-    batch (a rank's big batch, map_external)."""
+class _Held(_ring.RegionHold):
+    """The base of a batch's root in a region (_ring.RegionHold: the
+    mapping, the record, the region's descriptor), and the way to a
+    private, writable view of its arrays for torch (_cow.py)."""
 
-    __slots__ = ("desc", "record", "view")
-
-    def __init__(self, view: _ring.Mapping, record: Any, desc: _cow.Descriptor | None) -> None:
-        self.view, self.record, self.desc = view, record, desc
+    __slots__ = ()
 
     def writable_view(self, arr: np.ndarray) -> np.ndarray:
         """`arr` (an array of this batch) as a writable array whose writes
         stay in this process (_cow.py)."""
         if self.desc is None:
             return _cow.writable_alias(arr)
-        return _cow.view(arr, self.desc.fd, self.view.address, 0)
+        fd: int = self.desc.fd
+        return _cow.view(arr, fd, self.view.address, 0)
 
 
 class Regions:
@@ -499,7 +388,9 @@ class Regions:
         self.sock = sock
         self.nworkers = nworkers
         self.nslots = nslots
-        self.table: dict[tuple[int, int], _Known] = {}
+        #: (worker, index) -> the region announced there last; the reader
+        #: finds a batch's region here itself once it is mapped.
+        self.table = _ring.RegionTable(nworkers, nslots + 1, _Held)
         #: worker -> the highest rid it announced.
         self.last_rid: dict[int, int] = {}
         #: (worker, rid) -> a region of a producer that died and was
@@ -598,12 +489,11 @@ class Regions:
                 f"{what} is outside the ring: it has {self.nworkers} workers, and a worker at most "
                 f"{self.nslots + 1} regions (one per slot, and one)"
             )
-        key = (worker, index)
-        known = self.table.get(key)
+        known = self.table.get(worker, index)
         if kind == DROP:
             if known is None or known.rid != rid:
                 raise CorruptChannelError(f"{what} is dropped, but it is not the region held there")
-            self._forget(key)
+            self._forget(worker, index)
             return
         if rid <= self.last_rid.get(worker, -1):
             raise CorruptChannelError(
@@ -622,10 +512,11 @@ class Regions:
                     f"capacity (now {self.nslots}), or give slot_size= so batches fit in slots"
                 )
         if known is not None:
-            self._forget(key)  # replaced: its batches still alive keep its mapping
+            self._forget(worker, index)  # replaced: its batches still alive keep its mapping
         self.last_rid[worker] = rid
-        self.table[key] = _Known(rid, fd, size)
-        fds[0] = -1  # ours now
+        desc = _cow.Descriptor(fd)
+        fds[0] = -1  # ours now (closed with the last reference to `desc`)
+        self.table.put(worker, index, _Known(rid, size, desc))
         self.received += 1
 
     def retire(self, worker: int) -> int:
@@ -636,23 +527,21 @@ class Regions:
         takes: above every id the dead one announced (everything it sent is
         on the socket now), so "ids only grow" holds across the two."""
         self._drain_before_use()
-        for key in [k for k in self.table if k[0] == worker]:
-            known = self.table.pop(key)
-            self.retired[(worker, known.rid)] = (key[1], known)
+        for (of, index), known in self.table.items():
+            if of == worker:
+                self.table.pop(worker, index)
+                self.retired[(worker, known.rid)] = (index, known)
         return self.last_rid.get(worker, -1) + 1
 
     def begin_pass(self) -> None:
         """A new pass: batches of the old one are never taken, so the
         retired regions go (their mappings stay while batches in them live)."""
         for _index, known in self.retired.values():
-            known.desc = None  # closed once no batch in it lives
-            known.view = None
+            known.forget()  # closed, and unmapped, once no batch in it lives
         self.retired.clear()
 
-    def _forget(self, key: tuple[int, int]) -> None:
-        known = self.table.pop(key)
-        known.desc = None  # the descriptor and the mapping go with the last batch in it
-        known.view = None
+    def _forget(self, worker: int, index: int) -> None:
+        self.table.pop(worker, index).forget()  # the descriptor and the mapping go with the last batch in it
         self.dropped += 1
 
     def root(self, worker: int, index: int, rid: int, nbytes: int, record: Any) -> np.ndarray:
@@ -660,7 +549,13 @@ class Regions:
         `nbytes` that a record of `worker` (read once and checked by the
         reader: RingReader.on_external) says is in its region `index`, id
         `rid`. Each of those values is checked here against the table,
-        which holds only what this process read and checked itself."""
+        which holds only what this process read and checked itself. (The
+        reader finds a region it mapped already itself: RegionTable.root,
+        the same checks; here are the first use of a region, a larger
+        mapping, a replaced producer's regions and every error.)"""
+        root = self.table.root(worker, index, rid, nbytes, record)
+        if root is not None:
+            return root
         known = self._lookup(worker, index, rid)
         if known is None or not known.mapped:
             # The first use of a region: its NEW was sent before this record
@@ -678,13 +573,14 @@ class Regions:
                     f"a record claims {nbytes:,} bytes in region {index} of worker {worker}, of {known.size:,}"
                 )
             self._map(known, nbytes)
-        assert known.view is not None and known.desc is not None
-        return _ring.region_root(_Held(known.view, record, known.desc), known.address, nbytes)
+        view, desc = known.view, known.desc
+        assert view is not None and desc is not None
+        return _ring.region_root(_Held(view, record, desc), view.address, nbytes)
 
     def _lookup(self, worker: int, index: int, rid: int) -> _Known | None:
         """The region that index and id name: in the table, or among those
         of a producer since replaced (retire)."""
-        known = self.table.get((worker, index))
+        known = self.table.get(worker, index)
         if known is not None and known.rid == rid:
             return known
         retired = self.retired.get((worker, rid))
@@ -704,21 +600,21 @@ class Regions:
         it live."""
         length = min(known.size, max(-(-2 * nbytes // _PAGE) * _PAGE, _PAGE))
         assert known.desc is not None
-        known.view = _map_readonly(known.desc.fd, length, nbytes, known.size)
-        known.address = known.view.address
-        known.mapped = length
+        known.set_view(_map_readonly(known.desc.fd, length, nbytes, known.size))
         self.maps += 1
 
     def fd_of(self, worker: int, index: int) -> int:
         """The descriptor of a region in the table (for a rank of a group)."""
-        desc = self.table[worker, index].desc
-        assert desc is not None
-        return desc.fd
+        known = self.table.get(worker, index)
+        if known is None or known.desc is None:
+            raise KeyError((worker, index))
+        fd: int = known.desc.fd
+        return fd
 
     def close(self) -> None:
         self.closed = True  # first: a thread still receiving knows the socket's end is no error
-        for key in list(self.table):
-            self._forget(key)
+        for (worker, index), _known in self.table.items():
+            self._forget(worker, index)
         self.begin_pass()  # the retired ones
         self.sock.close()
 

@@ -945,6 +945,9 @@ cdef class RingWriter:
         """Writes the record of this worker's batch of `nbytes` at the start
         of its region (`region`, id `rid`) into the claimed `slot`, and
         publishes it."""
+        self._publish_record(slot, nbytes, region, rid)
+
+    cdef int _publish_record(self, uint32_t slot, uint64_t nbytes, uint32_t region, uint64_t rid) except -1:
         cdef ext_record rec
         if slot >= self.ring.r.nslots or shmp_slot_state(&self.ring.r, slot) != SHMP_WRITING_BY(self.worker):
             raise ValueError(f"slot {slot} is not claimed")
@@ -956,6 +959,7 @@ cdef class RingWriter:
         rec.zero = 0
         memcpy(self.ring.payload(slot), &rec, EXTERNAL_RECORD_BYTES)
         self._publish(slot, EXTERNAL_RECORD_BYTES)
+        return 0
 
     def abandon(self, uint32_t slot):
         """Gives a claimed slot back unpublished."""
@@ -1123,13 +1127,359 @@ def is_external_record(object root):
     return cnp.PyArray_DIM(r, 0) == EXTERNAL_RECORD_BYTES and memcmp(cnp.PyArray_DATA(r), EXTERNAL_MAGIC, 4) == 0
 
 
+# -- batches larger than a slot: what each end does per batch -----------------
+# The rules are _external.py's (its module doc), and so is everything that
+# runs once per region: making, announcing, dropping, mapping one, and
+# every check of what the outbox brings. Here is only what runs for every
+# batch in a region, compiled so that such a batch costs no more Python
+# calls than one in a slot: the producer's pick of a free region and the
+# record's publication (RegionPoolCore), the consumer's lookup of a region
+# it mapped already and the batch's root (RegionTable).
+
+
+cdef class Region:
+    """One region of a producer's pool: its writable `mapping` (`buf`, a
+    uint8 array over all of it, based on the mapping), its `index` in the
+    worker's table, its id (`rid`) and `size` (the mapping's), and the batch
+    it last carried (`slot`, `pass_no`, `wseq`; slot -1: none since it was
+    made, or seen released since). Busy while that slot holds that batch
+    (_external's lifetime rules); `reserved` while a reservation's arrays
+    are being filled in it (not yet published). `tainted`: a weak reference
+    to the root of a reservation yielded while a NumPy view of its arrays
+    lived; while that root lives, the region is made read-only in this
+    process whenever it carries a batch, until it is taken again
+    (RegionPoolCore.published, pick: a view kept past its yield cannot
+    change a batch the consumer holds). `protected`: it is read-only now.
+    `last_used`, `used_ns`: the pool's batch count and the monotonic clock
+    when it was last taken (idle regions are dropped by both)."""
+    cdef readonly Mapping mapping
+    cdef readonly object buf
+    cdef readonly uint32_t index
+    cdef readonly uint64_t rid
+    cdef readonly Py_ssize_t size
+    cdef readonly int64_t slot
+    cdef readonly uint32_t pass_no
+    cdef readonly uint64_t wseq
+    cdef public bint reserved
+    cdef readonly uint64_t last_used
+    cdef readonly int64_t used_ns
+    cdef public object tainted
+    cdef readonly bint protected
+
+    def __cinit__(self, uint32_t index, uint64_t rid, Mapping mapping):
+        if not mapping.writable:
+            raise ValueError("a producer's region is its writable mapping")
+        self.mapping = mapping
+        self.buf = mapping.array()
+        self.index = index
+        self.rid = rid
+        self.size = mapping.size
+        self.slot = -1
+
+    def new_root(self):
+        """A writable uint8 array over all of the region, of its own (its
+        base is the mapping): the root of one reservation's arrays."""
+        return self.mapping.array()
+
+    def taint(self, root):
+        self.tainted = weakref.ref(root)
+
+    def set_protected(self, bint protected):
+        protect(self.mapping.address, <size_t>self.size, not protected)
+        self.protected = protected
+
+
+cdef class RegionPoolCore:
+    """A producer's regions as each batch uses them: the base of
+    _external.RegionPool, which makes, announces and drops them (`_make`,
+    `sweep`). `regions`: the pool (at most `limit`); `puts`: the batches
+    this producer sent (in a slot or not: tick()); `peak`: the largest batch
+    that needed a region lately (within `idle_puts` batches; since batch
+    `peak_at`); `guards`: times a region was made read-only
+    (guard_if_tainted)."""
+    cdef readonly RingWriter writer
+    cdef readonly list regions
+    cdef readonly uint32_t limit
+    cdef readonly uint64_t idle_puts
+    cdef readonly uint64_t puts
+    cdef public uint64_t next_sweep
+    cdef readonly uint64_t peak
+    cdef readonly uint64_t peak_at
+    cdef readonly uint64_t guards
+
+    def __init__(self, RingWriter writer, uint32_t limit, uint64_t idle_puts, uint64_t next_sweep):
+        self.writer = writer
+        self.regions = []
+        self.limit = limit
+        self.idle_puts = idle_puts
+        self.next_sweep = next_sweep
+
+    cdef bint _free(self, Region region) noexcept:
+        if region.reserved:
+            return False
+        if region.slot < 0:
+            return True
+        if shmp_slot_holds(&self.writer.ring.r, <uint32_t>region.slot, self.writer.worker,
+                           region.pass_no, region.wseq):
+            return False
+        region.slot = -1  # released for good: the next look needs no load
+        return True
+
+    def free(self, Region region):
+        """Whether no array of the batch `region` last carried can live in
+        the consumer any more (then it may be written again): one acquire
+        load (RingWriter.holds) while it may."""
+        return self._free(region)
+
+    cdef Region _pick(self, uint64_t nbytes):
+        cdef Region region, best = None
+        if nbytes >= self.peak or self.puts - self.peak_at > self.idle_puts:
+            self.peak = nbytes
+            self.peak_at = self.puts
+        for obj in self.regions:
+            region = <Region>obj
+            if <uint64_t>region.size >= nbytes and (best is None or region.size < best.size) and self._free(region):
+                best = region
+        if best is not None:
+            self._use(best)
+        return best
+
+    def pick(self, uint64_t nbytes):
+        """The smallest free region with room for `nbytes`, taken (see
+        use()); None where there is none (take() makes one). Notes `nbytes`
+        towards the peak either way. Call with the batch's slot claimed."""
+        return self._pick(nbytes)
+
+    cdef int _use(self, Region region) except -1:
+        region.last_used = self.puts
+        region.used_ns = _now_ns()
+        if region.protected:
+            region.set_protected(False)  # ours to write again (see Region)
+        return 0
+
+    def use(self, Region region):
+        """`region` is taken now (for its idleness), and writable here again."""
+        self._use(region)
+
+    def guard_if_tainted(self, Region region):
+        """Makes `region` read-only here if a view of a reservation in it
+        may still write it (see Region); forgets a taint whose views are
+        gone."""
+        tainted = region.tainted
+        if tainted is None:
+            return
+        if tainted() is None:
+            region.tainted = None
+        elif not region.protected:
+            region.set_protected(True)
+            self.guards += 1
+
+    def published(self, Region region, uint32_t slot):
+        """`region` carries the batch about to be published in `slot` (the
+        writer's current pass and wseq): busy until the consumer lets it go."""
+        region.slot = slot
+        region.pass_no = self.writer.pass_no
+        region.wseq = self.writer.wseq
+        region.reserved = False
+        if region.tainted is not None:
+            self.guard_if_tainted(region)
+
+    def put_external(self, uint64_t nbytes, object write=None, object claimed=None):
+        """Publishes a payload of `nbytes` in a free region, announced by a
+        record in a slot (`claimed`, or one claimed now: the ring's capacity
+        bounds these batches too; the slot is claimed first, so a region is
+        always free). `write(buf)` writes the payload into the region's
+        array; None: the writer's own encoder writes the batch its
+        put_fitting() planned last (of `nbytes`)."""
+        cdef RingWriter writer = self.writer
+        cdef uint32_t slot = writer._acquire() if claimed is None else <uint32_t>claimed
+        cdef Region region
+        try:
+            if write is None and writer.enc.nbytes != <Py_ssize_t>nbytes:
+                raise ValueError(f"put_external() of {nbytes} bytes, but {writer.enc.nbytes} are planned")
+            region = self._pick(nbytes)
+            if region is None:
+                region = self._make(nbytes)  # a new region, or a larger one (_external.RegionPool)
+                if region.size < <Py_ssize_t>nbytes:
+                    raise ValueError(f"a region of {region.size} bytes for a payload of {nbytes}")
+            if write is None:
+                writer.enc.write(<unsigned char *>region.mapping.address, region.size)
+            else:
+                write(region.buf)
+        except BaseException:
+            shmp_abandon(&writer.ring.r, slot, writer.worker)  # the region was not marked busy: free again
+            raise
+        self.published(region, slot)
+        writer._publish_record(slot, nbytes, region.index, region.rid)
+
+    def tick(self):
+        """One batch sent (in a slot or not); every so often, idle regions
+        are dropped (sweep())."""
+        self.puts += 1
+        if self.puts >= self.next_sweep:
+            self.sweep()
+
+    # The policy, _external.RegionPool's:
+
+    def _make(self, uint64_t nbytes):
+        """A region for `nbytes` where pick() found none that is free and
+        fits: made (and announced), taken."""
+        raise NotImplementedError
+
+    def sweep(self):
+        """Drops the regions idle for long enough; sets next_sweep."""
+        raise NotImplementedError
+
+
+cdef class RegionHold:
+    """The base of a batch's root in a region: keeps the mapping (`view`)
+    and the record (and so the slot, its lease) alive until the batch's
+    last array goes. Exports no buffer (NumPy cannot make views writable).
+    `desc`: the region's descriptor, where `view` is a read-only mapping of
+    it from its start; None where `view` is a private mapping of the batch
+    (a rank's big batch). _external._Held adds writable_view (_cow.py)."""
+    cdef readonly Mapping view
+    cdef readonly object record
+    cdef readonly object desc
+
+    def __init__(self, Mapping view not None, object record, object desc):
+        self.view = view
+        self.record = record
+        self.desc = desc
+
+
+cdef class RegionEntry:
+    """A region the consumer was told of (_external.Regions): its id and
+    size (read once, checked there, never changed), its descriptor (`desc`:
+    dropped once the region is, the last batch in it closing it, as a
+    batch's tensors may still need a private mapping of it, _cow.py), and
+    its read-only mapping once used (`view`: `mapped` bytes from its start,
+    never more than `size`; unmapped only when no batch's root refers to it
+    any more)."""
+    cdef readonly uint64_t rid
+    cdef readonly Py_ssize_t size
+    cdef public object desc
+    cdef readonly Mapping view
+
+    def __init__(self, uint64_t rid, Py_ssize_t size, object desc):
+        self.rid = rid
+        self.size = size
+        self.desc = desc
+
+    def set_view(self, Mapping view not None):
+        """Maps the region from now on through `view` (read-only, of at most
+        `size` bytes); the old mapping stays while batches in it live."""
+        if view.writable or view.size > self.size:
+            raise ValueError(f"a view of {view.size} bytes of a region of {self.size}, writable={view.writable}")
+        self.view = view
+
+    def forget(self):
+        """Dropped or replaced: the descriptor and the mapping go with the
+        last batch in it."""
+        self.desc = None
+        self.view = None
+
+    @property
+    def mapped(self) -> int:
+        return 0 if self.view is None else self.view.size
+
+    @property
+    def address(self) -> int:
+        return 0 if self.view is None else self.view.address
+
+
+cdef class RegionTable:
+    """The consumer's regions by (worker, index): the one each index holds
+    now (_external.Regions keeps it; what it holds was read and checked
+    there). Bounded by the ring: `nworkers` x `per_worker` entries. Its
+    root() is the reader's way to a batch in a region it mapped already:
+    no Python call, the record's values checked against the entry."""
+    cdef list entries
+    cdef readonly uint32_t nworkers
+    cdef readonly uint32_t per_worker
+    cdef Py_ssize_t count
+    cdef type held_type
+
+    def __init__(self, uint32_t nworkers, uint32_t per_worker, type held_type not None):
+        if not issubclass(held_type, RegionHold):
+            raise TypeError(f"{held_type!r} is not a RegionHold")
+        self.entries = [None] * (<Py_ssize_t>nworkers * per_worker)
+        self.nworkers = nworkers
+        self.per_worker = per_worker
+        self.held_type = held_type
+        self.count = 0
+
+    cdef inline Py_ssize_t _at(self, uint64_t worker, uint64_t index) noexcept:
+        if worker >= self.nworkers or index >= self.per_worker:
+            return -1
+        return <Py_ssize_t>(worker * self.per_worker + index)
+
+    def get(self, uint64_t worker, uint64_t index):
+        """The region at (worker, index), or None (also out of range)."""
+        cdef Py_ssize_t i = self._at(worker, index)
+        return None if i < 0 else self.entries[i]
+
+    def put(self, uint64_t worker, uint64_t index, RegionEntry entry not None):
+        cdef Py_ssize_t i = self._at(worker, index)
+        if i < 0:
+            raise IndexError(f"region {index} of worker {worker} is outside the table")
+        if self.entries[i] is None:
+            self.count += 1
+        self.entries[i] = entry
+
+    def pop(self, uint64_t worker, uint64_t index):
+        cdef Py_ssize_t i = self._at(worker, index)
+        entry = None if i < 0 else self.entries[i]
+        if entry is None:
+            raise KeyError((worker, index))
+        self.entries[i] = None
+        self.count -= 1
+        return entry
+
+    def items(self):
+        """[((worker, index), entry)] of every region held."""
+        cdef Py_ssize_t i
+        return [((i // self.per_worker, i % self.per_worker), e)
+                for i, e in enumerate(self.entries) if e is not None]
+
+    def values(self):
+        return [e for e in self.entries if e is not None]
+
+    def __len__(self):
+        return self.count
+
+    cdef object _root(self, uint64_t worker, uint64_t index, uint64_t rid, uint64_t nbytes, object record):
+        cdef Py_ssize_t i = self._at(worker, index)
+        cdef RegionEntry entry
+        cdef Mapping view
+        if i < 0:
+            return None
+        entry = self.entries[i]
+        if entry is None or entry.rid != rid:
+            return None
+        view = entry.view
+        if view is None or entry.desc is None or nbytes > <uint64_t>view.size:
+            return None
+        return _root_array(<unsigned char *>view.address, <Py_ssize_t>nbytes,
+                           self.held_type(view, record, entry.desc), False)
+
+    def root(self, uint64_t worker, uint64_t index, uint64_t rid, uint64_t nbytes, object record):
+        """The root (read-only, holding `record`: the slot) of the batch of
+        `nbytes` in region `index` (id `rid`) of `worker`, if the table holds
+        that region, mapped with `nbytes` in the mapping; else None (then
+        _external.Regions.root: the first use of a region, a larger
+        mapping, a replaced producer's region, or an error)."""
+        return self._root(worker, index, rid, nbytes, record)
+
+
 cdef class RingReader:
     """The consumer's end of the ring: takes slots and decodes them into
     read-only views whose root owns the slot (see the module docstring).
 
     A slot holding an external batch's record is read (once, checked: its
-    worker must be the slot's) and handed, with its lease, to
-    `on_external(worker, region, rid, nbytes, record)`, which returns the
+    worker must be the slot's) and its batch found in `regions` (a region
+    mapped already: RegionTable.root) or else handed, with its lease, to
+    `on_external(worker, region, rid, nbytes, record)`; either returns the
     payload's root (read-only, holding the record and so the slot): the
     reader decodes it as it decodes a slot."""
     cdef readonly Ring ring
@@ -1139,6 +1489,7 @@ cdef class RingReader:
     # big batch: take_slot returns its record, the consumer maps it).
     cdef public uint64_t last_nbytes
     cdef public object on_external
+    cdef public RegionTable regions
 
     def __cinit__(self, Ring ring):
         self.ring = ring
@@ -1197,7 +1548,9 @@ cdef class RingReader:
         _read_record(record, &rec)
         if rec.worker != <uint32_t>self.last_worker:
             raise CorruptChannelError(f"a slot of worker {self.last_worker} holds a record of worker {rec.worker}")
-        root = self.on_external(self.last_worker, rec.region, rec.rid, rec.nbytes, record)
+        root = None if self.regions is None else self.regions._root(rec.worker, rec.region, rec.rid, rec.nbytes, record)
+        if root is None:
+            root = self.on_external(self.last_worker, rec.region, rec.rid, rec.nbytes, record)
         del record  # the root holds it (and the slot) for as long as the batch lives
         self.last_nbytes = rec.nbytes
         if not decode:

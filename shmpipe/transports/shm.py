@@ -280,11 +280,12 @@ class ShmProducer(ProducerEnd):
             if self.regions is None:
                 raise BatchTooLargeError(nbytes, writer.ring.slot_size)  # the user's slot_size is a limit
             # Planned once, written into a region by the writer's own
-            # encoder. A pending reservation yielded as something else: its
-            # slot carries the record (the batch may hold its arrays: they
-            # are copied out before the record is written over its start).
+            # encoder (write None). A pending reservation yielded as
+            # something else: its slot carries the record (the batch may
+            # hold its arrays: they are copied out before the record is
+            # written over its start).
             reserved_claim = writer.claim_reserved()
-            self.put_external(nbytes, writer.write_planned, None if reserved_claim is None else reserved_claim[0])
+            self.regions.put_external(nbytes, None, None if reserved_claim is None else reserved_claim[0])
         self._tick()
 
     def _tick(self) -> None:
@@ -352,19 +353,11 @@ class ShmProducer(ProducerEnd):
         free region of this producer's, announced by a record in a slot
         (`claimed`, or one claimed now: the ring's capacity bounds these
         batches too). The slot is claimed first: then a region is always
-        free (_external's lifetime rules)."""
+        free (_external's lifetime rules). Compiled, one call per batch:
+        _ring.RegionPoolCore.put_external."""
         regions = self.regions
         assert regions is not None
-        writer = self.writer
-        slot = claimed if claimed is not None else writer.claim_slot()
-        try:
-            region = regions.take(nbytes)
-            write(region.buf)
-        except BaseException:
-            writer.abandon(slot)  # the region was not marked busy: free again
-            raise
-        regions.published(region, slot)
-        writer.publish_record(slot, nbytes, region.index, region.rid)
+        regions.put_external(nbytes, write, claimed)
 
     def _reserve_external(self, template: Any) -> Any:
         regions = self.regions
@@ -509,9 +502,12 @@ class ShmConsumer(SharingConsumerEnd):
             None if self._outbox is None else PassFd(self._outbox.fileno()),
         )
         self.reader = _ring.RingReader(self.ring)
-        # A slot holding a record: its batch's root, from the region table
-        # itself (one Python call per such batch).
+        # A slot holding a record: its batch's root, found by the reader in
+        # the region table itself where the region is mapped already (no
+        # Python call), else from the table's keeper (a first use, a larger
+        # mapping, an error).
         self.reader.on_external = self._no_external if self.regions is None else self.regions.root
+        self.reader.regions = None if self.regions is None else self.regions.table
         if self.engine_decodes:
             # The fast path (capability takes_ready), bound to the compiled
             # reader itself: a method of this class in between would cost a
