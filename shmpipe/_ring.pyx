@@ -27,6 +27,7 @@ import numpy as np
 
 cimport numpy as cnp
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_REFCNT
 from libc.errno cimport ENOENT, errno
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t
@@ -1277,12 +1278,16 @@ cdef class RegionPoolCore:
     def published(self, Region region, uint32_t slot):
         """`region` carries the batch about to be published in `slot` (the
         writer's current pass and wseq): busy until the consumer lets it go."""
+        self._published(region, slot)
+
+    cdef int _published(self, Region region, uint32_t slot) except -1:
         region.slot = slot
         region.pass_no = self.writer.pass_no
         region.wseq = self.writer.wseq
         region.reserved = False
         if region.tainted is not None:
             self.guard_if_tainted(region)
+        return 0
 
     def put_external(self, uint64_t nbytes, object write=None, object claimed=None):
         """Publishes a payload of `nbytes` in a free region, announced by a
@@ -1309,7 +1314,7 @@ cdef class RegionPoolCore:
         except BaseException:
             shmp_abandon(&writer.ring.r, slot, writer.worker)  # the region was not marked busy: free again
             raise
-        self.published(region, slot)
+        self._published(region, slot)
         writer._publish_record(slot, nbytes, region.index, region.rid)
 
     def tick(self):
@@ -1346,6 +1351,19 @@ cdef class RegionHold:
         self.view = view
         self.record = record
         self.desc = desc
+
+
+cdef RegionHold _new_hold(type held_type, Mapping view, object record, object desc):
+    """A RegionHold of type `held_type` (a subclass without an __init__ of
+    its own: RegionTable checks), made without a Python call."""
+    cdef RegionHold hold = <RegionHold>(<PyTypeObject *>held_type).tp_new(held_type, <PyObject *>_NO_ARGS, NULL)
+    hold.view = view
+    hold.record = record
+    hold.desc = desc
+    return hold
+
+
+cdef tuple _NO_ARGS = ()
 
 
 cdef class RegionEntry:
@@ -1401,8 +1419,8 @@ cdef class RegionTable:
     cdef type held_type
 
     def __init__(self, uint32_t nworkers, uint32_t per_worker, type held_type not None):
-        if not issubclass(held_type, RegionHold):
-            raise TypeError(f"{held_type!r} is not a RegionHold")
+        if not issubclass(held_type, RegionHold) or held_type.__init__ is not RegionHold.__init__:
+            raise TypeError(f"{held_type!r} is not a RegionHold (with RegionHold's __init__)")
         self.entries = [None] * (<Py_ssize_t>nworkers * per_worker)
         self.nworkers = nworkers
         self.per_worker = per_worker
@@ -1461,7 +1479,7 @@ cdef class RegionTable:
         if view is None or entry.desc is None or nbytes > <uint64_t>view.size:
             return None
         return _root_array(<unsigned char *>view.address, <Py_ssize_t>nbytes,
-                           self.held_type(view, record, entry.desc), False)
+                           _new_hold(self.held_type, view, record, entry.desc), False)
 
     def root(self, uint64_t worker, uint64_t index, uint64_t rid, uint64_t nbytes, object record):
         """The root (read-only, holding `record`: the slot) of the batch of

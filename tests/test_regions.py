@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmpipe
-from shmpipe import ArraySpec, _codec, _external, _fdpass
+from shmpipe import ArraySpec, _codec, _external, _fdpass, _ring
 from shmpipe.errors import CorruptChannelError
 from shmpipe.testing.memory import ring_descriptors
 from shmpipe.testing.processes import wait_until
@@ -343,3 +343,166 @@ def test_a_view_of_a_reservation_in_a_region_kept_past_its_yield_guards_the_regi
     finally:
         c.close()
         c.destroy()
+
+
+# -- the per-batch work, compiled (_ring.RegionPoolCore, _ring.RegionTable) ----
+
+
+def _counting(reader: Any) -> list[tuple[int, int, int, int]]:
+    """Counts the records the reader hands to its Python way
+    (_external.Regions.root: a first use, a larger mapping, an error)."""
+    calls: list[tuple[int, int, int, int]] = []
+    slow = reader.on_external
+
+    def counted(worker: int, index: int, rid: int, nbytes: int, record: np.ndarray) -> np.ndarray:
+        calls.append((worker, index, rid, nbytes))
+        return slow(worker, index, rid, nbytes, record)
+
+    reader.on_external = counted
+    return calls
+
+
+def test_a_steady_stream_of_big_batches_is_taken_without_the_python_way():
+    # After a region's first use, the reader finds it in the table itself:
+    # the Python way is taken once per mapping made, never per batch.
+    capacity, workers = 6, 2
+    with shmpipe.from_iterators([Cycle(400)] * workers, capacity=capacity, timeout=T) as pipe:
+        it = iter(pipe)
+        check(next(it))  # (the channel exists from the first batch on)
+        calls = _counting(pipe.channel.reader)
+        maps = pipe.channel.external_stats()["maps"]
+        n = 1
+        for b in it:
+            check(b)
+            del b
+            n += 1
+        stats = pipe.channel.external_stats()
+    assert n == 400 * workers
+    assert len(calls) == stats["maps"] - maps <= 2 * workers * (capacity + 1), (len(calls), stats)
+
+
+def test_the_reader_checks_every_value_of_a_record_against_the_region_it_mapped():
+    """A region in use (mapped by the consumer): a record that differs from
+    it in its id, index, worker or size is a CorruptChannelError, and one
+    that needs more of it than is mapped is mapped again (the checked way),
+    bit-exact; the real batches around them come through."""
+    c = ShmConsumer(ChannelSpec(num_workers=2, capacity=4, slot_size=8192, ordered=False))
+    try:
+        writer = attach_writer(c.handle, 1)
+        writer.start_pass(0)
+        producer = ShmProducer(writer, _external.Outbox(socket.socket(fileno=os.dup(c.handle.outbox.fd))))
+        calls = _counting(c.reader)
+        big, small = np.arange(50_000, dtype=np.int64), np.arange(10_000, dtype=np.int64)
+        producer.put(big)  # region A, made for `big`
+        held = c.get(0, -1, 0, WAIT)  # A mapped; held: A stays busy
+        producer.put(small)  # A busy: region B, made for the peak (`big`)
+        got = c.get(0, -1, 0, WAIT)  # B mapped for `small` only (twice its size)
+        np.testing.assert_array_equal(got, small)
+        del got
+        assert len(calls) == 2 and c.regions.maps == 2
+        b = next(r for r in producer.regions.regions if r.index != producer.regions.regions[0].index)
+        producer.put(big + 1)  # into B (A is held): more than B's mapping
+        got = c.get(0, -1, 0, WAIT)
+        np.testing.assert_array_equal(got, big + 1)
+        del got
+        assert len(calls) == 3 and c.regions.maps == 3  # mapped again, larger
+        producer.put(big + 2)
+        got = c.get(0, -1, 0, WAIT)
+        np.testing.assert_array_equal(got, big + 2)
+        del got
+        assert len(calls) == 3  # the reader itself
+        nbytes = _codec.encoded_size(big)
+        size = c.regions.table.get(1, b.index).size
+        forged = [
+            (1, b.index, b.rid + 1, nbytes),  # another id
+            (1, b.index, b.rid - 1, nbytes),  # an id that was never B's
+            (1, 3, b.rid, nbytes),  # an index never announced
+            (1, c.regions.nslots + 1, b.rid, nbytes),  # outside the table
+            (0, b.index, b.rid, nbytes),  # another worker's (in a slot of worker 1)
+            (1, b.index, b.rid, size + 1),  # more than the region
+            (1, b.index, b.rid, 1 << 63),
+        ]
+        for worker, index, rid, n in forged:
+            slot, buf = writer.claim()
+            struct.pack_into("<4sIQQII", buf.data, 0, b"SPX1", worker, n, rid, index, 0)
+            del buf
+            writer.publish_claimed(slot, 32)
+            with pytest.raises(CorruptChannelError):
+                c.get(0, -1, 0, WAIT)
+        producer.put(big + 3)
+        got = c.get(0, -1, 0, WAIT)
+        np.testing.assert_array_equal(got, big + 3)
+        np.testing.assert_array_equal(held, big)  # kept all along: A was never written
+        del got, held
+        assert c.external_stats()["received"] == 2
+        producer.close()
+    finally:
+        c.close()
+        c.destroy()
+
+
+def test_a_failed_write_into_a_region_gives_its_slot_back_and_leaves_the_region_free():
+    c = ShmConsumer(ChannelSpec(num_workers=1, capacity=4, slot_size=8192, ordered=False))
+    try:
+        writer = attach_writer(c.handle, 0)
+        writer.start_pass(0)
+        producer = ShmProducer(writer, _external.Outbox(socket.socket(fileno=os.dup(c.handle.outbox.fd))))
+        pool = producer.regions
+        assert pool is not None
+        producer.put(np.zeros(50_000, np.int64))
+        got = c.get(0, -1, 0, WAIT)
+        del got  # its region is free again
+
+        def fails(buf: np.ndarray) -> None:
+            buf[:8] = 7  # a partial write: never published
+            raise RuntimeError("the encoder failed")
+
+        with pytest.raises(RuntimeError, match="the encoder failed"):
+            pool.put_external(400_000, fails)
+        nbytes = writer.put_fitting(np.ones(50_000, np.int64))
+        with pytest.raises(ValueError, match="planned"):
+            pool.put_external(nbytes + 8)  # not what was planned
+        assert c.ring.slot_states() == [_ring.FREE] * 4  # both slots given back
+        assert all(pool.free(r) for r in pool.regions)
+        pool.put_external(nbytes)  # the planned batch, at last
+        np.testing.assert_array_equal(c.get(0, -1, 1, WAIT), np.ones(50_000, np.int64))
+        producer.close()
+    finally:
+        c.close()
+        c.destroy()
+
+
+def test_the_region_table_keeps_what_it_was_given_within_the_ring():
+    table = _ring.RegionTable(2, 3, _external._Held)
+    entry = _ring.RegionEntry(5, 8192, None)
+    with pytest.raises(IndexError):
+        table.put(2, 0, entry)
+    with pytest.raises(IndexError):
+        table.put(0, 3, entry)
+    assert table.get(2, 0) is None and table.get(0, 1 << 40) is None
+    with pytest.raises(KeyError):
+        table.pop(1, 1)
+    table.put(1, 2, entry)
+    table.put(1, 2, entry)
+    assert len(table) == 1 and table.items() == [((1, 2), entry)] and table.pop(1, 2) is entry and not table
+    # Its mapping: read-only, never larger than the region.
+    fd = os.memfd_create("shmpipe-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 16384)
+        with pytest.raises(ValueError):
+            entry.set_view(_ring.Mapping(fd, 8192, True))
+        with pytest.raises(ValueError):
+            entry.set_view(_ring.Mapping(fd, 16384, False))
+        entry.set_view(_ring.Mapping(fd, 4096, False))
+        assert entry.mapped == 4096
+    finally:
+        os.close(fd)
+
+    class OwnInit(_external._Held):
+        __slots__ = ()
+
+        def __init__(self, view: Any, record: Any, desc: Any) -> None:
+            super().__init__(view, record, desc)
+
+    with pytest.raises(TypeError):
+        _ring.RegionTable(1, 1, OwnInit)
