@@ -946,12 +946,13 @@ cdef class RingWriter:
         """Writes the record of this worker's batch of `nbytes` at the start
         of its region (`region`, id `rid`) into the claimed `slot`, and
         publishes it."""
+        if slot >= self.ring.r.nslots or shmp_slot_state(&self.ring.r, slot) != SHMP_WRITING_BY(self.worker):
+            raise ValueError(f"slot {slot} is not claimed")
         self._publish_record(slot, nbytes, region, rid)
 
     cdef int _publish_record(self, uint32_t slot, uint64_t nbytes, uint32_t region, uint64_t rid) except -1:
+        # `slot` is claimed by this writer: the caller claimed it (or checked).
         cdef ext_record rec
-        if slot >= self.ring.r.nslots or shmp_slot_state(&self.ring.r, slot) != SHMP_WRITING_BY(self.worker):
-            raise ValueError(f"slot {slot} is not claimed")
         memcpy(rec.magic, EXTERNAL_MAGIC, 4)
         rec.worker = self.worker
         rec.nbytes = nbytes
@@ -1009,19 +1010,6 @@ cdef class RingWriter:
         arrays become read-only): the batch yielded instead was sent
         another way."""
         self._drop_reservation()
-
-    def claim_reserved(self):
-        """The pending reservation's slot as a claim (like claim(), without
-        waiting for another slot), or None when nothing is reserved. Its
-        arrays become read-only; their bytes stay until the claim is
-        published or abandoned. (Claiming a second slot while holding this
-        one could wait forever on an ordered pipeline's quota.)"""
-        if not self.has_reserved:
-            return None
-        cdef uint32_t slot = self.reserved_slot
-        self._seal_reservation()
-        return slot, _root_array(self.ring.payload(slot), <Py_ssize_t>self.ring.r.slot_size,
-                                 _lease(self.ring, slot, False), True)
 
     cdef _seal_reservation(self):
         # The slot now belongs to the consumer: writes through the arrays we
@@ -1289,19 +1277,38 @@ cdef class RegionPoolCore:
             self.guard_if_tainted(region)
         return 0
 
-    def put_external(self, uint64_t nbytes, object write=None, object claimed=None):
-        """Publishes a payload of `nbytes` in a free region, announced by a
-        record in a slot (`claimed`, or one claimed now: the ring's capacity
-        bounds these batches too; the slot is claimed first, so a region is
-        always free). `write(buf)` writes the payload into the region's
-        array; None: the writer's own encoder writes the batch its
-        put_fitting() planned last (of `nbytes`)."""
+    def put_external(self, uint64_t nbytes, object write not None):
+        """Publishes a payload of `nbytes` that `write(buf)` writes into a
+        region's array, in a free region, announced by a record in a slot
+        claimed first (the ring's capacity bounds these batches too, and
+        then a region is always free)."""
+        self._put_in_region(self.writer._acquire(), nbytes, write)
+
+    def put_planned(self, uint64_t nbytes):
+        """put_external() of the batch the writer's put_fitting() planned
+        last (`nbytes`, larger than a slot), written by the writer's own
+        encoder. Its record goes into the slot of the writer's pending
+        reservation, if there is one (yielded as something else: the batch
+        may hold its arrays, copied out before the record is written over
+        their start; and claiming a second slot could wait forever on an
+        ordered pipeline's quota), else into a slot claimed now."""
         cdef RingWriter writer = self.writer
-        cdef uint32_t slot = writer._acquire() if claimed is None else <uint32_t>claimed
+        cdef uint32_t slot
+        if writer.enc.nbytes != <Py_ssize_t>nbytes:
+            raise ValueError(f"put_planned() of {nbytes} bytes, but {writer.enc.nbytes} are planned")
+        if writer.has_reserved:
+            slot = writer.reserved_slot
+            writer._seal_reservation()  # its arrays read-only (a view of them taints the slot)
+        else:
+            slot = writer._acquire()
+        self._put_in_region(slot, nbytes, None)
+
+    cdef int _put_in_region(self, uint32_t slot, uint64_t nbytes, object write) except -1:
+        # The batch of `nbytes` in `slot` (claimed): written by write(buf),
+        # or (None) by the writer's encoder, which planned that many bytes.
+        cdef RingWriter writer = self.writer
         cdef Region region
         try:
-            if write is None and writer.enc.nbytes != <Py_ssize_t>nbytes:
-                raise ValueError(f"put_external() of {nbytes} bytes, but {writer.enc.nbytes} are planned")
             region = self._pick(nbytes)
             if region is None:
                 region = self._make(nbytes)  # a new region, or a larger one (_external.RegionPool)
@@ -1316,6 +1323,7 @@ cdef class RegionPoolCore:
             raise
         self._published(region, slot)
         writer._publish_record(slot, nbytes, region.index, region.rid)
+        return 0
 
     def tick(self):
         """One batch sent (in a slot or not); every so often, idle regions

@@ -461,10 +461,10 @@ def test_a_failed_write_into_a_region_gives_its_slot_back_and_leaves_the_region_
             pool.put_external(400_000, fails)
         nbytes = writer.put_fitting(np.ones(50_000, np.int64))
         with pytest.raises(ValueError, match="planned"):
-            pool.put_external(nbytes + 8)  # not what was planned
+            pool.put_planned(nbytes + 8)  # not what was planned
         assert c.ring.slot_states() == [_ring.FREE] * 4  # both slots given back
         assert all(pool.free(r) for r in pool.regions)
-        pool.put_external(nbytes)  # the planned batch, at last
+        pool.put_planned(nbytes)  # the planned batch, at last
         np.testing.assert_array_equal(c.get(0, -1, 1, WAIT), np.ones(50_000, np.int64))
         producer.close()
     finally:

@@ -280,12 +280,9 @@ class ShmProducer(ProducerEnd):
             if self.regions is None:
                 raise BatchTooLargeError(nbytes, writer.ring.slot_size)  # the user's slot_size is a limit
             # Planned once, written into a region by the writer's own
-            # encoder (write None). A pending reservation yielded as
-            # something else: its slot carries the record (the batch may
-            # hold its arrays: they are copied out before the record is
-            # written over its start).
-            reserved_claim = writer.claim_reserved()
-            self.regions.put_external(nbytes, None, None if reserved_claim is None else reserved_claim[0])
+            # encoder; a pending reservation yielded as something else
+            # gives its slot to the record (compiled, one call).
+            self.regions.put_planned(nbytes)
         self._tick()
 
     def _tick(self) -> None:
@@ -348,16 +345,15 @@ class ShmProducer(ProducerEnd):
 
     # -- batches larger than a slot (see _external.py) -------------------------
 
-    def put_external(self, nbytes: int, write: Callable[[np.ndarray], Any], claimed: int | None = None) -> None:
+    def put_external(self, nbytes: int, write: Callable[[np.ndarray], Any]) -> None:
         """Publishes a payload of `nbytes` that `write(buffer)` writes, in a
         free region of this producer's, announced by a record in a slot
-        (`claimed`, or one claimed now: the ring's capacity bounds these
-        batches too). The slot is claimed first: then a region is always
-        free (_external's lifetime rules). Compiled, one call per batch:
-        _ring.RegionPoolCore.put_external."""
+        (the ring's capacity bounds these batches too). The slot is claimed
+        first: then a region is always free (_external's lifetime rules).
+        Compiled, one call per batch: _ring.RegionPoolCore.put_external."""
         regions = self.regions
         assert regions is not None
-        regions.put_external(nbytes, write, claimed)
+        regions.put_external(nbytes, write)
 
     def _reserve_external(self, template: Any) -> Any:
         regions = self.regions
