@@ -506,3 +506,45 @@ def test_the_region_table_keeps_what_it_was_given_within_the_ring():
 
     with pytest.raises(TypeError):
         _ring.RegionTable(1, 1, OwnInit)
+
+
+class ReserveThenYieldBigger:
+    """Reserves each batch in a slot and fills it; every other one is
+    yielded, instead, inside a structure larger than a slot: the record of
+    that batch goes into the reservation's slot (claiming another could
+    wait forever on an ordered pipeline's quota), the reserved bytes copied
+    into a region before the record is written over them."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        worker = shmpipe.get_worker_info().id
+        yield {"worker": worker, "seq": 0, "x": pattern(worker, 0, SMALL)}  # sizes the slots
+        for seq in range(1, self.count):
+            r = shmpipe.reserve({"worker": worker, "seq": seq, "x": ArraySpec((SMALL,), np.float32)})
+            r["x"][:] = pattern(worker, seq, SMALL)
+            if seq % 2:
+                yield r  # as reserved: published in place
+            else:
+                yield {"worker": worker, "seq": seq, "x": r["x"], "big": pattern(worker, seq, BIG)}
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+def test_a_reservation_yielded_inside_a_batch_larger_than_a_slot(ordered):
+    count, workers = 60, 2
+    seen: dict[int, list[int]] = {}
+    with shmpipe.from_iterators(
+        [ReserveThenYieldBigger(count)] * workers, ordered=ordered, capacity=4, timeout=T
+    ) as pipe:
+        for b in pipe:
+            check(b)
+            seq = int(b["seq"])
+            if seq and seq % 2 == 0:
+                big = b["big"]
+                assert np.array_equal(big, pattern(int(b["worker"]), seq, BIG)) and not big.flags.writeable
+            seen.setdefault(int(b["worker"]), []).append(seq)
+            del b
+        stats = pipe.channel.external_stats()
+    assert {w: sorted(s) for w, s in seen.items()} == {w: list(range(count)) for w in range(workers)}
+    assert 0 < stats["received"] <= workers * 5, stats
