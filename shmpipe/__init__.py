@@ -131,7 +131,7 @@ def prestart(*objects: Any) -> None:
     it, each of its producers imports itself (a dataset whose module imports
     torch at its top: torch, in every producer). So where the dataset comes
     from such a module, pass it, once it is made: ``shmpipe.prestart(dataset)``."""
-    from shmpipe._startup import prestart as _prestart
+    from shmpipe._launch import prestart as _prestart
 
     _prestart(objects)
 

@@ -47,7 +47,7 @@ from shmpipe._worker import producer_main
 from shmpipe.errors import CorruptChannelError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
-__all__ = ["GRACE_S", "ProcessLauncher"]
+__all__ = ["GRACE_S", "ProcessLauncher", "prestart"]
 
 #: shutdown(): how long producers get to exit on their own before SIGTERM,
 #: and again before SIGKILL.
@@ -405,6 +405,25 @@ def _born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]
         yield block_again
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def prestart(objects: Sequence[Any]) -> None:
+    """shmpipe.prestart(): the fork server started now, in the background,
+    preloading what `objects` are made of (_startup.start_server); and what
+    a first pipeline imports in this process, imported now."""
+    # Born with SIGINT blocked, as when a pipeline starts it: so are the
+    # producers it forks (_born_with_ctrl_c_blocked says why).
+    with _born_with_ctrl_c_blocked("forkserver"):
+        _startup.start_server(objects)
+    # Meanwhile, what a first pipeline imports in this process: the default
+    # transport's modules, and numpy.random, which draws the producers'
+    # seeds (30 ms of that pipeline's first batch, measured, without
+    # compiled bytecode), now rather than then.
+    import numpy.random  # noqa: F401
+
+    from shmpipe.registry import get_transport
+
+    get_transport("shm")
 
 
 def _main_script() -> str:

@@ -65,7 +65,7 @@ __all__ = [
     "Shipments",
     "Shipped",
     "plan",
-    "prestart",
+    "start_server",
     "server_pid",
     "unpack",
 ]
@@ -281,6 +281,21 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Sh
     return out
 
 
+def start_server(objects: Sequence[Any]) -> bool:
+    """Starts the fork server now (shmpipe.prestart, through
+    _launch.prestart, which holds Ctrl-C back around it), preloading what
+    `objects` are made of as it would a first pipeline's sources; its
+    imports then run on their own. False (nothing done) where it runs
+    already or the platform has no fork server."""
+    import multiprocessing
+
+    if server_pid() is not None or "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    _preload_with_the_server(objects)
+    _SERVER.ensure_running()
+    return True
+
+
 def _preload_with_the_server(sources: Sequence[Any]) -> None:
     """Before the fork server's first start: it imports the modules the
     sources are made of too (their classes', functions' and attributes'
@@ -415,32 +430,6 @@ def _first_caller_outside_shmpipe() -> int:
         frame = frame.f_back
         level += 1
     return level
-
-
-def prestart(objects: Sequence[Any]) -> None:
-    """shmpipe.prestart(): the fork server started now, in the background,
-    preloading what `objects` are made of as it would the first pipeline's
-    sources (not where it runs already or the platform has none); and what a
-    first pipeline imports in this process, imported now."""
-    import multiprocessing
-
-    from shmpipe._launch import _born_with_ctrl_c_blocked
-
-    if server_pid() is None and "forkserver" in multiprocessing.get_all_start_methods():
-        _preload_with_the_server(objects)
-        # Born with SIGINT blocked, as when a pipeline starts it: so are the
-        # producers it forks (_launch._born_with_ctrl_c_blocked says why).
-        with _born_with_ctrl_c_blocked("forkserver"):
-            _SERVER.ensure_running()  # spawns the server; its imports run on their own meanwhile
-    # Meanwhile, what a first pipeline imports in this process: the default
-    # transport's modules, and numpy.random, which draws the producers'
-    # seeds (30 ms of that pipeline's first batch, measured, without
-    # compiled bytecode), now rather than then.
-    import numpy.random  # noqa: F401
-
-    from shmpipe.registry import get_transport
-
-    get_transport("shm")
 
 
 def server_pid() -> int | None:
