@@ -182,19 +182,27 @@ if __name__ == "__main__":
 """
 
 
-def test_a_ring_larger_than_a_64_mb_dev_shm_runs(tmp_path):
-    # Docker's default /dev/shm, made for real: a mount namespace of our own
-    # with a 64 MB tmpfs on /dev/shm.
+def _in_a_64_mb_dev_shm() -> tuple[str, ...]:
+    """A command prefix that runs a program in a mount namespace of its own
+    with a 64 MB tmpfs on /dev/shm (Docker's default); skips the test where
+    no namespace can be made."""
     probe = subprocess.run(
         ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, text=True, timeout=30
     )
     if probe.returncode != 0:
         pytest.skip(f"cannot make a mount namespace here (unshare -m: {probe.stderr.strip()})")
     mount = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$@\""
+    return ("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh")
+
+
+def test_a_ring_larger_than_a_64_mb_dev_shm_runs(tmp_path):
+    # Docker's default /dev/shm, made for real: a mount namespace of our own
+    # with a 64 MB tmpfs on /dev/shm.
+    prefix = _in_a_64_mb_dev_shm()
     out = run_script(
         tmp_path,
         RING_LARGER_THAN_DEV_SHM,
-        prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"),
+        prefix=prefix,
     )
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
@@ -254,17 +262,12 @@ def test_a_ring_is_reserved_whole_so_a_dev_shm_filled_after_it_is_no_sigbus(tmp_
     # SIGBUS. Docker's default /dev/shm, made for real: a mount namespace of
     # our own with a 64 MB tmpfs on /dev/shm, filled by another file after
     # the ring is made and before anything is written to it.
-    probe = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, text=True, timeout=30
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a mount namespace here (unshare -m: {probe.stderr.strip()})")
-    mount = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$@\""
+    prefix = _in_a_64_mb_dev_shm()
     out = run_script(
         tmp_path,
         DEV_SHM_FULL_AFTER_THE_RING,
         str(tmp_path / "go"),
-        prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", mount, "sh"),
+        prefix=prefix,
     )
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
