@@ -170,7 +170,7 @@ def check_huge_pages() -> Check:
 
 
 def check_start_methods() -> Check:
-    from shmpipe._options import default_start_method
+    from shmpipe._startup import default_start_method
 
     methods = multiprocessing.get_all_start_methods()
     value = f"{', '.join(methods)}; producers start with {default_start_method()}"
@@ -195,9 +195,8 @@ def check_startup(workers: int = 2) -> Check:
     method, shmpipe's fork server started for them where it is not yet)
     and reports what that cost."""
     import shmpipe
-    from shmpipe._options import default_start_method
     from shmpipe._process import proc_kib
-    from shmpipe._startup import HEAVY_FRAMEWORKS
+    from shmpipe._startup import HEAVY_FRAMEWORKS, default_start_method
 
     name = "producer start-up"
     t0 = time.perf_counter()

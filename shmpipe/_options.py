@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shmpipe._startup import default_start_method
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import ChannelSpec, Transport
@@ -24,17 +25,10 @@ from shmpipe.transport import ChannelSpec, Transport
 if TYPE_CHECKING:
     from shmpipe import _startup
 
-__all__ = ["PipelineOptions", "Source", "check_options", "default_start_method", "is_int"]
+__all__ = ["PipelineOptions", "Source", "check_options", "is_int"]
 
 #: A producer's source: a picklable zero-argument callable returning batches.
 Source = Callable[[], Iterable[Any]]
-
-
-def default_start_method() -> str:
-    """forkserver where the platform has it (producers start from a clean
-    server process, not a copy of a trainer's threads), else spawn."""
-    methods = multiprocessing.get_all_start_methods()
-    return "forkserver" if "forkserver" in methods else "spawn"
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dis
 import importlib.util
 import io
+import multiprocessing
 import os
 import socket
 import sys
@@ -64,11 +65,20 @@ __all__ = [
     "Plan",
     "Shipments",
     "Shipped",
+    "default_start_method",
     "plan",
     "start_server",
     "server_pid",
     "unpack",
 ]
+
+
+def default_start_method() -> str:
+    """forkserver where the platform has it (producers start from a clean
+    server process, not a copy of a trainer's threads), else spawn."""
+    methods = multiprocessing.get_all_start_methods()
+    return "forkserver" if "forkserver" in methods else "spawn"
+
 
 #: What the fork server imports before it forks producers: what every
 #: producer needs to unpickle its arguments and run (the default transport

@@ -20,6 +20,38 @@ def test_import_pulls_in_no_heavy_optional_dependency(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
+def test_the_producer_side_loads_none_of_the_trainers_side(tmp_path):
+    """shmpipe's fork server (and a spawned producer) imports what a producer
+    runs on: it must not load the pipeline, groups, options or the registry
+    (the package's names load their modules at their first use)."""
+    code = (
+        "import sys; from shmpipe._startup import SERVER_PRELOAD; "
+        "[__import__(m) for m in SERVER_PRELOAD]; import shmpipe; shmpipe.reserve; shmpipe.get_worker_info; "
+        "print([m for m in ('shmpipe._api', 'shmpipe._pipeline', 'shmpipe._group', 'shmpipe._options', "
+        "'shmpipe.registry', 'importlib.metadata') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_each_public_name_is_where_the_package_says_and_typed_there():
+    import ast
+    import importlib
+
+    where = shmpipe._WHERE
+    assert set(shmpipe.__all__) == set(where) | {"clean", "prestart", "signature_of"}
+    for name, module in where.items():
+        assert getattr(shmpipe, name) is getattr(importlib.import_module(module), name), name
+    # the TYPE_CHECKING imports (what type checkers see) name the same modules
+    with open(shmpipe.__file__) as f:
+        tree = ast.parse(f.read())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert typed == where
+    assert set(shmpipe.__all__) <= set(dir(shmpipe))
+
+
 def test_public_api():
     for name in shmpipe.__all__:
         assert hasattr(shmpipe, name), name

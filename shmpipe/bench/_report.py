@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from shmpipe._options import default_start_method
+from shmpipe._startup import default_start_method
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -13,8 +13,9 @@ Paths:
   shm ring      shmpipe.from_iterators, producers yield arrays (one copy into a slot)
   shm reserve   shmpipe producers fill slots in place with shmpipe.reserve (no copy)
   shm varying   the shm ring with batches of 1/2, 1/2, 1 and 2 times the size in turn
-                (the size on average): the slots are sized from the first (1/2),
-                so half the batches travel in memory of their own (regions, reused)
+                (the size on average), each the start of one array of the largest
+                size: the slots are sized from the first (1/2), so half the
+                batches travel in memory of their own (regions, reused)
   X varying     the same over transport X, for every transport that takes batches
                 of any size (sized by its first batch: arrow)
   transport:X   the same pipeline as "shm ring" over transport X (arrow, queue, ray)
@@ -105,17 +106,27 @@ class ReservedArrays:
 
 class VaryingArrays:
     """Yields float32 arrays of 1/2, 1/2, 1 and 2 times `nbytes` in turn,
-    changed each time: the mean is `nbytes`, the first sizes the slots."""
+    changed each time: the mean is `nbytes`, the first sizes the slots.
+
+    Each is the start of one array of the largest size, as a producer that
+    fills a buffer of its largest batch has it: the producer reads 2 x
+    `nbytes` of source memory again and again, where "shm ring"'s reads
+    `nbytes`. With an array of its own for each size (4 x `nbytes`), at
+    8 MiB the two producers' sources (64 MiB) no longer fitted this
+    machine's 32 MiB cache where the ring's (16 MiB) did, and the ratio of
+    the two paths measured the cache: the same mix with slots big enough for
+    every batch, so no regions at all, ran at 0.74x the ring."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
 
     def __call__(self) -> Iterator[np.ndarray]:
         n = max(2, self.nbytes // 4)
-        arrays = [np.ones(k, dtype=np.float32) for k in (n // 2, n // 2, n, 2 * n)]
+        largest = np.ones(2 * n, dtype=np.float32)
+        sizes = (n // 2, n // 2, n, 2 * n)
         i = 0
         while True:
-            a = arrays[i % 4]
+            a = largest[: sizes[i % 4]]
             a[0] = i
             yield a
             i += 1
