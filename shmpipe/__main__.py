@@ -175,13 +175,14 @@ def _mb(shape: tuple[int, ...]) -> str:
 def _bench_throughput(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     paths = args.paths or throughput.default_paths()
-    progress = Progress(len(sizes) * len(paths), "bench throughput")
+    progress = Progress(len(sizes) * len(paths) * args.repeat, "bench throughput")
     with progress.running():
         results = throughput.run(
             sizes, seconds=args.seconds, min_batches=args.min_batches, workers=args.workers, paths=paths,
-            progress=lambda path, nbytes: progress.step(f"{path} {human_size(nbytes)}"),
+            repeat=args.repeat, progress=lambda path, nbytes: progress.step(f"{path} {human_size(nbytes)}"),
         )
-    print(f"shmpipe bench throughput: {args.workers} producers, fresh float32 batches, {args.seconds} s per row")
+    print(f"shmpipe bench throughput: {args.workers} producers, fresh float32 batches, {args.seconds} s per run, "
+          f"{args.repeat} run(s) of each path in rounds: the median run")
     print(throughput.table(results))
     _write_json(args.json, "throughput", {"workers": args.workers, "results": [r.as_dict() for r in results]})
     if args.plot:
@@ -378,11 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = kinds.add_parser("throughput", help="transport-bound throughput, every transport",
                          description=throughput.__doc__, formatter_class=_HelpFormatter)
     t.add_argument("--sizes", nargs="+", default=["64KiB", "1MiB", "48MB"], help="batch sizes, 4KiB to 256MB")
-    t.add_argument("--seconds", type=_positive(float), default=1.5, help="timed seconds per path and size")
+    t.add_argument("--seconds", type=_positive(float), default=0.5, help="timed seconds of each run")
+    t.add_argument("--repeat", type=_positive(int), default=3,
+                   help="runs of every path at each size, in rounds; the table shows the median run (default 3)")
     t.add_argument("--min-batches", type=_positive(int), default=20, help="at least this many batches per row")
     t.add_argument("--workers", type=int, default=2, help="producer processes")
     t.add_argument("--paths", nargs="+", metavar="PATH",
-                   help="memcpy, mp.Queue, 'shm ring', 'shm reserve', 'shm varying', transport:<name> (default: all)")
+                   help="memcpy, mp.Queue, 'shm ring', 'shm reserve', 'shm varying', 'shm mixed in slots', "
+                        "'<transport> varying', transport:<name> (default: all)")
     t.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
     t.add_argument("--plot", metavar="FILE.png", help="draw GB/s against batch size into FILE.png (default: no plot)")
 

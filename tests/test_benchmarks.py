@@ -28,6 +28,35 @@ def test_throughput_every_path_runs():
     assert "| 64 KiB | shm reserve |" in text
 
 
+def test_throughput_runs_paths_in_rounds_and_keeps_the_median_run():
+    seen = []
+    results = throughput.run(
+        [65536], seconds=0.05, min_batches=3, paths=["memcpy", "shm varying", throughput.MIXED_IN_SLOTS],
+        repeat=3, progress=lambda path, nbytes: seen.append(path),
+    )
+    # every path once, then every path again: a slow spell hits one run of each
+    assert seen == ["memcpy", "shm varying", throughput.MIXED_IN_SLOTS] * 3
+    for r in results:
+        assert len(r.runs_per_s) == 3
+        assert sorted(r.runs_per_s)[1] == r.batches_per_s  # the median run is the one reported
+    assert "| 64 KiB | shm mixed in slots |" in throughput.table(results)
+
+
+def test_varying_is_checked_against_the_ring_and_the_same_batches_in_slots():
+    R = throughput.Result
+    results = [
+        R("shm ring", 8 * 2**20, 3000, 1.0, 0.03),
+        R("shm varying", 8 * 2**20, 2000, 1.0, 0.03),  # 0.67x the ring: not met
+        R(throughput.MIXED_IN_SLOTS, 8 * 2**20, 1800, 1.0, 0.03),  # but faster than the same batches in slots
+    ]
+    got = {name: met for name, met, _ in throughput.targets(results)}
+    assert got == {
+        "8 MiB: shm varying >= 0.8 x shm ring": False,
+        "8 MiB: shm varying trainer CPU per batch <= 2 x shm ring's": True,
+        "8 MiB: shm varying >= 0.8 x shm mixed in slots (the same batches)": True,
+    }
+
+
 def test_targets_are_checked_from_results():
     R = throughput.Result
     results = [

@@ -16,6 +16,10 @@ Paths:
                 (the size on average), each the start of one array of the largest
                 size: the slots are sized from the first (1/2), so half the
                 batches travel in memory of their own (regions, reused)
+  shm mixed in slots
+                the batches of "shm varying" in slots sized for the largest, so
+                none needs memory of its own: what the mix of sizes costs the
+                ring itself (the reference of "shm varying" at its own traffic)
   X varying     the same over transport X, for every transport that takes batches
                 of any size (sized by its first batch: arrow)
   transport:X   the same pipeline as "shm ring" over transport X (arrow, queue, ray)
@@ -28,7 +32,7 @@ import multiprocessing.synchronize
 import queue as queue_mod
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +55,9 @@ class Result:
     #: Start-up: from making the pipeline (starting the queue's processes)
     #: to its first batch; None for memcpy.
     first_batch_s: float | None = None
+    #: batches/s of each run, where the path ran several times (run(repeat=)):
+    #: this Result is the median run
+    runs_per_s: list[float] = field(default_factory=list)
 
     @property
     def batches_per_s(self) -> float:
@@ -120,6 +127,11 @@ class VaryingArrays:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
 
+    @staticmethod
+    def largest(nbytes: int) -> int:
+        """The bytes of the largest batch."""
+        return 2 * max(2, nbytes // 4) * 4
+
     def __call__(self) -> Iterator[np.ndarray]:
         n = max(2, self.nbytes // 4)
         largest = np.ones(2 * n, dtype=np.float32)
@@ -130,6 +142,10 @@ class VaryingArrays:
             a[0] = i
             yield a
             i += 1
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // 4096) * 4096
 
 
 def _queue_producer(
@@ -224,15 +240,21 @@ def bench_pipeline(
     or "transport:<name>"."""
     transport = path.split(":", 1)[1] if path.startswith("transport:") else "shm"
     source: Callable[[], Iterator[np.ndarray]]
+    slot_size = None
     if path == "shm reserve":
         source = ReservedArrays(nbytes)
+    elif path == MIXED_IN_SLOTS:
+        source = VaryingArrays(nbytes)
+        slot_size = _pages(VaryingArrays.largest(nbytes) * 5 // 4)  # the default's rule (+25%), for the largest
     elif path.endswith(VARYING):
         transport = path[: -len(VARYING)]
         source = VaryingArrays(nbytes)
     else:
         source = FreshArrays(nbytes)
     t0 = time.perf_counter()
-    with shmpipe.from_iterators([source] * workers, capacity=capacity, transport=transport, timeout=120) as pipe:
+    with shmpipe.from_iterators(
+        [source] * workers, capacity=capacity, transport=transport, timeout=120, slot_size=slot_size
+    ) as pipe:
         it = iter(pipe)
         next(it)
         first_s = time.perf_counter() - t0
@@ -240,7 +262,8 @@ def bench_pipeline(
     return Result(path, nbytes, n, wall, cpu, first_s)
 
 
-PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve", "shm varying")
+MIXED_IN_SLOTS = "shm mixed in slots"
+PATHS = ("memcpy", "mp.Queue", "shm ring", "shm reserve", "shm varying", MIXED_IN_SLOTS)
 VARYING = " varying"
 
 
@@ -284,43 +307,68 @@ def run(
     workers: int = 2,
     capacity: int | None = None,
     paths: Iterable[str] | None = None,
+    repeat: int = 1,
     progress: Callable[[str, int], None] | None = None,
 ) -> list[Result]:
     """Measures every path at every size, in this process, one after the other;
-    progress(path, nbytes), if given, is called before each."""
+    progress(path, nbytes), if given, is called before each run.
+
+    With `repeat` > 1, each size's paths run `repeat` times in rounds (every
+    path once, then every path again), and each path's Result is its median
+    run, with every run's batches/s in runs_per_s: a shared machine's slow
+    spell of a few seconds then lands on one run of each path rather than
+    on all the runs of one path, which the ratios between paths would carry."""
     capacity = capacity or 2 * workers + 2
     todo = default_paths() if paths is None else list(paths)
     results = []
     for nbytes in sizes:
+        runs: dict[str, list[Result]] = {path: [] for path in todo}
+        for _ in range(repeat):
+            for path in todo:
+                runs[path].append(_run_once(path, nbytes, seconds, min_batches, workers, capacity, progress))
         for path in todo:
-            if progress:
-                progress(path, nbytes)
-            if path == "memcpy":
-                r = bench_memcpy(nbytes, seconds, min_batches)
-            elif path == "mp.Queue":
-                r = bench_queue(nbytes, seconds, min_batches, workers, capacity)
-            elif path in ("shm ring", "shm reserve") or path.endswith(VARYING) or path.startswith("transport:"):
-                r = bench_pipeline(path, nbytes, seconds, min_batches, workers, capacity)
-            else:
-                raise shmpipe.ShmpipeValueError(
-                    f"unknown path {path!r}; known: {', '.join(default_paths())}"
-                )
-            results.append(r)
+            ordered = sorted(runs[path], key=lambda r: r.batches_per_s)
+            median = ordered[(len(ordered) - 1) // 2]
+            if repeat > 1:
+                median.runs_per_s = [r.batches_per_s for r in runs[path]]
+            results.append(median)
     return results
 
 
+def _run_once(
+    path: str,
+    nbytes: int,
+    seconds: float,
+    min_batches: int,
+    workers: int,
+    capacity: int,
+    progress: Callable[[str, int], None] | None,
+) -> Result:
+    if progress:
+        progress(path, nbytes)
+    if path == "memcpy":
+        return bench_memcpy(nbytes, seconds, min_batches)
+    if path == "mp.Queue":
+        return bench_queue(nbytes, seconds, min_batches, workers, capacity)
+    if path in ("shm ring", "shm reserve", MIXED_IN_SLOTS) or path.endswith(VARYING) or path.startswith("transport:"):
+        return bench_pipeline(path, nbytes, seconds, min_batches, workers, capacity)
+    raise shmpipe.ShmpipeValueError(f"unknown path {path!r}; known: {', '.join(default_paths())}")
+
+
 def table(results: list[Result]) -> str:
-    """A Markdown table: one row per path and size, with the ratio to memcpy."""
+    """A Markdown table: one row per path and size (the median run, and the
+    runs' range where there were several), with the ratio to memcpy."""
     floor = {r.nbytes: r for r in results if r.path == "memcpy"}
     lines = [
-        "| batch | path | GB/s | batches/s | vs memcpy | consumer CPU per batch | first batch |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| batch | path | GB/s | batches/s | runs (batches/s) | vs memcpy | consumer CPU per batch | first batch |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         ratio = f"{r.gb_per_s / floor[r.nbytes].gb_per_s:.2f}x" if r.nbytes in floor else "-"
         first = "-" if r.first_batch_s is None else f"{r.first_batch_s * 1e3:.0f} ms"
+        spread = f"{min(r.runs_per_s):,.0f} to {max(r.runs_per_s):,.0f}" if r.runs_per_s else "-"
         lines.append(
-            f"| {human_size(r.nbytes)} | {r.path} | {r.gb_per_s:.2f} | {r.batches_per_s:,.0f} | {ratio} | "
+            f"| {human_size(r.nbytes)} | {r.path} | {r.gb_per_s:.2f} | {r.batches_per_s:,.0f} | {spread} | {ratio} | "
             f"{r.cpu_us_per_batch:.1f} us | {first} |"
         )
     return "\n".join(lines)
@@ -376,4 +424,8 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
         out.append((f"{at}: {v.path} >= 0.8 x {fixed}", x >= 0.8, f"{x:.2f}x"))
         cpu = v.cpu_us_per_batch / ring.cpu_us_per_batch
         out.append((f"{at}: {v.path} trainer CPU per batch <= 2 x {fixed}'s", cpu <= 2.0, f"{cpu:.2f}x"))
+        same = by.get((MIXED_IN_SLOTS, v.nbytes)) if transport == "shm" else None
+        if same is not None:  # the same batches, none in a region: what regions themselves cost
+            x = v.batches_per_s / same.batches_per_s
+            out.append((f"{at}: {v.path} >= 0.8 x {MIXED_IN_SLOTS} (the same batches)", x >= 0.8, f"{x:.2f}x"))
     return out
