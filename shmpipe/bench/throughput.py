@@ -4,7 +4,8 @@ Two producer processes hand out ready-made batches (one float32 array of the
 given size) as fast as the transport takes them. Each batch is fresh data:
 the producer changes an element before sending it, so nothing can cache a
 previous batch. The consumer touches one element of each batch and lets it
-go. Every path runs in the same process, one after the other, so the ratios
+go. Every path runs in the same process, one after the other, and with
+repeat > 1 several times in rounds (the median run is kept), so the ratios
 hold on a noisy machine; absolute numbers do not travel between machines.
 
 Paths:
