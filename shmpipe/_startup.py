@@ -83,9 +83,12 @@ def default_start_method() -> str:
 #: What the fork server imports before it forks producers: what every
 #: producer needs to unpickle its arguments and run (the default transport
 #: included, and numpy.random, which every producer seeds before each pass:
-#: 20-40 ms of each producer's first batch where it imported it itself), so
-#: that a producer inherits it instead of importing it.
-SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe.transports.shm", "numpy.random"]
+#: 20-40 ms of each producer's first batch where it imported it itself; and
+#: the wrappers of a source, _sources, which a producer unpickles), so that a
+#: producer inherits it instead of importing it. The pipeline's side
+#: (_api, _pipeline, _group, _options, the registry) is not here: a producer
+#: never runs it (tests/test_package.py checks that this list loads none of it).
+SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe._sources", "shmpipe.transports.shm", "numpy.random"]
 
 #: Frameworks whose import costs a producer seconds and hundreds of MiB:
 #: named in the warning when a producer has to import the script.
