@@ -5,12 +5,16 @@ behind."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
@@ -168,3 +172,123 @@ def end_group(proc: subprocess.Popen, grace: float = 10.0) -> tuple[Any, Any]:
             if stream is not None:
                 stream.close()
         return None, None
+
+
+# -- independent scripts of several tests, run a few at a time --------------------
+
+
+@dataclasses.dataclass
+class Command:
+    """A script a test runs and waits for: `args` in `cwd`, killed (and its
+    process group) if it is not done within `timeout` seconds. Commands of
+    the same `exclusive` tag never run at the same time (two local Rays)."""
+
+    args: list[str]
+    cwd: Any
+    env: dict[str, str] | None = None
+    timeout: float = 300.0
+    exclusive: str | None = None
+
+
+def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hashable, subprocess.CompletedProcess]:
+    """Runs `commands`, `jobs` at a time (this machine, and CI's, has two
+    cores; most of these scripts keep one busy while they import a framework,
+    then wait on their producers), and returns what ``subprocess.run(..., capture_output=True, text=True)``
+    would for each. Output goes to files, not pipes, so a process that
+    outlives its script cannot hold the wait up. A command past its timeout
+    is SIGKILLed with its process group and comes back with its output so
+    far and returncode -9 (the test's assertion on it says so). Whatever
+    ends the wait early (a KeyboardInterrupt, pytest-timeout's signal), the
+    commands still running are killed with their process groups."""
+    pending = dict(commands)
+    running: dict[Hashable, tuple[subprocess.Popen, Any, Any, float]] = {}
+    done: dict[Hashable, subprocess.CompletedProcess] = {}
+    try:
+        while pending or running:
+            busy = {commands[k].exclusive for k in running}
+            for key, cmd in list(pending.items()):
+                if len(running) >= jobs:
+                    break
+                if cmd.exclusive is not None and cmd.exclusive in busy:
+                    continue
+                out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+                proc = subprocess.Popen(cmd.args, cwd=cmd.cwd, env=cmd.env, stdout=out, stderr=err, text=True,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                running[key] = (proc, out, err, time.monotonic() + cmd.timeout)
+                busy.add(cmd.exclusive)
+                del pending[key]
+            for key, (proc, out, err, deadline) in list(running.items()):
+                if proc.poll() is None and time.monotonic() < deadline:
+                    continue
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(30)
+                out.seek(0)
+                err.seek(0)
+                done[key] = subprocess.CompletedProcess(commands[key].args, proc.returncode, out.read(), err.read())
+                out.close()
+                err.close()
+                del running[key]
+            if running:
+                _wait_any([proc for proc, *_ in running.values()], 0.5)
+    finally:
+        for proc, out, err, _ in running.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            out.close()
+            err.close()
+    return {key: done[key] for key in commands}
+
+
+def _wait_any(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Until one of `procs` ends, or `timeout` seconds (on their pidfds)."""
+    import select
+
+    fds = []
+    try:
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                fds.append(os.pidfd_open(proc.pid))
+        if fds:
+            select.select(fds, [], [], timeout)
+        else:
+            time.sleep(min(timeout, 0.05))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class SharedRuns:
+    """The scripts of a family of tests -- `tests`, test functions of one
+    module, each running one script and checking what it printed -- run
+    together by the first of them that asks (run_together), for every test
+    of the family this session runs; the others find their result ready.
+
+    `key(item)` says which script a test item runs (None: none, e.g. where
+    it will be skipped); `command(key, folder)` makes it, in an empty folder
+    of its own, writing there whatever it needs. The first test's guard
+    (no_leaks) sees every script of the family end and checks that nothing
+    of theirs is left behind."""
+
+    def __init__(self, tests: set[str], key: Callable[[pytest.Item], Hashable | None],
+                 command: Callable[[Hashable, Any], Command], jobs: int = 2) -> None:
+        self.tests, self.key, self.command, self.jobs = tests, key, command, jobs
+        self.results: dict[Hashable, tuple[subprocess.CompletedProcess, Any]] = {}
+
+    def get(self, request: pytest.FixtureRequest, key: Hashable) -> tuple[subprocess.CompletedProcess, Any]:
+        """(what the script of `key` did, its folder)."""
+        if key not in self.results:
+            keys = [key]
+            for item in request.session.items:
+                if item.module is request.module and getattr(item, "originalname", None) in self.tests:
+                    k = self.key(item)
+                    if k is not None and k not in self.results and k not in keys:
+                        keys.append(k)
+            factory = request.getfixturevalue("tmp_path_factory")
+            folders = {k: factory.mktemp(re.sub(r"\W+", "_", str(k))[:30] or "run") for k in keys}
+            commands = {k: self.command(k, folders[k]) for k in keys}
+            for k, out in run_together(commands, self.jobs).items():
+                self.results[k] = (out, folders[k])
+        return self.results[key]
