@@ -2,24 +2,62 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import Command, SharedRuns
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def _command(key: str, folder: Path) -> Command:
+    if key == "README":
+        first = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+        script = folder / "first_example.py"
+        script.write_text(first)
+        return Command([sys.executable, str(script)], cwd=folder)
+    if key == "torch_train.py without torch":
+        # torch made unimportable for this one run (a None entry in sys.modules
+        # is how Python itself marks a module that must not be imported)
+        code = (
+            "import runpy, sys; sys.modules['torch'] = None; "
+            f"sys.argv = ['torch_train.py']; sys.path.insert(0, {str(EXAMPLES)!r}); "
+            f"runpy.run_path({str(EXAMPLES / 'torch_train.py')!r}, run_name='__main__')"
+        )
+        return Command([sys.executable, "-c", code], cwd=folder, timeout=120)
+    return Command([sys.executable, str(EXAMPLES / key), "--workers", "2", "--epochs", "3", "--batches", "10"], cwd=folder)
+
+
+def _key(item: pytest.Item) -> str | None:
+    name = item.originalname
+    if name == "test_example_trains_and_reports_the_stall_fraction":
+        script = item.callspec.params["script"]
+        return None if script == "torch_train.py" and importlib.util.find_spec("torch") is None else script
+    if name == "test_the_readmes_first_example_runs_as_written":
+        return "README"
+    return "torch_train.py without torch"
+
+
+#: The examples are independent scripts (Keras, torch, the README's): the
+#: first of these tests runs every one this session runs, two at a time,
+#: and each test checks its own.
+RUNS = SharedRuns(
+    {"test_example_trains_and_reports_the_stall_fraction", "test_the_readmes_first_example_runs_as_written",
+     "test_the_torch_example_says_what_to_install_without_torch"},
+    key=_key, command=_command,
+)
+
+
+@pytest.mark.timeout(600)  # the first runs them all
 @pytest.mark.parametrize("script", ["keras_fit.py", "torch_train.py"])
-def test_example_trains_and_reports_the_stall_fraction(script, tmp_path):
+def test_example_trains_and_reports_the_stall_fraction(script, request):
     if script == "torch_train.py":
         pytest.importorskip("torch")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--workers", "2", "--epochs", "3", "--batches", "10"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
+    out, _ = RUNS.get(request, script)
     assert out.returncode == 0, out.stderr[-3000:]
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out.stdout).groups())
     assert last < first, out.stdout
@@ -27,27 +65,16 @@ def test_example_trains_and_reports_the_stall_fraction(script, tmp_path):
     assert "60 batches" in out.stdout  # 2 workers x 10 batches x 3 epochs
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def test_the_readmes_first_example_runs_as_written(tmp_path):
-    first = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
-    script = tmp_path / "first_example.py"
-    script.write_text(first)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+@pytest.mark.timeout(600)
+def test_the_readmes_first_example_runs_as_written(request):
+    out, _ = RUNS.get(request, "README")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "shmpipe pipeline: 4 workers" in out.stdout and "400 batches" in out.stdout, out.stdout
 
 
-def test_the_torch_example_says_what_to_install_without_torch(tmp_path):
-    # torch made unimportable for this one run (a None entry in sys.modules
-    # is how Python itself marks a module that must not be imported)
-    code = (
-        "import runpy, sys; sys.modules['torch'] = None; "
-        f"sys.argv = ['torch_train.py']; sys.path.insert(0, {str(EXAMPLES)!r}); "
-        f"runpy.run_path({str(EXAMPLES / 'torch_train.py')!r}, run_name='__main__')"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+@pytest.mark.timeout(600)
+def test_the_torch_example_says_what_to_install_without_torch(request):
+    out, _ = RUNS.get(request, "torch_train.py without torch")
     assert out.returncode == 1
     assert "needs torch" in out.stderr and "download.pytorch.org/whl/cpu" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
