@@ -5,6 +5,7 @@ processes of their own, with forkserver and spawn."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,11 +14,14 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import Command, SharedRuns
 
 import shmpipe
 from shmpipe import _byvalue
 
 T = 60  # seconds: no script of these tests may take longer
+#: The tests whose scripts run together (SCRIPTS): the first waits for all.
+SHARED_TIMEOUT = pytest.mark.timeout(600)
 
 #: A module of the test that is "heavy": it says in a file when it is
 #: imported (the producers' pids land there) and takes a while.
@@ -97,30 +101,33 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(tmp_path, start_method, source, guarded=True, torch=False, offset=7):
-    (tmp_path / "heavy_module.py").write_text(HEAVY)
-    script = tmp_path / "train.py"
+def _script_command(folder, start_method, source, guarded, torch):
+    (folder / "heavy_module.py").write_text(HEAVY)
+    script = folder / "train.py"
     body = SCRIPT.replace("GUARD", 'if __name__ == "__main__":\n    run()' if guarded else "run()")
     script.write_text(body)
-    args = [sys.executable, str(script), start_method, str(offset), source] + (["--torch"] if torch else [])
-    out = subprocess.run(
-        args, capture_output=True, text=True, timeout=T, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    args = [sys.executable, str(script), start_method, "7", source] + (["--torch"] if torch else [])
+    return Command(args, cwd=folder, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=T)
+
+
+def run_script(request, start_method, source, guarded=True, torch=False):
+    """(what the script did, the pids that imported the heavy module, its folder)."""
+    out, folder = SCRIPTS.get(request, ("script", start_method, source, guarded, torch))
     importers = set()
-    if (tmp_path / "imported_by").exists():
-        importers = {int(line) for line in (tmp_path / "imported_by").read_text().split()}
-    return out, importers
+    if (folder / "imported_by").exists():
+        importers = {int(line) for line in (folder / "imported_by").read_text().split()}
+    return out, importers, folder
 
 
 def expected_values(offset):
     return sorted(2 * i + 1000 + offset for i in range(3) for _ in range(3) for _ in range(2))
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 @pytest.mark.parametrize("source", ["main", "class"])
-def test_a_source_of_the_script_runs_without_importing_it(tmp_path, start_method, source):
-    out, importers = run_script(tmp_path, start_method, source)
+def test_a_source_of_the_script_runs_without_importing_it(request, start_method, source):
+    out, importers, _ = run_script(request, start_method, source)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     # every batch arrived, computed from the trainer's globals (OFFSET from argv)
@@ -131,19 +138,21 @@ def test_a_source_of_the_script_runs_without_importing_it(tmp_path, start_method
     assert out.stderr == "", out.stderr
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_producers_of_a_script_that_imports_torch_do_not_load_torch(tmp_path, start_method):
+def test_producers_of_a_script_that_imports_torch_do_not_load_torch(request, start_method):
     pytest.importorskip("torch")
-    out, _ = run_script(tmp_path, start_method, "main", torch=True)
+    out, _, _ = run_script(request, start_method, "main", torch=True)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["values"] == expected_values(7)
     assert "torch" not in got["loaded"] and got["loaded"] == [], got
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_a_source_that_needs_the_script_still_works_by_importing_it(tmp_path, start_method):
-    out, importers = run_script(tmp_path, start_method, "script", torch=True)
+def test_a_source_that_needs_the_script_still_works_by_importing_it(request, start_method):
+    out, importers, _ = run_script(request, start_method, "script", torch=True)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["values"] == expected_values(7)
@@ -156,48 +165,47 @@ def test_a_source_that_needs_the_script_still_works_by_importing_it(tmp_path, st
     assert "cannot pickle '_thread.lock' object" in out.stderr
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_a_script_without_a_main_guard_runs_when_its_sources_travel_by_value(tmp_path, start_method):
-    out, importers = run_script(tmp_path, start_method, "main", guarded=False)
+def test_a_script_without_a_main_guard_runs_when_its_sources_travel_by_value(request, start_method):
+    out, importers, _ = run_script(request, start_method, "main", guarded=False)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["values"] == expected_values(7) and got["loaded"] == []
     assert importers == {got["script_pid"]}
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_a_script_without_a_main_guard_whose_source_needs_it_is_told_to_add_one(tmp_path, start_method):
-    out, _ = run_script(tmp_path, start_method, "script", guarded=False)
+def test_a_script_without_a_main_guard_whose_source_needs_it_is_told_to_add_one(request, start_method):
+    out, _, folder = run_script(request, start_method, "script", guarded=False)
     assert out.returncode == 1, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("shmpipe.errors.WorkerDiedError: worker "), out.stderr
-    assert f'under `if __name__ == "__main__":` in {tmp_path / "train.py"}' in last, last
+    assert f'under `if __name__ == "__main__":` in {folder / "train.py"}' in last, last
     assert "bootstrapping phase" not in out.stderr, out.stderr
 
 
-def test_a_global_set_under_the_main_guard_travels_with_the_source(tmp_path):
+ARGS_SCRIPT = """
+import sys
+import numpy as np
+import shmpipe
+
+def make_batches():
+    yield {"x": np.array(ARGS["scale"])}
+
+if __name__ == "__main__":
+    ARGS = {"scale": int(sys.argv[1])}
+    with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
+        print(sorted(int(b["x"]) for b in pipe))
+"""
+
+
+@SHARED_TIMEOUT
+def test_a_global_set_under_the_main_guard_travels_with_the_source(request):
     # Parsed arguments, say: a producer that imported the script would not
     # have them (the guard is skipped there); by value they come along.
-    script = tmp_path / "args.py"
-    script.write_text(textwrap.dedent(
-        """
-        import sys
-        import numpy as np
-        import shmpipe
-
-        def make_batches():
-            yield {"x": np.array(ARGS["scale"])}
-
-        if __name__ == "__main__":
-            ARGS = {"scale": int(sys.argv[1])}
-            with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
-                print(sorted(int(b["x"]) for b in pipe))
-        """
-    ))
-    out = subprocess.run(
-        [sys.executable, str(script), "21"], capture_output=True, text=True, timeout=T, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    out, _ = SCRIPTS.get(request, ("args",))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[21, 21]"
 
@@ -287,80 +295,83 @@ PRELOAD_SCRIPT = """
 """
 
 
-def run_preload_script(tmp_path, kind, *flags):
+def _preload_command(folder, kind, flags):
     for name, text in PRELOAD_MODULES.items():
-        (tmp_path / name).write_text(textwrap.dedent(text))
-    (tmp_path / "train.py").write_text(textwrap.dedent(PRELOAD_SCRIPT))
-    out = subprocess.run(
-        [sys.executable, str(tmp_path / "train.py"), kind, *flags], capture_output=True, text=True, timeout=T,
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
-    )
+        (folder / name).write_text(textwrap.dedent(text))
+    (folder / "train.py").write_text(textwrap.dedent(PRELOAD_SCRIPT))
+    return Command([sys.executable, str(folder / "train.py"), kind, *flags], cwd=folder, timeout=T,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])})
+
+
+def run_preload_script(request, kind, *flags):
+    out, folder = SCRIPTS.get(request, ("preload", kind, flags))
     assert out.returncode == 0, out.stderr
     importers: dict[str, set[int]] = {}
-    for line in (tmp_path / "imported_by").read_text().split("\n"):
+    for line in (folder / "imported_by").read_text().split("\n"):
         if line:
             name, pid = line.split()
             importers.setdefault(name, set()).add(int(pid))
     return json.loads(out.stdout), importers
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("flags", [(), ("--prestart",)])
-def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(tmp_path, flags):
+def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(request, flags):
     # Images.__getitem__ imports decoder: the fork server imports it once (the
     # trainer has it loaded), and numpy.random, which every producer seeds;
     # the producers inherit both instead of importing them before their first
     # batch. The same where shmpipe.prestart(dataset) started the server.
-    got, importers = run_preload_script(tmp_path, "dataset", *flags)
+    got, importers = run_preload_script(request, "dataset", *flags)
     assert got["got"] == [3 * i for i in range(8)]
     assert importers["decoder"] == {got["trainer"], got["server"]}, (importers, got)
     assert not set(got["producers"]) & importers["decoder"]
     assert got["random"] == [True] * 4  # numpy.random was there as each producer loaded its source
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("flags", [(), ("--prestart",)])
-def test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses(tmp_path, flags):
+def test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses(request, flags):
     # make_batches travels by value; `helper`, a global it uses, by name:
     # the server imports it, not each producer.
-    got, importers = run_preload_script(tmp_path, "function", *flags)
+    got, importers = run_preload_script(request, "function", *flags)
     assert got["got"] == [100, 100]
     assert importers["helper"] == {got["trainer"], got["server"]}, (importers, got)
 
 
-def test_prestart_starts_the_server_before_any_pipeline_and_pipelines_use_it(tmp_path):
-    script = tmp_path / "prestart.py"
-    script.write_text(textwrap.dedent(
-        """
-        import json, os, sys
-        import numpy as np
-        import shmpipe
-        from shmpipe import _startup
+PRESTART_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import shmpipe
+    from shmpipe import _startup
 
-        def make_batches():
-            yield np.arange(3)
+    def make_batches():
+        yield np.arange(3)
 
-        if __name__ == "__main__":
-            before = _startup.server_pid()
-            shmpipe.prestart()
-            # what a first pipeline imports in this process is here already
-            ready = all(m in sys.modules for m in ("numpy.random", "shmpipe.transports.shm", "shmpipe._ring"))
-            server = _startup.server_pid()
-            shmpipe.prestart()  # once only
-            again = _startup.server_pid()
-            parents = set()
-            for _ in range(2):
-                with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
-                    got = [b.tolist() for b in pipe]
-                    for pid in pipe.pids:
-                        with open(f"/proc/{pid}/stat") as f:
-                            parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
-            print(json.dumps({"before": before, "server": server, "again": again, "parents": sorted(parents),
-                              "got": got, "ready": ready}))
-        """
-    ))
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=T, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    if __name__ == "__main__":
+        before = _startup.server_pid()
+        shmpipe.prestart()
+        # what a first pipeline imports in this process is here already
+        ready = all(m in sys.modules for m in ("numpy.random", "shmpipe.transports.shm", "shmpipe._ring"))
+        server = _startup.server_pid()
+        shmpipe.prestart()  # once only
+        again = _startup.server_pid()
+        parents = set()
+        for _ in range(2):
+            with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
+                got = [b.tolist() for b in pipe]
+                for pid in pipe.pids:
+                    with open(f"/proc/{pid}/stat") as f:
+                        parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
+        print(json.dumps({"before": before, "server": server, "again": again, "parents": sorted(parents),
+                          "got": got, "ready": ready}))
+    """
+)
+
+
+@SHARED_TIMEOUT
+def test_prestart_starts_the_server_before_any_pipeline_and_pipelines_use_it(request):
+    out, _ = SCRIPTS.get(request, ("prestart",))
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["before"] is None and got["server"] is not None and got["again"] == got["server"]
@@ -382,22 +393,69 @@ if __name__ == "__main__":
 """
 
 
+@SHARED_TIMEOUT
 @pytest.mark.parametrize("value", [None, "12"])
-def test_the_producers_environment_is_the_trainers(tmp_path, value):
+def test_the_producers_environment_is_the_trainers(request, value):
     # The fork server imports its preload with OPENBLAS_THREAD_TIMEOUT=4 (its
     # OpenBLAS threads would spin a core for 0.1 s), unless the trainer's
     # environment sets it, and removes it before it forks any producer.
-    script = tmp_path / "environment.py"
+    out, _ = SCRIPTS.get(request, ("environment", value))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([value or "unset"] * 2)
+
+
+def _environment_command(folder, value):
+    script = folder / "environment.py"
     script.write_text(ENVIRONMENT_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     if value is not None:
         env["OPENBLAS_THREAD_TIMEOUT"] = value
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=T, cwd=tmp_path,
-        env={**env, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str([value or "unset"] * 2)
+    return Command([sys.executable, str(script)], cwd=folder, timeout=T,
+                   env={**env, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def _command(key, folder):
+    kind, *args = key
+    if kind == "script":
+        return _script_command(folder, *args)
+    if kind == "preload":
+        return _preload_command(folder, *args)
+    if kind == "environment":
+        return _environment_command(folder, *args)
+    script = folder / f"{kind}.py"
+    script.write_text(PRESTART_SCRIPT if kind == "prestart" else ARGS_SCRIPT)
+    return Command([sys.executable, str(script), *(["21"] if kind == "args" else [])], cwd=folder, timeout=T,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+#: The script each test of the family runs (see their calls of SCRIPTS.get).
+_KEYS = {
+    "test_a_source_of_the_script_runs_without_importing_it": lambda p: ("script", p["start_method"], p["source"], True, False),
+    "test_producers_of_a_script_that_imports_torch_do_not_load_torch": lambda p: ("script", p["start_method"], "main", True, True),
+    "test_a_source_that_needs_the_script_still_works_by_importing_it": lambda p: ("script", p["start_method"], "script", True, True),
+    "test_a_script_without_a_main_guard_runs_when_its_sources_travel_by_value": lambda p: ("script", p["start_method"], "main", False, False),
+    "test_a_script_without_a_main_guard_whose_source_needs_it_is_told_to_add_one": lambda p: ("script", p["start_method"], "script", False, False),
+    "test_a_global_set_under_the_main_guard_travels_with_the_source": lambda p: ("args",),
+    "test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used": lambda p: ("preload", "dataset", p["flags"]),
+    "test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses": lambda p: ("preload", "function", p["flags"]),
+    "test_prestart_starts_the_server_before_any_pipeline_and_pipelines_use_it": lambda p: ("prestart",),
+    "test_the_producers_environment_is_the_trainers": lambda p: ("environment", p["value"]),
+}
+
+
+def _key(item):
+    key = _KEYS[item.originalname](getattr(item, "callspec", None) and item.callspec.params)
+    if key[0] == "script" and key[4] and importlib.util.find_spec("torch") is None:
+        return None  # the test is skipped
+    return key
+
+
+#: The training scripts of these tests are independent processes: the first
+#: of them runs every one this session runs, three at a time (on 2 cores:
+#: 29 s one after the other, 21.6 s two at a time, 17.2 s three; they wait
+#: on their producers and the heavy module's sleep), and each test
+#: checks its own.
+SCRIPTS = SharedRuns(set(_KEYS), key=_key, command=_command, jobs=3)
 
 
 class CountsItsPickles:
