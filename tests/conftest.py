@@ -262,19 +262,19 @@ def _wait_any(procs: list[subprocess.Popen], timeout: float) -> None:
 
 class SharedRuns:
     """The scripts of a family of tests -- `tests`, test functions of one
-    module, each running one script and checking what it printed -- run
+    module, each running scripts and checking what they printed -- run
     together by the first of them that asks (run_together), for every test
-    of the family this session runs; the others find their result ready.
+    of the family this session runs; the others find their results ready.
 
-    `key(item)` says which script a test item runs (None: none, e.g. where
-    it will be skipped); `command(key, folder)` makes it, in an empty folder
-    of its own, writing there whatever it needs. The first test's guard
-    (no_leaks) sees every script of the family end and checks that nothing
-    of theirs is left behind."""
+    `keys(item)` says which scripts a test item runs (none where it will be
+    skipped); `command(key, folder)` makes one, in an empty folder of its
+    own, writing there whatever it needs. The first test's guard (no_leaks)
+    sees every script of the family end and checks that nothing of theirs
+    is left behind."""
 
-    def __init__(self, tests: set[str], key: Callable[[pytest.Item], Hashable | None],
+    def __init__(self, tests: set[str], keys: Callable[[pytest.Item], list[Hashable]],
                  command: Callable[[Hashable, Any], Command], jobs: int = 2) -> None:
-        self.tests, self.key, self.command, self.jobs = tests, key, command, jobs
+        self.tests, self.keys, self.command, self.jobs = tests, keys, command, jobs
         self.results: dict[Hashable, tuple[subprocess.CompletedProcess, Any]] = {}
 
     def get(self, request: pytest.FixtureRequest, key: Hashable) -> tuple[subprocess.CompletedProcess, Any]:
@@ -283,9 +283,7 @@ class SharedRuns:
             keys = [key]
             for item in request.session.items:
                 if item.module is request.module and getattr(item, "originalname", None) in self.tests:
-                    k = self.key(item)
-                    if k is not None and k not in self.results and k not in keys:
-                        keys.append(k)
+                    keys += [k for k in self.keys(item) if k not in self.results and k not in keys]
             factory = request.getfixturevalue("tmp_path_factory")
             folders = {k: factory.mktemp(re.sub(r"\W+", "_", str(k))[:30] or "run") for k in keys}
             commands = {k: self.command(k, folders[k]) for k in keys}

@@ -74,7 +74,7 @@ def _missing(name: str) -> str | None:
 #: checks its own.
 SNIPPET_RUNS = SharedRuns(
     {"test_snippet_runs_and_prints_what_its_page_says"},
-    key=lambda item: None if _missing(item.callspec.params["name"]) else item.callspec.params["name"],
+    keys=lambda item: [] if _missing(item.callspec.params["name"]) else [item.callspec.params["name"]],
     command=lambda name, folder: Command(
         [sys.executable, str(SNIPPETS / name)], cwd=folder, env=_env(), timeout=360,
         exclusive="ray" if name.startswith("ray") else None,  # one local Ray at a time

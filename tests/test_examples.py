@@ -32,14 +32,14 @@ def _command(key: str, folder: Path) -> Command:
     return Command([sys.executable, str(EXAMPLES / key), "--workers", "2", "--epochs", "3", "--batches", "10"], cwd=folder)
 
 
-def _key(item: pytest.Item) -> str | None:
+def _keys(item: pytest.Item) -> list[str]:
     name = item.originalname
     if name == "test_example_trains_and_reports_the_stall_fraction":
         script = item.callspec.params["script"]
-        return None if script == "torch_train.py" and importlib.util.find_spec("torch") is None else script
+        return [] if script == "torch_train.py" and importlib.util.find_spec("torch") is None else [script]
     if name == "test_the_readmes_first_example_runs_as_written":
-        return "README"
-    return "torch_train.py without torch"
+        return ["README"]
+    return ["torch_train.py without torch"]
 
 
 #: The examples are independent scripts (Keras, torch, the README's): the
@@ -48,7 +48,7 @@ def _key(item: pytest.Item) -> str | None:
 RUNS = SharedRuns(
     {"test_example_trains_and_reports_the_stall_fraction", "test_the_readmes_first_example_runs_as_written",
      "test_the_torch_example_says_what_to_install_without_torch"},
-    key=_key, command=_command,
+    keys=_keys, command=_command,
 )
 
 

@@ -443,11 +443,11 @@ _KEYS = {
 }
 
 
-def _key(item):
+def _keys(item):
     key = _KEYS[item.originalname](getattr(item, "callspec", None) and item.callspec.params)
     if key[0] == "script" and key[4] and importlib.util.find_spec("torch") is None:
-        return None  # the test is skipped
-    return key
+        return []  # the test is skipped
+    return [key]
 
 
 #: The training scripts of these tests are independent processes: the first
@@ -455,7 +455,7 @@ def _key(item):
 #: 29 s one after the other, 21.6 s two at a time, 17.2 s three; they wait
 #: on their producers and the heavy module's sleep), and each test
 #: checks its own.
-SCRIPTS = SharedRuns(set(_KEYS), key=_key, command=_command, jobs=3)
+SCRIPTS = SharedRuns(set(_KEYS), keys=_keys, command=_command, jobs=3)
 
 
 class CountsItsPickles:
