@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import Command, SharedRuns
 
-from shmpipe.bench import throughput
+from shmpipe.bench import throughput, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,25 +77,71 @@ def test_targets_are_checked_from_results():
     assert [met for _, met, _ in throughput.targets(results)] == [False, True, True, True, True, True]
 
 
-def test_throughput_script_writes_json(tmp_path):
-    out = tmp_path / "t.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--sizes", "8192",
-         "--seconds", "0.05", "--min-batches", "2", "--paths", *throughput.PATHS, "--json", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+# -- the scripts and CLI runs of these tests: independent processes (most
+#    import torch or TensorFlow), run two at a time by the first test that
+#    needs one (SharedRuns); each test checks its own. ----------------------------
+
+#: bench train's recipes in two runs, one per trainer, side by side.
+TRAIN_GROUPS = {trainer: [name for name in train.RECIPES if name.startswith(trainer + ":")] for trainer in ("keras", "torch")}
+
+
+def _command(key, folder):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if key == "throughput script":
+        return Command(
+            [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--sizes", "8192", "--seconds", "0.05",
+             "--min-batches", "2", "--paths", *throughput.PATHS, "--json", str(folder / "t.json")],
+            cwd=folder, timeout=120,
+        )
+    if key == "gpu_feed":
+        return Command([sys.executable, str(ROOT / "benchmarks" / "gpu_feed.py"), "--mib", "1", "--batches", "2"],
+                       cwd=folder, timeout=120)
+    if key == "resume":
+        return Command(
+            [sys.executable, "-m", "shmpipe", "bench", "resume", "--images", "40", "--side", "16", "--batch-size", "8",
+             "--workers", "1", "--repeat", "1", "--timeout", "60", "--json", str(folder / "resume.json"), "--plot",
+             str(folder / "resume.png")],
+            cwd=folder, env=env, timeout=180,
+        )
+    _, trainer = key
+    return Command(
+        [sys.executable, "-m", "shmpipe", "bench", "train", "--images", "48", "--batch-size", "16",
+         "--distinct", "4", "--crop", "24", "--sides", "32,48", "--reference-steps", "2", "--timeout", "300",
+         "--recipes", *TRAIN_GROUPS[trainer], "--json", str(folder / "train.json"), "--plot", str(folder / "train.png")],
+        cwd=folder, timeout=840,
     )
+
+
+RUNS = SharedRuns(
+    {"test_throughput_script_writes_json", "test_gpu_feed_says_what_it_did_not_measure",
+     "test_bench_train_runs_every_recipe_and_its_figures_are_sane",
+     "test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs"},
+    keys=lambda item: {
+        "test_throughput_script_writes_json": ["throughput script"],
+        "test_gpu_feed_says_what_it_did_not_measure": ["gpu_feed"],
+        "test_bench_train_runs_every_recipe_and_its_figures_are_sane": [("train", t) for t in TRAIN_GROUPS],
+        "test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs": ["resume"],
+    }[item.originalname],
+    command=_command,
+)
+#: The first test of RUNS waits for all of them (bench train's two runs take
+#: the longest: up to 840 s).
+SHARED_TIMEOUT = pytest.mark.timeout(900)
+
+
+@SHARED_TIMEOUT
+def test_throughput_script_writes_json(request):
+    proc, folder = RUNS.get(request, "throughput script")
     assert proc.returncode == 0, proc.stderr
     assert "| 8 KiB | shm ring |" in proc.stdout
-    data = json.loads(out.read_text())
+    data = json.loads((folder / "t.json").read_text())
     assert {r["path"] for r in data["results"]} == set(throughput.PATHS)
 
 
-def test_gpu_feed_says_what_it_did_not_measure(tmp_path):
+@SHARED_TIMEOUT
+def test_gpu_feed_says_what_it_did_not_measure(request):
     # No GPU in CI: the script must say so and succeed, measuring nothing.
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_feed.py"), "--mib", "1", "--batches", "2"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
+    proc, _ = RUNS.get(request, "gpu_feed")
     assert proc.returncode == 0, proc.stderr
     try:
         import torch
@@ -142,21 +189,24 @@ def test_bench_train_feeds_every_recipe_the_same_images():
         images[20]
 
 
-@pytest.mark.timeout(900)
-def test_bench_train_runs_every_recipe_and_its_figures_are_sane(tmp_path):
+@SHARED_TIMEOUT
+def test_bench_train_runs_every_recipe_and_its_figures_are_sane(request):
+    # Every recipe, in two runs side by side: the Keras recipes (and their
+    # baseline) in one, the torch recipes in the other.
     from shmpipe.bench import train
 
-    out, png = tmp_path / "train.json", tmp_path / "train.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "shmpipe", "bench", "train", "--images", "48", "--batch-size", "16",
-         "--distinct", "4", "--crop", "24", "--sides", "32,48", "--reference-steps", "2", "--timeout", "300",
-         "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=840, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
-    assert data["benchmark"] == "train" and data["config"]["images"] == 48
-    results = {r["recipe"]: r for r in data["results"]}
+    results = {}
+    for trainer in TRAIN_GROUPS:
+        proc, folder = RUNS.get(request, ("train", trainer))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        data = json.loads((folder / "train.json").read_text())
+        assert data["benchmark"] == "train" and data["config"]["images"] == 48
+        got = {r["recipe"]: r for r in data["results"]}
+        assert list(got) == TRAIN_GROUPS[trainer]
+        results.update(got)
+        for name in got:
+            assert f"| {name.split(':')[0]} | {name.split(':')[1]} |" in proc.stdout
+        assert (folder / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(results) == list(train.RECIPES)
     for name, r in results.items():
         assert r["skipped"] is None and r["error"] is None, (name, r)
@@ -171,8 +221,6 @@ def test_bench_train_runs_every_recipe_and_its_figures_are_sane(tmp_path):
         # any length; in this tiny one the DataLoader's workers can come and
         # go between two 0.2 s samples.)
         assert r["processes"] >= (3 if ":shmpipe" in name else 1), (name, r)
-        assert f"| {name.split(':')[0]} | {name.split(':')[1]} |" in proc.stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):
@@ -200,19 +248,14 @@ def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):
     assert "crop (128) <= min_side (96)" in capsys.readouterr().err
 
 
-def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(tmp_path):
+@SHARED_TIMEOUT
+def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(request):
     # A tiny run (40 JPEGs of 16x16, 5 batches, 1 worker): the JSON's
     # structure, and the checks it records, never a timing.
-    import os
-
     from shmpipe.bench import resume
 
-    out, png = tmp_path / "resume.json", tmp_path / "resume.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "shmpipe", "bench", "resume", "--images", "40", "--side", "16", "--batch-size", "8",
-         "--workers", "1", "--repeat", "1", "--timeout", "60", "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    proc, folder = RUNS.get(request, "resume")
+    out, png = folder / "resume.json", folder / "resume.png"
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["benchmark"] == "resume"
