@@ -188,6 +188,7 @@ class Command:
     env: dict[str, str] | None = None
     timeout: float = 300.0
     exclusive: str | None = None
+    preexec_fn: Callable[[], None] | None = None
 
 
 def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hashable, subprocess.CompletedProcess]:
@@ -213,7 +214,7 @@ def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hasha
                     continue
                 out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
                 proc = subprocess.Popen(cmd.args, cwd=cmd.cwd, env=cmd.env, stdout=out, stderr=err, text=True,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=cmd.preexec_fn)
                 running[key] = (proc, out, err, time.monotonic() + cmd.timeout)
                 busy.add(cmd.exclusive)
                 del pending[key]

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from conftest import Command, SharedRuns
 
 import shmpipe
 from shmpipe import registry
@@ -20,6 +22,10 @@ from shmpipe.transports.queue import QueueTransport
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_FEED = ["--workers", "2", "--batches", "2", "--shape", "2,100,3", "--fetch", "0.01", "--compute", "0.002", "--train", "0.002",
              "--transport-bound-workers", "0"]
+
+
+#: The tests whose CLI runs go together (RUNS, below): the first waits for all.
+SHARED_TIMEOUT = pytest.mark.timeout(900)
 
 
 def png(path) -> bool:
@@ -87,33 +93,29 @@ def test_feed_floor():
     assert not transport_bound(cfg).producer_bound and not FeedConfig(workers=8).producer_bound
 
 
-def test_feed_ray_recipes(tmp_path):
+@SHARED_TIMEOUT
+def test_feed_ray_recipes(request):
     # a child process, as a user runs it: Ray's logging holds the stderr of
     # the process it started in
-    out = subprocess.run(
-        [sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", "ray.util.iter", "shmpipe:ray",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        cwd=tmp_path,  # not the repository's root: -m would import its unbuilt source tree first
-    )
+    out, folder = RUNS.get(request, "feed ray")
     assert out.returncode == 0, out.stderr
-    got = {r["recipe"]: r for r in json.loads((tmp_path / "feed.json").read_text())["results"]}
+    got = {r["recipe"]: r for r in json.loads((folder / "feed.json").read_text())["results"]}
     assert len(got["ray.util.iter"]["waits_s"]) == 4 and len(got["shmpipe:ray"]["waits_s"]) == 4
     assert "Started a local Ray instance" not in out.stdout + out.stderr
-    assert "Started a local Ray instance" in (tmp_path / "output.log").read_text()
+    assert "Started a local Ray instance" in (folder / "output.log").read_text()
     assert "Ray started once, in " in out.stdout  # for both recipes, not once each
 
 
-def test_feed_startup_recipes_run_a_script_that_imports_the_framework(tmp_path):
+STARTUP_RECIPES = ["shmpipe:shm@torch", "shmpipe:shm+prestart@torch", "torch.DataLoader@torch"]
+
+
+@SHARED_TIMEOUT
+def test_feed_startup_recipes_run_a_script_that_imports_the_framework(request):
     pytest.importorskip("torch")
-    recipes = ["shmpipe:shm@torch", "shmpipe:shm+prestart@torch", "torch.DataLoader@torch"]
-    out = subprocess.run(
-        [sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", *recipes, "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        cwd=tmp_path,
-    )
+    recipes = STARTUP_RECIPES
+    out, folder = RUNS.get(request, "feed startup")
     assert out.returncode == 0, out.stderr
-    got = {r["recipe"]: r for r in json.loads((tmp_path / "feed.json").read_text())["results"]}
+    got = {r["recipe"]: r for r in json.loads((folder / "feed.json").read_text())["results"]}
     assert list(got) == recipes
     for name in recipes:
         assert len(got[name]["waits_s"]) == 4 and got[name]["first_batch_s"] > 0, name
@@ -211,12 +213,9 @@ def test_serialize_every_option(tmp_path, capsys):
     assert "| 128 KiB | shmpipe |" in capsys.readouterr().out
 
 
-def test_the_console_script(tmp_path):
-    out = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "feed", *TINY_FEED,
-         "--recipes", "tf.data", "shmpipe:shm"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
+@SHARED_TIMEOUT
+def test_the_console_script(request):
+    out, tmp_path = RUNS.get(request, "console")
     assert out.returncode == 0, out.stderr
     assert "| shmpipe:shm | 2 |" in out.stdout
     # the results land in a folder it names; TensorFlow's start-up lines in its log, not on the screen
@@ -227,11 +226,7 @@ def test_the_console_script(tmp_path):
     assert log, "TensorFlow says nothing when it starts?"
     for line in log:
         assert line not in out.stdout and line not in out.stderr
-    verbose = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "shmpipe"), "bench", "feed", *TINY_FEED,
-         "--recipes", "tf.data", "--out", "v", "--verbose"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
+    verbose, tmp_path = RUNS.get(request, "console verbose")
     assert verbose.returncode == 0, verbose.stderr
     assert not (tmp_path / "v" / "output.log").exists()
     # With --verbose TensorFlow's start-up lines reach the screen (compared
@@ -251,7 +246,8 @@ def every_option(parser):
             yield "", action
 
 
-def test_help_describes_every_option_with_its_default(tmp_path):
+@SHARED_TIMEOUT
+def test_help_describes_every_option_with_its_default(request):
     from shmpipe.__main__ import build_parser
 
     options = list(every_option(build_parser()))
@@ -265,9 +261,7 @@ def test_help_describes_every_option_with_its_default(tmp_path):
                  "(default: 4)", "(default: ./shmpipe-bench-"):
         assert text in feed_help, text
     for kind in ("throughput", "serialize"):
-        out = subprocess.run([sys.executable, "-m", "shmpipe", "bench", kind, "--help"], capture_output=True,
-                             text=True, timeout=120, cwd=tmp_path,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        out, _ = RUNS.get(request, f"help {kind}")
         words = " ".join(out.stdout.split())
         assert out.returncode == 0 and "--json FILE also write the results as JSON to FILE (default: no file)" in words
         assert "(default: 64KiB 1MiB 48MB)" in words
@@ -288,8 +282,70 @@ def doctor(*args, preexec_fn=None, prefix=()):
 
 
 
-def test_doctor_checks_this_machine():
-    out = doctor("--json")
+# -- the CLI runs of these tests: independent processes, run three at a time by
+#    the first test that needs one (36 s one after the other, 23.7 s two at a
+#    time, 19.6 s three); each test checks its own ---------------------------------
+
+
+def _child_env(*first: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*first, *sys.path])}
+
+
+def _command(key: str, folder) -> Command:
+    console = os.path.join(os.path.dirname(sys.executable), "shmpipe")
+    if key == "feed ray":
+        return Command([sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", "ray.util.iter",
+                        "shmpipe:ray", "--out", str(folder)],
+                       cwd=folder,  # not the repository's root: -m would import its unbuilt source tree first
+                       env=_child_env(), exclusive="ray")
+    if key == "feed startup":
+        return Command([sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", *STARTUP_RECIPES,
+                        "--out", str(folder)], cwd=folder, env=_child_env())
+    if key == "console":
+        return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "shmpipe:shm"], cwd=folder)
+    if key == "console verbose":
+        return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "--out", "v", "--verbose"],
+                       cwd=folder)
+    if key.startswith("help "):
+        return Command([sys.executable, "-m", "shmpipe", "bench", key.split()[1], "--help"], cwd=folder,
+                       env=_child_env(), timeout=120)
+    if key == "doctor's checks":
+        code = ("import sys; from shmpipe import _doctor; _doctor.checks(); "
+                "print(sorted(m for m in ('torch', 'tensorflow', 'ray', 'pyarrow') if m in sys.modules))")
+        return Command([sys.executable, "-c", code], cwd=NEUTRAL, env=_child_env(), timeout=120)
+    if key == "doctor with torch in sitecustomize":
+        (folder / "sitecustomize.py").write_text("import torch\n")
+        return Command([sys.executable, "-m", "shmpipe", "doctor", "--json"], cwd=NEUTRAL,
+                       env=_child_env(str(folder)))
+    doctor_args = {"doctor --json": ["--json"], "doctor": [], "doctor with 256 open files": []}[key]
+    return Command([sys.executable, "-m", "shmpipe", "doctor", *doctor_args], cwd=NEUTRAL, env=_child_env(),
+                   timeout=120, preexec_fn=_few_files if key == "doctor with 256 open files" else None)
+
+
+def _few_files():
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
+_TORCH = importlib.util.find_spec("torch") is not None
+_KEYS = {
+    "test_feed_ray_recipes": ["feed ray"],
+    "test_feed_startup_recipes_run_a_script_that_imports_the_framework": ["feed startup"] if _TORCH else [],
+    "test_the_console_script": ["console", "console verbose"],
+    "test_help_describes_every_option_with_its_default": ["help throughput", "help serialize"],
+    "test_doctor_checks_this_machine": ["doctor --json", "doctor"],
+    "test_doctor_imports_no_heavy_package": ["doctor's checks"],
+    "test_doctor_reports_what_starting_producers_costs": ["doctor --json"],
+    "test_doctor_warns_when_producers_load_a_heavy_framework": ["doctor with torch in sitecustomize"] if _TORCH else [],
+    "test_doctor_warns_about_few_open_files": ["doctor with 256 open files"],
+}
+RUNS = SharedRuns(set(_KEYS), keys=lambda item: _KEYS[item.originalname], command=_command, jobs=3)
+
+
+@SHARED_TIMEOUT
+def test_doctor_checks_this_machine(request):
+    out, _ = RUNS.get(request, "doctor --json")
     report = json.loads(out.stdout)
     names = [c["name"] for c in report["checks"]]
     for name in ("/dev/shm", "memory for rings", "open files (ulimit -n)", "locked memory (ulimit -l)",
@@ -304,34 +360,31 @@ def test_doctor_checks_this_machine():
     import numpy
 
     assert next(c for c in report["checks"] if c["name"] == "package numpy")["value"] == numpy.__version__
-    text = doctor()
+    text, _ = RUNS.get(request, "doctor")
     assert text.returncode == out.returncode
     assert text.stdout.startswith("shmpipe doctor: ") and "  OK    package numpy" in text.stdout
 
 
-def test_doctor_imports_no_heavy_package():
-    code = ("import sys; from shmpipe import _doctor; _doctor.checks(); "
-            "print(sorted(m for m in ('torch', 'tensorflow', 'ray', 'pyarrow') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=NEUTRAL,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+@SHARED_TIMEOUT
+def test_doctor_imports_no_heavy_package(request):
+    out, _ = RUNS.get(request, "doctor's checks")
     assert out.stdout.strip() == "[]", out.stderr
 
 
-def test_doctor_reports_what_starting_producers_costs():
-    report = json.loads(doctor("--json").stdout)
+@SHARED_TIMEOUT
+def test_doctor_reports_what_starting_producers_costs(request):
+    report = json.loads(RUNS.get(request, "doctor --json")[0].stdout)  # the run test_doctor_checks_this_machine checks
     startup = next(c for c in report["checks"] if c["name"] == "producer start-up")
     assert startup["value"].startswith("2 producers (forkserver): first batch in "), startup
     assert "they load none of tensorflow, torch, jax, keras, ray" in startup["value"], startup
 
 
-def test_doctor_warns_when_producers_load_a_heavy_framework(tmp_path):
+@SHARED_TIMEOUT
+def test_doctor_warns_when_producers_load_a_heavy_framework(request):
     # A sitecustomize that imports torch: every Python process carries it,
     # shmpipe's fork server and so its producers too.
     pytest.importorskip("torch")
-    (tmp_path / "sitecustomize.py").write_text("import torch\n")
-    out = subprocess.run([sys.executable, "-m", "shmpipe", "doctor", "--json"], capture_output=True, text=True,
-                         timeout=300, cwd=NEUTRAL,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    out, _ = RUNS.get(request, "doctor with torch in sitecustomize")
     report = json.loads(out.stdout)
     startup = next(c for c in report["checks"] if c["name"] == "producer start-up")
     assert startup["status"] == "WARN" and "they load torch" in startup["value"], startup
@@ -339,13 +392,9 @@ def test_doctor_warns_when_producers_load_a_heavy_framework(tmp_path):
     assert out.returncode == 1
 
 
-def test_doctor_warns_about_few_open_files():
-    import resource
-
-    def few_files():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-
-    out = doctor(preexec_fn=few_files)
+@SHARED_TIMEOUT
+def test_doctor_warns_about_few_open_files(request):
+    out, _ = RUNS.get(request, "doctor with 256 open files")
     assert out.returncode == 1, out.stdout
     line = next(line for line in out.stdout.splitlines() if "open files" in line)
     assert line.startswith("  WARN") and "256" in line
