@@ -90,23 +90,25 @@ LEAF_KEYS = ["a", "g", "shape", "dtype", "v", "y", "zz"]
 FORMS = [("a", "shape"), ("a", "shape", "dtype"), ("g", "shape"), ("g", "shape", "dtype"), ("v",), ("y",)]
 
 
+# The strategies leaves() draws from, made once (not at every draw).
+_LEAF_KEYSETS = st.one_of(
+    *[st.sampled_from(FORMS)] * 6,  # mostly a form the encoder writes
+    st.lists(st.sampled_from(LEAF_KEYS), min_size=1, max_size=4, unique=True),  # odd keys
+)
+_LEAF_VALUES = {
+    "a": st.integers(0, 3) | st.integers(-1, 4) | json_scalars,
+    "shape": st.lists(st.integers(0, 7) | st.sampled_from(EXTREMES), max_size=4) | json_values,
+    "dtype": st.sampled_from([n.decode("latin-1") for n in DTYPE_NAMES]) | json_values,
+    "y": st.sampled_from(["", "QQ==", "QUJD", "!!", "QQ"]) | json_values,
+}
+_LEAF_VALUES["g"] = _LEAF_VALUES["a"]
+_OTHER_LEAF_VALUE = st.one_of(json_scalars, json_scalars, json_values)
+
+
 @st.composite
 def leaves(draw):
-    odd_keys = st.lists(st.sampled_from(LEAF_KEYS), min_size=1, max_size=4, unique=True)
-    keys = draw(st.one_of(*[st.sampled_from(FORMS)] * 6, odd_keys))  # mostly a form the encoder writes
-    leaf = {}
-    for key in keys:
-        if key in ("a", "g"):
-            leaf[key] = draw(st.integers(0, 3) | st.integers(-1, 4) | json_scalars)
-        elif key == "shape":
-            leaf[key] = draw(st.lists(st.integers(0, 7) | st.sampled_from(EXTREMES), max_size=4) | json_values)
-        elif key == "dtype":
-            leaf[key] = draw(st.sampled_from([n.decode("latin-1") for n in DTYPE_NAMES]) | json_values)
-        elif key == "y":
-            leaf[key] = draw(st.sampled_from(["", "QQ==", "QUJD", "!!", "QQ"]) | json_values)
-        else:
-            leaf[key] = draw(st.one_of(json_scalars, json_scalars, json_values))
-    return leaf
+    keys = draw(_LEAF_KEYSETS)
+    return {key: draw(_LEAF_VALUES.get(key, _OTHER_LEAF_VALUE)) for key in keys}
 
 
 trees = st.recursive(
