@@ -261,7 +261,25 @@ def _wait_any(procs: list[subprocess.Popen], timeout: float) -> None:
             os.close(fd)
 
 
-class SharedRuns:
+class _Shared:
+    """What SharedRuns and SharedJobs have in common: the results of a family
+    of tests, made together by the first test that asks."""
+
+    def __init__(self, tests: set[str], keys: Callable[[pytest.Item], list[Hashable]], jobs: int) -> None:
+        self.tests, self.keys, self.jobs = tests, keys, jobs
+        self.results: dict[Hashable, Any] = {}
+
+    def _wanted(self, request: pytest.FixtureRequest, key: Hashable) -> list[Hashable]:
+        """`key`, then those of every test of the family this session runs,
+        that are not made yet."""
+        keys = [key]
+        for item in request.session.items:
+            if item.module is request.module and getattr(item, "originalname", None) in self.tests:
+                keys += [k for k in self.keys(item) if k not in self.results and k not in keys]
+        return keys
+
+
+class SharedRuns(_Shared):
     """The scripts of a family of tests -- `tests`, test functions of one
     module, each running scripts and checking what they printed -- run
     together by the first of them that asks (run_together), for every test
@@ -275,19 +293,50 @@ class SharedRuns:
 
     def __init__(self, tests: set[str], keys: Callable[[pytest.Item], list[Hashable]],
                  command: Callable[[Hashable, Any], Command], jobs: int = 2) -> None:
-        self.tests, self.keys, self.command, self.jobs = tests, keys, command, jobs
-        self.results: dict[Hashable, tuple[subprocess.CompletedProcess, Any]] = {}
+        super().__init__(tests, keys, jobs)
+        self.command = command
 
     def get(self, request: pytest.FixtureRequest, key: Hashable) -> tuple[subprocess.CompletedProcess, Any]:
         """(what the script of `key` did, its folder)."""
         if key not in self.results:
-            keys = [key]
-            for item in request.session.items:
-                if item.module is request.module and getattr(item, "originalname", None) in self.tests:
-                    keys += [k for k in self.keys(item) if k not in self.results and k not in keys]
+            keys = self._wanted(request, key)
             factory = request.getfixturevalue("tmp_path_factory")
             folders = {k: factory.mktemp(re.sub(r"\W+", "_", str(k))[:30] or "run") for k in keys}
             commands = {k: self.command(k, folders[k]) for k in keys}
             for k, out in run_together(commands, self.jobs).items():
                 self.results[k] = (out, folders[k])
         return self.results[key]
+
+
+class SharedJobs(_Shared):
+    """As SharedRuns, for jobs that start and wait for processes themselves
+    (a group's ranks): `job(key)` makes a function that does one, and up to
+    `jobs` of them run at a time in threads of this process. get() returns
+    what the job returned, or raises what it raised. Each job bounds its own
+    waits; `timeout` bounds the wait for all."""
+
+    def __init__(self, tests: set[str], keys: Callable[[pytest.Item], list[Hashable]],
+                 job: Callable[[Hashable], Callable[[], Any]], jobs: int = 2, timeout: float = 600.0) -> None:
+        super().__init__(tests, keys, jobs)
+        self.job, self.timeout = job, timeout
+
+    def get(self, request: pytest.FixtureRequest, key: Hashable) -> Any:
+        if key not in self.results:
+            import concurrent.futures
+
+            keys = self._wanted(request, key)
+            calls = {k: self.job(k) for k in keys}
+            with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
+                futures = {k: pool.submit(call) for k, call in calls.items()}
+                concurrent.futures.wait(futures.values(), timeout=self.timeout)
+                for k, future in futures.items():
+                    if not future.done():
+                        self.results[k] = (None, TimeoutError(f"{k} did not end within {self.timeout:g} s"))
+                    elif future.exception() is not None:
+                        self.results[k] = (None, future.exception())
+                    else:
+                        self.results[k] = (future.result(), None)
+        value, error = self.results[key]
+        if error is not None:
+            raise error
+        return value

@@ -1,13 +1,14 @@
 """Several ranks fed by one pipeline: ``from_iterators(group=...)``.
 
-Each rank is a real process (this file run as a script, one per rank, the
-way torchrun starts them); rank 0 starts the producers. Each rank checks
+Each rank is a real process (tests/group_rank.py run as a script, one per
+rank, the way torchrun starts them); rank 0 starts the producers. Each rank checks
 every byte of what it receives, reports what it got as one JSON line, and
 what it still holds of shared memory after close().
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,9 +18,12 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SharedJobs
 
 import shmpipe
 from shmpipe._api import check_arguments
@@ -27,6 +31,8 @@ from shmpipe._group import group_capacity
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
+#: One rank: tests/group_rank.py run as a script.
+RANK = os.path.join(os.path.dirname(HERE), "group_rank.py")
 #: Every rank (and so the whole test) ends within this, or the test fails.
 RANK_TIMEOUT_S = 120
 
@@ -48,7 +54,7 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
             if delays:
                 time.sleep(delays[i])
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            procs.append((cfg, out, err, subprocess.Popen([sys.executable, HERE, json.dumps(cfg)],
+            procs.append((cfg, out, err, subprocess.Popen([sys.executable, RANK, json.dumps(cfg)],
                                                            stdout=out, stderr=err, env=env, text=True)))
         for cfg, out, err, proc in procs:
             proc.wait(timeout=RANK_TIMEOUT_S)
@@ -70,30 +76,6 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
         for report in reports:
             _end_child(report.get("child_pid"))
     return sorted(reports, key=lambda r: r["rank"])
-
-
-def _add_one_in_place(t: Any) -> Any:
-    """Adds one to each byte of tensor `t` in place, checks it did, and
-    returns the bytes from before as a NumPy array of `t`'s dtype."""
-    import torch
-
-    u = t.view(torch.uint8)
-    before = u.clone()
-    u.add_(1)
-    assert torch.equal(u, before + 1)
-    return before.view(t.dtype).numpy()
-
-
-def _in_a_ring_mapping(address: int) -> bool:
-    """Whether `address` lies in a mapping of a shmpipe memfd (shared or
-    private) in this process."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "memfd:shmpipe" in line:
-                lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
-                if lo <= address < hi:
-                    return True
-    return False
 
 
 def _end_child(pid: int | None) -> None:
@@ -141,13 +123,63 @@ def _assert_clean(report: dict[str, Any]) -> None:
     assert report["mapped"] == 0, report
 
 
+# -- the groups of the tests, run a few at a time ------------------------------------
+
+#: test name -> (what its group runs, from the test's parameters; the module
+#: its processes need). What it runs: the ranks' configs, or (configs, the
+#: delays before each starts), or a function that runs something else and
+#: returns what the test checks.
+_GROUPS: dict[str, tuple[Callable[..., Any], str | None]] = {}
+
+
+def runs(group: Callable[..., Any], needs: str | None = None) -> Callable[[Any], Any]:
+    """Registers what the test runs (see _GROUPS): the first test of these
+    runs the groups of all of them this session runs, three at a time
+    (GROUPS); the others find their reports ready."""
+
+    def register(test: Any) -> Any:
+        _GROUPS[test.__name__] = (group, needs)
+        return pytest.mark.timeout(600)(test)  # the first waits for all
+
+    return register
+
+
+def _keys(item: Any) -> list[Any]:
+    group, needs = _GROUPS[item.originalname]
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        return []  # the test is skipped
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return [(item.originalname, tuple(sorted(params.items())))]
+
+
+def _job(key: Any) -> Callable[[], Any]:
+    name, params = key
+    made = _GROUPS[name][0](**dict(params))
+    if callable(made):
+        return made
+    configs, delays = made if isinstance(made, tuple) else (made, None)
+    return lambda: _run_ranks(configs, delays)
+
+
+#: Each group is a few processes that mostly start Python and shmpipe, or
+#: wait (for a rank that never comes, a late one, a timeout): three groups at
+#: a time keep the two cores busy.
+GROUPS = SharedJobs(_GROUPS.keys(), keys=_keys, job=_job, jobs=4)
+
+
+def _reports(request: Any) -> Any:
+    """What the test's group did (its ranks' reports, in rank order)."""
+    return GROUPS.get(request, _keys(request.node)[0])
+
+
 # -- delivery ----------------------------------------------------------------------
 
 
+@runs(lambda n: _configs(n, sources=3, per_source=7, passes=2, ordered=True))
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_each_batch_goes_to_exactly_one_rank_and_every_rank_gets_the_same_number(n):
+def test_each_batch_goes_to_exactly_one_rank_and_every_rank_gets_the_same_number(n, request):
     sources, per_source, passes = 3, 7, 2
-    reports = _run_ranks(_configs(n, sources=sources, per_source=per_source, passes=passes, ordered=True))
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         _assert_clean(r)
@@ -171,11 +203,11 @@ def test_each_batch_goes_to_exactly_one_rank_and_every_rank_gets_the_same_number
         assert r["stats"]["passes"] == passes
 
 
-def test_unordered_delivery_is_disjoint_and_equal_with_arrow_and_big_batches():
+@runs(lambda: _configs(2, sources=2, per_source=9, passes=1, transport="arrow", grow=True))
+def test_unordered_delivery_is_disjoint_and_equal_with_arrow_and_big_batches(request):
     """Unordered, over the arrow transport, with batches larger than a slot
     (each in memory of its own, its descriptor sent to its rank)."""
-    n = 2
-    reports = _run_ranks(_configs(n, sources=2, per_source=9, passes=1, transport="arrow", grow=True))
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         _assert_clean(r)
@@ -185,13 +217,14 @@ def test_unordered_delivery_is_disjoint_and_equal_with_arrow_and_big_batches():
     assert sum(r["big"] for r in reports) > 0  # some did travel outside the ring
 
 
-def test_in_place_torch_ops_in_every_rank_on_batches_of_any_size():
+@runs(lambda: _configs(2, sources=2, per_source=9, passes=1, grow=True, adapter="torch"), needs="torch")
+def test_in_place_torch_ops_in_every_rank_on_batches_of_any_size(request):
     """A rank's batches lie in memory it maps read-only: an in-place op on
     their tensors (x.add_(1)) killed the rank with SIGSEGV. Now each
     tensor is a private view: the op works and the batch is intact (the
     check compares the bytes from before the op with what was sent)."""
     pytest.importorskip("torch")
-    reports = _run_ranks(_configs(2, sources=2, per_source=9, passes=1, grow=True, adapter="torch"))
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         _assert_clean(r)
@@ -199,12 +232,12 @@ def test_in_place_torch_ops_in_every_rank_on_batches_of_any_size():
     assert all(r["big"] > 0 for r in reports)  # each rank had batches outside the ring
 
 
-def test_a_slot_is_not_reused_while_a_rank_holds_its_batch_and_posix_backing_works():
+@runs(lambda: _configs(2, sources=2, per_source=60, passes=2, transport="shm-posix", keep_first=True))
+def test_a_slot_is_not_reused_while_a_rank_holds_its_batch_and_posix_backing_works(request):
     """Each rank keeps its first batch while 60 more pass through a ring of
     10 slots; it is intact at the end of the pass. The ring is a named
     segment here (backing="posix"), which ranks open by name."""
-    configs = _configs(2, sources=2, per_source=60, passes=2, transport="shm-posix", keep_first=True)
-    reports = _run_ranks(configs)
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         assert [len(p) for p in r["passes"]] == [60, 60]
@@ -212,18 +245,23 @@ def test_a_slot_is_not_reused_while_a_rank_holds_its_batch_and_posix_backing_wor
         _assert_clean(r)
 
 
-def test_ranks_may_start_in_any_order_and_late():
+def _any_order_and_late() -> Any:
     configs = _configs(3, sources=2, per_source=6, passes=1, group_timeout=60)
-    reports = _run_ranks(list(reversed(configs)), delays=[0.0, 2.0, 3.0])  # rank 2, then 1, then rank 0 3 s later
+    return list(reversed(configs)), [0.0, 2.0, 3.0]  # rank 2, then 1, then rank 0 3 s later
+
+
+@runs(_any_order_and_late)
+def test_ranks_may_start_in_any_order_and_late(request):
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         assert len(r["passes"][0]) == 4
         _assert_clean(r)
 
 
-def test_a_rank_that_never_comes_is_named():
-    configs = _configs(3, sources=1, per_source=4, passes=1, group_timeout=3)
-    reports = _run_ranks(configs[:2])  # rank 2 never starts
+@runs(lambda: _configs(3, sources=1, per_source=4, passes=1, group_timeout=3)[:2])  # rank 2 never starts
+def test_a_rank_that_never_comes_is_named(request):
+    reports = _reports(request)
     for r in reports:
         assert r["error"][0] == "GroupStartError", r
         assert "rank(s) 2 of 3 did not join" in r["error"][1]
@@ -231,26 +269,36 @@ def test_a_rank_that_never_comes_is_named():
     assert _wait_gone(reports[0]["pids"]) == []
 
 
-def test_a_rank_whose_rank_0_never_comes_says_so():
-    configs = _configs(2, sources=1, per_source=4, passes=1, group_timeout=2)
-    (report,) = _run_ranks(configs[1:])
+@runs(lambda: _configs(2, sources=1, per_source=4, passes=1, group_timeout=2)[1:])  # rank 0 never starts
+def test_a_rank_whose_rank_0_never_comes_says_so(request):
+    (report,) = _reports(request)
     assert report["error"][0] == "GroupStartError", report
     assert "rank 0 did not start listening" in report["error"][1]
 
 
-def test_ranks_that_disagree_on_the_arguments_do_not_start():
+def _disagreeing() -> Any:
     configs = _configs(2, sources=2, per_source=4, passes=1, group_timeout=20)
     configs[1]["sources"] = 3
-    reports = _run_ranks(configs)
+    return configs
+
+
+@runs(_disagreeing)
+def test_ranks_that_disagree_on_the_arguments_do_not_start(request):
+    reports = _reports(request)
     for r in reports:
         assert r["error"][0] == "GroupStartError", r
         assert "other arguments than rank 0" in r["error"][1]
 
 
-def test_several_passes_stay_in_step_when_ranks_run_at_different_speeds():
+def _different_speeds() -> Any:
     configs = _configs(2, sources=2, per_source=10, passes=3, ordered=True)
     configs[1]["step_s"] = 0.01  # rank 1 trains slower
-    reports = _run_ranks(configs)
+    return configs
+
+
+@runs(_different_speeds)
+def test_several_passes_stay_in_step_when_ranks_run_at_different_speeds(request):
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         assert [len(p) for p in r["passes"]] == [10, 10, 10]
@@ -261,15 +309,20 @@ def test_several_passes_stay_in_step_when_ranks_run_at_different_speeds():
 # -- faults ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("child", [False, True], ids=["alone", "with-a-child-holding-its-socket"])
-def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back(child):
-    """With a child it forked keeping its end of the socket open for 20 s
-    after it dies, its death is seen by its pidfd, not by the socket's end."""
+def _one_killed(child: bool, victim: int) -> Any:
     configs = _configs(3, sources=2, per_source=1000, passes=1, step_s=0.002)
     if child:
-        configs[1]["fork_child_at"] = [0, 3]
-    configs[1]["kill_at"] = [0, 5]
-    reports = _run_ranks(configs)
+        configs[victim]["fork_child_at"] = [0, 3]
+    configs[victim]["kill_at"] = [0, 5]
+    return configs
+
+
+@runs(lambda child: _one_killed(child, 1))
+@pytest.mark.parametrize("child", [False, True], ids=["alone", "with-a-child-holding-its-socket"])
+def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back(child, request):
+    """With a child it forked keeping its end of the socket open for 20 s
+    after it dies, its death is seen by its pidfd, not by the socket's end."""
+    reports = _reports(request)
     victim = reports[1]
     assert victim["returncode"] == -signal.SIGKILL
     for r in (reports[0], reports[2]):
@@ -282,13 +335,10 @@ def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back
     assert _wait_gone(reports[0]["pids"]) == []
 
 
+@runs(lambda child: _one_killed(child, 0))
 @pytest.mark.parametrize("child", [False, True], ids=["alone", "with-a-child-holding-its-sockets"])
-def test_rank_0_killed_fails_the_others_and_its_producers_exit(child):
-    configs = _configs(3, sources=2, per_source=1000, passes=1, step_s=0.002)
-    if child:
-        configs[0]["fork_child_at"] = [0, 3]
-    configs[0]["kill_at"] = [0, 5]
-    reports = _run_ranks(configs)
+def test_rank_0_killed_fails_the_others_and_its_producers_exit(child, request):
+    reports = _reports(request)
     assert reports[0]["returncode"] == -signal.SIGKILL
     for r in reports[1:]:
         assert r["error"][0] == "RankDiedError", r
@@ -298,8 +348,9 @@ def test_rank_0_killed_fails_the_others_and_its_producers_exit(child):
     assert _wait_gone(reports[0]["pids"]) == []  # the producers noticed their consumer died
 
 
-def test_a_producer_failure_reaches_every_rank():
-    reports = _run_ranks(_configs(3, sources=2, per_source=0, passes=1, raiser=True))
+@runs(lambda: _configs(3, sources=2, per_source=0, passes=1, raiser=True))
+def test_a_producer_failure_reaches_every_rank(request):
+    reports = _reports(request)
     for r in reports:
         assert r["error"][0] == "WorkerError", r
         assert "boom from the source" in r["error"][1]
@@ -307,21 +358,27 @@ def test_a_producer_failure_reaches_every_rank():
     assert _wait_gone(reports[0]["pids"]) == []
 
 
-def test_a_rank_closing_mid_pass_fails_the_others():
-    configs = _configs(2, sources=2, per_source=1000, passes=1, step_s=0.002)
+def _one_closing(**extra: Any) -> Any:
+    configs = _configs(2, sources=2, per_source=1000, passes=1, step_s=0.002, **extra)
     configs[1]["close_at"] = [0, 3]
-    reports = _run_ranks(configs)
+    return configs
+
+
+@runs(_one_closing)
+def test_a_rank_closing_mid_pass_fails_the_others(request):
+    reports = _reports(request)
     assert reports[1]["error"] is None
     assert reports[0]["error"][0] == "RankDiedError"
     assert "closed its pipeline in the middle of pass 0" in reports[0]["error"][1]
 
 
-def test_a_long_non_ascii_producer_error_reaches_every_rank():
+@runs(lambda: _configs(3, sources=2, per_source=0, passes=1, raiser=True, emoji=30_000))
+def test_a_long_non_ascii_producer_error_reaches_every_rank(request):
     """A message JSON writes 12 bytes per character of: clipped by its
     encoded size, it still fits one group message (it was clipped by
     characters, did not fit, and the ranks waited for ever)."""
     # 30,000 emoji (12 bytes each in JSON), made in each rank (too long for a command line)
-    reports = _run_ranks(_configs(3, sources=2, per_source=0, passes=1, raiser=True, emoji=30_000))
+    reports = _reports(request)
     for r in reports:
         assert r["error"][0] == "WorkerError", r
         assert "\U0001f600" * 100 in r["error"][1] and "[...]" in r["error"][1]
@@ -348,34 +405,34 @@ def test_error_messages_fit_whatever_their_texts():
         assert isinstance(back, shmpipe.ShmpipeError) and "[...]" in str(back)
 
 
-def test_descriptors_above_1024_work_in_every_rank():
+@runs(lambda: _configs(2, sources=2, per_source=5, passes=2, high_fds=True, ordered=True))
+def test_descriptors_above_1024_work_in_every_rank(request):
     """Each rank first fills its descriptors up to 1100, so the group's
     sockets and pidfds are above FD_SETSIZE (select() raised ValueError)."""
-    reports = _run_ranks(_configs(2, sources=2, per_source=5, passes=2, high_fds=True, ordered=True))
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         assert [len(p) for p in r["passes"]] == [5, 5]
         _assert_clean(r)
 
 
-def test_batches_not_yet_dealt_when_the_pipeline_fails_leave_no_descriptor():
+@runs(lambda: _configs(3, sources=2, per_source=0, passes=1, big_then_raise=True, ordered=True))
+def test_batches_not_yet_dealt_when_the_pipeline_fails_leave_no_descriptor(request):
     """The error comes with an incomplete round that holds a batch larger
     than a slot (a descriptor of its own): rank 0 closes it."""
-    configs = _configs(3, sources=2, per_source=0, passes=1, big_then_raise=True, ordered=True)
-    reports = _run_ranks(configs)
+    reports = _reports(request)
     for r in reports:
         assert r["error"][0] == "WorkerError", r
         _assert_clean(r)  # ring_fds: rank 0 kept no batch's descriptor
     assert _wait_gone(reports[0]["pids"]) == []
 
 
-def test_a_rank_closing_mid_pass_keeps_its_batches_intact():
+@runs(lambda: _one_closing(keep_first=True))
+def test_a_rank_closing_mid_pass_keeps_its_batches_intact(request):
     """Rank 1 keeps its first batch, closes mid-pass and reads it 1 s later:
     rank 0 stops the producers before it frees anything that rank held, and
     keeps its slots until the batch is gone."""
-    configs = _configs(2, sources=2, per_source=1000, passes=1, step_s=0.002, keep_first=True)
-    configs[1]["close_at"] = [0, 3]
-    reports = _run_ranks(configs)
+    reports = _reports(request)
     assert reports[1]["error"] is None, reports[1]
     assert reports[1]["kept_intact"] is True
     assert reports[0]["error"][0] == "RankDiedError"
@@ -383,12 +440,17 @@ def test_a_rank_closing_mid_pass_keeps_its_batches_intact():
         _assert_clean(r)
 
 
-def test_a_stray_process_joining_a_running_group_is_turned_away():
-    """A third process says it is rank 1 after the group started: it gets
-    GroupStartError; the group goes on (it failed before)."""
+def _with_a_stray() -> Any:
     configs = _configs(2, sources=2, per_source=300, passes=1, step_s=0.01, ordered=True)
     stray = {**configs[1], "per_source": 300}
-    reports = _run_ranks([*configs, stray], delays=[0.0, 0.0, 3.0])
+    return [*configs, stray], [0.0, 0.0, 3.0]
+
+
+@runs(_with_a_stray)
+def test_a_stray_process_joining_a_running_group_is_turned_away(request):
+    """A third process says it is rank 1 after the group started: it gets
+    GroupStartError; the group goes on (it failed before)."""
+    reports = _reports(request)
     stray_report = [r for r in reports if r["rank"] == 1 and r["error"] is not None]
     good = [r for r in reports if r["error"] is None]
     assert len(stray_report) == 1 and stray_report[0]["error"][0] == "GroupStartError", reports
@@ -540,9 +602,10 @@ def test_a_rank_turns_any_malformed_message_from_rank_0_into_a_shmpipe_error(wha
 # -- frameworks --------------------------------------------------------------------
 
 
-def test_to_torch_in_each_rank():
+@runs(lambda: _configs(2, sources=2, per_source=6, passes=1, adapter="torch"), needs="torch")
+def test_to_torch_in_each_rank(request):
     pytest.importorskip("torch")
-    reports = _run_ranks(_configs(2, sources=2, per_source=6, passes=1, adapter="torch"))
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         assert len(r["passes"][0]) == 6
@@ -550,28 +613,46 @@ def test_to_torch_in_each_rank():
         _assert_clean(r)
 
 
-def test_to_tf_dataset_in_a_rank():
-    pytest.importorskip("tensorflow")
+def _one_tf_rank() -> Any:
     configs = _configs(2, sources=2, per_source=6, passes=2)
     configs[1]["adapter"] = "tf"
-    reports = _run_ranks(configs)
+    return configs
+
+
+@runs(_one_tf_rank, needs="tensorflow")
+def test_to_tf_dataset_in_a_rank(request):
+    pytest.importorskip("tensorflow")
+    reports = _reports(request)
     for r in reports:
         assert r["returncode"] == 0 and r["error"] is None, r
         assert [len(p) for p in r["passes"]] == [6, 6]
     assert {tuple(b) for r in reports for b in r["passes"][0]} == {(w, s) for w in range(2) for s in range(6)}
 
 
-def test_the_ddp_example_trains_under_torchrun(tmp_path):
+def _script(*args: str) -> Callable[[], subprocess.CompletedProcess]:
+    """A function that runs `args` with this process's sys.path, in a folder
+    of its own, as subprocess.run(capture_output=True, text=True) does; the
+    JSON files it wrote there come back as the result's .json."""
+
+    def run() -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with tempfile.TemporaryDirectory() as cwd:
+            out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+            out.json = {p.name: p.read_text() for p in Path(cwd).glob("*.json")}  # type: ignore[attr-defined]
+        return out
+
+    return run
+
+
+@runs(lambda: _script(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      os.path.join(ROOT, "examples", "ddp_train.py"), "--workers", "3", "--epochs", "3", "--batches", "5"),
+      needs="torch")
+def test_the_ddp_example_trains_under_torchrun(request):
     """examples/ddp_train.py: DistributedDataParallel (gloo, CPU) on 2 ranks
     under torchrun, fed by one pipeline of 3 producers: 15 batches an epoch,
     7 to each rank, 1 dropped; the ranks' weights stay identical."""
     pytest.importorskip("torch")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         os.path.join(ROOT, "examples", "ddp_train.py"), "--workers", "3", "--epochs", "3", "--batches", "5"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )
+    out = _reports(request)
     assert out.returncode == 0, out.stderr[-3000:]
     ranks = dict(re.findall(r"rank (\d): 21 batches in 3 epochs, .* weights checksum (\S+)", out.stdout))
     assert set(ranks) == {"0", "1"}, out.stdout
@@ -581,16 +662,12 @@ def test_the_ddp_example_trains_under_torchrun(tmp_path):
     assert "batches per rank [21, 21], remainder dropped 3, producer processes 3" in out.stdout
 
 
-def test_bench_ranks_runs_and_writes_json(tmp_path):
-    out_json = tmp_path / "ranks.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "shmpipe", "bench", "ranks", "--ranks", "2", "--batches", "12", "--size", "64KiB",
-         "--work-ms", "0", "--setups", "shared pool", "pipeline per rank", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )
+@runs(lambda: _script(sys.executable, "-m", "shmpipe", "bench", "ranks", "--ranks", "2", "--batches", "12", "--size",
+                      "64KiB", "--work-ms", "0", "--setups", "shared pool", "pipeline per rank", "--json", "ranks.json"))
+def test_bench_ranks_runs_and_writes_json(request):
+    out = _reports(request)
     assert out.returncode == 0, out.stderr[-3000:]
-    results = {r["setup"]: r for r in json.loads(out_json.read_text())["results"]}
+    results = {r["setup"]: r for r in json.loads(out.json["ranks.json"])["results"]}
     shared, own = results["shared pool"], results["pipeline per rank"]
     assert shared["batches_per_rank"] == own["batches_per_rank"] == [12, 12]
     assert (shared["producer_processes"], own["producer_processes"]) == (2, 4)
@@ -636,164 +713,6 @@ def test_capabilities_say_which_transports_serve_ranks():
     assert shmpipe.get_transport("shm").capabilities.serves_ranks
     assert shmpipe.get_transport("arrow").capabilities.serves_ranks
     assert not shmpipe.get_transport("queue").capabilities.serves_ranks
-
-
-# -- one rank (this file run as a script) ------------------------------------------------
-
-
-def _rank_main(cfg: dict[str, Any]) -> None:
-    import gc
-
-    import numpy as np
-
-    from shmpipe.testing.memory import ring_descriptors
-    from shmpipe.testing.sources import Counter, Raiser, Shapes, crc_of, fill_pattern, payload_for
-
-    result: dict[str, Any] = {"rank": cfg["rank"], "passes": [], "error": None, "big": 0, "pids": []}
-    n = cfg["sources"]
-    if cfg.get("high_fds"):
-        # Every descriptor the group opens from here on is >= 1024, where
-        # select() cannot go (FD_SETSIZE).
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
-        filler = os.open(os.devnull, os.O_RDONLY)
-        result["fillers"] = [os.dup2(filler, fd) for fd in range(filler + 1, 1100)]
-    if cfg.get("raiser"):
-        sources: list[Any] = [Raiser(after=3, only_worker=1, message="\U0001f600" * cfg.get("emoji", 0) or "boom from the source")] * n
-    elif cfg.get("big_then_raise"):
-        # Ordered: w0 b0, w1 b0, w0 b1, w1 b1, w0 b2 (larger than a slot), then
-        # worker 1 raises: with 3 ranks the second round is incomplete when
-        # the error comes, and holds a batch that owns a descriptor.
-        sources = [Shapes([(1024,), (1024,), (4096,), (4096,)]), Raiser(after=2, only_worker=1)]
-    elif cfg.get("grow"):
-        # The first batch sizes the slot; later ones are up to 4x larger.
-        sources = [Shapes([(1024 * (1 + (i % 4)),) for i in range(cfg["per_source"])])] * n
-    else:
-        sources = [Counter(cfg["per_source"], (64,))] * n
-
-    def check(b: Any) -> tuple[int, int]:
-        """Checks one batch; returns (worker, seq). A function, so that no
-        array of the batch outlives the check in a local."""
-        if adapter == "tf":
-            b = {k: v.numpy() for k, v in b.items()}
-        w, s = int(b["worker"]), int(b["seq"])
-        if "x" in b:
-            x = b["x"]
-            if adapter == "torch":
-                # In place, on a batch larger than a slot too: a private view.
-                x = _add_one_in_place(x)
-            expected = np.empty(x.shape, x.dtype)
-            fill_pattern(expected, w, s)
-            assert crc_of(x) == int(b["crc"]) and x.tobytes() == expected.tobytes()
-            # The first batch (4 KiB) sized the slot (12 KiB): these did not fit.
-            result["big"] += x.nbytes >= 12288
-        elif "data" in b:
-            data = b["data"]
-            if adapter == "torch":
-                assert isinstance(data, torch.Tensor)
-                # No copy: the tensor's pages are the group's ring (in rank 0)
-                # or a private mapping of it (elsewhere: read-only there).
-                result["zero_copy"] = _in_a_ring_mapping(data.data_ptr())
-                # In place: a SIGSEGV on a rank's read-only mapping, once.
-                data = _add_one_in_place(data)
-            elif adapter is None:
-                assert not data.flags.writeable
-                try:
-                    data.flags.writeable = True
-                    raise AssertionError("a rank's batch could be made writeable")
-                except ValueError:
-                    pass
-            assert np.array_equal(data, payload_for(w, s, (64,)))
-        return w, s
-
-    pipe = batches = ds = kept = None
-    try:
-        transport: Any = cfg.get("transport", "shm")
-        if transport == "shm-posix":
-            from shmpipe.transports.shm import ShmTransport
-
-            transport = ShmTransport(backing="posix")
-        pipe = shmpipe.from_iterators(
-            sources,
-            transport=transport,
-            ordered=cfg.get("ordered", False),
-            timeout=60,
-            group=cfg["group"],
-            rank=cfg["rank"],
-            num_ranks=cfg["num_ranks"],
-            group_timeout=cfg.get("group_timeout", 30),
-        )
-        result["pids"] = pipe.pids
-        adapter = cfg.get("adapter")
-        for p in range(cfg["passes"]):
-            got: list[list[int]] = []
-            if adapter == "torch":
-                import torch
-
-                batches = pipe.to_torch()
-            elif adapter == "tf" and p == 0:
-                ds = pipe.to_tf_dataset()
-            for b in batches if adapter == "torch" else ds if adapter == "tf" else pipe:
-                w, s = check(b)
-                got.append([w, s])
-                if cfg.get("keep_first") and kept is None:
-                    kept = (w, s, b["data"])  # its slot must not be reused while this lives
-                del b
-                if cfg.get("fork_child_at") == [p, len(got)]:
-                    # A child that keeps this rank's end of the group's socket
-                    # open (as a DataLoader worker would) for 20 s, but not
-                    # the report's pipe (the test would wait for it); the
-                    # test ends it (child_pid).
-                    child = os.fork()
-                    if child == 0:
-                        null = os.open(os.devnull, os.O_WRONLY)
-                        os.dup2(null, 1)
-                        os.dup2(null, 2)
-                        time.sleep(20)
-                        os._exit(0)
-                    result["child_pid"] = child
-                if cfg.get("kill_at") == [p, len(got)]:
-                    result["killed_at"] = time.time()
-                    print(json.dumps(result), flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if cfg.get("close_at") == [p, len(got)]:
-                    pipe.close()
-                    if kept is not None:
-                        # Rank 0 fails the group, its producers write on for a
-                        # moment: none of it may land in the slot kept here.
-                        time.sleep(1.0)
-                    break
-                if cfg.get("step_s"):
-                    time.sleep(cfg["step_s"])
-            result["passes"].append(got)
-            if kept is not None:
-                result["kept_intact"] = bool(np.array_equal(kept[2], payload_for(kept[0], kept[1], (64,))))
-                kept = None
-            if pipe.closed:
-                break
-        result["stats"] = pipe.stats().as_dict()
-        if cfg["rank"] == 0:
-            result["group_stats"] = pipe.group_stats().as_dict()
-    except shmpipe.ShmpipeError as exc:
-        result["error_at"] = time.time()
-        result["error"] = [type(exc).__name__, str(exc)]
-        if pipe is not None and pipe._leader is not None:
-            result["held_by_rank"] = {str(r): len(link.held) for r, link in pipe._leader.links.items()}
-    finally:
-        if pipe is not None:
-            pipe.close()
-    pipe = batches = ds = kept = None
-    gc.collect()
-    result["ring_fds"] = sorted(ring_descriptors().values())
-    with open("/proc/self/maps") as f:
-        result["mapped"] = sum("memfd:shmpipe" in line for line in f)
-    print(json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    _rank_main(json.loads(sys.argv[1]))
 
 
 # -- what a stray connection to rank 0 can do ------------------------------------

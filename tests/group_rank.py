@@ -1,0 +1,194 @@
+"""One rank of a group of tests/test_group.py: run as a script, with its
+config (JSON) as argv[1]. It checks every byte of what it receives, reports
+what it got as one JSON line, and what it still holds of shared memory after
+close(). (A module of its own: a rank imports no more than it needs.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import shmpipe
+
+
+def _add_one_in_place(t: Any) -> Any:
+    """Adds one to each byte of tensor `t` in place, checks it did, and
+    returns the bytes from before as a NumPy array of `t`'s dtype."""
+    import torch
+
+    u = t.view(torch.uint8)
+    before = u.clone()
+    u.add_(1)
+    assert torch.equal(u, before + 1)
+    return before.view(t.dtype).numpy()
+
+
+def _in_a_ring_mapping(address: int) -> bool:
+    """Whether `address` lies in a mapping of a shmpipe memfd (shared or
+    private) in this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:shmpipe" in line:
+                lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+                if lo <= address < hi:
+                    return True
+    return False
+
+
+def _rank_main(cfg: dict[str, Any]) -> None:
+    import gc
+
+    import numpy as np
+
+    from shmpipe.testing.memory import ring_descriptors
+    from shmpipe.testing.sources import Counter, Raiser, Shapes, crc_of, fill_pattern, payload_for
+
+    result: dict[str, Any] = {"rank": cfg["rank"], "passes": [], "error": None, "big": 0, "pids": []}
+    n = cfg["sources"]
+    if cfg.get("high_fds"):
+        # Every descriptor the group opens from here on is >= 1024, where
+        # select() cannot go (FD_SETSIZE).
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+        filler = os.open(os.devnull, os.O_RDONLY)
+        result["fillers"] = [os.dup2(filler, fd) for fd in range(filler + 1, 1100)]
+    if cfg.get("raiser"):
+        sources: list[Any] = [Raiser(after=3, only_worker=1, message="\U0001f600" * cfg.get("emoji", 0) or "boom from the source")] * n
+    elif cfg.get("big_then_raise"):
+        # Ordered: w0 b0, w1 b0, w0 b1, w1 b1, w0 b2 (larger than a slot), then
+        # worker 1 raises: with 3 ranks the second round is incomplete when
+        # the error comes, and holds a batch that owns a descriptor.
+        sources = [Shapes([(1024,), (1024,), (4096,), (4096,)]), Raiser(after=2, only_worker=1)]
+    elif cfg.get("grow"):
+        # The first batch sizes the slot; later ones are up to 4x larger.
+        sources = [Shapes([(1024 * (1 + (i % 4)),) for i in range(cfg["per_source"])])] * n
+    else:
+        sources = [Counter(cfg["per_source"], (64,))] * n
+
+    def check(b: Any) -> tuple[int, int]:
+        """Checks one batch; returns (worker, seq). A function, so that no
+        array of the batch outlives the check in a local."""
+        if adapter == "tf":
+            b = {k: v.numpy() for k, v in b.items()}
+        w, s = int(b["worker"]), int(b["seq"])
+        if "x" in b:
+            x = b["x"]
+            if adapter == "torch":
+                # In place, on a batch larger than a slot too: a private view.
+                x = _add_one_in_place(x)
+            expected = np.empty(x.shape, x.dtype)
+            fill_pattern(expected, w, s)
+            assert crc_of(x) == int(b["crc"]) and x.tobytes() == expected.tobytes()
+            # The first batch (4 KiB) sized the slot (12 KiB): these did not fit.
+            result["big"] += x.nbytes >= 12288
+        elif "data" in b:
+            data = b["data"]
+            if adapter == "torch":
+                assert isinstance(data, torch.Tensor)
+                # No copy: the tensor's pages are the group's ring (in rank 0)
+                # or a private mapping of it (elsewhere: read-only there).
+                result["zero_copy"] = _in_a_ring_mapping(data.data_ptr())
+                # In place: a SIGSEGV on a rank's read-only mapping, once.
+                data = _add_one_in_place(data)
+            elif adapter is None:
+                assert not data.flags.writeable
+                try:
+                    data.flags.writeable = True
+                    raise AssertionError("a rank's batch could be made writeable")
+                except ValueError:
+                    pass
+            assert np.array_equal(data, payload_for(w, s, (64,)))
+        return w, s
+
+    pipe = batches = ds = kept = None
+    try:
+        transport: Any = cfg.get("transport", "shm")
+        if transport == "shm-posix":
+            from shmpipe.transports.shm import ShmTransport
+
+            transport = ShmTransport(backing="posix")
+        pipe = shmpipe.from_iterators(
+            sources,
+            transport=transport,
+            ordered=cfg.get("ordered", False),
+            timeout=60,
+            group=cfg["group"],
+            rank=cfg["rank"],
+            num_ranks=cfg["num_ranks"],
+            group_timeout=cfg.get("group_timeout", 30),
+        )
+        result["pids"] = pipe.pids
+        adapter = cfg.get("adapter")
+        for p in range(cfg["passes"]):
+            got: list[list[int]] = []
+            if adapter == "torch":
+                import torch
+
+                batches = pipe.to_torch()
+            elif adapter == "tf" and p == 0:
+                ds = pipe.to_tf_dataset()
+            for b in batches if adapter == "torch" else ds if adapter == "tf" else pipe:
+                w, s = check(b)
+                got.append([w, s])
+                if cfg.get("keep_first") and kept is None:
+                    kept = (w, s, b["data"])  # its slot must not be reused while this lives
+                del b
+                if cfg.get("fork_child_at") == [p, len(got)]:
+                    # A child that keeps this rank's end of the group's socket
+                    # open (as a DataLoader worker would) for 20 s, but not
+                    # the report's pipe (the test would wait for it); the
+                    # test ends it (child_pid).
+                    child = os.fork()
+                    if child == 0:
+                        null = os.open(os.devnull, os.O_WRONLY)
+                        os.dup2(null, 1)
+                        os.dup2(null, 2)
+                        time.sleep(20)
+                        os._exit(0)
+                    result["child_pid"] = child
+                if cfg.get("kill_at") == [p, len(got)]:
+                    result["killed_at"] = time.time()
+                    print(json.dumps(result), flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if cfg.get("close_at") == [p, len(got)]:
+                    pipe.close()
+                    if kept is not None:
+                        # Rank 0 fails the group, its producers write on for a
+                        # moment: none of it may land in the slot kept here.
+                        time.sleep(1.0)
+                    break
+                if cfg.get("step_s"):
+                    time.sleep(cfg["step_s"])
+            result["passes"].append(got)
+            if kept is not None:
+                result["kept_intact"] = bool(np.array_equal(kept[2], payload_for(kept[0], kept[1], (64,))))
+                kept = None
+            if pipe.closed:
+                break
+        result["stats"] = pipe.stats().as_dict()
+        if cfg["rank"] == 0:
+            result["group_stats"] = pipe.group_stats().as_dict()
+    except shmpipe.ShmpipeError as exc:
+        result["error_at"] = time.time()
+        result["error"] = [type(exc).__name__, str(exc)]
+        if pipe is not None and pipe._leader is not None:
+            result["held_by_rank"] = {str(r): len(link.held) for r, link in pipe._leader.links.items()}
+    finally:
+        if pipe is not None:
+            pipe.close()
+    pipe = batches = ds = kept = None
+    gc.collect()
+    result["ring_fds"] = sorted(ring_descriptors().values())
+    with open("/proc/self/maps") as f:
+        result["mapped"] = sum("memfd:shmpipe" in line for line in f)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(sys.argv[1]))
