@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import Command, SharedRuns
 
 from shmpipe import _process, _ring, _segments
 from shmpipe.errors import CorruptChannelError, SharedMemoryFullError
@@ -560,14 +561,42 @@ _HOSTILE_PRELUDE = textwrap.dedent(
 )
 
 
-def _run_hostile(tmp_path, body, timeout=90):
-    """Runs a scenario in a fresh interpreter; its stdout lines, after
+#: test name -> (its scenario's body, from the test's parameters; its timeout)
+_SCENARIOS: dict = {}
+
+
+def scenario(body, timeout=90):
+    """Registers the scenario the test runs (`body(**params)`: the code after
+    the prelude); the first test of these runs every scenario this session
+    runs, in fresh interpreters, three at a time (HOSTILE)."""
+
+    def register(test):
+        _SCENARIOS[test.__name__] = (body, timeout)
+        return pytest.mark.timeout(600)(test)  # the first waits for all
+
+    return register
+
+
+def _keys(item):
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return [(item.originalname, tuple(sorted(params.items())))]
+
+
+def _command(key, folder):
+    name, params = key
+    body, timeout = _SCENARIOS[name]
+    script = _HOSTILE_PRELUDE + textwrap.dedent(body(**dict(params))) + "\nprint('EXIT OK')\n"
+    return Command([sys.executable, "-c", script], cwd=folder, timeout=timeout)
+
+
+HOSTILE = SharedRuns(_SCENARIOS.keys(), keys=_keys, command=_command, jobs=3)
+
+
+def _run_hostile(request):
+    """Runs the test's scenario (see scenario()); its stdout lines, after
     checking it exited normally (a signal is a crash, 3 a hang)."""
-    script = _HOSTILE_PRELUDE + textwrap.dedent(body) + "\nprint('EXIT OK')\n"
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=tmp_path
-        )
+        out, _ = HOSTILE.get(request, _keys(request.node)[0])
     finally:
         _segments.sweep()  # a scenario that died cannot remove its segment
     lines = out.stdout.split("\n")
@@ -581,19 +610,9 @@ def _run_hostile(tmp_path, body, timeout=90):
     return lines
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
-@pytest.mark.parametrize(
-    "field, value",
-    list(HOSTILE_HEADER.items()),
-)
-def test_live_geometry_rewrite_changes_nothing(tmp_path, field, value, ordered):
-    # A ring in use keeps working from its private geometry, both ends,
-    # while the header says something else; a process attaching afterwards
-    # refuses the header.
+def _geometry_rewrite(field, value, ordered):
     offset, width = HEADER_FIELDS[field]
-    lines = _run_hostile(
-        tmp_path,
-        f"""
+    return f"""
         ordered = {ordered}
         c, ws = ring(num_workers=2, capacity=4 if not ordered else 3, ordered=ordered)
         run(c, ws, 0, 40, ordered)
@@ -607,18 +626,26 @@ def test_live_geometry_rewrite_changes_nothing(tmp_path, field, value, ordered):
         except CorruptChannelError as exc:
             print("attach refused:", exc)
         c.close(); c.destroy()
-        """,
-    )
+        """
+
+
+@scenario(_geometry_rewrite)
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+@pytest.mark.parametrize(
+    "field, value",
+    list(HOSTILE_HEADER.items()),
+)
+def test_live_geometry_rewrite_changes_nothing(request, field, value, ordered):
+    # A ring in use keeps working from its private geometry, both ends,
+    # while the header says something else; a process attaching afterwards
+    # refuses the header.
+    lines = _run_hostile(request)
     assert "delivered 240" in lines
     assert any(line.startswith("attach refused:") and "inconsistent" in line for line in lines), lines
 
 
-def test_live_quota_rewrite_keeps_the_private_quota(tmp_path):
-    # Ordered, 2 workers, 3 slots: quota 1 per worker. Writing quota = 0 (no
-    # limit) into the live header must not let worker 1 fill the ring.
-    lines = _run_hostile(
-        tmp_path,
-        """
+def _quota_rewrite():
+    return """
         c, ws = ring(num_workers=2, capacity=3, ordered=True)
         poke(c.handle.name, 48, 4, 0)
         ws[1].put(batch(1))
@@ -633,8 +660,14 @@ def test_live_quota_rewrite_keeps_the_private_quota(tmp_path):
         check(c.get(0, 1, 1, WAIT), 3)
         print("done")
         c.close(); c.destroy()
-        """,
-    )
+        """
+
+
+@scenario(_quota_rewrite)
+def test_live_quota_rewrite_keeps_the_private_quota(request):
+    # Ordered, 2 workers, 3 slots: quota 1 per worker. Writing quota = 0 (no
+    # limit) into the live header must not let worker 1 fill the ring.
+    lines = _run_hostile(request)
     assert "second put blocked: True" in lines and "done" in lines
 
 
@@ -643,27 +676,8 @@ def _slot_record(nworkers, slot, field):
     return WORKER_TABLE + WORKER_BYTES * nworkers + SLOT_BYTES * slot + off, width
 
 
-@pytest.mark.parametrize(
-    "field, value, ordered, outcome",
-    [
-        ("worker", 0xFFFFFFFF, False, "error: slot .* names worker 4294967295"),
-        ("worker", 7, False, "error: slot .* names worker 7"),
-        ("nbytes", 1 << 40, False, "error: slot .* claims 1099511627776 bytes"),
-        ("nbytes", 8, False, "error: a slot payload of 8 bytes is too short"),
-        ("wseq", 1 << 63, False, "delivered$"),
-        ("wseq", 1 << 63, True, "nothing$"),  # the batch it waits for never comes: a timeout
-        ("pass", 12345, False, "nothing$"),  # a batch of another pass: dropped
-        ("ticket", 1 << 63, False, "delivered$"),
-    ],
-)
-def test_garbage_in_a_ready_slots_record(tmp_path, field, value, ordered, outcome):
-    # A READY slot's record is rewritten before the consumer takes it; the
-    # ring then goes on carrying batches.
-    import re
-
-    lines = _run_hostile(
-        tmp_path,
-        f"""
+def _garbage_in_a_ready_slot(field, value, ordered, outcome):  # (the outcome is the test's to check)
+    return f"""
         import re
         c, ws = ring(num_workers=2, capacity=4, ordered={ordered})
         run(c, ws, 0, 10, {ordered})
@@ -687,20 +701,35 @@ def test_garbage_in_a_ready_slots_record(tmp_path, field, value, ordered, outcom
             run(c, ws, 11, 60)
             print("went on")
         c.close(); c.destroy()
-        """,
-    )
+        """
+
+
+@scenario(_garbage_in_a_ready_slot)
+@pytest.mark.parametrize(
+    "field, value, ordered, outcome",
+    [
+        ("worker", 0xFFFFFFFF, False, "error: slot .* names worker 4294967295"),
+        ("worker", 7, False, "error: slot .* names worker 7"),
+        ("nbytes", 1 << 40, False, "error: slot .* claims 1099511627776 bytes"),
+        ("nbytes", 8, False, "error: a slot payload of 8 bytes is too short"),
+        ("wseq", 1 << 63, False, "delivered$"),
+        ("wseq", 1 << 63, True, "nothing$"),  # the batch it waits for never comes: a timeout
+        ("pass", 12345, False, "nothing$"),  # a batch of another pass: dropped
+        ("ticket", 1 << 63, False, "delivered$"),
+    ],
+)
+def test_garbage_in_a_ready_slots_record(request, field, value, ordered, outcome):
+    # A READY slot's record is rewritten before the consumer takes it; the
+    # ring then goes on carrying batches.
+    import re
+
+    lines = _run_hostile(request)
     assert any(re.match(outcome, line) for line in lines), lines
     assert ordered or "went on" in lines
 
 
-def test_garbage_in_a_workers_inflight_count(tmp_path):
-    # Ordered: 2 workers, 3 slots, quota 1. (a) A count set to 0 while a
-    # batch is in flight must not wrap below 0 when the consumer takes it
-    # (that would hold the worker at its quota for good); (b) an impossible
-    # count is a CorruptChannelError for the producer, not a wait forever.
-    lines = _run_hostile(
-        tmp_path,
-        """
+def _inflight_count():
+    return """
         c, ws = ring(num_workers=2, capacity=3, ordered=True)
         name = c.handle.name
         for i in range(6):  # w0: 0, w1: 0, w0: 1, ...
@@ -719,19 +748,23 @@ def test_garbage_in_a_workers_inflight_count(tmp_path):
         check(c.get(0, 1, 3, WAIT), 7)
         print("recovered")
         c.close(); c.destroy()
-        """,
-    )
+        """
+
+
+@scenario(_inflight_count)
+def test_garbage_in_a_workers_inflight_count(request):
+    # Ordered: 2 workers, 3 slots, quota 1. (a) A count set to 0 while a
+    # batch is in flight must not wrap below 0 when the consumer takes it
+    # (that would hold the worker at its quota for good); (b) an impossible
+    # count is a CorruptChannelError for the producer, not a wait forever.
+    lines = _run_hostile(request)
     assert "no underflow" in lines and "recovered" in lines
     assert any(line.startswith("error:") and "impossible value" in line for line in lines), lines
 
 
-def test_live_pipeline_survives_its_header_being_rewritten(tmp_path):
-    # A whole pipeline (producer processes) whose ring header is rewritten
-    # field by field while batches flow delivers every batch, bit-exact.
+def _live_pipeline():
     fields = ", ".join(repr(HEADER_FIELDS[f] + (v,)) for f, v in HOSTILE_HEADER.items())
-    lines = _run_hostile(
-        tmp_path,
-        f"""
+    return f"""
         import shmpipe
         from shmpipe.testing.sources import Counter, payload_for
         n, per = 2, 300
@@ -752,9 +785,14 @@ def test_live_pipeline_survives_its_header_being_rewritten(tmp_path):
         assert not pokes
         assert len(seen) == n * per, len(seen)
         print("delivered", len(seen))
-        """,
-        timeout=120,
-    )
+        """
+
+
+@scenario(_live_pipeline, timeout=120)
+def test_live_pipeline_survives_its_header_being_rewritten(request):
+    # A whole pipeline (producer processes) whose ring header is rewritten
+    # field by field while batches flow delivers every batch, bit-exact.
+    lines = _run_hostile(request)
     assert f"delivered {2 * 300}" in lines
 
 
