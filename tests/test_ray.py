@@ -5,45 +5,70 @@ two-node cluster."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import ray
+from conftest import Command, SharedRuns
 from ray.cluster_utils import Cluster
 
 import shmpipe
 from shmpipe.testing.sources import NodeReporter, payload_for
 from shmpipe.transports.ray import RayTransport
 
+#: A script that makes a pipeline over Ray, as a user's would: not under Ray
+#: (the pipeline starts a local one and stops it on close), and next to a
+#: decoy source checkout of shmpipe that cannot be imported (Ray puts the
+#: directory ray.init() runs in on its workers' sys.path, so the pipeline must
+#: start Ray elsewhere for the actors to find the real one). One process
+#: checks both (a local Ray takes seconds to start); each test reads its part.
+ON_DEMAND = textwrap.dedent(
+    """
+    import sys
+    sys.path.remove(sys.path[0])  # like an installed program: ./ is not on the path
+    import ray, shmpipe
+    from shmpipe.testing.sources import Counter
+    if __name__ == "__main__":
+        assert not ray.is_initialized()
+        with shmpipe.from_iterators([Counter(3)] * 2, transport="ray", slot_size=1 << 20, timeout=120) as pipe:
+            n = sum(1 for _ in pipe)
+            up = ray.is_initialized()
+            store = ray.cluster_resources()["object_store_memory"]
+        print(n, up, ray.is_initialized(), int(store))
+    """
+)
 
-def test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close(tmp_path):
-    script = tmp_path / "ray_on_demand.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import ray, shmpipe
-            from shmpipe.testing.sources import Counter
-            if __name__ == "__main__":
-                assert not ray.is_initialized()
-                with shmpipe.from_iterators([Counter(3)] * 2, transport="ray", slot_size=1 << 20, timeout=120) as pipe:
-                    n = sum(1 for _ in pipe)
-                    up = ray.is_initialized()
-                    store = ray.cluster_resources()["object_store_memory"]
-                print(n, up, ray.is_initialized(), int(store))
-            """
-        )
-    )
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+
+def _on_demand(folder):
+    (folder / "shmpipe").mkdir()
+    (folder / "shmpipe" / "__init__.py").write_text("raise ImportError('the decoy checkout was imported')\n")
+    (folder / "run.py").write_text(ON_DEMAND)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return Command([sys.executable, str(folder / "run.py")], cwd=folder, env=env)
+
+
+RUN = SharedRuns(
+    {"test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close", "test_a_pipeline_started_next_to_a_source_checkout"},
+    keys=lambda item: ["on demand"], command=lambda key, folder: _on_demand(folder),
+)
+
+
+def test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close(request):
+    out, _ = RUN.get(request, "on demand")
     assert out.returncode == 0, out.stderr[-3000:]
     n, up, after, store = out.stdout.split()
     assert (n, up, after) == ("6", "True", "False")
     # sized for the pipeline: max(256 MiB, 3 x capacity x slot_size) = 256 MiB here
     assert abs(int(store) - (256 << 20)) < (16 << 20)
+
+
+def test_a_pipeline_started_next_to_a_source_checkout(request):
+    # ./shmpipe there is the decoy: had the actors imported it, no batch
+    # would have come.
+    out, _ = RUN.get(request, "on demand")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == "6"
 
 
 def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
@@ -75,29 +100,3 @@ def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-def test_a_pipeline_started_next_to_a_source_checkout(tmp_path):
-    # ./shmpipe here is a decoy "checkout" that cannot be imported; Ray puts
-    # the directory ray.init() runs in on its workers' sys.path, so the
-    # pipeline must start Ray elsewhere for the actors to find the real one.
-    (tmp_path / "shmpipe").mkdir()
-    (tmp_path / "shmpipe" / "__init__.py").write_text("raise ImportError('the decoy checkout was imported')\n")
-    script = tmp_path / "run.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import sys
-            sys.path.remove(sys.path[0])  # like an installed program: ./ is not on the path
-            import shmpipe
-            from shmpipe.testing.sources import Counter
-            if __name__ == "__main__":
-                with shmpipe.from_iterators([Counter(3)], transport="ray", timeout=120) as pipe:
-                    print(sum(1 for _ in pipe))
-            """
-        )
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "3"
