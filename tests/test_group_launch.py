@@ -6,12 +6,15 @@ hand, another ``run_id=``) that connects as a rank that has not joined yet
 is refused with GroupLaunchError, and the real rank still joins after it.
 A malformed hello closes its connection only, never the group.
 
-Each rank is a real process (this file run as a script); every wait has a
-timeout and every process a test starts is ended, whatever fails.
+Each rank is a real process (tests/launch_rank.py run as a script); every
+wait has a timeout and every process a test starts is ended, whatever
+fails. The tests whose ranks are processes run those a few groups at a time
+(LAUNCHES), each group as its test ran it alone.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -23,13 +26,17 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from conftest import SharedJobs
 
 import shmpipe
 
 HERE = os.path.abspath(__file__)
+#: One rank: tests/launch_rank.py run as a script.
+RANK = os.path.join(os.path.dirname(HERE), "launch_rank.py")
 #: Every process a test starts ends within this, or the test fails.
 PROC_TIMEOUT_S = 90
 #: What a launcher may have set in the test's own environment: each process
@@ -72,7 +79,7 @@ class _Processes:
         return proc
 
     def rank(self, cfg: dict[str, Any], launch: dict[str, str]) -> subprocess.Popen[str]:
-        return self.start([sys.executable, HERE, json.dumps(cfg)], _env(launch))
+        return self.start([sys.executable, RANK, json.dumps(cfg)], _env(launch))
 
     def reports(self, proc: subprocess.Popen[str]) -> tuple[list[dict[str, Any]], str]:
         """Waits for `proc`; the JSON lines it printed, and its stderr's end."""
@@ -107,6 +114,41 @@ def _rank_cfg(group: str, rank: int, **more: Any) -> dict[str, Any]:
     return {"group": group, "rank": rank, "num_ranks": 2, "per_source": 6, "group_timeout": 30, **more}
 
 
+#: test name -> (a function of its parameters that makes what it runs, the
+#: module that needs)
+_LAUNCHES: dict[str, tuple[Callable[..., Any], str | None]] = {}
+
+
+def runs(make: Callable[..., Any], needs: str | None = None) -> Callable[[Any], Any]:
+    """Registers what the test runs: make(**params) gives a function that
+    starts its processes, waits for them and returns what the test checks.
+    The first test of these runs those of every one this session runs,
+    three at a time (LAUNCHES)."""
+
+    def register(test: Any) -> Any:
+        _LAUNCHES[test.__name__] = (make, needs)
+        return pytest.mark.timeout(600)(test)  # the first waits for all
+
+    return register
+
+
+def _keys(item: Any) -> list[Any]:
+    _, needs = _LAUNCHES[item.originalname]
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        return []  # the test is skipped
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return [(item.originalname, tuple(sorted(params.items())))]
+
+
+LAUNCHES = SharedJobs(
+    _LAUNCHES.keys(), keys=_keys, job=lambda key: _LAUNCHES[key[0]][0](**dict(key[1])), jobs=3
+)
+
+
+def _launched(request: Any) -> Any:
+    return LAUNCHES.get(request, _keys(request.node)[0])
+
+
 # -- a process of another launch cannot take a rank's place --------------------------
 
 CASES = {
@@ -122,19 +164,30 @@ CASES = {
 }
 
 
+def _another_launch(case: str) -> Any:
+    ours, theirs, our_run_id, their_run_id = CASES[case]
+    group = _group()
+
+    def run() -> Any:
+        with _Processes() as procs:
+            rank0 = procs.rank(_rank_cfg(group, 0, run_id=our_run_id), ours)
+            stray = procs.report(procs.rank(_rank_cfg(group, 1, run_id=their_run_id), theirs))
+            real1 = procs.rank(_rank_cfg(group, 1, run_id=our_run_id), ours)
+            reports = [procs.report(rank0), procs.report(real1)]
+        return group, stray, reports
+
+    return run
+
+
+@runs(_another_launch)
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_process_of_another_launch_cannot_take_a_ranks_place(case):
+def test_a_process_of_another_launch_cannot_take_a_ranks_place(case, request):
     """Rank 0 listens; a process of another launch connects as rank 1
     before the real rank 1 starts: it is refused (GroupLaunchError, which
     shows tags, not the group's id), and the real rank 1 then joins and
     the pass completes. Before, the stray was taken for rank 1."""
-    ours, theirs, our_run_id, their_run_id = CASES[case]
-    group = _group()
-    with _Processes() as procs:
-        rank0 = procs.rank(_rank_cfg(group, 0, run_id=our_run_id), ours)
-        stray = procs.report(procs.rank(_rank_cfg(group, 1, run_id=their_run_id), theirs))
-        real1 = procs.rank(_rank_cfg(group, 1, run_id=our_run_id), ours)
-        reports = [procs.report(rank0), procs.report(real1)]
+    ours, _, our_run_id, _ = CASES[case]
+    group, stray, reports = _launched(request)
     assert stray["error"] is not None and stray["error"][0] == "GroupLaunchError", stray
     text = stray["error"][1]
     assert "another launch" in text and "the group goes on without it" in text.lower(), text
@@ -175,45 +228,55 @@ def _proof(group: str, run_id: str | None, launch_vars: dict[str, str]) -> str:
     return proof
 
 
-def test_ranks_that_give_the_same_run_id_join():
+def _same_run_id() -> Any:
+    group = _group()
+
+    def run() -> Any:
+        with _Processes() as procs:
+            ranks = [procs.rank(_rank_cfg(group, r, run_id="slurm-4242"), {}) for r in (0, 1)]
+            return [procs.report(p) for p in ranks]
+
+    return run
+
+
+@runs(_same_run_id)
+def test_ranks_that_give_the_same_run_id_join(request):
     """run_id= for a launcher other than torchrun: the ranks that give it
     join (here with no launcher's variables at all)."""
-    group = _group()
-    with _Processes() as procs:
-        ranks = [procs.rank(_rank_cfg(group, r, run_id="slurm-4242"), {}) for r in (0, 1)]
-        reports = [procs.report(p) for p in ranks]
+    reports = _launched(request)
     for r in reports:
         assert r["error"] is None, r
         assert r["batches"] == 6, r
 
 
-@pytest.mark.timeout(300)
-def test_under_torchrun_a_process_started_by_hand_cannot_take_a_ranks_place():
+def _under_torchrun() -> Any:
+    group = _group()
+    cfg = {"group": group, "per_source": 6, "group_timeout": 60}  # rank and size: LOCAL_RANK, LOCAL_WORLD_SIZE
+
+    def run() -> Any:
+        with _Processes() as procs:
+            stray = procs.rank(_rank_cfg(group, 1, group_timeout=120), {})
+            job = procs.start(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", RANK,
+                 json.dumps(cfg)],
+                _env({}),
+            )
+            stray_report = procs.report(stray)
+            ranks, stderr = procs.reports(job)
+        return stray_report, job, ranks, stderr
+
+    return run
+
+
+@runs(_under_torchrun, needs="torch")
+def test_under_torchrun_a_process_started_by_hand_cannot_take_a_ranks_place(request):
     """torchrun's own variables, not the test's: a process started by hand
     with the group's name and rank 1 waits for rank 0 and connects as soon
     as it listens, racing torchrun's rank 1. Whichever comes first, the
     stray gets GroupLaunchError and the torchrun job trains its pass.
     Before, it was taken for rank 1 or told the group had started."""
     pytest.importorskip("torch")
-    group = _group()
-    cfg = {"group": group, "per_source": 6, "group_timeout": 60}  # rank and size: LOCAL_RANK, LOCAL_WORLD_SIZE
-    with _Processes() as procs:
-        stray = procs.rank(_rank_cfg(group, 1, group_timeout=120), {})
-        job = procs.start(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                HERE,
-                json.dumps(cfg),
-            ],
-            _env({}),
-        )
-        stray_report = procs.report(stray)
-        ranks, stderr = procs.reports(job)
+    stray_report, job, ranks, stderr = _launched(request)
     assert stray_report["error"] is not None and stray_report["error"][0] == "GroupLaunchError", stray_report
     assert "it presented no launch id" in stray_report["error"][1]
     assert job.returncode == 0, stderr
@@ -401,32 +464,3 @@ def test_launch_arguments_are_checked(monkeypatch):
     with pytest.raises(shmpipe.ShmpipeValueError, match="need group="):
         _group_options(monkeypatch, {}, group=None, rank=None, num_ranks=None, run_id="job-1")
     assert issubclass(shmpipe.GroupLaunchError, shmpipe.GroupStartError)
-
-
-# -- one rank (this file run as a script) --------------------------------------------
-
-
-def _rank_main(cfg: dict[str, Any]) -> None:
-    from shmpipe.testing.sources import Counter
-
-    result: dict[str, Any] = {"rank": cfg.get("rank"), "error": None, "batches": 0}
-    kwargs = {"run_id": cfg["run_id"]} if cfg.get("run_id") is not None else {}
-    try:
-        with shmpipe.from_iterators(
-            [Counter(cfg["per_source"])] * 2,
-            timeout=60,
-            group=cfg["group"],
-            rank=cfg.get("rank"),
-            num_ranks=cfg.get("num_ranks"),
-            group_timeout=cfg["group_timeout"],
-            **kwargs,
-        ) as pipe:
-            result["rank"] = pipe.rank
-            result["batches"] = sum(1 for _ in pipe)
-    except shmpipe.ShmpipeError as exc:
-        result["error"] = [type(exc).__name__, str(exc)]
-    print(json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    _rank_main(json.loads(sys.argv[1]))
