@@ -150,9 +150,10 @@ def test_a_new_pass_loses_nothing_to_an_old_iterator_waiting_in_another_thread(t
     # batches of the new pass.
     import threading
 
-    # 30 batches at 0.05 s: the old thread cannot finish its pass before the
-    # new one starts, even on a loaded machine.
-    with shmpipe.from_iterators([Counter(30, delay=0.05)] * 2, transport=transport, timeout=T) as pipe:
+    # 12 batches at 0.05 s: the old thread cannot finish its pass (0.6 s)
+    # before the new one starts (0.02 s after it), even on a loaded machine.
+    per = 12
+    with shmpipe.from_iterators([Counter(per, delay=0.05)] * 2, transport=transport, timeout=T) as pipe:
         for _ in range(2):
             old = iter(pipe)
             next(old)
@@ -172,7 +173,7 @@ def test_a_new_pass_loses_nothing_to_an_old_iterator_waiting_in_another_thread(t
             got = sorted((b["worker"], b["seq"]) for b in pipe)
             thread.join(T)
             assert not thread.is_alive()
-            assert got == [(w, s) for w in range(2) for s in range(30)]
+            assert got == [(w, s) for w in range(2) for s in range(per)]
             assert len(outcome) == 1 and isinstance(outcome[0], shmpipe.PipelineClosedError)
 
 
@@ -216,7 +217,7 @@ def test_a_consumer_that_holds_every_slot_is_told_so_without_a_timeout(monkeypat
     # Without timeout= such a wait would last forever: after STALL_WARNING_NS
     # (10 s; shortened here) a warning says why, once per pass.
     monkeypatch.setattr(_pipeline, "STALL_WARNING_NS", 200_000_000)
-    with shmpipe.from_iterators([Counter(100)] * 2, capacity=3, timeout=1.5) as pipe:
+    with shmpipe.from_iterators([Counter(100)] * 2, capacity=3, timeout=1.0) as pipe:
         it = iter(pipe)
         held = [next(it) for _ in range(3)]
         with pytest.warns(shmpipe.ShmpipeWarning, match=r"holds 3 of the 3 slots \(at most 2") as record:
@@ -230,7 +231,7 @@ def test_a_consumer_that_holds_every_slot_is_told_so_without_a_timeout(monkeypat
 
 def test_slow_producers_are_no_reason_to_warn(monkeypatch):
     monkeypatch.setattr(_pipeline, "STALL_WARNING_NS", 200_000_000)
-    with shmpipe.from_iterators([Counter(2, delay=0.8)], capacity=3, timeout=T) as pipe:
+    with shmpipe.from_iterators([Counter(2, delay=0.5)], capacity=3, timeout=T) as pipe:  # waits 2.5x the 0.2 s
         assert len(list(pipe)) == 2  # a warning would fail the test (filterwarnings = error)
 
 
