@@ -261,6 +261,22 @@ def _wait_any(procs: list[subprocess.Popen], timeout: float) -> None:
             os.close(fd)
 
 
+def concurrently(calls: list[Callable[[], Any]], jobs: int = 2, timeout: float = 600.0) -> list[Any]:
+    """Runs `calls` (independent cycles of a test, each starting, waiting
+    for and checking its own processes), `jobs` at a time in threads, and
+    returns their results in order once all have ended. The first of them
+    (in order) that raised is raised again. Each call bounds its own waits;
+    `timeout` bounds the wait for all."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(call) for call in calls]
+        done, _ = concurrent.futures.wait(futures, timeout=timeout)
+        if len(done) < len(futures):
+            raise TimeoutError(f"{len(futures) - len(done)} of {len(futures)} runs did not end within {timeout:g} s")
+    return [future.result() for future in futures]
+
+
 class _Shared:
     """What SharedRuns and SharedJobs have in common: the results of a family
     of tests, made together by the first test that asks."""

@@ -18,6 +18,7 @@ soak: SHMPIPE_SOAK_CYCLES=500).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -29,7 +30,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import end_group, group_members, ignoring_sigint
+from conftest import concurrently, end_group, group_members, ignoring_sigint
 
 import shmpipe
 from shmpipe.testing.memory import named_segments, ring_descriptors
@@ -168,7 +169,8 @@ def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
     # /dev/shm (multiprocessing's semaphores); a semaphore of ours left
     # behind would be the resource tracker's warning, checked below.
     shm_before = named_segments()
-    for cycle in range(CYCLES):
+
+    def cycle(cycle: int, pause: float) -> None:
         proc = subprocess.Popen(
             [sys.executable, str(script), transport],
             stdout=subprocess.DEVNULL,
@@ -176,21 +178,34 @@ def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
             start_new_session=True,  # consumer, forkserver and producers share its process group
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
-        time.sleep(rng.uniform(0.0, 1.5))  # construction included: Python and shmpipe take ~0.5 s to start
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while group_members(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = group_members(proc.pid)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        # Every writer of its stderr is gone now (the resource tracker too,
-        # which would say here what it had to clean up).
-        err = proc.stderr.read().decode(errors="replace")
-        proc.stderr.close()
+        try:
+            time.sleep(pause)  # construction included: Python and shmpipe take ~0.5 s to start
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            deadline = time.monotonic() + 10
+            while group_members(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            left = group_members(proc.pid)
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            # Every writer of its stderr is gone now (the resource tracker too,
+            # which would say here what it had to clean up).
+            err = proc.stderr.read().decode(errors="replace")
+        finally:  # a failed cycle too: nothing of it is left running (its segments are the check's)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            proc.stderr.close()
         assert not left, f"cycle {cycle}: processes outlived their consumer: {left}"
         assert "leaked" not in err and "resource_tracker" not in err, f"cycle {cycle}: {err[-2000:]}"
+
+    # The cycles are independent (each its own consumer, process group and
+    # segment): two at a time. Their moments are drawn as before, in order.
+    pauses = [rng.uniform(0.0, 1.5) for _ in range(CYCLES)]
+    concurrently([functools.partial(cycle, c, pause) for c, pause in enumerate(pauses)])
+    deadline = time.monotonic() + 10  # what the producers of the last cycles still had to remove
+    while named_segments() - shm_before and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert named_segments() - shm_before == set()
 
 
