@@ -347,8 +347,9 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
     rng = random.Random(f"{transport}-{window}")
-    for cycle in range(max(2, CYCLES // 2)):
-        shm_before = named_segments()
+    shm_before = named_segments()
+
+    def cycle(cycle: int, pause: float) -> None:
         proc = subprocess.Popen(
             [sys.executable, str(script), transport],
             stdout=subprocess.PIPE,
@@ -358,13 +359,12 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
             preexec_fn=ignoring_sigint if cycle % 2 else None,
         )
+        ended = False
         try:
             assert proc.stdout.readline().strip() == "starting"
-            if window == "construction":
-                time.sleep(rng.uniform(0.0, 0.3))  # from_iterators takes 0.1-0.5 s here
-            else:
+            if window == "iteration":
                 assert proc.stdout.readline().strip() == "iterating"
-                time.sleep(rng.uniform(0.0, 0.5))
+            time.sleep(pause)
             os.killpg(proc.pid, signal.SIGINT)
             out, err = proc.communicate(timeout=30)
             lines = out.strip().splitlines()
@@ -376,13 +376,25 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
             left = json.loads("{" + left)
             assert left["closed"] and left["children"] == [] and left["ring_fds"] == [], f"cycle {cycle}: {left}"
             deadline = time.monotonic() + 10
-            while (group_members(proc.pid) or named_segments() - shm_before) and time.monotonic() < deadline:
+            while group_members(proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert group_members(proc.pid) == [], f"cycle {cycle}: processes outlived the consumer"
             assert all(gone(p) for p in left["pids"]), f"cycle {cycle}: producers outlived the consumer"
-            assert named_segments() - shm_before == set(), f"cycle {cycle}: a segment was left behind"
-        finally:
-            end_group(proc)  # a failed cycle too: nothing of it is left running
+            ended = True
+        finally:  # a failed cycle: nothing of it is left running (a passed one's segments are checked below)
+            if not ended:
+                end_group(proc)
+
+    # The cycles are independent (each its own consumer, process group and
+    # segments): run together. Their moments are drawn as before, in order:
+    # from just after "starting" (construction: from_iterators takes 0.1-0.5
+    # s here), or after "iterating".
+    pauses = [rng.uniform(0.0, 0.3 if window == "construction" else 0.5) for _ in range(max(2, CYCLES // 2))]
+    concurrently([functools.partial(cycle, c, pause) for c, pause in enumerate(pauses)])
+    deadline = time.monotonic() + 10
+    while named_segments() - shm_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert named_segments() - shm_before == set(), "a segment was left behind"
 
 
 # -- the consumer forks ------------------------------------------------------------
