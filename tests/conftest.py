@@ -127,13 +127,14 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def end_group(proc: subprocess.Popen, grace: float = 10.0) -> tuple[Any, Any]:
+def end_group(proc: subprocess.Popen, grace: float = 10.0, remove_segments: bool = True) -> tuple[Any, Any]:
     """Ends `proc`, a script started with ``start_new_session=True``, and
     every process of its group (its producers, forkserver, resource
     tracker), whatever state the test left them in; removes the segments
-    named after it; reads and closes its pipes. For a test's ``finally``: a
-    failing test still leaves nothing running. Returns what was left to
-    read of its stdout and stderr, as ``communicate`` does.
+    named after it (unless `remove_segments` is false: a check that comes
+    later is to see them); reads and closes its pipes. For a test's
+    ``finally``: a failing test still leaves nothing running. Returns what
+    was left to read of its stdout and stderr, as ``communicate`` does.
 
     The script is SIGKILLed first, and its group gets `grace` seconds to
     end by itself: producers see their consumer gone and remove what it
@@ -157,7 +158,7 @@ def end_group(proc: subprocess.Popen, grace: float = 10.0) -> tuple[Any, Any]:
     while group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        entries = os.listdir(_segments.SHM_DIR)
+        entries = os.listdir(_segments.SHM_DIR) if remove_segments else []
     except FileNotFoundError:
         entries = []
     for entry in entries:

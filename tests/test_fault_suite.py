@@ -386,11 +386,13 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
                 end_group(proc)
 
     # The cycles are independent (each its own consumer, process group and
-    # segments): run together. Their moments are drawn as before, in order:
-    # from just after "starting" (construction: from_iterators takes 0.1-0.5
-    # s here), or after "iterating".
+    # segments). Their moments are drawn as before, in order: from just after
+    # "starting" (construction: from_iterators takes 0.1-0.5 s here, on a
+    # machine nothing else slows down: one cycle at a time), or after
+    # "iterating" (the cycles together).
     pauses = [rng.uniform(0.0, 0.3 if window == "construction" else 0.5) for _ in range(max(2, CYCLES // 2))]
-    concurrently([functools.partial(cycle, c, pause) for c, pause in enumerate(pauses)])
+    concurrently([functools.partial(cycle, c, pause) for c, pause in enumerate(pauses)],
+                 jobs=2 if window == "iteration" else 1)
     deadline = time.monotonic() + 10
     while named_segments() - shm_before and time.monotonic() < deadline:
         time.sleep(0.05)

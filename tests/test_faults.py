@@ -3,6 +3,7 @@ killed with SIGKILL or interrupted with Ctrl-C; what is left afterwards."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -15,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import end_group, ignoring_sigint
+from conftest import concurrently, end_group, ignoring_sigint
 
 import shmpipe
 from shmpipe import _launch, _process, _ring, _segments
@@ -546,8 +547,9 @@ def test_ctrl_c_during_the_start_leaves_nothing_behind(tmp_path, start_method):
     script = tmp_path / "starting.py"
     script.write_text(INTERRUPTED_WHILE_STARTING)
     rng = random.Random(start_method)
-    for run in range(8):
-        before = set(os.listdir("/dev/shm"))
+    before = set(os.listdir("/dev/shm"))
+
+    def one_run(run: int, pause: float) -> None:
         proc = subprocess.Popen(
             [sys.executable, str(script), start_method, "1000"],
             stdout=subprocess.PIPE,
@@ -557,9 +559,10 @@ def test_ctrl_c_during_the_start_leaves_nothing_behind(tmp_path, start_method):
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
             preexec_fn=ignoring_sigint if run % 2 else None,
         )
+        ended = False
         try:
             assert proc.stdout.readline().strip() == "starting"
-            time.sleep(rng.uniform(0.0, 0.08))
+            time.sleep(pause)
             deadline = time.monotonic() + 20
             while proc.poll() is None and time.monotonic() < deadline:
                 os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
@@ -569,9 +572,22 @@ def test_ctrl_c_during_the_start_leaves_nothing_behind(tmp_path, start_method):
             assert proc.returncode in (130, -signal.SIGINT), f"run {run}: {proc.returncode} {out!r} {err[-2000:]}"
             assert "interrupted" in out, f"run {run}: {out!r} {err[-2000:]}"
             assert err == "", f"run {run}: something printed to stderr:\n{err}"
-            deadline = time.monotonic() + 5
-            while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert set(os.listdir("/dev/shm")) - before == set(), f"run {run}: a segment was left behind"
+            ended = True
         finally:
-            end_group(proc)  # on a failure (no press taken: it runs for 1000 s), it and its producers end here
+            # On a failure (no press taken: it runs for 1000 s), it and its
+            # producers end here; what a run that ended left in /dev/shm is
+            # for the check below to see.
+            end_group(proc, remove_segments=not ended)
+
+    # The runs are independent (each its own script and process group), and
+    # each is pressed again and again until it ends (every moment of its start
+    # gets a press, however long the start takes): two at a time, their first
+    # moments drawn as before, in order. Nothing may be left in /dev/shm (a
+    # segment, a semaphore): checked once all have ended, where each run
+    # checked it after itself (what a run leaves stays).
+    pauses = [rng.uniform(0.0, 0.08) for _ in range(8)]
+    concurrently([functools.partial(one_run, run, pause) for run, pause in enumerate(pauses)])
+    deadline = time.monotonic() + 5
+    while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(os.listdir("/dev/shm")) - before == set(), "a run left something in /dev/shm"
