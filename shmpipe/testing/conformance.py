@@ -174,7 +174,14 @@ class TransportConformance:
             for _ in range(3):
                 next(it)
                 delivered += 1
-                time.sleep(0.5)  # producers run ahead as far as the channel lets them
+                # Producers run ahead as far as the channel lets them: until
+                # as many are in flight as the bound allows (within 10 ms on
+                # every built-in transport) or for 0.5 s, then 0.1 s more, in
+                # which producers that ignored the bound would go past it.
+                deadline = time.monotonic() + 0.5
+                while produced(str(tmp_path), n) - delivered < capacity + n and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.1)
                 made = produced(str(tmp_path), n)
                 # in flight (made, not yet delivered) is at most capacity, plus
                 # the one batch each producer holds while it waits for room
