@@ -6,17 +6,19 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import random
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
 import numpy as np
 import pytest
-from conftest import concurrently, end_group, ignoring_sigint
+from conftest import SharedJobs, concurrently, end_group, ignoring_sigint
 
 import shmpipe
 from shmpipe import _launch, _process, _ring, _segments
@@ -186,6 +188,47 @@ CONSUMER = textwrap.dedent(
 )
 
 
+#: test name -> (its body, run with a folder of its own and the test's
+#: parameters: it starts, waits for and checks its script, raising what the
+#: test raises)
+_RUNS: dict = {}
+
+
+def runs_with_others(body):
+    """The test's body runs in a thread, with those of the other tests of
+    these this session runs, two at a time (CONSUMER_RUNS: each starts and
+    checks a script of its own, its process group and segment named after
+    it); the test raises what its body raised."""
+
+    def register(test):
+        _RUNS[test.__name__] = body
+        return pytest.mark.timeout(600)(test)  # the first waits for all
+
+    return register
+
+
+def _keys(item):
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return [(item.originalname, tuple(sorted(params.items())))]
+
+
+def _job(key):
+    name, params = key
+
+    def run():
+        with tempfile.TemporaryDirectory() as folder:
+            _RUNS[name](pathlib.Path(folder), **dict(params))
+
+    return run
+
+
+CONSUMER_RUNS = SharedJobs(_RUNS.keys(), keys=_keys, job=_job)
+
+
+def _ran(request):
+    CONSUMER_RUNS.get(request, _keys(request.node)[0])
+
+
 def start_consumer(tmp_path, start_method="forkserver", mode="busy", sigint="default"):
     """The CONSUMER script, started in its own process group (as a terminal
     job is), with SIGINT as Python sets it or ignored (as nohup leaves
@@ -211,8 +254,7 @@ def start_consumer(tmp_path, start_method="forkserver", mode="busy", sigint="def
         raise
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_consumer_killed_with_sigkill(tmp_path, start_method):
+def _consumer_killed_with_sigkill(tmp_path, start_method):
     proc, info = start_consumer(tmp_path, start_method)
     try:
         assert os.path.exists(_segments.SHM_DIR + info["segment"])
@@ -224,6 +266,12 @@ def test_consumer_killed_with_sigkill(tmp_path, start_method):
         assert wait_until(lambda: not os.path.exists(_segments.SHM_DIR + info["segment"]), 5.0)
     finally:
         end_group(proc)
+
+
+@runs_with_others(_consumer_killed_with_sigkill)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_consumer_killed_with_sigkill(request, start_method):
+    _ran(request)
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
@@ -266,6 +314,7 @@ def test_one_ctrl_c_while_the_producers_start_is_never_lost(tmp_path, start_meth
             end_group(proc)  # a failed run too: nothing of it is left running
 
 
+@runs_with_others(lambda tmp_path, **params: _ctrl_c_in_the_consumer(tmp_path, **params))
 @pytest.mark.parametrize(
     "mode, start_method, sigint",
     [
@@ -278,7 +327,11 @@ def test_one_ctrl_c_while_the_producers_start_is_never_lost(tmp_path, start_meth
         ("early", "spawn", "ignored"),
     ],
 )
-def test_ctrl_c_in_the_consumer(tmp_path, mode, start_method, sigint):
+def test_ctrl_c_in_the_consumer(request, mode, start_method, sigint):
+    _ran(request)
+
+
+def _ctrl_c_in_the_consumer(tmp_path, mode, start_method, sigint):
     proc, info = start_consumer(tmp_path, start_method=start_method, mode=mode, sigint=sigint)
     try:
         if mode == "waiting":
@@ -314,11 +367,16 @@ IGNORES_CTRL_C = textwrap.dedent(
 )
 
 
+@runs_with_others(lambda tmp_path, transport: _ignores_ctrl_c(tmp_path, transport))
 @pytest.mark.parametrize("transport", ["shm", "queue"])
-def test_a_consumer_that_ignores_ctrl_c_is_not_stopped_by_it(tmp_path, transport):
+def test_a_consumer_that_ignores_ctrl_c_is_not_stopped_by_it(request, transport):
     # A trainer started with SIGINT ignored means it: Ctrl-C pressed every
     # 20 ms from its start to its end (the making of the pipeline, whose
     # spans hold a press back and raise it after, included) changes nothing.
+    _ran(request)
+
+
+def _ignores_ctrl_c(tmp_path, transport):
     script = tmp_path / "ignores.py"
     script.write_text(IGNORES_CTRL_C)
     proc = subprocess.Popen(
@@ -343,8 +401,13 @@ def test_a_consumer_that_ignores_ctrl_c_is_not_stopped_by_it(tmp_path, transport
         end_group(proc)
 
 
+@runs_with_others(lambda tmp_path, start_method: _no_resource_tracker_noise(tmp_path, start_method))
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_no_resource_tracker_noise_or_unlinking(tmp_path, start_method):
+def test_no_resource_tracker_noise_or_unlinking(request, start_method):
+    _ran(request)
+
+
+def _no_resource_tracker_noise(tmp_path, start_method):
     script = tmp_path / "run.py"
     script.write_text(
         textwrap.dedent(
@@ -378,7 +441,12 @@ def test_no_resource_tracker_noise_or_unlinking(tmp_path, start_method):
     assert out.stderr == ""
 
 
-def test_a_script_that_never_closes_its_pipeline(tmp_path):
+@runs_with_others(lambda tmp_path: _never_closes(tmp_path))
+def test_a_script_that_never_closes_its_pipeline(request):
+    _ran(request)
+
+
+def _never_closes(tmp_path):
     script = tmp_path / "forgetful.py"
     script.write_text(
         textwrap.dedent(
