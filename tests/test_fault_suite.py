@@ -21,16 +21,18 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
 import numpy as np
 import pytest
-from conftest import concurrently, end_group, group_members, ignoring_sigint
+from conftest import SharedJobs, concurrently, end_group, group_members, ignoring_sigint
 
 import shmpipe
 from shmpipe.testing.memory import named_segments, ring_descriptors
@@ -264,13 +266,44 @@ KILLED_WHILE_IT_PUTS = textwrap.dedent(
 )
 
 
+#: The scripts of these tests (a name, the script, its arguments, its timeout)
+#: are independent processes: the first test runs all of them this session
+#: runs, two at a time (SCRIPTS), in folders of their own; each test checks
+#: its own.
+_SCRIPTS = {
+    "test_a_producer_sigkilled_while_it_puts_a_4_mib_batch": lambda transport: (
+        "killed_while_it_puts.py", KILLED_WHILE_IT_PUTS, (transport,), 40),
+    "test_a_forked_child_exiting_leaves_the_parents_pipeline_working": lambda transport: (
+        "forker.py", FORKED, (transport,), 60),
+}
+
+
+def _keys(item):
+    return [(item.originalname, item.callspec.params["transport"])]
+
+
+def _job(key):
+    name, transport = key
+    script, text, args, timeout = _SCRIPTS[name](transport)
+
+    def run():
+        with tempfile.TemporaryDirectory() as folder:
+            return run_script(pathlib.Path(folder), script, text, *args, timeout=timeout)
+
+    return run
+
+
+SCRIPTS = SharedJobs(_SCRIPTS.keys(), keys=_keys, job=_job)
+
+
+@pytest.mark.timeout(600)  # the first of SCRIPTS waits for all
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_producer_sigkilled_while_it_puts_a_4_mib_batch(tmp_path, transport):
+def test_a_producer_sigkilled_while_it_puts_a_4_mib_batch(request, transport):
     # The hang this reproduces: with the queue transport built on
     # multiprocessing.Queue the consumer hung for good in Connection._recv
     # (timeout=5 or not), and the resource tracker warned about leaked
     # semaphores at exit.
-    code, out, err = run_script(tmp_path, "killed_while_it_puts.py", KILLED_WHILE_IT_PUTS, transport, timeout=40)
+    code, out, err = SCRIPTS.get(request, _keys(request.node)[0])
     assert code == 0, err[-3000:]
     words = out.split()
     assert words[:3] == ["died", "0", "True"], out + err[-3000:]
@@ -432,9 +465,10 @@ FORKED = textwrap.dedent(
 )
 
 
+@pytest.mark.timeout(600)  # the first of SCRIPTS waits for all
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_forked_child_exiting_leaves_the_parents_pipeline_working(tmp_path, transport):
-    code, out, err = run_script(tmp_path, "forker.py", FORKED, transport)
+def test_a_forked_child_exiting_leaves_the_parents_pipeline_working(request, transport):
+    code, out, err = SCRIPTS.get(request, _keys(request.node)[0])
     assert code == 0, err[-3000:]
     assert out.split() == ["child", "0", "parent", "120", "120", "again", "120", "True"], out + err[-3000:]
     assert err == ""
