@@ -14,7 +14,6 @@ from conftest import assert_same
 
 import shmpipe
 from shmpipe import _pipeline, _process, _producer_context, _ring, _segments
-from shmpipe.testing.batches import matrix
 from shmpipe.testing.memory import ring_descriptors
 from shmpipe.testing.sources import Counter, Fixed, Matrix, Reserver, SeedReporter, payload_for
 from shmpipe.transports.shm import ShmTransport
@@ -62,6 +61,10 @@ def test_start_methods(start_method):
 
 
 def test_round_trip_matrix_through_producers():
+    # (Imported here: producers of this module's sources import the module,
+    # and shmpipe.testing.batches imports ml_dtypes, 0.85 s, where installed.)
+    from shmpipe.testing.batches import matrix
+
     batches = [b for _, b in matrix()]
     with shmpipe.from_iterators([Matrix()], timeout=T, ordered=True) as pipe:
         count = 0
