@@ -35,7 +35,6 @@ from shmpipe._options import Source
 from shmpipe._tree import leaves
 from shmpipe.registry import resolve_transport
 from shmpipe.testing.assertions import assert_same
-from shmpipe.testing.batches import matrix
 from shmpipe.testing.memory import named_segments, ring_descriptors
 from shmpipe.testing.sources import (
     Counter,
@@ -115,6 +114,8 @@ class TransportConformance:
     # -- what arrives --------------------------------------------------------
 
     def test_round_trip_matrix_bit_exact(self, transport: TransportArg) -> None:
+        from shmpipe.testing.batches import matrix  # (see test_alignment)
+
         want = [b for _, b in matrix()]
         with self.pipe(transport, [Matrix()], ordered=True) as pipe:
             got = 0
@@ -363,6 +364,11 @@ class TransportConformance:
             pytest.skip("the transport promises no alignment")
         source: Source
         if caps.zero_copy_min_bytes:
+            # Imported here, not with this module: a producer that unpickles
+            # NotALeaf imports this module, and shmpipe.testing.batches
+            # imports ml_dtypes (0.85 s), where installed.
+            from shmpipe.testing.batches import matrix
+
             # every batch of the matrix, with enough bytes beside it
             filler = np.zeros(caps.zero_copy_min_bytes + 1, np.uint8)
             source = Fixed([{"batch": b, "filler": filler} for _, b in matrix()])
