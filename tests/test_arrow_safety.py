@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import tracemalloc
 
 import numpy as np
 import pytest
+from conftest import Command, SharedRuns
 
 from shmpipe import _codec, _tree
 from shmpipe.errors import BatchTypeError, CorruptChannelError
@@ -190,28 +189,47 @@ print(json.dumps(counts))
 """
 
 
-def race(what: str, seconds: float) -> dict:
-    """Decodes a payload for `seconds` while another process rewrites its
-    `what`, in a subprocess; the counts of outcomes (a crash fails here)."""
+#: The races of these tests: what is rewritten, for how long.
+RACES = {
+    "test_rewriting_tensor_metadata_while_it_is_decoded_never_crashes": ("metadata", 5.0),
+    "test_text_and_bytes_leaves_are_read_once_from_a_private_copy": ("text", 3.0),
+    "test_dimension_names_rewritten_while_decoded_are_not_read": ("names", 4.0),
+}
+
+
+def _race_command(key, folder):
+    what, seconds = key
     # The test process's sys.path (the installed package in a clean clone),
     # run outside the repository: `python -c` puts the working directory
     # first, and the source tree there has no built extensions.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    with tempfile.TemporaryDirectory() as cwd:
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(RACE), what, str(seconds)],
-            env=env, capture_output=True, text=True, timeout=seconds + 60, cwd=cwd,
-        )  # fmt: skip
+    return Command([sys.executable, "-c", textwrap.dedent(RACE), what, str(seconds)], cwd=folder, env=env,
+                   timeout=seconds + 60)
+
+
+#: The three races are independent processes (a decoder and its writer
+#: each): the first of their tests runs all three at once. A decoder is then
+#: also preempted in the middle of a decode, its writer running meanwhile,
+#: as on a loaded machine.
+RACE_RUNS = SharedRuns(set(RACES), keys=lambda item: [RACES[item.originalname]], command=_race_command, jobs=3)
+
+
+def race(request) -> dict:
+    """Decodes a payload for a few seconds while another process rewrites a
+    part of it (RACES), in a subprocess; the counts of outcomes (a crash
+    fails here)."""
+    proc, _ = RACE_RUNS.get(request, RACES[request.node.originalname])
     assert proc.returncode == 0, f"the decoder died (exit status {proc.returncode}): {proc.stderr[-2000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_rewriting_tensor_metadata_while_it_is_decoded_never_crashes():
+@pytest.mark.timeout(300)  # the first of RACE_RUNS waits for all three
+def test_rewriting_tensor_metadata_while_it_is_decoded_never_crashes(request):
     # Arrow's reader checked a tensor message's flatbuffer in the slot, then
     # read it there again: rewritten in between, it followed an offset it had
     # not checked (SIGSEGV within a second or two, every run). Now the
     # metadata is copied once, then read: a batch or a CorruptChannelError.
-    counts = race("metadata", 5.0)
+    counts = race(request)
     assert set(counts) == {"batch", "corrupt"}, counts
     assert counts["batch"] > 100 and counts["corrupt"] > 100, counts  # the writer did get in
 
@@ -381,22 +399,24 @@ def test_the_deepest_batch_the_encoder_accepts_round_trips():
 # -- (3) text read once ---------------------------------------------------------
 
 
-def test_text_and_bytes_leaves_are_read_once_from_a_private_copy():
+@pytest.mark.timeout(300)  # the first of RACE_RUNS waits for all three
+def test_text_and_bytes_leaves_are_read_once_from_a_private_copy(request):
     # A writer flips the characters of a str leaf and of a bytes leaf's
     # base64 between themselves and a byte that is not ASCII: a decode that
     # checked the text in the slot and read it there again would deliver the
     # flipped byte. (The old decoder passed this too: its header was copied
     # with bytes() before json.loads.)
-    counts = race("text", 3.0)
+    counts = race(request)
     assert set(counts) == {"batch", "corrupt"}, counts
     assert counts["batch"] > 10 and counts["corrupt"] > 10, counts
 
 
-def test_dimension_names_rewritten_while_decoded_are_not_read():
+@pytest.mark.timeout(300)  # the first of RACE_RUNS waits for all three
+def test_dimension_names_rewritten_while_decoded_are_not_read(request):
     # Text in the tensor messages: Arrow's reader checked a dimension's name
     # in the slot, then copied it from there (its length read again). The
     # names are now never read: any batch, or a CorruptChannelError.
-    counts = race("names", 4.0)
+    counts = race(request)
     assert set(counts) <= {"batch", "corrupt"} and counts["batch"] > 100, counts
 
 
