@@ -196,13 +196,15 @@ def test_sizes_are_checked():
         parse_size("lots")
 
 
-def test_serialize_every_option(tmp_path, capsys):
+@SHARED_TIMEOUT
+def test_serialize_every_option(request):
+    # (A process of its own, with the other CLI runs: "ray put/get" starts a
+    # local Ray, seconds mostly spent waiting.)
     from shmpipe.bench.serialize import PATHS
 
-    rc = main(["bench", "serialize", "--sizes", "4KiB", "128KiB", "--paths", *PATHS, "--seconds", "0.01",
-               "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")])
-    assert rc == 0
-    data = json.loads((tmp_path / "s.json").read_text())
+    out, folder = RUNS.get(request, "serialize")
+    assert out.returncode == 0, out.stderr
+    data = json.loads((folder / "s.json").read_text())
     got = {(r["path"], r["nbytes"]): r for r in data["results"]}
     assert set(got) == {(p, n) for p in PATHS for n in (4096, 131072)}
     # which paths copy on decode, as measured: views for these, copies for those
@@ -210,8 +212,8 @@ def test_serialize_every_option(tmp_path, capsys):
         assert got[p, 131072]["decode_copies"] == 0, p
     for p in ("pickle 4", "pickle 5", "numpy save"):
         assert got[p, 131072]["decode_copies"] == 1, p
-    assert png(tmp_path / "s.png")
-    assert "| 128 KiB | shmpipe |" in capsys.readouterr().out
+    assert png(folder / "s.png")
+    assert "| 128 KiB | shmpipe |" in out.stdout
 
 
 @SHARED_TIMEOUT
@@ -302,6 +304,12 @@ def _command(key: str, folder) -> Command:
     if key == "feed startup":
         return Command([sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", *STARTUP_RECIPES,
                         "--out", str(folder)], cwd=folder, env=_child_env())
+    if key == "serialize":
+        from shmpipe.bench.serialize import PATHS
+
+        return Command([sys.executable, "-m", "shmpipe", "bench", "serialize", "--sizes", "4KiB", "128KiB", "--paths",
+                        *PATHS, "--seconds", "0.01", "--json", str(folder / "s.json"), "--plot", str(folder / "s.png")],
+                       cwd=folder, env=_child_env(), exclusive="ray")
     if key == "console":
         return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "shmpipe:shm"], cwd=folder)
     if key == "console verbose":
@@ -332,6 +340,7 @@ def _few_files():
 _TORCH = importlib.util.find_spec("torch") is not None
 _KEYS = {
     "test_feed_ray_recipes": ["feed ray"],
+    "test_serialize_every_option": ["serialize"],
     "test_feed_startup_recipes_run_a_script_that_imports_the_framework": ["feed startup"] if _TORCH else [],
     "test_the_console_script": ["console", "console verbose"],
     "test_help_describes_every_option_with_its_default": ["help throughput", "help serialize"],
