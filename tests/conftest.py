@@ -14,7 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 import pytest
@@ -194,9 +194,9 @@ class Command:
 
 def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hashable, subprocess.CompletedProcess]:
     """Runs `commands`, `jobs` at a time (this machine, and CI's, has two
-    cores; most of these scripts keep one busy while they import a framework,
-    then wait on their producers), and returns what ``subprocess.run(..., capture_output=True, text=True)``
-    would for each. Output goes to files, not pipes, so a process that
+    cores; most of these scripts keep one busy while they import a
+    framework, then wait on their producers), and returns for each what
+    ``subprocess.run(..., capture_output=True, text=True)`` would. Output goes to files, not pipes, so a process that
     outlives its script cannot hold the wait up. A command past its timeout
     is SIGKILLed with its process group and comes back with its output so
     far and returncode -9 (the test's assertion on it says so). Whatever
@@ -282,7 +282,7 @@ class _Shared:
     """What SharedRuns and SharedJobs have in common: the results of a family
     of tests, made together by the first test that asks."""
 
-    def __init__(self, tests: set[str], keys: Callable[[pytest.Item], list[Hashable]], jobs: int) -> None:
+    def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]], jobs: int) -> None:
         self.tests, self.keys, self.jobs = tests, keys, jobs
         self.results: dict[Hashable, Any] = {}
 
@@ -308,7 +308,7 @@ class SharedRuns(_Shared):
     sees every script of the family end and checks that nothing of theirs
     is left behind."""
 
-    def __init__(self, tests: set[str], keys: Callable[[pytest.Item], list[Hashable]],
+    def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
                  command: Callable[[Hashable, Any], Command], jobs: int = 2) -> None:
         super().__init__(tests, keys, jobs)
         self.command = command
@@ -332,7 +332,7 @@ class SharedJobs(_Shared):
     what the job returned, or raises what it raised. Each job bounds its own
     waits; `timeout` bounds the wait for all."""
 
-    def __init__(self, tests: set[str], keys: Callable[[pytest.Item], list[Hashable]],
+    def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
                  job: Callable[[Hashable], Callable[[], Any]], jobs: int = 2, timeout: float = 600.0) -> None:
         super().__init__(tests, keys, jobs)
         self.job, self.timeout = job, timeout
