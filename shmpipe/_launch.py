@@ -41,7 +41,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from shmpipe import _control, _startup
-from shmpipe._process import ProcessWatch, owner_identity
+from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
 from shmpipe.errors import CorruptChannelError, WorkerDiedError, WorkerError
@@ -504,7 +504,15 @@ def _exit_code_soon(p: BaseProcess, deadline: float) -> None:
 
 def _reap(processes: list[BaseProcess], watches: list[ProcessWatch]) -> None:
     """Gives the processes GRACE_S to exit, then SIGTERMs those still
-    running and gives them GRACE_S, then SIGKILLs the rest and waits GRACE_S."""
+    running and gives them GRACE_S, then SIGKILLs the rest and waits GRACE_S.
+    A stopped process (SIGSTOP, a debugger) can neither exit nor act on a
+    SIGTERM until it is continued: it is SIGKILLed at once instead of being
+    waited for twice."""
+    for p, watch in zip(processes, watches, strict=True):
+        # (Not atomic: one continued just after this look is killed all the
+        # same; a producer has nothing to tidy that its consumer does not.)
+        if p.exitcode is None and watch.alive() and process_stopped(_pid(p)):
+            p.kill()
     deadline = time.monotonic() + GRACE_S
     for p, watch in zip(processes, watches, strict=True):
         _join(p, watch, deadline)

@@ -30,6 +30,7 @@ __all__ = [
     "owner_alive",
     "owner_identity",
     "process_alive",
+    "process_stopped",
     "process_start_time",
 ]
 
@@ -37,9 +38,8 @@ __all__ = [
 FALLBACK_POLL_S = 0.25
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot; None if it is gone
-    or a zombie (it has exited; only its exit status remains)."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields 3 (the state) onwards of /proc/<pid>/stat; None if `pid` is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -47,10 +47,23 @@ def process_start_time(pid: int) -> int | None:
         return None
     # The command name (field 2) is in parentheses and may hold spaces or
     # parentheses itself: split after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):  # state: zombie or dead
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot; None if it is gone
+    or a zombie (it has exited; only its exit status remains)."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):  # state: zombie or dead
         return None
     return int(fields[19])  # field 22 of the whole line
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, SIGTSTP, or a tracer's stop): it
+    runs nothing, not even a handler of SIGTERM, until it is continued."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in (b"T", b"t")
 
 
 def proc_kib(path: str, key: str) -> int | None:

@@ -121,7 +121,7 @@ _WAYS = {
     # A stopped producer is seen by the timeout of the consumer's wait, the
     # same wait on the same ring for "arrow" as for "shm" (arrow is that ring
     # with another payload encoding, which a stopped producer never reaches),
-    # and each such case waits out the timeout and close()'s reaping (4 s):
+    # and each such case waits out the timeout (2 s):
     # SIGSTOP runs on shm and queue; the other ways on all three.
     [(way, t) for way in _WAYS for t in TRANSPORTS if not (way == "SIGSTOP" and t == "arrow")],
     ids=lambda v: v,

@@ -148,6 +148,23 @@ def test_close_stops_producers_stuck_in_user_code_promptly():
     assert all(gone(pid) for pid in pids)
 
 
+def test_close_kills_a_stopped_producer_at_once():
+    # A stopped producer can neither exit nor act on SIGTERM: close() does
+    # not wait for it (it would wait GRACE_S twice), the other one still
+    # stops on its own.
+    with shmpipe.from_iterators([Counter(10**6, shape=(64,))] * 2, capacity=4, timeout=T) as pipe:
+        next(iter(pipe))
+        stopped, running = pipe.pids
+        os.kill(stopped, signal.SIGSTOP)
+        assert wait_until(lambda: _process.process_stopped(stopped), 10), "SIGSTOP did not stop the producer"
+        assert not _process.process_stopped(running)
+        t = time.monotonic()
+        pipe.close()
+        took = time.monotonic() - t
+    assert wait_until(lambda: gone(stopped) and gone(running), 10)
+    assert took < _launch.GRACE_S, f"close() took {took:.2f} s"
+
+
 # -- the consumer's own faults, in a separate consumer process --------------
 
 CONSUMER = textwrap.dedent(
