@@ -16,6 +16,8 @@ aliasing it when TensorFlow holds more slots than the producers can spare
 (ChannelSpec.consumer_may_hold) and does not let go of any within
 RELEASE_WAIT_S: the pipeline slows to one copy per batch instead of
 deadlocking, and a warning says which capacity would keep it zero-copy.
+It waits once per dataset: after TensorFlow kept its slots through one
+wait, batches that would not fit are copied at once.
 """
 
 from __future__ import annotations
@@ -154,6 +156,11 @@ class _Feeder:
         self.peeked = peeked  # (iterator, [batches]) of a pass already started
         self.warned = False
         self.copying = False  # TensorFlow held every slot and did not let go
+        # A wait of RELEASE_WAIT_S ended with TensorFlow still holding too
+        # many: its buffers hold more than the ring can lend (a batch(n) with
+        # n above the limit fills and lets go once per n elements), so
+        # waiting again would only stall each time; copy at once instead.
+        self.waited_in_vain = False
 
     def __call__(self) -> _FeederPass:
         if self.peeked is not None:
@@ -198,14 +205,15 @@ class _Feeder:
         if held is None or held <= self.limit:
             self.copying = False
             return False
-        if not self.copying:
+        if not self.copying and not self.waited_in_vain:
             # tf.data's buffers (the prefetch TensorFlow adds by itself, for
             # one) fill and drain; a full ring is only a trap if nothing
-            # drains. Give TensorFlow a moment to let go of a slot.
+            # drains. Give TensorFlow a moment to let go of a slot, once.
             deadline = time.monotonic() + RELEASE_WAIT_S
             while held > self.limit and time.monotonic() < deadline:
                 time.sleep(0.002)
                 held = stream.held() or 0
+            self.waited_in_vain = held > self.limit
         self.copying = held > self.limit
         return self.copying
 
