@@ -65,6 +65,9 @@ cdef extern from "numpy/arrayobject.h":
                                 cnp.npy_intp *dims, cnp.npy_intp *strides, void *data,
                                 int flags, PyObject *obj)
 
+cdef extern from "shmpipe_copy.h":
+    void shmp_copy_out(void *dst, const void *src, size_t n) noexcept nogil
+
 cdef extern from *:
     """
     static inline int shmp_mul_overflow(uint64_t a, uint64_t b, uint64_t *out) {
@@ -706,7 +709,7 @@ cdef class Encoder:
             if cnp.PyArray_IS_C_CONTIGUOUS(arr):
                 if nbytes >= COPY_NOGIL_BYTES:
                     with nogil:
-                        memcpy(dst, src, nbytes)
+                        shmp_copy_out(dst, src, nbytes)  # streaming stores from a few MiB
                 else:
                     memcpy(dst, src, nbytes)
             else:

@@ -43,6 +43,23 @@ def test_arrays_are_64_byte_aligned_read_only_views():
         assert not arr.flags.writeable
 
 
+@pytest.mark.parametrize("offset", [0, 1, 15])
+def test_big_arrays_streamed_into_the_payload_are_bit_exact(offset):
+    # Arrays of 4 MiB or more are copied with streaming stores
+    # (csrc/shmpipe_copy.h), in 64-byte steps and a tail: sizes around the
+    # switch, tails of every kind, sources at unaligned addresses.
+    rng = np.random.default_rng(offset)
+    switch = 4 << 20
+    for n in (switch - 1, switch, switch + 1, switch + 63, switch + 64, 5 * switch + 17):
+        raw = rng.integers(0, 256, n + offset, dtype=np.uint8)
+        src = raw[offset:]
+        batch = {"x": src, "y": np.arange(3)}
+        out = _codec.decode(_codec.encode(batch))
+        assert out["x"].ctypes.data % 64 == 0
+        np.testing.assert_array_equal(out["x"], src)
+        np.testing.assert_array_equal(out["y"], np.arange(3))
+
+
 def test_non_contiguous_inputs_are_stored_c_contiguous():
     batch = non_contiguous()
     out = _codec.decode(_codec.encode(batch))
