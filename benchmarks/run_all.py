@@ -1,6 +1,6 @@
 """Regenerates every measured table and plot of docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # about 8 minutes on 2 cores
+    python benchmarks/run_all.py            # about 15 minutes on 2 cores
 
 Runs the `shmpipe bench` commands below (`bench feed`, the wait for the
 next batch, twice: with its default of cpu_count() producers, and with 8 so
@@ -32,7 +32,7 @@ RUNS = [
     ("feed-8", "Wait for the next batch, every recipe, 8 producers",
      ["bench", "feed", "--workers", "8", "--json", "feed-8.json", "--plot", "feed-8.png"]),
     ("throughput", "Transport-bound throughput, every transport",
-     ["bench", "throughput", "--sizes", "64KiB", "1MiB", "8MiB", "48MB", "--json", "throughput.json",
+     ["bench", "throughput", "--sizes", "64KiB", "1MiB", "8MiB", "48MB", "--repeat", "5", "--json", "throughput.json",
       "--plot", "throughput.png"]),
     ("serialize", "Serialization paths",
      ["bench", "serialize", "--json", "serialize.json", "--plot", "serialize.png"]),
