@@ -16,8 +16,8 @@ aliasing it when TensorFlow holds more slots than the producers can spare
 (ChannelSpec.consumer_may_hold) and does not let go of any within
 RELEASE_WAIT_S: the pipeline slows to one copy per batch instead of
 deadlocking, and a warning says which capacity would keep it zero-copy.
-It waits once per dataset: after TensorFlow kept its slots through one
-wait, batches that would not fit are copied at once.
+It waits once per pass: after TensorFlow kept its slots through one wait,
+batches that would not fit are copied at once until the pass ends.
 """
 
 from __future__ import annotations
@@ -157,12 +157,15 @@ class _Feeder:
         self.warned = False
         self.copying = False  # TensorFlow held every slot and did not let go
         # A wait of RELEASE_WAIT_S ended with TensorFlow still holding too
-        # many: its buffers hold more than the ring can lend (a batch(n) with
-        # n above the limit fills and lets go once per n elements), so
-        # waiting again would only stall each time; copy at once instead.
+        # many this pass: its buffers hold more than the ring can lend (a
+        # batch(n) with n above the limit fills and lets go once per n
+        # elements), so waiting again would only stall each time; copy at
+        # once instead. Each pass (epoch) starts over: one slow moment (the
+        # first step's compilation) does not make a dataset copy for good.
         self.waited_in_vain = False
 
     def __call__(self) -> _FeederPass:
+        self.waited_in_vain = False
         if self.peeked is not None:
             it, first = self.peeked
             self.peeked = None
