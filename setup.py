@@ -6,6 +6,7 @@ from setuptools import Extension, setup
 
 common = dict(
     include_dirs=["csrc", numpy.get_include()],
+    depends=["csrc/shmpipe_copy.h", "csrc/shmpipe_ring.h"],  # rebuilt when a header changes
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
 )

@@ -42,6 +42,14 @@
 
 static inline void shmp_copy_out(void *dst, const void *src, size_t n)
 {
+    const unsigned char *d0 = (const unsigned char *)dst, *s0 = (const unsigned char *)src;
+    if (d0 < s0 + n && s0 < d0 + n) {
+        /* Overlap: an array yielded again that lives in the very memory it
+         * goes to (a kept view of a reservation, in another layout). The
+         * loop below copies forwards; memmove is right in every case. */
+        memmove(dst, src, n);
+        return;
+    }
 #if defined(__x86_64__)
     if (n >= SHMP_STREAM_COPY_BYTES) {
         unsigned char *d = (unsigned char *)dst;

@@ -505,23 +505,24 @@ def _exit_code_soon(p: BaseProcess, deadline: float) -> None:
 def _reap(processes: list[BaseProcess], watches: list[ProcessWatch]) -> None:
     """Gives the processes GRACE_S to exit, then SIGTERMs those still
     running and gives them GRACE_S, then SIGKILLs the rest and waits GRACE_S.
-    A stopped process (SIGSTOP, a debugger) can neither exit nor act on a
-    SIGTERM until it is continued: it is SIGKILLed at once instead of being
-    waited for twice."""
+    A process stopped by a signal (SIGSTOP, Ctrl-Z) can neither exit nor act
+    on a SIGTERM until it is continued: it is SIGKILLed at once instead of
+    being waited for twice. Signals go through the watches (their pidfds):
+    never to a process that took over the pid of one that ended."""
     for p, watch in zip(processes, watches, strict=True):
         # (Not atomic: one continued just after this look is killed all the
         # same; a producer has nothing to tidy that its consumer does not.)
         if p.exitcode is None and watch.alive() and process_stopped(_pid(p)):
-            p.kill()
+            watch.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + GRACE_S
     for p, watch in zip(processes, watches, strict=True):
         _join(p, watch, deadline)
-    for sig_method in ("terminate", "kill"):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [(p, w) for p, w in zip(processes, watches, strict=True) if p.exitcode is None]
         if not alive:
             break
-        for p, _ in alive:
-            getattr(p, sig_method)()
+        for _, watch in alive:
+            watch.send_signal(sig)
         deadline = time.monotonic() + GRACE_S
         for p, watch in alive:
             _join(p, watch, deadline)

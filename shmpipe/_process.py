@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import select
+import signal
 import time
 
 __all__ = [
@@ -60,10 +61,12 @@ def process_start_time(pid: int) -> int | None:
 
 
 def process_stopped(pid: int) -> bool:
-    """Whether `pid` is stopped (SIGSTOP, SIGTSTP, or a tracer's stop): it
-    runs nothing, not even a handler of SIGTERM, until it is continued."""
+    """Whether `pid` is stopped by a signal (SIGSTOP, SIGTSTP): it runs
+    nothing, not even a handler of SIGTERM, until it is continued. Not a
+    tracer's stop (state "t"): strace or a sampling profiler stops a
+    healthy process for moments at a time."""
     fields = _stat_fields(pid)
-    return fields is not None and fields[0] in (b"T", b"t")
+    return fields is not None and fields[0] == b"T"
 
 
 def proc_kib(path: str, key: str) -> int | None:
@@ -185,6 +188,20 @@ class ProcessWatch:
                 return False
             time.sleep(left)
         return True
+
+    def send_signal(self, sig: int) -> None:
+        """Sends `sig` to the process unless it has ended: through the pidfd
+        where there is one, so never to a process that reuses the pid (one
+        that is not our child, such as a forkserver's, is reaped by
+        another process at any moment)."""
+        fd = self._fd
+        try:
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            elif self.alive():
+                os.kill(self.pid, sig)  # (no pidfd: the pid may be reused meanwhile)
+        except ProcessLookupError:
+            self._ended = True
 
     def close(self) -> None:
         """Closes the pidfd (alive() still answers, without it)."""

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shmpipe._process import ProcessWatch, process_alive, process_start_time
+from shmpipe._process import ProcessWatch, process_alive, process_start_time, process_stopped
 
 
 @pytest.fixture
@@ -71,3 +71,30 @@ def test_a_watch_of_a_process_that_is_gone_or_someone_else_has_ended(sleeper):
 def test_process_alive_counts_other_users_processes():
     assert process_alive(os.getpid())
     assert process_alive(1)  # init: someone else's unless we are root, and alive
+
+
+def test_a_stopped_process_is_told_from_a_running_one(sleeper):
+    import signal
+
+    from shmpipe.testing.processes import wait_until
+
+    assert not process_stopped(sleeper.pid)
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: process_stopped(sleeper.pid), 10)
+    finally:
+        os.kill(sleeper.pid, signal.SIGCONT)
+    assert wait_until(lambda: not process_stopped(sleeper.pid), 10)
+    sleeper.kill()
+    sleeper.wait(timeout=10)
+    assert not process_stopped(sleeper.pid)  # gone
+
+
+def test_a_watch_signals_its_process_and_nothing_once_it_has_gone(sleeper):
+    import signal
+
+    with ProcessWatch(sleeper.pid, process_start_time(sleeper.pid)) as watch:
+        watch.send_signal(signal.SIGTERM)
+        assert sleeper.wait(timeout=10) == -signal.SIGTERM  # reaped: the pid is free for anyone
+        watch.send_signal(signal.SIGKILL)  # to nobody, without an error
+        assert not watch.alive()
