@@ -146,7 +146,17 @@ def __getattr__(name: str) -> Any:
         return deprecated(name, __name__)
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    from shmpipe._interrupts import ctrl_c_held_back
+
+    # The first use of a name imports its module, and with it much else
+    # (shmpipe.from_iterators: the whole pipeline's side, importlib.metadata,
+    # pathlib, ipaddress, ...), inside the user's own try/except of Ctrl-C.
+    # A KeyboardInterrupt raised in the middle of an import can come out as
+    # another exception (a RuntimeError, where it lands in a class body's
+    # __set_name__, as in ipaddress) and leaves that import undone: held
+    # back, it is raised here once the import is complete.
+    with ctrl_c_held_back():
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -187,12 +197,15 @@ def prestart(*objects: Any) -> None:
     it, each of its producers imports itself (a dataset whose module imports
     torch at its top: torch, in every producer). So where the dataset comes
     from such a module, pass it, once it is made: ``shmpipe.prestart(dataset)``."""
+    from shmpipe._interrupts import ctrl_c_held_back
     from shmpipe._launch import prestart as _prestart
 
     _prestart(objects)
     # and the pipeline's side of shmpipe, which a first pipeline would
-    # import (the names here load their modules at their first use)
-    import shmpipe._api  # noqa: F401
+    # import (the names here load their modules at their first use), whole
+    # even where a Ctrl-C comes meanwhile (__getattr__ says why)
+    with ctrl_c_held_back():
+        import shmpipe._api  # noqa: F401
 
 
 def signature_of(*batches: Any) -> Any:

@@ -78,3 +78,28 @@ def test_deprecated_names_still_work_and_say_what_replaces_them():
     for module in (shmpipe, errors):
         with pytest.raises(AttributeError):
             module.NoSuchName  # noqa: B018
+
+
+def test_a_ctrl_c_while_a_name_loads_its_module_comes_after_the_import(tmp_path):
+    # The first use of shmpipe.from_iterators imports the pipeline's side; a
+    # Ctrl-C pressed in the middle (here: when shmpipe._pipeline is looked
+    # up) is a KeyboardInterrupt once that import is whole, not an import cut
+    # in half (which can surface as another exception: a RuntimeError where
+    # it lands in a class body, as a CI run of test_faults saw).
+    code = (
+        "import os, signal, sys\n"
+        "import shmpipe\n"
+        "class Press:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'shmpipe._pipeline':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Press())\n"
+        "try:\n"
+        "    shmpipe.from_iterators\n"
+        "except KeyboardInterrupt:\n"
+        "    print('KeyboardInterrupt', 'shmpipe._api' in sys.modules, callable(shmpipe.from_iterators))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["KeyboardInterrupt", "True", "True"], out.stdout + out.stderr
