@@ -194,9 +194,10 @@ def prestart(*objects: Any) -> None:
     imports), as the first pipeline would for its own sources, so that its
     producers inherit those modules instead of each importing them. A
     pipeline cannot add to a running server: what its sources need beyond
-    it, each of its producers imports itself (a dataset whose module imports
-    torch at its top: torch, in every producer). So where the dataset comes
-    from such a module, pass it, once it is made: ``shmpipe.prestart(dataset)``."""
+    it, each of its producers imports itself, or, where that brings a heavy
+    framework (a dataset whose module imports torch at its top), a second
+    server started for it imports once. So where the dataset comes from such
+    a module, pass it, once it is made: ``shmpipe.prestart(dataset)``."""
     from shmpipe._interrupts import ctrl_c_held_back
     from shmpipe._launch import prestart as _prestart
 

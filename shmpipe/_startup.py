@@ -10,9 +10,10 @@ memory with 4 producers, for sources that use NumPy.
 Here a producer imports what its source needs and nothing of the script:
 
 - with forkserver (the default), producers are forked from shmpipe's own
-  fork server: a process started once per trainer, on the first pipeline,
-  that has imported shmpipe's producer side (NumPy, the shm transport) and
-  never the script. A producer is a fork of it: milliseconds, and the
+  fork server: a process started once per trainer, on the first pipeline
+  (again where a later one needs a heavy framework that it lacks), that has
+  imported shmpipe's producer side (NumPy, the shm transport) and never the
+  script. A producer is a fork of it: milliseconds, and the
   pages it imported are shared by every producer;
 - with spawn, each producer is a fresh interpreter that is not told to
   import the script;
@@ -187,8 +188,14 @@ class _ForkServer(forkserver.ForkServer):
                 self._forkserver_pid = pid
 
 
+#: The fork server that new producers fork from. A later pipeline whose
+#: sources need a heavy framework that it lacks replaces it by a server that
+#: has it (_preload_with_the_server); the one replaced keeps running, in
+#: _RETIRED, for the producers it forked: their exit codes come through it.
+#: Each ends with this process (its end of a pipe closes).
 _SERVER = _ForkServer()
 _SERVER.set_forkserver_preload(SERVER_PRELOAD)
+_RETIRED: list[_ForkServer] = []
 
 
 class Shipped:
@@ -316,10 +323,49 @@ def _preload_with_the_server(sources: Sequence[Any]) -> None:
     where the trainer has them imported and they are not the script), so
     each producer inherits them instead of importing them before its first
     batch (a dataset's module: 10-20 ms a producer; Pillow, which a dataset
-    of images imports in its __getitem__: 30 ms, measured). A server already
-    running keeps what it has: its producers import the rest themselves."""
-    if server_pid() is not None:
+    of images imports in its __getitem__: 30 ms, measured).
+
+    A server already running cannot import more. Its producers import what
+    it lacks themselves, each, unless that brings a heavy framework (a
+    dataset's module with `import torch` at its top, after shmpipe.prestart()
+    started the server before it): then a new server imports it once, for
+    this pipeline and the next ones, rather than every producer (seconds and
+    hundreds of MiB each)."""
+    global _SERVER
+    modules = _modules_of(sources)
+    if server_pid() is None:
+        _SERVER.set_forkserver_preload([*SERVER_PRELOAD, *sorted(modules - set(SERVER_PRELOAD))])
         return
+    has = set(_SERVER._preload_modules)  # type: ignore[attr-defined]
+    missing = modules - has
+    if not any(_brings_heavy_framework(name) for name in missing):
+        return
+    server = _ForkServer()
+    server.set_forkserver_preload([*_SERVER._preload_modules, *sorted(missing)])  # type: ignore[attr-defined]
+    _RETIRED.append(_SERVER)
+    _SERVER = server  # started by the first producer forked from it
+
+
+def _brings_heavy_framework(name: str) -> bool:
+    """Whether module `name` (loaded in this process) is, or has at its top,
+    a heavy framework: a module, class or function of one among its globals
+    (`import torch`, `from torch.utils.data import Dataset`)."""
+    if name.split(".")[0] in HEAVY_FRAMEWORKS:
+        return True
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    for value in list(vars(module).values()):
+        if isinstance(value, (types.ModuleType, type, types.FunctionType)):
+            origin = _module_of(value)
+            if origin is not None and origin.split(".")[0] in HEAVY_FRAMEWORKS:
+                return True
+    return False
+
+
+def _modules_of(sources: Sequence[Any]) -> set[str]:
+    """The modules that `sources` are made of, loaded in this process and
+    imported by name in a producer (_preload_with_the_server)."""
     names: set[object] = set()  # module names, and None where an object has none
     for source in sources:
         for obj in (source, *_attributes(source)):
@@ -336,8 +382,7 @@ def _preload_with_the_server(sources: Sequence[Any]) -> None:
             module = sys.modules.get(name)
             if module is not None and getattr(module, "__file__", None):
                 modules.add(name)
-    extra = sorted(modules - set(SERVER_PRELOAD))
-    _SERVER.set_forkserver_preload([*SERVER_PRELOAD, *extra])
+    return modules
 
 
 def _imported_by_code(obj: Any) -> set[str | None]:

@@ -266,6 +266,57 @@ PRELOAD_MODULES = {
     """,
 }
 
+#: Sources of modules that the trainer imports after shmpipe.prestart():
+#: one light, one with a heavy framework at its top (LATE_SCRIPT).
+LATE_MODULES = {
+    f"{name}.py": f"""
+        import recorded
+        recorded.record({name!r})
+        import numpy as np
+        {heavy}
+
+        class Numbers:
+            def __init__(self, n):
+                self.n = n
+
+            def __call__(self):
+                for i in range(self.n):
+                    yield np.array(i)
+    """
+    for name, heavy in (("light_ds", ""), ("heavy_ds", "import torch"))
+}
+
+LATE_SCRIPT = """
+    import json, os, sys
+    import shmpipe
+    from shmpipe import _startup
+
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    if __name__ == "__main__":
+        shmpipe.prestart()  # at the top of the script, before the datasets' modules
+        first = _startup.server_pid()
+        import light_ds, heavy_ds
+        out = {"trainer": os.getpid(), "first": first}
+        for name, module in (("light", light_ds), ("heavy", heavy_ds), ("heavy again", heavy_ds)):
+            with shmpipe.from_iterators([module.Numbers(3)] * 2, timeout=60) as pipe:
+                got = sorted(int(b) for b in pipe)
+                out[name] = {"got": got, "server": _startup.server_pid(), "pids": pipe.pids,
+                             "parents": sorted({parent(p) for p in pipe.pids})}
+        print(json.dumps(out))
+"""
+
+
+def _late_command(folder):
+    for name, text in {"recorded.py": PRELOAD_MODULES["recorded.py"], **LATE_MODULES}.items():
+        (folder / name).write_text(textwrap.dedent(text))
+    (folder / "train.py").write_text(textwrap.dedent(LATE_SCRIPT))
+    return Command([sys.executable, str(folder / "train.py")], cwd=folder, timeout=T,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *sys.path])})
+
+
 #: The trainer: it has the modules loaded; its pipeline is made (after
 #: shmpipe.prestart(...) with "--prestart") the way argv[1] says.
 PRELOAD_SCRIPT = """
@@ -326,6 +377,32 @@ def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(reques
     assert importers["decoder"] == {got["trainer"], got["server"]}, (importers, got)
     assert not set(got["producers"]) & importers["decoder"]
     assert got["random"] == [True] * 4  # numpy.random was there as each producer loaded its source
+
+
+@SHARED_TIMEOUT
+def test_a_later_pipeline_whose_module_brings_a_heavy_framework_gets_a_server_that_has_it(request):
+    # prestart() started the server before the datasets' modules were
+    # imported, so it has neither. The light one: each producer imports it
+    # (a new server would cost more than that). The one with `import torch`
+    # at its top: a new server imports it once, and the producers of this
+    # pipeline and the next fork from it instead of each importing torch.
+    pytest.importorskip("torch")
+    out, folder = SCRIPTS.get(request, ("late",))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    importers: dict[str, set[int]] = {}
+    for line in (folder / "imported_by").read_text().split("\n"):
+        if line:
+            name, pid = line.split()
+            importers.setdefault(name, set()).add(int(pid))
+    light, heavy, again = got["light"], got["heavy"], got["heavy again"]
+    for run in (light, heavy, again):
+        assert run["got"] == [0, 0, 1, 1, 2, 2]
+    assert light["server"] == got["first"] and light["parents"] == [got["first"]]
+    assert importers["light_ds"] == {got["trainer"], *light["pids"]}
+    assert heavy["server"] != got["first"] and heavy["parents"] == [heavy["server"]]
+    assert importers["heavy_ds"] == {got["trainer"], heavy["server"]}, (importers, got)
+    assert again["server"] == heavy["server"] and again["parents"] == [heavy["server"]]
 
 
 @SHARED_TIMEOUT
@@ -422,6 +499,8 @@ def _command(key, folder):
         return _preload_command(folder, *args)
     if kind == "environment":
         return _environment_command(folder, *args)
+    if kind == "late":
+        return _late_command(folder)
     script = folder / f"{kind}.py"
     script.write_text(PRESTART_SCRIPT if kind == "prestart" else ARGS_SCRIPT)
     return Command([sys.executable, str(script), *(["21"] if kind == "args" else [])], cwd=folder, timeout=T,
@@ -439,6 +518,7 @@ _KEYS = {
     "test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used": lambda p: ("preload", "dataset", p["flags"]),
     "test_the_fork_server_preloads_the_modules_a_function_of_the_script_uses": lambda p: ("preload", "function", p["flags"]),
     "test_prestart_starts_the_server_before_any_pipeline_and_pipelines_use_it": lambda p: ("prestart",),
+    "test_a_later_pipeline_whose_module_brings_a_heavy_framework_gets_a_server_that_has_it": lambda p: ("late",),
     "test_the_producers_environment_is_the_trainers": lambda p: ("environment", p["value"]),
 }
 
