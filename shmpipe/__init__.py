@@ -199,13 +199,16 @@ def prestart(*objects: Any) -> None:
     server started for it imports once. So where the dataset comes from such
     a module, pass it, once it is made: ``shmpipe.prestart(dataset)``."""
     from shmpipe._interrupts import ctrl_c_held_back
-    from shmpipe._launch import prestart as _prestart
 
-    _prestart(objects)
-    # and the pipeline's side of shmpipe, which a first pipeline would
-    # import (the names here load their modules at their first use), whole
-    # even where a Ctrl-C comes meanwhile (__getattr__ says why)
+    # Whole even where a Ctrl-C comes meanwhile (__getattr__ says why): the
+    # server's start, the imports of a first pipeline in this process
+    # (numpy.random among them), and the pipeline's side of shmpipe, which a
+    # first pipeline would import (the names here load their modules at
+    # their first use).
     with ctrl_c_held_back():
+        from shmpipe._launch import prestart as _prestart
+
+        _prestart(objects)
         import shmpipe._api  # noqa: F401
 
 

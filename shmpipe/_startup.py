@@ -48,6 +48,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -192,10 +193,14 @@ class _ForkServer(forkserver.ForkServer):
 #: sources need a heavy framework that it lacks replaces it by a server that
 #: has it (_preload_with_the_server); the one replaced keeps running, in
 #: _RETIRED, for the producers it forked: their exit codes come through it.
-#: Each ends with this process (its end of a pipe closes).
+#: Each ends with this process (its end of a pipe closes): at most one per
+#: framework of HEAVY_FRAMEWORKS, since each new one has all the old had.
 _SERVER = _ForkServer()
 _SERVER.set_forkserver_preload(SERVER_PRELOAD)
 _RETIRED: list[_ForkServer] = []
+#: Guards the choice and the swap of _SERVER: pipelines may be made from
+#: several threads at once.
+_SERVER_LOCK = threading.Lock()
 
 
 class Shipped:
@@ -333,34 +338,45 @@ def _preload_with_the_server(sources: Sequence[Any]) -> None:
     hundreds of MiB each)."""
     global _SERVER
     modules = _modules_of(sources)
-    if server_pid() is None:
-        _SERVER.set_forkserver_preload([*SERVER_PRELOAD, *sorted(modules - set(SERVER_PRELOAD))])
-        return
-    has = set(_SERVER._preload_modules)  # type: ignore[attr-defined]
-    missing = modules - has
-    if not any(_brings_heavy_framework(name) for name in missing):
-        return
-    server = _ForkServer()
-    server.set_forkserver_preload([*_SERVER._preload_modules, *sorted(missing)])  # type: ignore[attr-defined]
-    _RETIRED.append(_SERVER)
-    _SERVER = server  # started by the first producer forked from it
+    with _SERVER_LOCK:
+        preload: list[str] = _SERVER._preload_modules  # type: ignore[attr-defined]
+        missing = sorted(modules - set(preload))
+        if server_pid() is None:
+            # Not started yet (the first pipeline's, or one swapped in that no
+            # producer used yet): it imports these too, with what it had.
+            _SERVER.set_forkserver_preload([*preload, *missing])
+            return
+        needed = set().union(*map(_heavy_frameworks_of, missing))
+        if needed <= set().union(*map(_heavy_frameworks_of, preload)):
+            return  # nothing heavy, or nothing its producers would not inherit
+        server = _ForkServer()
+        server.set_forkserver_preload([*preload, *missing])
+        _RETIRED.append(_SERVER)
+        _SERVER = server  # started by the first producer forked from it
 
 
-def _brings_heavy_framework(name: str) -> bool:
-    """Whether module `name` (loaded in this process) is, or has at its top,
-    a heavy framework: a module, class or function of one among its globals
-    (`import torch`, `from torch.utils.data import Dataset`)."""
-    if name.split(".")[0] in HEAVY_FRAMEWORKS:
-        return True
+def _heavy_frameworks_of(name: str, depth: int = 2) -> set[str]:
+    """The heavy frameworks (HEAVY_FRAMEWORKS) that module `name`, loaded in
+    this process, is or has at its top: among its globals a module, class,
+    function or object of one (`import torch`, `from torch import zeros`,
+    `DEVICE = torch.device("cpu")`), or a module that has one at its top
+    (`import torchvision`: `depth` levels of modules)."""
+    top = name.split(".")[0]
+    if top in HEAVY_FRAMEWORKS:
+        return {top}
     module = sys.modules.get(name)
-    if module is None:
-        return False
+    if module is None or depth == 0:
+        return set()
+    found: set[str] = set()
     for value in list(vars(module).values()):
-        if isinstance(value, (types.ModuleType, type, types.FunctionType)):
-            origin = _module_of(value)
-            if origin is not None and origin.split(".")[0] in HEAVY_FRAMEWORKS:
-                return True
-    return False
+        if isinstance(value, types.ModuleType):
+            found |= _heavy_frameworks_of(value.__name__, depth - 1)
+            continue
+        named = isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType))
+        for origin in (_module_of(value) if named else None, type(value).__module__):
+            if isinstance(origin, str) and origin.split(".")[0] in HEAVY_FRAMEWORKS:
+                found.add(origin.split(".")[0])
+    return found
 
 
 def _modules_of(sources: Sequence[Any]) -> set[str]:

@@ -267,13 +267,14 @@ PRELOAD_MODULES = {
 }
 
 #: Sources of modules that the trainer imports after shmpipe.prestart():
-#: one light, one with a heavy framework at its top (LATE_SCRIPT).
+#: one light, two with a heavy framework at their top (LATE_SCRIPT). Each
+#: records the process that imported it, once its imports are done.
 LATE_MODULES = {
     f"{name}.py": f"""
-        import recorded
-        recorded.record({name!r})
         import numpy as np
         {heavy}
+        import recorded
+        recorded.record({name!r})
 
         class Numbers:
             def __init__(self, n):
@@ -283,7 +284,7 @@ LATE_MODULES = {
                 for i in range(self.n):
                     yield np.array(i)
     """
-    for name, heavy in (("light_ds", ""), ("heavy_ds", "import torch"))
+    for name, heavy in (("light_ds", ""), ("heavy_ds", "import torch"), ("heavy2_ds", "from torch import zeros"))
 }
 
 LATE_SCRIPT = """
@@ -298,9 +299,10 @@ LATE_SCRIPT = """
     if __name__ == "__main__":
         shmpipe.prestart()  # at the top of the script, before the datasets' modules
         first = _startup.server_pid()
-        import light_ds, heavy_ds
+        import light_ds, heavy_ds, heavy2_ds
         out = {"trainer": os.getpid(), "first": first}
-        for name, module in (("light", light_ds), ("heavy", heavy_ds), ("heavy again", heavy_ds)):
+        runs = (("light", light_ds), ("heavy", heavy_ds), ("heavy again", heavy_ds), ("heavy2", heavy2_ds))
+        for name, module in runs:
             with shmpipe.from_iterators([module.Numbers(3)] * 2, timeout=60) as pipe:
                 got = sorted(int(b) for b in pipe)
                 out[name] = {"got": got, "server": _startup.server_pid(), "pids": pipe.pids,
@@ -382,10 +384,11 @@ def test_the_fork_server_preloads_what_a_dataset_imports_where_it_is_used(reques
 @SHARED_TIMEOUT
 def test_a_later_pipeline_whose_module_brings_a_heavy_framework_gets_a_server_that_has_it(request):
     # prestart() started the server before the datasets' modules were
-    # imported, so it has neither. The light one: each producer imports it
+    # imported, so it has none. The light one: each producer imports it
     # (a new server would cost more than that). The one with `import torch`
     # at its top: a new server imports it once, and the producers of this
     # pipeline and the next fork from it instead of each importing torch.
+    # Another module of torch: that server has torch, nothing new starts.
     pytest.importorskip("torch")
     out, folder = SCRIPTS.get(request, ("late",))
     assert out.returncode == 0, out.stderr
@@ -403,6 +406,38 @@ def test_a_later_pipeline_whose_module_brings_a_heavy_framework_gets_a_server_th
     assert heavy["server"] != got["first"] and heavy["parents"] == [heavy["server"]]
     assert importers["heavy_ds"] == {got["trainer"], heavy["server"]}, (importers, got)
     assert again["server"] == heavy["server"] and again["parents"] == [heavy["server"]]
+    heavy2 = got["heavy2"]
+    assert heavy2["got"] == [0, 0, 1, 1, 2, 2]
+    assert heavy2["server"] == heavy["server"] and heavy2["parents"] == [heavy["server"]]
+    assert importers["heavy2_ds"] == {got["trainer"], *heavy2["pids"]}
+
+
+def test_what_brings_a_heavy_framework_is_told_from_what_does_not():
+    import types
+
+    torch = pytest.importorskip("torch")
+    from shmpipe import _startup
+
+    made = {
+        "m_imports_it": {"torch": torch},
+        "m_a_builtin_of_it": {"zeros": torch.zeros},
+        "m_an_object_of_it": {"DEVICE": torch.device("cpu")},
+        "m_a_class_of_it": {"Dataset": torch.utils.data.Dataset},
+        "m_light": {"typing": __import__("typing"), "np": np, "n": 3},
+    }
+    made["m_through_a_module"] = {"inner": "m_imports_it"}  # as `import torchvision` brings torch
+    try:
+        for name, values in made.items():
+            module = types.ModuleType(name)
+            for key, value in values.items():
+                setattr(module, key, sys.modules[value] if key == "inner" else value)
+            sys.modules[name] = module
+        got = {name: _startup._heavy_frameworks_of(name) for name in made}
+    finally:
+        for name in made:
+            sys.modules.pop(name, None)
+    assert got == {name: (set() if name == "m_light" else {"torch"}) for name in made}
+    assert _startup._heavy_frameworks_of("torch.nn") == {"torch"}
 
 
 @SHARED_TIMEOUT
