@@ -222,14 +222,16 @@ def check_startup(workers: int = 2) -> Check:
                      f"something imports {', '.join(loaded)} in every Python process (a sitecustomize.py, a .pth "
                      "file in site-packages, PYTHONSTARTUP): each producer pays for it in time and memory; "
                      "remove that import")
+    prestart = ("shmpipe.prestart() at the top of a training script, before it imports a framework, starts the "
+                "fork server meanwhile and takes that start out of the first batch")
     if first_s > STARTUP_WARN_S:
         return Check(name, False, value,
                      "starting producers is slow here: the machine is busy, or importing NumPy and shmpipe is "
-                     "(shmpipe's fork server imports them once; a producer is a fork of it)")
+                     f"(shmpipe's fork server imports them once; a producer is a fork of it); {prestart}")
     return Check(name, True, value,
                  "a source defined in the training script travels by value: producers import neither the script "
                  "nor what it imports, unless the source uses state only the script makes (a lock, an open "
-                 "file), and then shmpipe warns")
+                 f"file), and then shmpipe warns; {prestart}")
 
 
 def _version(name: str) -> str | None:

@@ -387,6 +387,7 @@ def test_doctor_reports_what_starting_producers_costs(request):
     startup = next(c for c in report["checks"] if c["name"] == "producer start-up")
     assert startup["value"].startswith("2 producers (forkserver): first batch in "), startup
     assert "they load none of tensorflow, torch, jax, keras, ray" in startup["value"], startup
+    assert "shmpipe.prestart() at the top of a training script" in startup["fix"], startup
 
 
 @SHARED_TIMEOUT
