@@ -8,6 +8,14 @@ import sys
 import shmpipe
 
 
+def in_a_fresh_python(code: str, cwd) -> str:
+    """What `code` prints, run by a new interpreter (so nothing this test
+    process imported counts); it must exit with 0."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=cwd)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 def test_import_pulls_in_no_heavy_optional_dependency(tmp_path):
     code = (
         "import sys, shmpipe; "
@@ -15,9 +23,7 @@ def test_import_pulls_in_no_heavy_optional_dependency(tmp_path):
         "compiled = [m for m in ('shmpipe._ring', 'shmpipe._codec', 'shmpipe._tally') if m in sys.modules]; "
         "print(heavy + compiled)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert in_a_fresh_python(code, tmp_path).strip() == "[]"
 
 
 def test_the_producer_side_loads_none_of_the_trainers_side(tmp_path):
@@ -30,9 +36,7 @@ def test_the_producer_side_loads_none_of_the_trainers_side(tmp_path):
         "print([m for m in ('shmpipe._api', 'shmpipe._pipeline', 'shmpipe._group', 'shmpipe._options', "
         "'shmpipe.registry', 'importlib.metadata') if m in sys.modules])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert in_a_fresh_python(code, tmp_path).strip() == "[]"
 
 
 def test_each_public_name_is_where_the_package_says_and_typed_there():
@@ -100,6 +104,5 @@ def test_a_ctrl_c_while_a_name_loads_its_module_comes_after_the_import(tmp_path)
         "except KeyboardInterrupt:\n"
         "    print('KeyboardInterrupt', 'shmpipe._api' in sys.modules, callable(shmpipe.from_iterators))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["KeyboardInterrupt", "True", "True"], out.stdout + out.stderr
+    printed = in_a_fresh_python(code, tmp_path)
+    assert printed.split() == ["KeyboardInterrupt", "True", "True"], printed
