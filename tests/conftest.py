@@ -357,3 +357,46 @@ class SharedJobs(_Shared):
         if error is not None:
             raise error
         return value
+
+
+class RegisteredJobs(SharedJobs):
+    """SharedJobs whose tests say what they run with a decorator:
+    ``@FAMILY.runs(make, needs)``. The test's job is ``wrap(make(**its
+    parameters))`` (by default what make returns: a function that starts
+    its processes, waits for them and returns what the test checks); a test
+    whose `needs` module is not installed has none (it is skipped).
+    ``get_for(request)`` is what the asking test's own job returned."""
+
+    def __init__(self, wrap: Callable[[Any], Callable[[], Any]] | None = None, jobs: int = 2,
+                 timeout: float = 600.0) -> None:
+        #: test name -> (make, the module it needs)
+        self.made: dict[str, tuple[Callable[..., Any], str | None]] = {}
+        self.wrap = wrap if wrap is not None else (lambda made: made)
+        super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout)
+
+    def runs(self, make: Callable[..., Any], needs: str | None = None) -> Callable[[Any], Any]:
+        """Registers what the decorated test runs: the first test of the
+        family to ask runs those of every one this session runs, `jobs` at a
+        time, and waits for all (its timeout is the family's)."""
+
+        def register(test: Any) -> Any:
+            self.made[test.__name__] = (make, needs)
+            return pytest.mark.timeout(self.timeout)(test)
+
+        return register
+
+    def _keys_of(self, item: pytest.Item) -> list[Hashable]:
+        import importlib.util
+
+        _, needs = self.made[item.originalname]  # type: ignore[attr-defined]
+        if needs is not None and importlib.util.find_spec(needs) is None:
+            return []  # the test is skipped
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        return [(item.originalname, tuple(sorted(params.items())))]  # type: ignore[attr-defined]
+
+    def _job(self, key: Hashable) -> Callable[[], Any]:
+        name, params = key  # type: ignore[misc]
+        return self.wrap(self.made[name][0](**dict(params)))
+
+    def get_for(self, request: pytest.FixtureRequest) -> Any:
+        return self.get(request, self._keys_of(request.node)[0])

@@ -8,7 +8,6 @@ what it still holds of shared memory after close().
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SharedJobs
+from conftest import RegisteredJobs
 
 import shmpipe
 from shmpipe._api import check_arguments
@@ -125,36 +124,10 @@ def _assert_clean(report: dict[str, Any]) -> None:
 
 # -- the groups of the tests, run a few at a time ------------------------------------
 
-#: test name -> (what its group runs, from the test's parameters; the module
-#: its processes need). What it runs: the ranks' configs, or (configs, the
-#: delays before each starts), or a function that runs something else and
-#: returns what the test checks.
-_GROUPS: dict[str, tuple[Callable[..., Any], str | None]] = {}
-
-
-def runs(group: Callable[..., Any], needs: str | None = None) -> Callable[[Any], Any]:
-    """Registers what the test runs (see _GROUPS): the first test of these
-    runs the groups of all of them this session runs, three at a time
-    (GROUPS); the others find their reports ready."""
-
-    def register(test: Any) -> Any:
-        _GROUPS[test.__name__] = (group, needs)
-        return pytest.mark.timeout(600)(test)  # the first waits for all
-
-    return register
-
-
-def _keys(item: Any) -> list[Any]:
-    group, needs = _GROUPS[item.originalname]
-    if needs is not None and importlib.util.find_spec(needs) is None:
-        return []  # the test is skipped
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    return [(item.originalname, tuple(sorted(params.items())))]
-
-
-def _job(key: Any) -> Callable[[], Any]:
-    name, params = key
-    made = _GROUPS[name][0](**dict(params))
+def _ranks_of(made: Any) -> Callable[[], Any]:
+    """The job of a test that runs (see `runs` below): the ranks' configs, or
+    (configs, the delays before each starts), or a function that runs
+    something else and returns what the test checks."""
     if callable(made):
         return made
     configs, delays = made if isinstance(made, tuple) else (made, None)
@@ -164,12 +137,14 @@ def _job(key: Any) -> Callable[[], Any]:
 #: Each group is a few processes that mostly start Python and shmpipe, or
 #: wait (for a rank that never comes, a late one, a timeout): three groups at
 #: a time keep the two cores busy.
-GROUPS = SharedJobs(_GROUPS.keys(), keys=_keys, job=_job, jobs=4)
+GROUPS = RegisteredJobs(wrap=_ranks_of, jobs=4)
+#: @runs(what the test's group runs, from its parameters; the module that needs)
+runs = GROUPS.runs
 
 
 def _reports(request: Any) -> Any:
     """What the test's group did (its ranks' reports, in rank order)."""
-    return GROUPS.get(request, _keys(request.node)[0])
+    return GROUPS.get_for(request)
 
 
 # -- delivery ----------------------------------------------------------------------

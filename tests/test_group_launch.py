@@ -14,7 +14,6 @@ fails. The tests whose ranks are processes run those a few groups at a time
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -26,11 +25,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import SharedJobs
+from conftest import RegisteredJobs
 
 import shmpipe
 
@@ -114,39 +112,15 @@ def _rank_cfg(group: str, rank: int, **more: Any) -> dict[str, Any]:
     return {"group": group, "rank": rank, "num_ranks": 2, "per_source": 6, "group_timeout": 30, **more}
 
 
-#: test name -> (a function of its parameters that makes what it runs, the
-#: module that needs)
-_LAUNCHES: dict[str, tuple[Callable[..., Any], str | None]] = {}
-
-
-def runs(make: Callable[..., Any], needs: str | None = None) -> Callable[[Any], Any]:
-    """Registers what the test runs: make(**params) gives a function that
-    starts its processes, waits for them and returns what the test checks.
-    The first test of these runs those of every one this session runs,
-    three at a time (LAUNCHES)."""
-
-    def register(test: Any) -> Any:
-        _LAUNCHES[test.__name__] = (make, needs)
-        return pytest.mark.timeout(600)(test)  # the first waits for all
-
-    return register
-
-
-def _keys(item: Any) -> list[Any]:
-    _, needs = _LAUNCHES[item.originalname]
-    if needs is not None and importlib.util.find_spec(needs) is None:
-        return []  # the test is skipped
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    return [(item.originalname, tuple(sorted(params.items())))]
-
-
-LAUNCHES = SharedJobs(
-    _LAUNCHES.keys(), keys=_keys, job=lambda key: _LAUNCHES[key[0]][0](**dict(key[1])), jobs=3
-)
+#: @runs(a function of the test's parameters that makes what it runs: a
+#: function that starts its processes, waits for them and returns what the
+#: test checks; the module that needs). Three at a time.
+LAUNCHES = RegisteredJobs(jobs=3)
+runs = LAUNCHES.runs
 
 
 def _launched(request: Any) -> Any:
-    return LAUNCHES.get(request, _keys(request.node)[0])
+    return LAUNCHES.get_for(request)
 
 
 # -- a process of another launch cannot take a rank's place --------------------------
