@@ -347,7 +347,7 @@ def _preload_with_the_server(sources: Sequence[Any]) -> None:
             _SERVER.set_forkserver_preload([*preload, *missing])
             return
         needed = set().union(*map(_heavy_frameworks_of, missing))
-        if needed <= set().union(*map(_heavy_frameworks_of, preload)):
+        if not needed or needed <= set().union(*map(_heavy_frameworks_of, preload)):
             return  # nothing heavy, or nothing its producers would not inherit
         server = _ForkServer()
         server.set_forkserver_preload([*preload, *missing])
