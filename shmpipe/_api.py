@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
 from shmpipe._group import GroupOptions, RankPipeline, check_capacity, check_group, default_capacity
+from shmpipe._nodes import check_nodes
 from shmpipe._options import PipelineOptions, Source, check_options, is_int
 from shmpipe._pipeline import Pipeline
 from shmpipe._schedule import DatasetSchedule
@@ -116,7 +117,8 @@ def from_iterators(
             WorkerDiedError. Its source is called again and makes the
             batches published before without publishing them (as a resume
             does). Default 0: the first death is the error. Transports
-            ``shm`` and ``arrow``; not with ``group``.
+            ``shm`` and ``arrow``; with ``group``, rank 0's pipeline
+            replaces its producers and the ranks see nothing of it.
         group: several processes of this node (one per GPU) share one
             pipeline: every one calls from_iterators with the same
             arguments and this name; rank 0 starts the producers, each
@@ -187,8 +189,6 @@ def check_arguments(
     `wrap`: what a producer runs for each source (check_options)."""
     resolved = resolve_transport(transport)
     grouped = check_group(group, rank, num_ranks, group_timeout, resolved, run_id)
-    if grouped is not None and max_restarts:
-        raise ShmpipeValueError("max_restarts is not available with group= yet: a producer's death ends the group")
     options = check_options(
         sources,
         transport=resolved,
@@ -240,6 +240,8 @@ def from_dataset(
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
     run_id: str | None = None,
+    num_nodes: int | None = None,
+    node_rank: int | None = None,
 ) -> Pipeline | RankPipeline:
     """Batches of a map-style dataset, fetched and collated by
     ``num_workers`` producer processes: the DataLoader's arguments, on
@@ -288,6 +290,22 @@ def from_dataset(
     (rank r gets batches r, r + num_ranks, ...; the incomplete last round
     is dropped), and any rank's ``state_dict()`` at the same step is the
     group's position, which a group of another size may resume from.
+
+    Several nodes (docs/several-nodes.md): ``num_nodes`` nodes of
+    ``num_ranks`` ranks each (one without ``group``) share each epoch.
+    Global rank ``g = node_rank * num_ranks + rank`` gets batches ``g,
+    g + W, g + 2 * W, ...`` of the epoch (``W``: the ranks of all nodes;
+    the incomplete last round is dropped), and each node's producers fetch
+    only its ranks' batches. Every node must pass the same ``seed``. Any
+    rank's ``state_dict()`` at step ``s`` is the job's position (``s * W``
+    batches out), which any other number of nodes or ranks per node
+    resumes from.
+
+    Args (several nodes):
+        num_nodes: the job's nodes; default ``WORLD_SIZE // LOCAL_WORLD_SIZE``
+            (torchrun sets both), else 1.
+        node_rank: this node's index in ``[0, num_nodes)``; default
+            ``GROUP_RANK`` (torchrun's) or ``NODE_RANK``, else 0.
     """
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ShmpipeTypeError(
@@ -322,6 +340,13 @@ def from_dataset(
         group_timeout=group_timeout,
         run_id=run_id,
     )
+    layout = check_nodes(num_nodes, node_rank, grouped.num_ranks if grouped is not None else 1, grouped is not None)
+    if layout.num_nodes > 1 and shuffle and not options.seed_given:
+        raise ShmpipeValueError(
+            f"a job of {layout.num_nodes} nodes needs seed= (the same on every node): each node draws the "
+            "epoch's shuffle itself, and nodes that drew different ones would read some samples twice and "
+            "others never"
+        )
     schedule = DatasetSchedule(
         num_workers,
         options.seed,
@@ -332,6 +357,8 @@ def from_dataset(
         drop_last=bool(drop_last),
         sampler=sampler,
         batch_sampler=batch_sampler,
+        layout=layout,
+        ordered=options.ordered,
     )
     if grouped is not None:
         return RankPipeline(options, grouped, schedule)

@@ -22,7 +22,7 @@ from shmpipe._frameworks import FrameworkStream
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._launch import ProcessLauncher
 from shmpipe._options import PipelineOptions
-from shmpipe._schedule import IteratorSchedule, Progress, Schedule
+from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._stream import POLL_S, Pass
 from shmpipe.errors import (
     CorruptChannelError,
@@ -155,6 +155,7 @@ class Pipeline(FrameworkStream):
         self._delivered_before: list[int] = [0] * options.num_workers  # per worker, before that pass
         self._restarts: list[str] = []  # each producer death that was replaced (max_restarts)
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
+        self._dropped: list[int] = []  # per pass iterated: batches the schedule dealt to no rank
         # A channel has one consumer. Threads may still meet here: a tf.data
         # iterator's thread waiting for a batch of one pass while another
         # iterator starts the next. So channel.get and begin_pass run one at
@@ -219,6 +220,21 @@ class Pipeline(FrameworkStream):
         actors), described; empty when close() left nothing behind."""
         return self._launcher.leftovers()
 
+    def _stats_extra(self) -> dict[str, Any]:
+        """``stats().extra`` of one node's pipeline in a job of several
+        (from_dataset(num_nodes=...)): num_nodes, node_rank,
+        dropped_remainder (batches of the passes that no rank of the job
+        got: the incomplete last rounds) and dropped_per_pass."""
+        layout = self._schedule.layout if isinstance(self._schedule, DatasetSchedule) else None
+        if layout is None or layout.num_nodes == 1:
+            return {}
+        return {
+            "num_nodes": layout.num_nodes,
+            "node_rank": layout.node_rank,
+            "dropped_remainder": sum(self._dropped),
+            "dropped_per_pass": list(self._dropped),
+        }
+
     def _forget_children(self, children: set[Any]) -> None:
         for process in self._launcher.children():
             children.discard(process)
@@ -246,6 +262,7 @@ class Pipeline(FrameworkStream):
                 assert self._ahead is not None
                 self._pass_no, self._ahead = self._ahead, None
                 self._delivered_before = self._counters.per_worker
+                self._dropped.append(self._schedule.dropped)
                 return self._pass_no
             except WorkerError as exc:  # a producer gone between passes (WorkerDiedError)
                 failure = exc

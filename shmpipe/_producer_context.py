@@ -142,9 +142,12 @@ def current_work() -> PassWork | None:
     return _work
 
 
-def seed_for(base_seed: int, pass_no: int, worker: int) -> int:
-    """A 63-bit seed for one worker in one pass, reproducible from base_seed."""
-    state = np.random.SeedSequence(base_seed, spawn_key=(pass_no, worker)).generate_state(2, np.uint32)
+def seed_for(base_seed: int, pass_no: int, worker: int, node: int = 0) -> int:
+    """A 63-bit seed for one worker in one pass, reproducible from base_seed;
+    `node`: the node of a job of several (node 0's seeds are a single
+    node's)."""
+    key = (pass_no, worker) if node == 0 else (pass_no, worker, node)
+    state = np.random.SeedSequence(base_seed, spawn_key=key).generate_state(2, np.uint32)
     return (int(state[0]) << 31) ^ int(state[1])
 
 

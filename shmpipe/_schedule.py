@@ -15,7 +15,10 @@ begin where the saved run stood.
   workers, so the batches and their order depend on neither the number of
   workers nor timing. A resumed epoch deals only the batches not yet
   delivered: no sample before the position is fetched again, and the
-  number of workers may differ from the saved run's.
+  number of workers may differ from the saved run's. In a job of several
+  nodes (shmpipe/_nodes.py) each node's schedule keeps the node's share of
+  the epoch, and its state is still the job's position: a layout of
+  another number of nodes or ranks resumes from it.
 
 Producers run the other half (shmpipe/_sources.py). The state is read in
 the consumer from a file the user keeps; it is checked field by field
@@ -35,6 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from shmpipe._nodes import ONE_NODE, NodeLayout
 from shmpipe._producer_context import PassWork, seed_for
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 
@@ -82,6 +86,10 @@ class Schedule(abc.ABC):
         self.epoch: int | None = None
         #: In an ordered pass, the worker whose turn comes first.
         self.first_turn = 0
+        #: Batches of the pass begun last that no rank of the job gets (the
+        #: schedule dropped them: an incomplete last round of a job of
+        #: several nodes). A group's leader adds its own.
+        self.dropped = 0
         self._works: list[PassWork] = []  # the pass begun last's
 
     def fingerprint(self) -> dict[str, Any]:
@@ -267,8 +275,15 @@ class DatasetSchedule(Schedule):
         drop_last: bool,
         sampler: Iterable[int] | None,
         batch_sampler: Iterable[Sequence[int]] | None,
+        layout: NodeLayout = ONE_NODE,
+        ordered: bool = True,
     ) -> None:
         super().__init__(num_workers, seed, seed_given)
+        #: Which share of each epoch this node's pipeline fetches.
+        self.layout = layout
+        #: Whether the node's batches are delivered in the order dealt: a
+        #: node's own state (several nodes, one rank) is told from a count.
+        self.ordered = ordered
         self.length = length
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -281,6 +296,7 @@ class DatasetSchedule(Schedule):
         self._digest = ""
         self._plan = (np.zeros(0, np.int64), np.zeros(1, np.int64))
         self._done = np.zeros(0, bool)
+        self._left = np.zeros(0, np.int64)  # the epoch's batches not done before it began, in dealing order
         self._dealt: list[np.ndarray] = []
 
     def fingerprint(self) -> dict[str, Any]:
@@ -290,11 +306,14 @@ class DatasetSchedule(Schedule):
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "sampler": self.sampler_name,
+            "num_nodes": self.layout.num_nodes,
+            "node_rank": self.layout.node_rank,
         }
 
     def one_reader(self) -> DatasetSchedule:
-        """The same batches as one sequence (one worker): what a rank of a
-        group keeps to know where the group stands, from its own count."""
+        """The same batches, this node's share of them, as one sequence
+        (one worker): what a rank of a group keeps to know where the job
+        stands from its own count (state_after_rounds)."""
         return DatasetSchedule(
             1,
             self.seed,
@@ -305,12 +324,15 @@ class DatasetSchedule(Schedule):
             drop_last=self.drop_last,
             sampler=self.sampler,
             batch_sampler=self.batch_sampler,
+            layout=self.layout,
+            ordered=self.ordered,
         )
 
     @property
     def remaining(self) -> int:
-        """Batches of the pass begun last that were not done before it began."""
-        return sum(len(d) for d in self._dealt)
+        """Batches of the pass begun last that were not done before it
+        began (on every node)."""
+        return len(self._left)
 
     @property
     def sampler_name(self) -> str:
@@ -368,13 +390,20 @@ class DatasetSchedule(Schedule):
                     "the same epoch (seed it, or give it set_epoch) to resume exactly"
                 )
         self._digest, self._done, self._plan = digest, done, (indices, bounds)
-        remaining = np.flatnonzero(~done)
-        self._dealt = [remaining[w :: self.num_workers] for w in range(self.num_workers)]
+        self._left = np.flatnonzero(~done)
+        mine, self.dropped = self.layout.share(self._left)
+        self._dealt = [mine[w :: self.num_workers] for w in range(self.num_workers)]
         self.first_turn = 0
         return [
             PassWork(pass_no, epoch, self._seed(epoch, w), plan=_subplan(indices, bounds, self._dealt[w]))
             for w in range(self.num_workers)
         ]
+
+    def _seed(self, epoch: int, worker: int) -> int:
+        # Worker w of node n > 0 draws its own seeds: the workers of two
+        # nodes must not make the same random augmentations. Node 0's are
+        # a single node's.
+        return seed_for(self.seed, epoch, worker, self.layout.node_rank)
 
     def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork:
         # Only the batches it had not published: nothing is fetched twice.
@@ -416,10 +445,42 @@ class DatasetSchedule(Schedule):
 
     def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
         done = self._done.copy()
-        for dealt, count in zip(self._dealt, progress.delivered, strict=True):
-            done[dealt[:count]] = True
+        if self.layout.world == 1:
+            for dealt, count in zip(self._dealt, progress.delivered, strict=True):
+                done[dealt[:count]] = True
+        else:
+            # One node of several: the job's position, from this node's
+            # count. Every rank of the job takes one batch a round, so after
+            # this node's one rank took n, the first n rounds are out on
+            # every node. (A group's ranks count for themselves: RankPipeline.)
+            if not self.ordered:
+                raise ShmpipeValueError(
+                    "the position of a job of several nodes is saved with ordered=True only: this node alone "
+                    "cannot tell which batches an unordered job handed out"
+                )
+            return self._after_rounds(epoch, sum(progress.delivered) // self.layout.ranks_per_node)
         if done.all():  # its last batch is out: a resumed run begins the next epoch, not this one's empty end
             return self._fresh(epoch + 1)
+        return self._fields(epoch, self._digest, len(done), done)
+
+    def state_after_rounds(self, rounds: int) -> dict[str, Any]:
+        """The checkpoint once `rounds` rounds of the pass begun last are
+        out: every rank of every node took `rounds` batches of it, so the
+        first rounds * W batches left when it began are out. What a rank
+        tells from its own count, whatever the layout."""
+        assert self.epoch is not None  # a pass was begun
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": self.kind} | self._after_rounds(
+            self.epoch, rounds
+        )
+
+    def _after_rounds(self, epoch: int, rounds: int) -> dict[str, Any]:
+        taken = rounds * self.layout.world
+        if len(self._left) - taken < self.layout.world:
+            # Its last round is out: a resumed run begins the next epoch, not
+            # this one's remainder (dropped, as it would have been).
+            return self._fresh(epoch + 1)
+        done = self._done.copy()
+        done[self._left[:taken]] = True
         return self._fields(epoch, self._digest, len(done), done)
 
     def _load(self, fields: _Fields) -> None:

@@ -129,5 +129,3 @@ def test_max_restarts_needs_a_transport_that_can_replace_a_producer():
         shmpipe.from_iterators([Reserver(1)], transport="queue", max_restarts=1)
     with pytest.raises(shmpipe.ShmpipeValueError, match="max_restarts must be"):
         shmpipe.from_iterators([Reserver(1)], max_restarts=-1)
-    with pytest.raises(shmpipe.ShmpipeValueError, match="not available with group"):
-        shmpipe.from_iterators([Reserver(1)], max_restarts=1, group="g", rank=0, num_ranks=1)

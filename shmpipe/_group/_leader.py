@@ -520,7 +520,9 @@ class Leader:
 
     def _deal_pass(self, pass_no: int, current: list[tuple[SharedBatch, int, int]]) -> None:
         """Deals pass `pass_no` in complete rounds; the incomplete last
-        round is dropped (its slots go back) and counted."""
+        round is dropped (its slots go back) and counted, with the batches
+        the schedule dropped before any was fetched (a dataset's: the
+        incomplete last round of the job's, see shmpipe/_nodes.py)."""
         for batch in self.pipe:  # the first iteration starts pass 0, the pipeline's first
             channel = self.pipe.channel
             assert channel is not None
@@ -530,7 +532,9 @@ class Leader:
                 self._share_ring()
             if len(current) == self.n:
                 self._deal(pass_no, current)
-        dropped = len(current)
+        # The schedule's pass begun last is this one: the next begins only
+        # when the pipeline is iterated again.
+        dropped = len(current) + self.schedule.dropped
         for batch, _, _ in current:
             batch.close_fd()
         current.clear()

@@ -252,21 +252,20 @@ class RankPipeline(FrameworkStream):
     # -- checkpoints ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the group stands, from this rank's count: after this rank
-        took s batches of an epoch, the group's first s * num_ranks batches
-        of it are out (every rank gets the same number, in rounds). Any
-        rank's state at the same step is the group's; a group of another
-        size resumes from it. A dataset's ordered group only
+        """Where the job stands, from this rank's count: after this rank
+        took s batches of an epoch, the job's first s * W batches of it are
+        out (W: the ranks of every node; every rank gets the same number, in
+        rounds). Any rank's state at the same step, on any node, is the
+        job's; a group of another size or another number of nodes resumes
+        from it. A dataset's ordered group only
         (from_dataset(group=..., ordered=True)): an unordered or
         from_iterators group cannot tell its position from one rank."""
         position = self._position_or_refuse()
         if self._pass_no < 0:
             return position.state(None)
-        taken = (self._counters.batches - self._taken_before) * self.num_ranks
-        # The incomplete last round of an epoch is dropped: what is left
-        # below one round is the epoch's end.
-        finished = self._finished_pass == self._pass_no or position.remaining - taken < self.num_ranks
-        return position.state(Progress([taken], None, finished=finished))
+        if self._finished_pass == self._pass_no:
+            return position.state(Progress([0], None, finished=True))
+        return position.state_after_rounds(self._counters.batches - self._taken_before)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the group's next pass begin where `state` says; every rank
@@ -465,14 +464,19 @@ class RankPipeline(FrameworkStream):
     def _stats_extra(self) -> dict[str, Any]:
         """``stats().extra`` in a rank: rank, num_ranks, group,
         dropped_remainder (batches of the group's passes dealt to no rank:
-        the incomplete last rounds) and dropped_per_pass."""
-        return {
+        the incomplete last rounds) and dropped_per_pass; in a job of
+        several nodes, num_nodes and node_rank too."""
+        extra = {
             "rank": self.rank,
             "num_ranks": self.num_ranks,
             "group": self.group,
             "dropped_remainder": sum(self._dropped),
             "dropped_per_pass": list(self._dropped),
         }
+        layout = self._position.layout if self._position is not None else None
+        if layout is not None and layout.num_nodes > 1:
+            extra |= {"num_nodes": layout.num_nodes, "node_rank": layout.node_rank}
+        return extra
 
     def group_stats(self) -> GroupStats:
         """Rank 0 only: batches dealt to each rank, the remainders dropped,

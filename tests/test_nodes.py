@@ -1,0 +1,450 @@
+"""A job of several nodes: from_dataset(num_nodes=K, node_rank=r) deals one
+global order over every rank of every node, each node fetching only its
+own ranks' batches, and a checkpoint is the job's position, which any other
+layout resumes from.
+
+Nodes are simulated on this machine, as real nodes would run them: each
+node is its own group (its own name: nodes never share memory) of real rank
+processes (this file run as a script, one per rank), with its own
+producers; a node of one rank is a pipeline without a group. The global
+rule the tests hold every rank to is written out here, apart from the code
+(`dealt`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from typing import Any
+
+import pytest
+
+import shmpipe
+from shmpipe._nodes import NodeLayout, check_nodes
+from shmpipe._schedule import DatasetSchedule
+from shmpipe.testing.datasets import Numbered
+
+HERE = os.path.abspath(__file__)
+N, BATCH, SEED = 121, 2, 7  # 61 batches an epoch (the last one short)
+LAYOUTS = [(1, 2), (2, 2), (2, 1), (3, 2)]  # (nodes, ranks per node)
+FRACTIONS = (0.1, 0.5, 0.9)
+RANK_TIMEOUT_S = 120
+
+
+def arguments(**kw: Any) -> dict[str, Any]:
+    return dict(batch_size=BATCH, shuffle=True, seed=SEED, timeout=60.0) | kw
+
+
+def dealt(batches: list[Any], nodes: int, ranks: int) -> list[list[Any]]:
+    """What each global rank of a layout gets of `batches` (those left of
+    an epoch, in order): rank g gets g, g + W, ...; complete rounds only."""
+    w = nodes * ranks
+    rounds = len(batches) // w
+    return [[batches[j * w + g] for j in range(rounds)] for g in range(w)]
+
+
+def step_at(fraction: float, batches: int, nodes: int, ranks: int) -> int:
+    """The step (batches per rank) at `fraction` of an epoch of a layout."""
+    rounds = batches // (nodes * ranks)
+    return min(rounds - 1, max(1, round(fraction * rounds)))
+
+
+@pytest.fixture(scope="module")
+def epochs() -> list[list[list[int]]]:
+    """Two epochs' batches (sample ids) as one pipeline of one node delivers them."""
+    with shmpipe.from_dataset(Numbered(N), num_workers=1, **arguments()) as pipe:
+        return [[b["i"].tolist() for b in pipe] for _ in range(2)]
+
+
+# -- the schedule alone: every layout, every resume ---------------------------------------
+
+
+def _schedule(nodes: int, ranks: int, node: int) -> DatasetSchedule:
+    return DatasetSchedule(
+        2, SEED, True, length=N, batch_size=BATCH, shuffle=True, drop_last=False, sampler=None,
+        batch_sampler=None, layout=NodeLayout(nodes, node, ranks),
+    )
+
+
+def _node_batches(schedule: DatasetSchedule, pass_no: int) -> tuple[list[list[int]], int]:
+    """A node's batches of its next pass as its ordered pipeline delivers
+    them (worker by worker in turn), and the batches the schedule dropped."""
+    works = schedule.begin(pass_no)
+    per_worker = []
+    for work in works:
+        indices, bounds = work.plan
+        per_worker.append([indices[bounds[k] : bounds[k + 1]].tolist() for k in range(len(bounds) - 1)])
+    out = []
+    for k in range(max(map(len, per_worker))):
+        out.extend(batches[k] for batches in per_worker if k < len(batches))
+    return out, schedule.dropped
+
+
+def _job(nodes: int, ranks: int, state: dict | None) -> tuple[list[list[list[int]]], int]:
+    """Each global rank's batches of a job's next pass (the nodes'
+    schedules, each node's share split among its ranks in rounds), and the
+    batches dropped."""
+    per_rank: list[list[list[int]]] = []
+    drops = set()
+    for node in range(nodes):
+        schedule = _schedule(nodes, ranks, node)
+        if state is not None:
+            schedule.load(state)
+        mine, dropped = _node_batches(schedule, 0)
+        drops.add(dropped)
+        per_rank.extend(mine[r :: ranks] for r in range(ranks))
+    assert len(drops) == 1, "every node counts the same remainder"
+    return per_rank, drops.pop()
+
+
+@pytest.mark.parametrize(("nodes", "ranks"), LAYOUTS + [(1, 1), (4, 3)])
+def test_every_rank_gets_the_global_rule_and_every_sample_is_read_once(epochs, nodes, ranks):
+    per_rank, dropped = _job(nodes, ranks, None)
+    assert per_rank == dealt(epochs[0], nodes, ranks)
+    read = sorted(i for batches in per_rank for b in batches for i in b)
+    assert len(read) == len(set(read)), "no sample is fetched on two nodes (or by two ranks)"
+    assert dropped == len(epochs[0]) % (nodes * ranks)
+    assert len(read) + sum(len(b) for b in epochs[0][len(epochs[0]) - dropped :]) == N
+
+
+@pytest.mark.parametrize("before", LAYOUTS)
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_state_resumes_on_every_other_layout_with_nothing_lost_or_repeated(epochs, before, fraction):
+    nodes, ranks = before
+    step = step_at(fraction, len(epochs[0]), nodes, ranks)
+    # Every rank of every node counts its own way to the same state.
+    states = []
+    for node in range(nodes):
+        position = _schedule(nodes, ranks, node).one_reader()
+        position.begin(0)
+        states.append(position.state_after_rounds(step))
+    assert all(s == states[0] for s in states)
+    state = states[0]
+    out = epochs[0][: step * nodes * ranks]
+    for after in LAYOUTS:
+        if after == before:
+            continue
+        per_rank, dropped = _job(*after, state)
+        rest = epochs[0][len(out) :]
+        assert per_rank == dealt(rest, *after), (after, "the rest, dealt in rounds of the new layout")
+        delivered = out + [b for batches in per_rank for b in batches]
+        ids = [i for b in delivered for i in b]
+        assert len(ids) == len(set(ids)), "nothing repeated"
+        assert len(delivered) == len(epochs[0]) - dropped, "nothing lost but the new layout's remainder"
+
+
+def test_the_state_at_the_last_complete_round_is_the_next_epochs_start(epochs):
+    nodes, ranks = 3, 2
+    position = _schedule(nodes, ranks, 1).one_reader()
+    position.begin(0)
+    state = position.state_after_rounds(len(epochs[0]) // 6)
+    assert (state["epoch"], state["done_below"], state["done"]) == (1, 0, [])
+
+
+def test_a_nodes_workers_draw_seeds_of_their_own():
+    seeds = [[w.seed for w in _schedule(2, 1, node).begin(0)] for node in range(2)]
+    assert len({*seeds[0], *seeds[1]}) == 4
+    single = DatasetSchedule(
+        2, SEED, True, length=N, batch_size=BATCH, shuffle=True, drop_last=False, sampler=None, batch_sampler=None
+    )
+    assert [w.seed for w in single.begin(0)] == seeds[0], "node 0's seeds are a single node's"
+
+
+# -- real pipelines of one rank per node, in this process ------------------------------------
+
+
+def _simulate(nodes: int, steps: int | None = None, state: dict | None = None, **kw: Any) -> tuple[list, list]:
+    """K nodes of one rank, each its own pipeline (real producers), taken
+    in lockstep as DDP's ranks are: (each rank's batches, each one's state)."""
+    pipes = [
+        shmpipe.from_dataset(Numbered(N), num_nodes=nodes, node_rank=r, **arguments(num_workers=1) | kw)
+        for r in range(nodes)
+    ]
+    try:
+        if state is not None:
+            for pipe in pipes:
+                pipe.load_state_dict(state)
+        its = [iter(pipe) for pipe in pipes]
+        got: list[list[list[int]]] = [[] for _ in pipes]
+        while steps is None or len(got[0]) < steps:
+            batches = [next(it, None) for it in its]
+            if all(b is None for b in batches):
+                break
+            assert None not in batches, "every rank gets the same number of batches"
+            for mine, b in zip(got, batches):
+                mine.append(b["i"].tolist())
+            del batches
+        return got, [pipe.state_dict() for pipe in pipes]
+    finally:
+        for pipe in pipes:
+            pipe.close()
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(transport="arrow"), dict(num_workers=3)], ids=["shm", "arrow", "3-workers"]
+)
+def test_nodes_of_one_rank_deliver_the_global_rule_on_any_transport_and_workers(epochs, kw):
+    got, states = _simulate(2, **kw)
+    assert got == dealt(epochs[0], 2, 1)
+    assert all(s["epoch"] == 1 and s["done_below"] == 0 for s in states)
+
+
+def test_nodes_of_one_rank_resume_on_three_nodes_with_a_nodes_stats(epochs):
+    got, states = _simulate(2, steps=10)
+    assert got == [b[:10] for b in dealt(epochs[0], 2, 1)]
+    assert all(s == states[0] for s in states)
+    rest, _ = _simulate(3, state=states[0])
+    assert rest == dealt(epochs[0][20:], 3, 1)
+    with shmpipe.from_dataset(Numbered(N), num_nodes=3, node_rank=2, **arguments(num_workers=1)) as pipe:
+        assert sum(1 for _ in pipe) == len(epochs[0]) // 3
+        extra = pipe.stats().extra
+    assert extra == {"num_nodes": 3, "node_rank": 2, "dropped_remainder": 1, "dropped_per_pass": [1]}
+
+
+def test_an_unordered_node_cannot_tell_the_jobs_position():
+    with shmpipe.from_dataset(Numbered(N), num_nodes=2, node_rank=0, ordered=False, **arguments()) as pipe:
+        next(iter(pipe))
+        with pytest.raises(shmpipe.ShmpipeValueError, match="ordered=True"):
+            pipe.state_dict()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "kw", "match"),
+    [
+        ({}, dict(num_nodes=2, node_rank=2), r"node_rank must be an int in \[0, 2\)"),
+        ({}, dict(num_nodes=2, node_rank=-1), r"node_rank must be an int in \[0, 2\)"),
+        ({}, dict(num_nodes=0), "num_nodes must be a positive int"),
+        ({}, dict(num_nodes=2, node_rank="1"), "node_rank must be an int"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"}, dict(num_nodes=2), r"num_nodes=2 disagrees .*4 nodes"),
+        ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, dict(), "not a multiple of LOCAL_WORLD_SIZE"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "3"}, dict(node_rank=1), r"node_rank=1 .*GROUP_RANK=3"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, dict(), r"LOCAL_WORLD_SIZE=2.*group="),
+        ({"NODE_RANK": "x"}, dict(num_nodes=2), "NODE_RANK='x' is not an int"),
+        ({}, dict(num_nodes=2, node_rank=0, seed=None), "needs seed="),
+    ],
+)
+def test_bad_node_arguments_are_refused_before_anything_starts(monkeypatch, env, kw, match):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    children = set(os.listdir("/proc"))
+    with pytest.raises(shmpipe.ShmpipeValueError, match=match):
+        shmpipe.from_dataset(Numbered(N), num_workers=1, **arguments() | kw)
+    assert not [c for c in set(os.listdir("/proc")) - children if c.isdigit() and _parent(c) == os.getpid()]
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_the_environment_gives_the_defaults(monkeypatch):
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert check_nodes(None, None, 2, True) == NodeLayout(3, 0, 2)
+    monkeypatch.setenv("NODE_RANK", "2")
+    assert check_nodes(None, None, 2, True) == NodeLayout(3, 2, 2)
+    monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's name comes first
+    assert check_nodes(None, None, 2, True) == NodeLayout(3, 1, 2)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "one node where the launcher says nothing"
+
+
+def test_a_state_of_another_job_is_refused_on_any_layout(epochs):
+    with shmpipe.from_dataset(Numbered(N + 1), num_nodes=2, node_rank=1, **arguments(num_workers=1)) as pipe:
+        state = pipe.state_dict()
+    with shmpipe.from_dataset(Numbered(N), num_nodes=3, node_rank=1, **arguments(num_workers=1)) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match="the state's length is 122"):
+            pipe.load_state_dict(state)
+
+
+# -- real processes: nodes of several ranks (groups), resume across layouts, a producer killed --
+
+
+def run_job(nodes: int, ranks: int, *, tmp: str, stop: int | None = None, state: dict | None = None,
+            epochs: int = 1, kill: int | None = None) -> list[dict]:
+    """A job of `nodes` simulated nodes of `ranks` rank processes each (a
+    group per node, none for one rank); each rank iterates `epochs` passes
+    or `stop` batches. `kill`: the node whose rank 0 SIGKILLs one of its
+    producers after its first batch (max_restarts=1). The ranks' reports in
+    global rank order."""
+    job = uuid.uuid4().hex[:8]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    procs = []
+    try:
+        for node in range(nodes):
+            for rank in range(ranks):
+                cfg = {
+                    "group": f"n{node}-{os.getpid()}-{job}" if ranks > 1 else None, "rank": rank,
+                    "num_ranks": ranks, "num_nodes": nodes, "node_rank": node, "epochs": epochs, "stop": stop,
+                    "state": state, "barrier": os.path.join(tmp, job), "world": nodes * ranks,
+                    "kill": kill == node and rank == 0,
+                }
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, HERE, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        env=env, text=True, cwd=tmp,
+                    )
+                )
+        reports = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=RANK_TIMEOUT_S)
+            assert proc.returncode == 0, err[-3000:]
+            reports.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return reports
+
+
+def _check_epoch(reports: list[dict], batches: list[list[int]], nodes: int, ranks: int) -> None:
+    assert [r["batches"] for r in reports] == dealt(batches, nodes, ranks)
+    ids = [i for r in reports for b in r["batches"] for i in b]
+    assert len(ids) == len(set(ids)), "every sample of the epoch at most once across all ranks"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("before", "fraction", "after"), [((2, 2), 0.5, (3, 2)), ((3, 2), 0.1, (1, 2))])
+def test_a_job_of_groups_resumes_on_another_layout(tmp_path, epochs, before, fraction, after):
+    step = step_at(fraction, len(epochs[0]), *before)
+    first = run_job(*before, tmp=str(tmp_path), stop=step)
+    assert all(r["state"] == first[0]["state"] for r in first), "every rank's state at the same step is the job's"
+    assert first[0]["state"]["done_below"] == step * before[0] * before[1]
+    out = epochs[0][: step * before[0] * before[1]]
+    assert [r["batches"] for r in first] == [b[:step] for b in dealt(epochs[0], *before)]
+    rest = run_job(*after, tmp=str(tmp_path), state=first[0]["state"], epochs=2)
+    w = after[0] * after[1]
+    left = epochs[0][len(out) :]
+    for g, report in enumerate(rest):
+        assert report["batches"] == dealt(left, *after)[g] + dealt(epochs[1], *after)[g], g
+        assert report["dropped"] == [len(left) % w, len(epochs[1]) % w]
+    ids = [i for b in out for i in b] + [i for r in rest for b in r["batches"][: len(left) // w] for i in b]
+    assert len(ids) == len(set(ids)), "nothing of the epoch read twice"
+
+
+@pytest.mark.timeout(300)
+def test_a_producer_killed_on_one_node_is_replaced_and_the_job_delivers_the_same(tmp_path, epochs):
+    reports = run_job(2, 2, tmp=str(tmp_path), kill=1)
+    _check_epoch(reports, epochs[0], 2, 2)
+    assert [r["restarts"] for r in reports] == [0, 0, 1, 0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_of_two_nodes_gives_the_layout_from_its_environment(tmp_path, epochs):
+    """Two torchrun agents, --nnodes 2 with a local rendezvous (static: the
+    node rank is --node-rank), 2 ranks each: the ranks pass no node or rank
+    argument, only group= (per node: simulated nodes share this machine)."""
+    pytest.importorskip("torch")
+    port, job = _free_port(), uuid.uuid4().hex[:8]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    agents = []
+    try:
+        for node in range(2):
+            cfg = {"torchrun": f"{os.getpid()}-{job}", "barrier": str(tmp_path / job)}
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                 "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                 "--log-dir", str(tmp_path / f"logs{node}"), "--redirects", "1", HERE, json.dumps(cfg)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, cwd=str(tmp_path),
+                start_new_session=True,
+            ))
+        for agent in agents:
+            _, err = agent.communicate(timeout=RANK_TIMEOUT_S)
+            assert agent.returncode == 0, err[-3000:]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait(10)
+    reports = {}
+    for path in (tmp_path / job).glob("report-*"):
+        report = json.loads(path.read_text())
+        reports[report["global_rank"]] = report
+    assert sorted(reports) == [0, 1, 2, 3]
+    assert [reports[g]["layout"] for g in range(4)] == [[2, 0, 2]] * 2 + [[2, 1, 2]] * 2
+    _check_epoch([reports[g] for g in range(4)], epochs[0], 2, 2)
+
+
+def _torchrun_main(cfg: dict[str, Any]) -> None:
+    """A rank under torchrun: the layout comes from its environment."""
+    node = int(os.environ["GROUP_RANK"])
+    with shmpipe.from_dataset(Numbered(N), group=f"t{node}-{cfg['torchrun']}", **arguments(num_workers=2)) as pipe:
+        batches = [b["i"].tolist() for b in pipe]
+        extra = pipe.stats().extra  # the layout the environment gave
+        report = {"global_rank": int(os.environ["RANK"]), "batches": batches,
+                  "layout": [extra["num_nodes"], extra["node_rank"], extra["num_ranks"]]}
+        # Every rank writes its report before any node's rank 0 closes its group.
+        os.makedirs(cfg["barrier"], exist_ok=True)
+        with open(os.path.join(cfg["barrier"], f"report-{report['global_rank']}"), "w") as f:
+            json.dump(report, f)
+        deadline = time.monotonic() + 60
+        while len(os.listdir(cfg["barrier"])) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _rank_main(cfg: dict[str, Any]) -> None:
+    if "torchrun" in cfg:
+        return _torchrun_main(cfg)
+    report: dict[str, Any] = {"batches": [], "dropped": [], "restarts": 0}
+    group = dict(group=cfg["group"], rank=cfg["rank"], num_ranks=cfg["num_ranks"]) if cfg["group"] else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with shmpipe.from_dataset(
+            Numbered(N), num_nodes=cfg["num_nodes"], node_rank=cfg["node_rank"], max_restarts=1,
+            **arguments(num_workers=2), **group,
+        ) as pipe:
+            if cfg["state"] is not None:
+                pipe.load_state_dict(cfg["state"])
+            for _ in range(cfg["epochs"]):
+                for b in pipe:
+                    report["batches"].append(b["i"].tolist())
+                    if cfg["kill"] and len(report["batches"]) == 1:
+                        os.kill(pipe.pids[1], signal.SIGKILL)
+                    if len(report["batches"]) == cfg["stop"]:
+                        break
+                else:
+                    continue
+                break
+            report["state"] = pipe.state_dict()
+            report["dropped"] = pipe.stats().extra.get("dropped_per_pass")
+            # A preemption stops every rank at once: none closes its node's
+            # group before all have their state.
+            os.makedirs(cfg["barrier"], exist_ok=True)
+            open(os.path.join(cfg["barrier"], f"{cfg['node_rank']}-{cfg['rank']}"), "w").close()
+            deadline = time.monotonic() + 60
+            while len(os.listdir(cfg["barrier"])) < cfg["world"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+    report["restarts"] = sum(issubclass(w.category, shmpipe.ShmpipeWarning) and "replaced" in str(w.message)
+                             for w in caught)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(sys.argv[1]))
