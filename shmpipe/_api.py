@@ -42,6 +42,7 @@ def from_iterators(
     num_ranks: None = None,
     group_timeout: float = 60.0,
     run_id: None = None,
+    ray_remote_args: dict[str, Any] | None = None,
 ) -> Pipeline: ...
 
 
@@ -62,6 +63,7 @@ def from_iterators(
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
     run_id: str | None = None,
+    ray_remote_args: dict[str, Any] | None = None,
 ) -> RankPipeline: ...
 
 
@@ -81,6 +83,7 @@ def from_iterators(
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
     run_id: str | None = None,
+    ray_remote_args: dict[str, Any] | None = None,
 ) -> Pipeline | RankPipeline:
     """Starts one producer process per source and returns the Pipeline that
     delivers their batches.
@@ -117,7 +120,8 @@ def from_iterators(
             WorkerDiedError. Its source is called again and makes the
             batches published before without publishing them (as a resume
             does). Default 0: the first death is the error. Transports
-            ``shm`` and ``arrow``; with ``group``, rank 0's pipeline
+            ``shm``, ``arrow`` and ``ray`` (a dead actor, or one whose
+            node left the cluster, replaced by a new one); with ``group``, rank 0's pipeline
             replaces its producers and the ranks see nothing of it.
         group: several processes of this node (one per GPU) share one
             pipeline: every one calls from_iterators with the same
@@ -138,6 +142,10 @@ def from_iterators(
             either, torchrun's TORCHELASTIC_RESTART_COUNT must match too.
             Without both, any process of this user may join. See
             docs/several-ranks.md, "Which processes may join".
+        ray_remote_args: with ``transport="ray"``, Ray's options for every
+            producer actor (``num_cpus``, ``resources`` such as a node
+            label, ``scheduling_strategy`` such as a placement group), over
+            the transport's own: where on the cluster the producers run.
 
     Every argument is checked before any process starts.
     """
@@ -156,6 +164,7 @@ def from_iterators(
         num_ranks=num_ranks,
         group_timeout=group_timeout,
         run_id=run_id,
+        ray_remote_args=ray_remote_args,
         # The producers run each source through an IteratorSource, which
         # skips what a resumed pass must (shmpipe/_sources.py); the checks
         # see the user's own objects, and pickle what the producers get.
@@ -182,12 +191,21 @@ def check_arguments(
     num_ranks: int | None = None,
     group_timeout: float = 60.0,
     run_id: str | None = None,
+    ray_remote_args: dict[str, Any] | None = None,
     wrap: Callable[[Source], Source] | None = None,
 ) -> tuple[PipelineOptions, GroupOptions | None]:
     """from_iterators' arguments, checked: the pipeline's options and the
     group's (None without a group), or the error that says what is wrong.
     `wrap`: what a producer runs for each source (check_options)."""
     resolved = resolve_transport(transport)
+    if ray_remote_args is not None:
+        place = getattr(resolved, "with_remote_args", None)
+        if place is None:
+            raise ShmpipeValueError(
+                f"ray_remote_args= places the producers of transport='ray'; the {resolved.name!r} transport "
+                "runs them on this node"
+            )
+        resolved = place(ray_remote_args)
     grouped = check_group(group, rank, num_ranks, group_timeout, resolved, run_id)
     options = check_options(
         sources,
@@ -242,6 +260,7 @@ def from_dataset(
     run_id: str | None = None,
     num_nodes: int | None = None,
     node_rank: int | None = None,
+    ray_remote_args: dict[str, Any] | None = None,
 ) -> Pipeline | RankPipeline:
     """Batches of a map-style dataset, fetched and collated by
     ``num_workers`` producer processes: the DataLoader's arguments, on
@@ -284,7 +303,7 @@ def from_dataset(
             published.
 
     ``transport``, ``capacity``, ``start_method``, ``timeout``,
-    ``slot_size`` and the group's arguments (``group``, ``rank``,
+    ``slot_size``, ``ray_remote_args`` and the group's arguments (``group``, ``rank``,
     ``num_ranks``, ``group_timeout``, ``run_id``) are as for :func:`from_iterators`.
     With ``group``, the epoch's batches are dealt to the ranks in rounds
     (rank r gets batches r, r + num_ranks, ...; the incomplete last round
@@ -339,6 +358,7 @@ def from_dataset(
         num_ranks=num_ranks,
         group_timeout=group_timeout,
         run_id=run_id,
+        ray_remote_args=ray_remote_args,
     )
     layout = check_nodes(num_nodes, node_rank, grouped.num_ranks if grouped is not None else 1, grouped is not None)
     if layout.num_nodes > 1 and shuffle and not options.seed_given:

@@ -231,7 +231,9 @@ class Capabilities:
         unpublished and says where it stopped, the channel's ``handle``
         can be given to a new producer at any time, and
         ``ProducerEnd.start_pass`` takes the number of the replacement's
-        first batch.
+        first batch. A transport with ``own_producers`` says so with its
+        launcher's ``can_restart``, ``restart`` and ``send_pass``, and
+        hands each death over through ``first_failure``.
     """
 
     zero_copy_reads: bool = False

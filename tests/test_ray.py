@@ -7,13 +7,16 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+import warnings
 
 import numpy as np
+import pytest
 import ray
 from conftest import Command, SharedRuns
 from ray.cluster_utils import Cluster
 
 import shmpipe
+from shmpipe.testing.datasets import Numbered, OnRayNode
 from shmpipe.testing.sources import NodeReporter, payload_for
 from shmpipe.transports.ray import RayTransport
 
@@ -100,3 +103,62 @@ def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _ids(pipe) -> list[list[int]]:
+    return [b["i"].tolist() for b in pipe]
+
+
+def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(tmp_path, monkeypatch):
+    """Producers placed by ray_remote_args on a node of a (simulated)
+    cluster; mid-epoch a second node joins and the first is removed, with
+    the producers' actors on it: max_restarts replaces them on the new node,
+    and the epoch is the one a run without the loss delivers, in order."""
+    kw = dict(batch_size=4, shuffle=True, seed=9, num_workers=2, timeout=120, num_nodes=1)
+    with shmpipe.from_dataset(Numbered(60), **kw) as pipe:
+        reference = _ids(pipe)
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.chdir(tmp_path)  # see conftest.ray_friendly_cwd
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False},
+    )
+    try:
+        first = cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        ids = {n["NodeID"] for n in ray.nodes()}
+        got, nodes = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with shmpipe.from_dataset(
+                OnRayNode(60, delay=0.01), transport="ray", max_restarts=2,
+                ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **kw,
+            ) as pipe:
+                for b in pipe:
+                    got.append(b["i"].tolist())
+                    nodes.append(b["node"][0])
+                    if len(got) == 3:
+                        cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
+                        cluster.wait_for_nodes()
+                        cluster.remove_node(first)
+                    del b
+                restarts = pipe.stats().restarts
+            assert pipe.leftovers() == []
+        (second,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - ids
+        assert got == reference
+        assert set(nodes[:3]) == ids - {ray.get_runtime_context().get_node_id()}, "first on the first node"
+        assert nodes[-1] == second, "the replacements run on the node that joined"
+        assert restarts == (1, 1)
+        assert sum("replaced" in str(w.message) for w in caught) == 2
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_ray_remote_args_are_for_ray_alone():
+    with pytest.raises(shmpipe.ShmpipeValueError, match="ray_remote_args= places the producers of transport='ray'"):
+        shmpipe.from_dataset(Numbered(8), ray_remote_args={"num_cpus": 1})
+    with pytest.raises(shmpipe.ShmpipeValueError, match="ray_remote_args must be a dict"):
+        shmpipe.from_dataset(Numbered(8), transport="ray", ray_remote_args=[("num_cpus", 1)])

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochSampler", "FetchLog", "Numbered", "ShapeByIndex", "log_fetch"]
+__all__ = ["EpochSampler", "FetchLog", "Numbered", "OnRayNode", "ShapeByIndex", "log_fetch"]
 
 
 class Numbered:
@@ -34,6 +34,23 @@ class Numbered:
         if self.log is not None:
             log_fetch(self.log, i)
         return {"x": np.full(self.shape, i, np.int64), "i": i, "name": f"s{i}", "pair": (i, -i)}
+
+
+class OnRayNode(Numbered):
+    """For producers on a Ray cluster: Numbered's sample i, with "node": the
+    Ray node it was fetched on, each fetch taking `delay` seconds."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        super().__init__(n)
+        self.delay = delay
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import time
+
+        import ray
+
+        time.sleep(self.delay)
+        return super().__getitem__(i) | {"node": ray.get_runtime_context().get_node_id()}
 
 
 def log_fetch(path: str, index: int) -> None:

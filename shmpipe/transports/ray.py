@@ -91,6 +91,10 @@ class RayTransport(Transport):
         serializes="pickle 5, arrays out of band into Ray's object store",
         own_producers=True,
         checks_batches=True,  # the actors do (_Producer.run_pass)
+        # A dead actor (its process, or its node, gone) is replaced by a new
+        # one, placed by Ray, which goes on after the last batch the
+        # consumer took (RayLauncher.restart, RayConsumer.reclaim).
+        restarts_producers=True,
     )
 
     def __init__(
@@ -105,6 +109,22 @@ class RayTransport(Transport):
         self.actor_options = dict(actor_options or {"num_cpus": 1})
         self.object_store_memory = object_store_memory
         self.init_options = dict(init_options or {})
+
+    def with_remote_args(self, remote_args: dict[str, Any]) -> RayTransport:
+        """This transport with `remote_args` (``from_dataset(...,
+        ray_remote_args=...)``) over its actor options: Ray's
+        ``.options()`` of every producer actor."""
+        if not isinstance(remote_args, dict) or not all(isinstance(k, str) for k in remote_args):
+            raise ShmpipeValueError(
+                f"ray_remote_args must be a dict of Ray's actor options (num_cpus, resources, "
+                f"scheduling_strategy, ...), got {type(remote_args).__name__}"
+            )
+        return RayTransport(
+            address=self.address,
+            actor_options=self.actor_options | remote_args,
+            object_store_memory=self.object_store_memory,
+            init_options=self.init_options,
+        )
 
     def open(self, spec: ChannelSpec) -> ConsumerEnd:
         raise ShmpipeValueError("the ray transport runs its own producers: use launch()")
@@ -158,27 +178,19 @@ class RayLauncher(Launcher):
         self.actors: list = []
         self.gens: list = []
         self._down = False
+        #: Deaths seen in the streams and not yet handed to the pipeline
+        #: (first_failure): it replaces the producer or fails.
+        self.deaths: list[WorkerDiedError] = []
+        self._replacements = 0  # actor names stay unique
         if not ray.is_initialized():
             self._start_ray(spec)
         self.prefix = f"shmpipe-{secrets.token_hex(6)}"
         self.backpressure = spec.quota if spec.ordered else max(1, spec.capacity // spec.num_workers)
+        self.sources = list(sources)
         try:
-            self.actors = [
-                _ProducerActor.options(
-                    name=f"{self.prefix}-{w}", max_concurrency=2, **transport.actor_options
-                ).remote(w, spec.num_workers, source)
-                for w, source in enumerate(sources)
-            ]
-            refs = [a.pid.remote() for a in self.actors]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
-            if len(ready) < len(refs):
-                raise ShmpipeValueError(
-                    f"Ray could not start {len(refs) - len(ready)} of {len(refs)} producer actors "
-                    f"within {START_TIMEOUT_S:g} s; does the cluster have room for "
-                    f"{transport.actor_options} each?"
-                )
+            self.actors = [self._actor(w, f"{self.prefix}-{w}") for w in range(len(sources))]
             try:
-                self._pids = ray.get(refs)
+                self._pids = self._started(self.actors)
             except ray.exceptions.RayActorError as exc:
                 if _shadowing_checkout():
                     raise ShmpipeValueError(
@@ -193,6 +205,23 @@ class RayLauncher(Launcher):
             raise
         self.consumer = RayConsumer(self)
         self.channel = self.consumer
+
+    def _actor(self, worker: int, name: str) -> Any:
+        return _ProducerActor.options(name=name, max_concurrency=2, **self.transport.actor_options).remote(
+            worker, self.spec.num_workers, self.sources[worker]
+        )
+
+    def _started(self, actors: list) -> list[int]:
+        """The actors' pids once Ray placed and started them all."""
+        refs = [a.pid.remote() for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+        if len(ready) < len(refs):
+            raise ShmpipeValueError(
+                f"Ray could not start {len(refs) - len(ready)} of {len(refs)} producer actors "
+                f"within {START_TIMEOUT_S:g} s; does the cluster have room for "
+                f"{self.transport.actor_options} each?"
+            )
+        return list(ray.get(refs))
 
     def _start_ray(self, spec: ChannelSpec) -> None:
         with _away_from_a_checkout():
@@ -228,16 +257,40 @@ class RayLauncher(Launcher):
             # dropping them releases their backpressure.
             for a in self.actors:
                 a.cancel.remote(pass_no)
-        self.gens = [
-            a.run_pass.options(
-                num_returns="streaming", _generator_backpressure_num_objects=self.backpressure
-            ).remote(w)
-            for a, w in zip(self.actors, work, strict=True)
-        ]
+        self.gens = [self._stream(a, w) for a, w in zip(self.actors, work, strict=True)]
         self.consumer.begin_pass(pass_no)
 
+    def _stream(self, actor: Any, work: PassWork) -> Any:
+        return actor.run_pass.options(
+            num_returns="streaming", _generator_backpressure_num_objects=self.backpressure
+        ).remote(work)
+
     def first_failure(self) -> BaseException | None:
-        return None  # errors and deaths come out of the generators, in stream order
+        # A source's error comes out of its stream, in stream order (the
+        # consumer raises it); a death is handed over here, once, so that
+        # the pipeline replaces the producer (max_restarts) or fails.
+        return self.deaths.pop(0) if self.deaths else None
+
+    # -- max_restarts ---------------------------------------------------------
+
+    can_restart = True
+
+    def restart(self, worker: int) -> int:
+        """A new actor for `worker`, placed by Ray (on another node if its
+        node is gone); the dead one is killed for good first (a
+        ``max_restarts`` of Ray's own would bring it back running nothing)."""
+        with contextlib.suppress(Exception):
+            ray.kill(self.actors[worker], no_restart=True)
+        self._replacements += 1
+        actor = self._actor(worker, f"{self.prefix}-{worker}-r{self._replacements}")
+        self.actors[worker] = actor
+        (pid,) = self._started([actor])
+        self._pids[worker] = pid
+        return pid
+
+    def send_pass(self, worker: int, work: PassWork) -> None:
+        self.gens[worker] = self._stream(self.actors[worker], work)
+        self.consumer.revived(worker)
 
     def halt(self) -> None:
         for a in self.actors:
@@ -297,9 +350,15 @@ def _away_from_a_checkout() -> Iterator[None]:
 
 
 class RayConsumer(ConsumerEnd):
+    """Batches from the actors' streams. A death (RayActorError) is not
+    raised here: it goes to the launcher (first_failure) and the stream's
+    worker counts as dead, giving AGAIN, until the pipeline replaced it
+    (revived) or failed."""
+
     def __init__(self, launcher: RayLauncher) -> None:
         self.launcher = launcher
         self.ended: set[int] = set()
+        self.dead: set[int] = set()
         self.pass_no: int | None = None
 
     def begin_pass(self, pass_no: int) -> None:
@@ -307,9 +366,21 @@ class RayConsumer(ConsumerEnd):
             self.pass_no = pass_no
             self.ended = set()
 
+    def revived(self, worker: int) -> None:
+        self.dead.discard(worker)
+        self.ended.discard(worker)
+
+    def reclaim(self, worker: int, pass_no: int, delivered: int) -> tuple[int, bool]:
+        # What the dead actor made and the consumer had not taken went with
+        # its stream: the replacement makes it again, from the first batch
+        # not taken.
+        return delivered, False
+
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         gens = self.launcher.gens
         if worker >= 0:
+            if worker in self.dead:
+                return AGAIN
             g = gens[worker]
             ready, _ = ray.wait([g], num_returns=1, timeout=wait)
             if not ready:
@@ -318,11 +389,13 @@ class RayConsumer(ConsumerEnd):
                 ref = next(g)
             except StopIteration:
                 return END
+            except ray.exceptions.RayActorError as exc:
+                return self._died(worker, exc)
             return self._fetch(ref, worker)
         while True:
-            active = [g for w, g in enumerate(gens) if w not in self.ended]
+            active = [g for w, g in enumerate(gens) if w not in self.ended and w not in self.dead]
             if not active:
-                return END
+                return AGAIN if self.dead else END
             ready, _ = ray.wait(active, num_returns=1, timeout=wait)
             if not ready:
                 return AGAIN
@@ -332,7 +405,19 @@ class RayConsumer(ConsumerEnd):
             except StopIteration:
                 self.ended.add(w)
                 continue
+            except ray.exceptions.RayActorError as exc:
+                return self._died(w, exc)
             return self._fetch(ref, w)
+
+    def _died(self, worker: int, exc: BaseException) -> Any:
+        """Worker's actor died (its process or its node): the launcher hands
+        the death to the pipeline; its stream gives nothing meanwhile."""
+        reason = f"its Ray actor died ({type(exc).__name__})"
+        death = WorkerDiedError(worker, self.launcher.pids[worker], None, reason=reason)
+        death.__cause__ = exc
+        self.dead.add(worker)
+        self.launcher.deaths.append(death)
+        return AGAIN
 
     def _fetch(self, ref: Any, worker: int) -> Any:
         pid = self.launcher.pids[worker]
@@ -356,7 +441,7 @@ class RayConsumer(ConsumerEnd):
                 raise cause from error
             raise error from exc
         except ray.exceptions.RayActorError as exc:
-            raise WorkerDiedError(worker, pid, None, reason=f"its Ray actor died ({type(exc).__name__})") from exc
+            return self._died(worker, exc)
         self.last_worker = worker
         self.last_nbytes = _tree.nbytes(batch)
         return batch
