@@ -13,6 +13,7 @@ rule the tests hold every rank to is written out here, apart from the code
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ import warnings
 from typing import Any
 
 import pytest
+from conftest import concurrently
 
 import shmpipe
 from shmpipe._nodes import NodeLayout, check_nodes
@@ -273,16 +275,18 @@ def test_a_state_of_another_job_is_refused_on_any_layout(epochs):
             pipe.load_state_dict(state)
 
 
-# -- real processes: nodes of several ranks (groups), resume across layouts, a producer killed --
+# -- real processes: every layout, resumed on every other, a producer killed on each node --
 
 
-def run_job(nodes: int, ranks: int, *, tmp: str, stop: int | None = None, state: dict | None = None,
-            epochs: int = 1, kill: int | None = None) -> list[dict]:
+def run_job(nodes: int, ranks: int, *, tmp: str, state: dict | None = None, epochs: int = 1,
+            states_at: tuple[int, ...] = (), kill: int | None = None, transport: str = "shm",
+            overrides: dict[tuple[int, int], dict[str, Any]] | None = None) -> list[dict]:
     """A job of `nodes` simulated nodes of `ranks` rank processes each (a
-    group per node, none for one rank); each rank iterates `epochs` passes
-    or `stop` batches. `kill`: the node whose rank 0 SIGKILLs one of its
-    producers after its first batch (max_restarts=1). The ranks' reports in
-    global rank order."""
+    group per node, none for one rank); each rank iterates `epochs` passes,
+    saving its state_dict() after each step of `states_at`. `kill`: the node
+    whose rank 0 SIGKILLs one of its producers after its first batch
+    (max_restarts=1). `overrides`: (node, rank) -> config keys that rank
+    gets instead. The ranks' reports in global rank order."""
     job = uuid.uuid4().hex[:8]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK"):
@@ -293,10 +297,10 @@ def run_job(nodes: int, ranks: int, *, tmp: str, stop: int | None = None, state:
             for rank in range(ranks):
                 cfg = {
                     "group": f"n{node}-{os.getpid()}-{job}" if ranks > 1 else None, "rank": rank,
-                    "num_ranks": ranks, "num_nodes": nodes, "node_rank": node, "epochs": epochs, "stop": stop,
-                    "state": state, "barrier": os.path.join(tmp, job), "world": nodes * ranks,
-                    "kill": kill == node and rank == 0,
-                }
+                    "num_ranks": ranks, "num_nodes": nodes, "node_rank": node, "epochs": epochs,
+                    "states_at": list(states_at), "state": state, "barrier": os.path.join(tmp, job),
+                    "world": nodes * ranks, "kill": kill == node and rank == 0, "transport": transport,
+                } | (overrides or {}).get((node, rank), {})
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, HERE, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -316,36 +320,95 @@ def run_job(nodes: int, ranks: int, *, tmp: str, stop: int | None = None, state:
     return reports
 
 
-def _check_epoch(reports: list[dict], batches: list[list[int]], nodes: int, ranks: int) -> None:
-    assert [r["batches"] for r in reports] == dealt(batches, nodes, ranks)
+def _steps(layout: tuple[int, int], batches: int) -> list[int]:
+    return [step_at(f, batches, *layout) for f in FRACTIONS]
+
+
+#: Each layout's state at each fraction resumes on another layout, every
+#: other layout once; half of them on arrow; in each, node (i + j) % K
+#: SIGKILLs one of its producers (max_restarts=1).
+RESUMES = [
+    (before, j, [a for a in LAYOUTS if a != before][(i + j) % 3], "arrow" if (i + j) % 2 else "shm", (i + j))
+    for i, before in enumerate(LAYOUTS)
+    for j in range(len(FRACTIONS))
+]
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory, epochs) -> dict[tuple[int, int], list[dict]]:
+    """Each layout's job over one epoch, its ranks saving their states at
+    10, 50 and 90% of it: two jobs at a time."""
+    tmp = str(tmp_path_factory.mktemp("nodes"))
+    calls = [
+        functools.partial(run_job, *layout, tmp=tmp, states_at=tuple(_steps(layout, len(epochs[0]))))
+        for layout in LAYOUTS
+    ]
+    return dict(zip(LAYOUTS, concurrently(calls, timeout=400)))
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory, first_runs) -> list[list[dict]]:
+    tmp = str(tmp_path_factory.mktemp("resumed"))
+    calls = [
+        functools.partial(
+            run_job, *after, tmp=tmp, state=first_runs[before][0]["states"][j], epochs=2, transport=transport,
+            kill=kill % after[0],
+        )
+        for before, j, after, transport, kill in RESUMES
+    ]
+    return concurrently(calls, timeout=600)
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"{k}x{n}" for k, n in LAYOUTS])
+def test_every_layout_delivers_the_global_rule_and_every_sample_once(first_runs, epochs, layout):
+    reports = first_runs[layout]
+    w = layout[0] * layout[1]
+    assert [r["batches"] for r in reports] == dealt(epochs[0], *layout)
     ids = [i for r in reports for b in r["batches"] for i in b]
-    assert len(ids) == len(set(ids)), "every sample of the epoch at most once across all ranks"
+    assert len(ids) == len(set(ids)), "every sample at most once across all ranks of all nodes"
+    remainder = epochs[0][len(epochs[0]) - len(epochs[0]) % w :] if len(epochs[0]) % w else []
+    assert sorted(ids + [i for b in remainder for i in b]) == list(range(N)), "and once, the remainder aside"
+    assert all(r["dropped"] == [len(epochs[0]) % w] for r in reports)
+    for j, step in enumerate(_steps(layout, len(epochs[0]))):
+        states = [r["states"][j] for r in reports]
+        assert all(s == states[0] for s in states), "every rank's state at the same step is the job's"
+        assert (states[0]["epoch"], states[0]["done_below"], states[0]["done"]) == (0, step * w, [])
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(("before", "fraction", "after"), [((2, 2), 0.5, (3, 2)), ((3, 2), 0.1, (1, 2))])
-def test_a_job_of_groups_resumes_on_another_layout(tmp_path, epochs, before, fraction, after):
-    step = step_at(fraction, len(epochs[0]), *before)
-    first = run_job(*before, tmp=str(tmp_path), stop=step)
-    assert all(r["state"] == first[0]["state"] for r in first), "every rank's state at the same step is the job's"
-    assert first[0]["state"]["done_below"] == step * before[0] * before[1]
-    out = epochs[0][: step * before[0] * before[1]]
-    assert [r["batches"] for r in first] == [b[:step] for b in dealt(epochs[0], *before)]
-    rest = run_job(*after, tmp=str(tmp_path), state=first[0]["state"], epochs=2)
+@pytest.mark.timeout(650)
+@pytest.mark.parametrize(
+    "case", range(len(RESUMES)),
+    ids=[f"{b[0]}x{b[1]}@{FRACTIONS[j]:.0%}->{a[0]}x{a[1]}-{t}-kill{k % a[0]}" for b, j, a, t, k in RESUMES],
+)
+def test_a_state_resumes_on_another_layout_and_a_killed_producer_changes_nothing(resumed_runs, epochs, case):
+    before, j, after, _, kill = RESUMES[case]
+    reports = resumed_runs[case]
+    done = _steps(before, len(epochs[0]))[j] * before[0] * before[1]
+    left = epochs[0][done:]
     w = after[0] * after[1]
-    left = epochs[0][len(out) :]
-    for g, report in enumerate(rest):
+    for g, report in enumerate(reports):
         assert report["batches"] == dealt(left, *after)[g] + dealt(epochs[1], *after)[g], g
         assert report["dropped"] == [len(left) % w, len(epochs[1]) % w]
-    ids = [i for b in out for i in b] + [i for r in rest for b in r["batches"][: len(left) // w] for i in b]
+    ids = [i for b in epochs[0][:done] for i in b]
+    ids += [i for r in reports for b in r["batches"][: len(left) // w] for i in b]
     assert len(ids) == len(set(ids)), "nothing of the epoch read twice"
+    assert [r["restarts"] for r in reports] == [int(g == (kill % after[0]) * after[1]) for g in range(w)]
 
 
 @pytest.mark.timeout(300)
-def test_a_producer_killed_on_one_node_is_replaced_and_the_job_delivers_the_same(tmp_path, epochs):
-    reports = run_job(2, 2, tmp=str(tmp_path), kill=1)
-    _check_epoch(reports, epochs[0], 2, 2)
-    assert [r["restarts"] for r in reports] == [0, 0, 1, 0]
+@pytest.mark.parametrize("field", ["num_nodes", "length"])
+def test_ranks_of_a_node_that_disagree_on_the_job_do_not_start(tmp_path, field):
+    """Rank 1 of node 0 was given 3 nodes, or a dataset of another length:
+    the hello where the node's ranks meet refuses it, naming the field."""
+    other = {"num_nodes": 3} if field == "num_nodes" else {"length": N + 1}
+    alone = {"world": 2}  # node 1's ranks wait for each other only: node 0's never get a pipeline
+    reports = run_job(2, 2, tmp=str(tmp_path), overrides={(0, 1): other, (1, 0): alone, (1, 1): alone})
+    want = "num_nodes: 3 vs 2" if field == "num_nodes" else f"length: {N + 1} vs {N}"
+    for report in reports[:2]:
+        assert report["error"].startswith("GroupStartError"), report
+        assert f"calls from_dataset with other arguments than rank 0: {want}" in report["error"], report
+    assert all("error" not in r for r in reports[2:]), "node 1 is another node: nothing of node 0 reaches it"
 
 
 def _free_port() -> int:
@@ -389,7 +452,7 @@ def test_torchrun_of_two_nodes_gives_the_layout_from_its_environment(tmp_path, e
         reports[report["global_rank"]] = report
     assert sorted(reports) == [0, 1, 2, 3]
     assert [reports[g]["layout"] for g in range(4)] == [[2, 0, 2]] * 2 + [[2, 1, 2]] * 2
-    _check_epoch([reports[g] for g in range(4)], epochs[0], 2, 2)
+    assert [reports[g]["batches"] for g in range(4)] == dealt(epochs[0], 2, 2)
 
 
 def _torchrun_main(cfg: dict[str, Any]) -> None:
@@ -412,14 +475,19 @@ def _torchrun_main(cfg: dict[str, Any]) -> None:
 def _rank_main(cfg: dict[str, Any]) -> None:
     if "torchrun" in cfg:
         return _torchrun_main(cfg)
-    report: dict[str, Any] = {"batches": [], "dropped": [], "restarts": 0}
+    report: dict[str, Any] = {"batches": [], "dropped": [], "restarts": 0, "states": []}
     group = dict(group=cfg["group"], rank=cfg["rank"], num_ranks=cfg["num_ranks"]) if cfg["group"] else {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with shmpipe.from_dataset(
-            Numbered(N), num_nodes=cfg["num_nodes"], node_rank=cfg["node_rank"], max_restarts=1,
-            **arguments(num_workers=2), **group,
-        ) as pipe:
+        try:
+            pipe = shmpipe.from_dataset(
+                Numbered(cfg.get("length", N)), num_nodes=cfg["num_nodes"], node_rank=cfg["node_rank"],
+                max_restarts=1, transport=cfg["transport"], **arguments(num_workers=2), **group,
+            )
+        except shmpipe.ShmpipeError as exc:
+            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+            return
+        with pipe:
             if cfg["state"] is not None:
                 pipe.load_state_dict(cfg["state"])
             for _ in range(cfg["epochs"]):
@@ -427,22 +495,19 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                     report["batches"].append(b["i"].tolist())
                     if cfg["kill"] and len(report["batches"]) == 1:
                         os.kill(pipe.pids[1], signal.SIGKILL)
-                    if len(report["batches"]) == cfg["stop"]:
-                        break
-                else:
-                    continue
-                break
-            report["state"] = pipe.state_dict()
+                    if len(report["batches"]) in cfg["states_at"]:
+                        report["states"].append(pipe.state_dict())
             report["dropped"] = pipe.stats().extra.get("dropped_per_pass")
-            # A preemption stops every rank at once: none closes its node's
-            # group before all have their state.
+            # Every rank is done before any node's rank 0 closes its group
+            # (which ends it for the node's other ranks).
             os.makedirs(cfg["barrier"], exist_ok=True)
             open(os.path.join(cfg["barrier"], f"{cfg['node_rank']}-{cfg['rank']}"), "w").close()
             deadline = time.monotonic() + 60
             while len(os.listdir(cfg["barrier"])) < cfg["world"] and time.monotonic() < deadline:
                 time.sleep(0.01)
-    report["restarts"] = sum(issubclass(w.category, shmpipe.ShmpipeWarning) and "replaced" in str(w.message)
-                             for w in caught)
+    report["restarts"] = sum(
+        issubclass(w.category, shmpipe.ShmpipeWarning) and "replaced" in str(w.message) for w in caught
+    )
     print(json.dumps(report), flush=True)
 
 

@@ -51,6 +51,26 @@ def _describe_launch(proof: str | None, restart: int | None) -> str:
     return text if restart is None else f"{text}, restart {restart}"
 
 
+def _differences(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    """The fields of two fingerprints that differ, as "name: theirs vs
+    ours" (a schedule's part, "batches", field by field); clipped, since
+    a rank's hello is another process's text."""
+    pairs = []
+    for key in sorted(set(theirs) | set(ours), key=str):
+        a, b = theirs.get(key), ours.get(key)
+        if a == b:
+            continue
+        if key == "batches" and isinstance(a, dict) and isinstance(b, dict):
+            pairs += [
+                f"{k}: {a.get(k)!r:.60} vs {b.get(k)!r:.60}"
+                for k in sorted(set(a) | set(b), key=str)
+                if a.get(k) != b.get(k)
+            ]
+        else:
+            pairs.append(f"{key!s:.40}: {a!r:.60} vs {b!r:.60}")
+    return "; ".join(pairs[:8]) + (f"; and {len(pairs) - 8} more" if len(pairs) > 8 else "")
+
+
 class DealingPipeline(Pipeline):
     """Rank 0's pipeline of a group: the channel's batches come undecoded
     (SharedBatch objects: each rank decodes its own in its own mapping), so
@@ -366,9 +386,10 @@ class Leader:
         if rank in self.links:
             return f"two processes (pids {self.links[rank].pid} and {pid}) joined as rank {rank}"
         if hello.fingerprint != ours:
+            what = "from_dataset" if ours["batches"].get("kind") == "from_dataset" else "from_iterators"
             return (
-                f"rank {rank} (pid {pid}) calls from_iterators with other arguments than rank 0: "
-                f"{hello.fingerprint!r:.300} vs {ours}"
+                f"rank {rank} (pid {pid}) calls {what} with other arguments than rank 0: "
+                f"{_differences(hello.fingerprint, ours)}"
             )
         return None
 
