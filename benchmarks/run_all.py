@@ -1,11 +1,11 @@
 """Regenerates every measured table and plot of docs/benchmarks.md.
 
-    python benchmarks/run_all.py            # about 15 minutes on 2 cores
+    python benchmarks/run_all.py            # about 18 minutes on 2 cores
 
 Runs the `shmpipe bench` commands below (`bench feed`, the wait for the
 next batch, twice: with its default of cpu_count() producers, and with 8 so
-the transports show; `bench resume` measures the peers that are installed
-and says which are not), writes JSON and PNG files to docs/results/, and
+the transports show; `bench resume` and `bench nodes` measure the peers
+that are installed and say which are not), writes JSON and PNG files to docs/results/, and
 rewrites docs/results/README.md with the date, versions, exact commands and
 tables. One run each, on this machine: compare ratios within a run, not
 numbers across machines.
@@ -40,6 +40,8 @@ RUNS = [
      ["bench", "train", "--json", "train.json", "--plot", "train.png"]),
     ("resume", "A JPEG dataset: images/s, and the first batch fresh and after resuming, shmpipe and its peers",
      ["bench", "resume", "--json", "resume.json", "--plot", "resume.png"]),
+    ("nodes", "Several nodes: K simulated nodes x L ranks, each rank a fresh process; a resume onto another layout",
+     ["bench", "nodes", "--json", "nodes.json", "--plot", "nodes.png"]),
 ]
 
 

@@ -6,6 +6,7 @@
     shmpipe bench train        end to end: a JPEG pipeline into Keras and torch training, every loader
     shmpipe bench ranks        N ranks fed by one shared pool vs one pipeline or DataLoader each
     shmpipe bench resume       a JPEG dataset: images/s and the first batch after resuming, shmpipe and its peers
+    shmpipe bench nodes        K simulated nodes x L ranks, each rank a fresh process: shmpipe vs DistributedSampler
     shmpipe doctor             check this machine for what breaks pipelines
     shmpipe clean              remove segments left by processes that died
 """
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 
 from shmpipe import _doctor
 from shmpipe import clean as do_clean
-from shmpipe.bench import feed, ranks, resume, serialize, throughput, train
+from shmpipe.bench import feed, nodes, ranks, resume, serialize, throughput, train
 from shmpipe.bench._report import Progress, environment, human_size, parse_size
 from shmpipe.bench._report import output_captured as _output_captured
 from shmpipe.errors import ShmpipeError, TransportUnavailableError
@@ -284,6 +285,46 @@ def _bench_resume(args: argparse.Namespace) -> int:
     return 1 if any(r.error for r in report.results) or report.restarts.error else 0
 
 
+def _bench_nodes(args: argparse.Namespace) -> int:
+    if [v.lower() for v in args.resume] == ["none"]:
+        resume_from_to = None
+    elif len(args.resume) == 2:
+        resume_from_to = (nodes.parse_layout(args.resume[0]), nodes.parse_layout(args.resume[1]))
+    else:
+        raise SystemExit(f"shmpipe bench nodes: --resume takes two layouts (FROM TO) or 'none', not {args.resume}")
+    cfg = nodes.NodesConfig(
+        layouts=tuple(args.layouts), images=args.images, side=args.side, batch_size=args.batch_size,
+        workers=args.workers, repeat=args.repeat, seed=args.seed, timeout_s=args.timeout, resume=resume_from_to,
+        resume_at=args.resume_at,
+    )
+    cfg.check()  # before the JPEGs are made
+    loaders = args.loaders or list(nodes.LOADERS)
+    running = [name for name in loaders if nodes.why_not(name) is None]
+    jobs = len(cfg.layouts) * len(running) + (1 if cfg.resume and "shmpipe" in running else 0)
+    progress = Progress(1 + jobs * cfg.repeat, "bench nodes")
+    with progress.running():
+        report = nodes.run(cfg, loaders, progress=progress.step)
+    print(nodes.describe(report))
+    print(nodes.table(report.results))
+    print()
+    print(nodes.resume_table(report.resume))
+    if not report.passed:
+        print("\nshmpipe bench nodes: A CHECK FAILED (see the table's checks column)", file=sys.stderr)
+    _write_json(args.json, "nodes", report.as_dict())
+    if args.plot:
+        nodes.plot(report, args.plot, f"{cfg.images} JPEGs {cfg.side}x{cfg.side}, batches of {cfg.batch_size}, "
+                                      f"{cfg.workers} workers per node")
+        print(f"wrote {args.plot}")
+    return 0 if report.passed else 1
+
+
+def _layout(text: str) -> tuple[int, int]:
+    try:
+        return nodes.parse_layout(text)
+    except ShmpipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
@@ -341,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON instead of text")
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: feed, train, throughput, serialize, ranks, resume", formatter_class=_HelpFormatter
+        "bench", help="benchmarks: feed, train, throughput, serialize, ranks, resume, nodes",
+        formatter_class=_HelpFormatter
     )
     kinds = bench.add_subparsers(dest="kind", required=True)
 
@@ -475,6 +517,41 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
     e.add_argument("--plot", metavar="FILE.png",
                    help="draw images/s and the first batches per loader into FILE.png (default: no plot)")
+    nd = nodes.NodesConfig()  # the defaults, said once
+    n = kinds.add_parser("nodes", help="K simulated nodes x L ranks, each rank a fresh process: the job's images/s, "
+                                       "the first batch, a resume onto another layout; shmpipe vs the DataLoader "
+                                       "with DistributedSampler (and Grain)",
+                         description=nodes.__doc__, formatter_class=_HelpFormatter)
+    n.add_argument("--layouts", type=_layout, nargs="+", default=list(nd.layouts), metavar="KxL",
+                   help="nodes x ranks per node, each a job of its own (default "
+                        + " ".join(nodes.layout_name(x) for x in nd.layouts) + ")")
+    n.add_argument("--images", type=_positive(int), default=nd.images,
+                   help=f"JPEG files, made at start in a temporary folder: the epoch (default {nd.images})")
+    n.add_argument("--side", type=_positive(int), default=nd.side,
+                   help=f"each JPEG is SIDE x SIDE RGB pixels (default {nd.side})")
+    n.add_argument("--batch-size", type=_positive(int), default=nd.batch_size,
+                   help=f"images per batch (default {nd.batch_size})")
+    n.add_argument("--workers", type=_positive(int), default=nd.workers,
+                   help=f"worker processes per node: shmpipe's producers; the DataLoader's and Grain's are "
+                        f"WORKERS // L per rank, at least 1 (default {nd.workers})")
+    n.add_argument("--repeat", type=_positive(int), default=nd.repeat,
+                   help=f"rounds of every layout and loader; the table shows the median (default {nd.repeat})")
+    n.add_argument("--seed", type=_positive(int), default=nd.seed,
+                   help=f"the JPEGs' pixels and every loader's shuffle (default {nd.seed})")
+    n.add_argument("--timeout", type=_positive(float), default=nd.timeout_s,
+                   help=f"the most seconds one job (all its ranks) may take (default {nd.timeout_s:g})")
+    assert nd.resume is not None
+    n.add_argument("--resume", nargs="+", default=[nodes.layout_name(x) for x in nd.resume], metavar="LAYOUT",
+                   help="FROM TO: shmpipe's state at a share of an epoch of FROM (RESUME_AT), resumed by a job of "
+                        "TO, against a fresh job of TO; 'none': no resume section (default "
+                        + " ".join(nodes.layout_name(x) for x in nd.resume) + ")")
+    n.add_argument("--resume-at", type=_fraction, default=nd.resume_at, metavar="FRACTION",
+                   help=f"where in the epoch FROM's state is taken (default {nd.resume_at:g})")
+    n.add_argument("--loaders", nargs="+", metavar="LOADER", choices=list(nodes.LOADERS),
+                   help="loaders to run (default: all; one not installed is reported so): " + " ".join(nodes.LOADERS))
+    n.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (default: no file)")
+    n.add_argument("--plot", metavar="FILE.png",
+                   help="draw the job's images/s, the first batches and the resume into FILE.png (default: no plot)")
     return parser
 
 
@@ -495,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kind = "feed"
     commands: dict[str, Callable[[argparse.Namespace], int]] = {
         "feed": _bench_feed, "throughput": _bench_throughput, "serialize": _bench_serialize,
-        "train": _bench_train, "ranks": _bench_ranks, "resume": _bench_resume,
+        "train": _bench_train, "ranks": _bench_ranks, "resume": _bench_resume, "nodes": _bench_nodes,
     }
     try:
         return commands[args.kind](args)

@@ -103,6 +103,12 @@ def _command(key, folder):
              str(folder / "resume.png")],
             cwd=folder, env=env, timeout=180,
         )
+    if key == "nodes":
+        return Command(
+            [sys.executable, "-m", "shmpipe", "bench", "nodes", *TINY_NODES, "--json", str(folder / "nodes.json"),
+             "--plot", str(folder / "nodes.png")],
+            cwd=folder, env=env, timeout=180,
+        )
     _, trainer = key
     return Command(
         [sys.executable, "-m", "shmpipe", "bench", "train", "--images", "48", "--batch-size", "16",
@@ -112,15 +118,22 @@ def _command(key, folder):
     )
 
 
+#: bench nodes at a tiny size: 48 JPEGs of 16x16 in 12 batches, two layouts,
+#: the resume from one onto the other (about 13 s alone on 2 cores).
+TINY_NODES = ["--layouts", "1x2", "2x1", "--images", "48", "--side", "16", "--batch-size", "4", "--workers", "2",
+              "--repeat", "1", "--resume", "2x1", "1x2", "--timeout", "60"]
+
 RUNS = SharedRuns(
     {"test_throughput_script_writes_json", "test_gpu_feed_says_what_it_did_not_measure",
      "test_bench_train_runs_every_recipe_and_its_figures_are_sane",
-     "test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs"},
+     "test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs",
+     "test_bench_nodes_runs_every_layout_and_its_checks_pass"},
     keys=lambda item: {
         "test_throughput_script_writes_json": ["throughput script"],
         "test_gpu_feed_says_what_it_did_not_measure": ["gpu_feed"],
         "test_bench_train_runs_every_recipe_and_its_figures_are_sane": [("train", t) for t in TRAIN_GROUPS],
         "test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs": ["resume"],
+        "test_bench_nodes_runs_every_layout_and_its_checks_pass": ["nodes"],
     }[item.originalname],
     command=_command,
 )
@@ -347,3 +360,103 @@ def test_bench_resume_help_gives_every_default_and_bad_settings_are_refused(caps
         main(["bench", "resume", "--at", "1.5"])
     assert exit_.value.code == 2
     assert "strictly between 0 and 1" in capsys.readouterr().err
+
+
+@SHARED_TIMEOUT
+def test_bench_nodes_runs_every_layout_and_its_checks_pass(request):
+    # A tiny run (TINY_NODES): the JSON's structure and the checks it
+    # records, never a timing beyond its being there.
+    import importlib.util
+
+    from shmpipe.bench import nodes
+
+    proc, folder = RUNS.get(request, "nodes")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((folder / "nodes.json").read_text())
+    assert data["benchmark"] == "nodes" and data["checks_passed"] is True
+    assert data["config"]["layouts"] == ["1x2", "2x1"] and data["config"]["batches"] == 12
+    results = {(r["layout"], r["loader"]): r for r in data["results"]}
+    assert list(results) == [(layout, name) for layout in ("1x2", "2x1") for name in nodes.LOADERS]
+    for (layout, name), r in results.items():
+        if nodes.why_not(name) is not None:  # Grain here: said so, nothing measured
+            assert r["skipped"].startswith("not installed") and r["runs"] == [], r
+            assert f"| all | {name} | not installed" in proc.stdout
+            continue
+        assert r["error"] is None and r["checks_passed"], (layout, name, r)
+        (run,) = r["runs"]
+        assert run["images"] == 48 and run["images_per_s"] > 0 and run["window_s"] > 0, (layout, name)
+        assert len(run["first_batch_s"]) == 2, "a report from every rank"
+        # The first batch counts the rank's imports and the loader's start,
+        # both of them measured.
+        for first, imports, made in zip(run["first_batch_s"], run["imports_s"], run["made_to_first_s"], strict=True):
+            assert first > 0 and imports > 0 and made > 0 and first == pytest.approx(imports + made)
+        c = run["check"]
+        assert c["delivered"] == 48 and c["delivered_once"] and c["fetched_once"] and c["same_count"], c
+        assert c["fetched"] == 48 and c["leftover"] is None, c
+        assert c["global_rule"] is (True if name == "shmpipe" else None), c
+        assert r["workers_per_node"] == 2
+        assert f"| {layout} | {name} |" in proc.stdout
+    assert importlib.util.find_spec("torch") is None or results["2x1", "DataLoader"]["workers_per_rank"] == 2
+    assert importlib.util.find_spec("torch") is None or results["1x2", "DataLoader"]["workers_per_rank"] == 1
+    resume = data["resume"]
+    assert resume["before"] == "2x1" and resume["after"] == "1x2" and resume["checks_passed"], resume
+    assert resume["step"] == 3 and resume["position"] == 6  # 6 rounds of 2 ranks: half of them out
+    assert resume["fresh_first_batch_s"] > 0 and resume["resumed_first_batch_s"] > 0
+    assert resume["fresh_made_to_first_s"] > 0 and resume["resumed_made_to_first_s"] > 0
+    (resumed,) = resume["resumed"]
+    assert resumed["images"] == 24 and resumed["check"]["global_rule"], resumed  # the rest of the epoch
+    assert resumed["check"]["fetched_before_position"] == 0 and resumed["check"]["fetched"] == 24, resumed
+    assert resume["states_agree"] == [True]
+    assert "| 1x2 resumed at 50% of 2x1 |" in proc.stdout and "| 1x2 fresh |" in proc.stdout
+    assert "FAILED" not in proc.stdout + proc.stderr
+    assert (folder / "nodes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_nodes_check_sees_a_wrong_run():
+    # The global rule and the check, on runs made up here: a rank given
+    # another's batch, a sample read twice, one read before the position.
+    from shmpipe.bench.nodes import check_run, dealt, parse_layout, step_at
+
+    epoch = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13]]
+    rule = dealt(epoch, parse_layout("1x2"))
+    assert rule == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [10, 11]]]  # the last, incomplete round dropped
+    assert dealt(epoch, parse_layout("3X1")) == [[[0, 1], [6, 7]], [[2, 3], [8, 9]], [[4, 5], [10, 11]]]
+    assert step_at(0.5, len(epoch), (1, 2)) == 2 and step_at(0.01, len(epoch), (1, 2)) == 1
+    good = check_run(rule, list(range(12)), rule)
+    assert good.failures() == [] and (good.delivered, good.fetched, good.global_rule) == (12, 12, True)
+    swapped = check_run([rule[1], rule[0]], list(range(12)), rule)
+    assert swapped.failures() == ["batches differ from the global rule"]
+    twice = check_run([rule[0], rule[0][:2]], [0, 1, 0, 1], None)
+    assert set(twice.failures()) == {"a sample delivered twice", "a sample read twice",
+                                     "ranks got different numbers of batches"}
+    resumed = check_run([[[4, 5]], [[6, 7]]], [2, 4, 5, 6, 7], before={0, 1, 2, 3})
+    assert resumed.failures() == ["1 samples before the position read again"]
+    with pytest.raises(ValueError, match="not a layout"):
+        parse_layout("2by2")
+
+
+def test_bench_nodes_help_gives_every_default_and_bad_settings_are_refused(capsys):
+    from shmpipe.__main__ import main
+    from shmpipe.bench import nodes
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "nodes", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    cfg = nodes.NodesConfig()
+    for option, default in [
+        ("--layouts", "1x2 2x2 2x1 3x2"), ("--images", cfg.images), ("--side", cfg.side),
+        ("--batch-size", cfg.batch_size), ("--workers", cfg.workers), ("--repeat", cfg.repeat), ("--seed", cfg.seed),
+        ("--timeout", f"{cfg.timeout_s:g}"), ("--resume", "2x2 3x2"), ("--resume-at", "0.5"),
+    ]:
+        assert re.search(rf"{option} \S+ [^-]*\(default {default}\b", text), option
+    assert "DistributedSampler" in text and "Grain" in text
+    # Refused before any JPEG is made or any process starts, with what to change.
+    assert main(["bench", "nodes", "--layouts", "3x2", "--images", "64", "--batch-size", "8"]) == 2
+    assert "fewer than two rounds of its 6 ranks" in capsys.readouterr().err
+    assert main(["bench", "nodes", "--layouts", "1x2", "--images", "400", "--resume-at", "0.9"]) == 2
+    assert "leaves 5 batches, not a round of 3x2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "nodes", "--layouts", "2by2"])
+    assert exit_.value.code == 2
+    assert "not a layout" in capsys.readouterr().err
