@@ -17,7 +17,7 @@ numbers (close-on-exec). Framing: one ``send_bytes`` of ``<u16 count of
 descriptors> <pickle>``, then, if the count is not zero, one byte with the
 descriptors attached. Connection reads exactly what each message says,
 never ahead, so the descriptors are the next thing on the socket when the
-message has been read. (:func:`send`, :func:`recv`.)
+message has been read. (:meth:`ProducerLink.send`, :func:`recv`.)
 
 **Producer -> consumer** (``need_channel``, ``state``, ``done``, ``error``): untrusted. A
 producer runs a source, and a source must not be able to make the
@@ -47,7 +47,7 @@ CorruptChannelError. The producer clips an error's texts (a long
 traceback) until its frame fits (:func:`error`), so a real error always
 arrives. (:func:`tell` sends one.)
 
-The consumer reads these with an :class:`Inbox` per producer, which never
+The consumer reads these with a :class:`ProducerLink` per producer, which never
 blocks: it takes what the socket holds (MSG_DONTWAIT), keeps the part of
 a frame that has arrived, and hands over whole messages only. A producer
 that stops (or dies, leaving a child holding the socket) in the middle of
@@ -94,11 +94,11 @@ __all__ = [
     "MAX_NBYTES",
     "OWN_ERRORS",
     "ErrorReport",
-    "Inbox",
     "IteratorState",
     "NeedChannel",
     "PassDone",
     "PassFd",
+    "ProducerLink",
     "decode",
     "encode",
     "error",
@@ -106,7 +106,6 @@ __all__ = [
     "need_channel",
     "pass_done",
     "recv",
-    "send",
     "tell",
 ]
 
@@ -173,7 +172,7 @@ class PassFd:
         # process (the arguments of Process), which can pass descriptors
         # along itself (spawn and forkserver do).
         if get_spawning_popen() is None:
-            raise TypeError("a PassFd travels in a control message (shmpipe._control.send) or a Process's arguments")
+            raise TypeError("a PassFd travels in a control message (ProducerLink.send) or a Process's arguments")
         return (_passed_at_start, (DupFd(self.fd),))
 
 
@@ -216,10 +215,10 @@ class _Unpickler(pickle.Unpickler):
         return PassFd(self.fds[pid])
 
 
-def send(conn: Connection, message: Any) -> None:
-    """Consumer side: sends `message` (and the descriptors of the PassFds in
-    it) to a producer. Pickled: only ever read by a producer, which trusts
-    the consumer (never the other way: see :func:`tell`)."""
+def _for_producer(message: Any) -> tuple[bytes, list[int]]:
+    """Consumer side: `message` as one frame's bytes (``<u16 count of
+    descriptors> <pickle>``, after the frame's length) and the descriptors
+    of its PassFds, which go beside it (ProducerLink.send)."""
     buf = io.BytesIO()
     buf.write(_COUNT.pack(0))
     pickler = _Pickler(buf)
@@ -229,16 +228,13 @@ def send(conn: Connection, message: Any) -> None:
         raise ValueError(f"a control message may carry at most {MAX_FDS} descriptors")
     data = buf.getbuffer()
     data[: _COUNT.size] = _COUNT.pack(len(fds))
-    conn.send_bytes(data)
-    if fds:
-        with _socket_of(conn) as sock:
-            _fdpass.send_fds(sock, b"F", fds)
+    return bytes(data), fds
 
 
 def recv(conn: Connection) -> Any:
     """Producer side: the consumer's next message (it blocks: the consumer
     is trusted to send whole messages); its PassFds hold descriptors of this
-    process. Never used by the consumer, which reads with an Inbox."""
+    process. Never used by the consumer, which reads with a ProducerLink."""
     data = conn.recv_bytes()
     (count,) = _COUNT.unpack_from(data)
     fds: list[int] = []
@@ -486,19 +482,27 @@ def _malformed(data: bytes, why: str) -> CorruptChannelError:
     return CorruptChannelError(f"a malformed control message ({why}): {bytes(data[:80])!r}")
 
 
-class Inbox:
-    """The consumer's reader of one producer's messages: never blocks.
+class ProducerLink:
+    """The consumer's end of one producer's control connection, on one
+    descriptor: the consumer keeps no Connection beside it (a descriptor
+    per producer counts against ``ulimit -n``).
 
-    ``read()`` takes what the socket holds (MSG_DONTWAIT, at most
-    _READ_BUDGET bytes a call), keeps the part of a frame that has arrived,
-    and returns the whole messages, decoded. Not thread-safe: the caller
-    reads one inbox from one thread at a time. The inbox owns a duplicate
-    of the connection's descriptor: close() it."""
+    ``send()`` writes one message to the producer, in the frame its
+    ``Connection.recv_bytes`` reads (send_bytes' own), descriptors after it.
+    ``read()`` never blocks: it takes what the socket holds (MSG_DONTWAIT,
+    at most _READ_BUDGET bytes a call), keeps the part of a frame that has
+    arrived, and returns the whole messages, decoded. Not thread-safe: the
+    caller reads one link from one thread at a time (a send may come from
+    another: the socket is not shared with anything else). The link takes
+    over `conn` (closed here) and owns its descriptor: close() it."""
 
     def __init__(self, conn: Connection, who: str) -> None:
         #: Who sends (``worker 0 (pid 123)``), for the errors.
         self.who = who
-        self._sock = _socket_of(conn)
+        try:
+            self._sock = _socket_of(conn)
+        finally:
+            conn.close()
         self._buf = bytearray()
         #: The producer closed its end (or reset it): no more will come.
         self.eof = False
@@ -508,6 +512,15 @@ class Inbox:
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    def send(self, message: Any) -> None:
+        """Sends `message` (and the descriptors of its PassFds) to the
+        producer. Pickled: only ever read by a producer, which trusts the
+        consumer (never the other way: see :func:`tell`)."""
+        data, fds = _for_producer(message)
+        self._sock.sendall(_LENGTH.pack(len(data)) + data)  # a pickled tuple: far below 2 GiB
+        if fds:
+            _fdpass.send_fds(self._sock, b"F", fds)
 
     def pending(self) -> int:
         """Bytes of a message begun and not whole yet."""

@@ -130,9 +130,23 @@ def _limit(value: int) -> str:
     return "unlimited" if value == resource.RLIM_INFINITY else str(value)
 
 
+def producers_allowed(soft: int) -> int | None:
+    """How many producers one shm pipeline (the fork server's) may start in a
+    fresh process under a limit of `soft` open files (None: no limit): what
+    the pipeline's own check (_launch.check_descriptor_room) allows."""
+    from shmpipe._launch import FDS_PER_PRODUCER, FDS_TO_START, open_descriptors
+
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(0, (soft - open_descriptors() - FDS_TO_START) // FDS_PER_PRODUCER)
+
+
 def check_open_files() -> Check:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    value = f"{_limit(soft)} (hard limit {_limit(hard)})"
+    allowed = producers_allowed(soft)
+    value = f"{_limit(soft)} (hard limit {_limit(hard)}); " + (
+        "no limit on producers" if allowed is None else f"room for {allowed} producers in one pipeline"
+    )
     if soft != resource.RLIM_INFINITY and soft < NOFILE_WARN:
         if hard == resource.RLIM_INFINITY or hard >= 4096:
             fix = "ulimit -n 4096 before starting Python"

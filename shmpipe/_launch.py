@@ -7,9 +7,9 @@ of its first batch ("need_channel"), after which every producer is told to
 "attach".
 
 What a producer sends is untrusted: it is read without ever blocking, by
-an _control.Inbox per producer (JSON, checked field by field, reassembled
+a _control.ProducerLink per producer (JSON, checked field by field, reassembled
 from whatever has arrived), at each health check. A message cut short by
-a producer that stopped or died waits in its inbox, and no wait here
+a producer that stopped or died waits in its link, and no wait here
 outlasts the pipeline's timeout; a malformed one is a CorruptChannelError
 that names the producer. A message to a producer that is gone (the next
 pass, attach) is the WorkerDiedError that names it, not the socket's
@@ -44,7 +44,7 @@ from shmpipe import _control, _startup
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
-from shmpipe.errors import CorruptChannelError, WorkerDiedError, WorkerError
+from shmpipe.errors import CorruptChannelError, DescriptorLimitError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
 __all__ = ["GRACE_S", "ProcessLauncher", "prestart"]
@@ -57,6 +57,52 @@ GRACE_S = 1.0
 #: (spawn and forkserver children run it again, as `__mp_main__`) when the
 #: script started a pipeline: see _refuse_while_bootstrapping.
 BOOTSTRAP_EXIT_CODE = 87
+
+
+#: What the consumer holds for each producer it starts: the end of its
+#: control connection (ProducerLink), the pipe that reports its pid and exit
+#: status (multiprocessing's sentinel) and its pidfd (ProcessWatch); a
+#: forked producer also the pipe multiprocessing keeps for the child's
+#: parent_process().
+FDS_PER_PRODUCER = 3
+#: Beyond them: a start's passing descriptors (the fork server's connection,
+#: its two pipes), the channel's memory and sockets, the fork server's own
+#: (16 producers on shm under ulimit -n 64: 5 open before, 58 after the
+#: start, 61 counted).
+FDS_TO_START = 8
+
+
+def descriptor_limit() -> tuple[int, int]:
+    """This process's (soft, hard) limit of open files (ulimit -n)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft, hard
+
+
+def open_descriptors() -> int:
+    """How many file descriptors this process has open."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    except OSError:
+        return 0
+
+
+def descriptors_per_producer(transport: Transport, start_method: str) -> int:
+    return FDS_PER_PRODUCER + (start_method == "fork") + transport.consumer_fds_per_producer
+
+
+def check_descriptor_room(transport: Transport, start_method: str, producers: int) -> None:
+    """Refuses, with a DescriptorLimitError that says how to raise the limit,
+    a pipeline whose producers would not fit under ``ulimit -n``: found
+    before any producer starts, not as EMFILE in the middle of a start."""
+    soft, hard = descriptor_limit()
+    if soft < 0:  # RLIM_INFINITY
+        return
+    in_use = open_descriptors()
+    needed = in_use + producers * descriptors_per_producer(transport, start_method) + FDS_TO_START
+    if needed > soft:
+        raise DescriptorLimitError(needed, soft, hard, in_use, producers)
 
 
 class ProcessLauncher(Launcher):
@@ -75,10 +121,9 @@ class ProcessLauncher(Launcher):
         self.channel: ConsumerEnd | None = None
         self.processes: list[BaseProcess] = []
         self.watches: list[ProcessWatch] = []  # one per process, in the same order
-        self.conns: list[Connection] = []
-        # What each producer says, read without blocking (made once every
-        # producer has started: no producer forked later inherits them).
-        self.inboxes: list[_control.Inbox] = []
+        #: The consumer's end of each producer's control connection: what
+        #: it is sent, and what it says, read without blocking.
+        self.links: list[_control.ProducerLink] = []
         self._reading = threading.Lock()  # one thread at a time takes apart what arrived
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
@@ -89,6 +134,7 @@ class ProcessLauncher(Launcher):
         self._failure: BaseException | None = None
         self._down = False
         _refuse_while_bootstrapping()
+        check_descriptor_room(transport, spec.mp_context.get_start_method(), len(sources))
         lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
         try:
             if not lazy:
@@ -111,14 +157,12 @@ class ProcessLauncher(Launcher):
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
             for worker in range(len(self.sources)):
                 p, parent_end = self._spawn(worker, handle)
-                self.conns.append(parent_end)
+                self.links.append(_control.ProducerLink(parent_end, f"worker {worker} (pid {p.pid})"))
                 self.processes.append(p)
                 # No start time needed: until it is reaped (by us, or by
                 # the forkserver), its pid is not reused.
                 self.watches.append(ProcessWatch(_pid(p)))
                 block_again()
-        for worker, (p, conn) in enumerate(zip(self.processes, self.conns, strict=True)):
-            self.inboxes.append(_control.Inbox(conn, f"worker {worker} (pid {p.pid})"))
         if self.channel is not None:
             # Each producer holds its own copy of what the handle names now
             # (forked with it, or passed it at its start, before start()
@@ -157,17 +201,15 @@ class ProcessLauncher(Launcher):
         old = self.processes[worker]
         _join(old, self.watches[worker], time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
         with self._reading:
-            self.inboxes[worker].close()  # a message it left half-sent goes with it
+            self.links[worker].close()  # a message it left half-sent goes with it
         self.watches[worker].close()
-        self.conns[worker].close()
         handle = self.channel.replacement_handle(worker) if self.channel is not None else None
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
             p, conn = self._spawn(worker, handle)
         self.processes[worker] = p
         self.watches[worker] = ProcessWatch(_pid(p))
-        self.conns[worker] = conn
         with self._reading:
-            self.inboxes[worker] = _control.Inbox(conn, f"worker {worker} (pid {p.pid})")
+            self.links[worker] = _control.ProducerLink(conn, f"worker {worker} (pid {p.pid})")
         if isinstance(self._failure, WorkerDiedError) and self._failure.worker_id == worker:
             self._failure = None  # that death is dealt with
         return _pid(p)
@@ -183,16 +225,16 @@ class ProcessLauncher(Launcher):
         pipeline's failure, raised: the WorkerDiedError that names it (or
         the error it reported before it went)."""
         try:
-            _control.send(self.conns[worker], message)
+            self.links[worker].send(message)
         except OSError:
             raise self._lost(worker) from None
 
     def _send_quietly(self, message: tuple[Any, ...]) -> None:
         """`message` to every producer still there (stop: one that is gone
         needs no telling, and its end is reported where it is read)."""
-        for conn in self.conns:
+        for link in self.links:
             try:
-                _control.send(conn, message)
+                link.send(message)
             except (OSError, ValueError):  # ValueError: a connection closed already
                 pass
 
@@ -222,7 +264,7 @@ class ProcessLauncher(Launcher):
                     self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
                 )
                 self.channel = self.transport.open(spec)
-                for worker in range(len(self.conns)):
+                for worker in range(len(self.links)):
                     self._send(worker, ("attach", self.channel.handle))
                 self.channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
         return self.channel
@@ -248,7 +290,7 @@ class ProcessLauncher(Launcher):
             return
         # A producer's connection at its end is ready for ever: not waited on
         # (its process's end is, and says more).
-        readable = [inbox for inbox in self.inboxes if not inbox.eof]
+        readable = [link for link in self.links if not link.eof]
         _wait_for_event(self.processes, self.watches, readable, timeout)
 
     def first_failure(self) -> BaseException | None:
@@ -272,11 +314,11 @@ class ProcessLauncher(Launcher):
 
     def _read_messages(self) -> None:
         """Takes what every producer has sent so far, without blocking (a
-        message not whole yet waits in its inbox)."""
+        message not whole yet waits in its link)."""
         with self._reading:
-            for worker, inbox in enumerate(self.inboxes):
+            for worker, link in enumerate(self.links):
                 try:
-                    messages = inbox.read()
+                    messages = link.read()
                 except CorruptChannelError as exc:
                     if self._failure is None:
                         self._failure = exc
@@ -347,10 +389,8 @@ class ProcessLauncher(Launcher):
         for watch in self.watches:
             watch.close()
         with self._reading:  # not under a read in another thread (each is short: nothing blocks)
-            for inbox in self.inboxes:
-                inbox.close()
-        for conn in self.conns:
-            conn.close()
+            for link in self.links:
+                link.close()
         self.channel = None
 
     def leftovers(self) -> list[str]:

@@ -540,10 +540,12 @@ class _ServerPopen(popen_forkserver.Popen):
     def _launch(self, process_obj: BaseProcess) -> None:
         buf = _pickled_for_child(self, process_obj)
         self.sentinel, w = _SERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
-        # Keep a duplicate of the data pipe's write end as a sentinel of the
-        # parent process used by the child process.
-        _parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))  # type: ignore[attr-defined]
+        # multiprocessing keeps a duplicate of the data pipe's write end
+        # open for the child's multiprocessing.parent_process(); a producer
+        # watches its consumer itself (the owner's pidfd, _worker.py), so
+        # the pipe closes once written: one descriptor less per producer
+        # against `ulimit -n`.
+        self.finalizer = util.Finalize(self, util.close_fds, (self.sentinel,))  # type: ignore[attr-defined]
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
@@ -568,10 +570,14 @@ class _SpawnPopen(popen_spawn_posix.Popen):
             self._fds.extend([child_r, child_w])  # type: ignore[attr-defined]
             self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)  # type: ignore[arg-type,attr-defined]
             self.sentinel = parent_r
-            with open(parent_w, "wb", closefd=False) as f:
+            # Closed once written, as for the fork server's producers.
+            with open(parent_w, "wb", closefd=True) as f:
+                parent_w = None
                 f.write(fp.getbuffer())
         finally:
-            fds_to_close = [fd for fd in (parent_r, parent_w) if fd is not None]
+            if parent_w is not None:
+                os.close(parent_w)
+            fds_to_close = [parent_r] if parent_r is not None else []
             self.finalizer = util.Finalize(self, util.close_fds, fds_to_close)  # type: ignore[attr-defined]
             for fd in (child_r, child_w):
                 if fd is not None:

@@ -12,6 +12,7 @@ work as they would anywhere else::
     │   └── CorruptChannelError       what another process wrote breaks the protocol
     ├── SharedMemoryFullError(OSError)  /dev/shm has no room for the ring
     ├── SegmentExistsError(FileExistsError)  a named segment's name is taken already
+    ├── DescriptorLimitError(OSError)  ulimit -n leaves too few file descriptors
     ├── TransportUnavailableError(ImportError)  a transport's dependency is missing
     ├── PipelineTimeoutError(TimeoutError)
     ├── PipelineClosedError(RuntimeError)
@@ -41,6 +42,7 @@ __all__ = [
     "CorruptChannelError",
     "SharedMemoryFullError",
     "SegmentExistsError",
+    "DescriptorLimitError",
     "TransportUnavailableError",
     "PipelineTimeoutError",
     "PipelineClosedError",
@@ -168,6 +170,37 @@ class SharedMemoryFullError(ShmpipeError, OSError):
 
     def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         return (type(self), (self.needed, self.available, self.where, self.what, self.fix))
+
+
+class DescriptorLimitError(ShmpipeError, OSError):
+    """The pipeline needs more file descriptors than this process's limit
+    (``ulimit -n``, RLIMIT_NOFILE) leaves: raised before any producer
+    starts, naming the limit, what the pipeline needs and how to raise it."""
+
+    def __init__(self, needed: int, limit: int, hard: int, in_use: int, producers: int) -> None:
+        raise_to = max(needed, 1024)
+        how = (
+            f"raise it with `ulimit -n {raise_to}` in the shell that starts the job, or "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({raise_to}, {hard if hard >= raise_to else raise_to})) "
+            "at the top of the script"
+            + ("" if hard >= raise_to else f" (the hard limit is {hard}: raising it needs root or the container's "
+               "--ulimit nofile=...)")
+            + ", or start fewer producers"
+        )
+        OSError.__init__(
+            self,
+            _errno.EMFILE,
+            f"this pipeline of {producers} producers needs about {needed} file descriptors in this process "
+            f"({in_use} open already), but its limit (ulimit -n) is {limit}; {how}",
+        )
+        self.needed = needed
+        self.limit = limit
+        self.hard = hard
+        self.in_use = in_use
+        self.producers = producers
+
+    def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
+        return (type(self), (self.needed, self.limit, self.hard, self.in_use, self.producers))
 
 
 class SegmentExistsError(ShmpipeError, FileExistsError):

@@ -534,6 +534,10 @@ class Transport(abc.ABC):
     requires: ClassVar[tuple[str, ...]] = ()
     #: The pip extra that installs them: pip install "shmpipe[<extra>]".
     extra: ClassVar[str | None] = None
+    #: File descriptors the consumer's channel holds per producer (a pipe's
+    #: end each, say), beside the launcher's own: a pipeline that would not
+    #: fit under ``ulimit -n`` is refused before it starts (DescriptorLimitError).
+    consumer_fds_per_producer: ClassVar[int] = 0
 
     @abc.abstractmethod
     def open(self, spec: ChannelSpec) -> ConsumerEnd:

@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -409,6 +410,9 @@ def test_doctor_warns_about_few_open_files(request):
     assert out.returncode == 1, out.stdout
     line = next(line for line in out.stdout.splitlines() if "open files" in line)
     assert line.startswith("  WARN") and "256" in line
+    # 256, less the process's own and the start's 8, at 3 a producer
+    allowed = int(re.search(r"room for (\d+) producers in one pipeline", line).group(1))
+    assert 75 <= allowed <= (256 - 8) // 3, line
     assert "fix: ulimit -n 4096" in out.stdout
 
 

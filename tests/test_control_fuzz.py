@@ -3,7 +3,7 @@
 Plain random bytes, arbitrary JSON values, and messages shaped like real
 ones (the right names, fields of random types and values, any name for an
 error's class) go through _control.decode(); byte streams (random, and real
-frames with random ones among them) go through an Inbox in random pieces.
+frames with random ones among them) go through a ProducerLink in random pieces.
 Whatever comes in, the decoder returns a well-formed message -- every
 field of its type and within its bounds, an error only of shmpipe's own
 classes -- or raises CorruptChannelError; no other exception. The inbox
@@ -193,11 +193,11 @@ def frame(data: bytes) -> bytes:
 
 
 def read_all(chunks: list[bytes]) -> tuple[list[Any], CorruptChannelError | None, int]:
-    """Feeds `chunks` through a socket pair into an Inbox, reading after
+    """Feeds `chunks` through a socket pair into a ProducerLink, reading after
     each; (messages, the error if the stream broke, bytes left pending)."""
     a, b = socket.socketpair()
     conn = Connection(b.detach())
-    inbox = _control.Inbox(conn, "worker 0 (pid 1)")
+    inbox = _control.ProducerLink(conn, "worker 0 (pid 1)")
     got: list[Any] = []
     try:
         for chunk in [*chunks, b""]:

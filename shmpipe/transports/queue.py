@@ -177,6 +177,7 @@ class QueueTransport(Transport):
         checks_batches=True,
         alignment=64,
     )
+    consumer_fds_per_producer = 1  # the read end of its pipe
 
     def open(self, spec: ChannelSpec) -> QueueConsumer:
         return QueueConsumer(spec)

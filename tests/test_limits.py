@@ -1,0 +1,66 @@
+"""A pipeline and the limit of open files (ulimit -n): each producer costs
+the trainer 3 descriptors (its control link, multiprocessing's sentinel,
+its pidfd), and a pipeline that would not fit is refused before any
+producer starts with a DescriptorLimitError that says how to raise the
+limit, never a raw OSError from the middle of a start.
+
+Each case is a fresh interpreter whose limit (soft and hard, as ``ulimit
+-n`` sets both) is lowered before it runs."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import shmpipe
+    from shmpipe.testing.sources import Counter
+
+    if __name__ == "__main__":
+        n, transport = int(sys.argv[1]), sys.argv[2]
+        try:
+            with shmpipe.from_iterators([Counter(3, (64,))] * n, transport=transport, timeout=60) as pipe:
+                print("batches", sum(1 for _ in pipe), "descriptors", len(os.listdir("/proc/self/fd")))
+        except shmpipe.DescriptorLimitError as exc:
+            children = [p for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{p}/stat").read()
+                        .rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+            print("refused", exc.limit, exc.needed, len(children), exc, sep="|")
+    """
+)
+
+
+def _run(limit: int, producers: int, transport: str = "shm") -> subprocess.CompletedProcess:
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(producers), transport], capture_output=True, text=True, timeout=120,
+        preexec_fn=lower,
+    )
+
+
+def test_sixteen_producers_run_under_ulimit_64():
+    out = _run(64, 16)
+    assert out.returncode == 0, out.stderr[-3000:]
+    words = out.stdout.split()
+    assert words[:2] == ["batches", "48"], out.stdout
+    assert int(words[3]) <= 64
+
+
+@pytest.mark.parametrize(("limit", "producers", "transport"), [(40, 16, "shm"), (64, 16, "queue"), (64, 20, "arrow")])
+def test_a_pipeline_that_cannot_fit_is_refused_before_any_producer_starts(limit, producers, transport):
+    out = _run(limit, producers, transport)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("refused|"), out.stdout + out.stderr[-2000:]
+    _, said_limit, needed, children, message = out.stdout.strip().split("|", 4)
+    assert int(said_limit) == limit and int(needed) > limit
+    assert children == "0", "no producer was started"
+    assert f"this pipeline of {producers} producers needs about {needed} file descriptors" in message
+    assert f"its limit (ulimit -n) is {limit}" in message and "ulimit -n 1024" in message
+    assert f"the hard limit is {limit}" in message and "or start fewer producers" in message
