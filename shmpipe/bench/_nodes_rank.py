@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import shmpipe
-from shmpipe.bench.resume import JpegFolder
+from shmpipe.bench._jpegs import JpegFolder
 
 __all__ = ["main"]
 

@@ -76,8 +76,8 @@ import numpy as np
 import shmpipe
 from shmpipe import _segments
 from shmpipe._process import owner_alive
+from shmpipe.bench._jpegs import fetched, make_jpegs
 from shmpipe.bench._report import pyplot
-from shmpipe.bench.resume import fetched, make_jpegs
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
 
 __all__ = [

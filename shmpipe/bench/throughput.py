@@ -421,7 +421,7 @@ def targets(results: list[Result]) -> list[tuple[str, bool, str]]:
         us = 1e6 / worst.batches_per_s
         at = human_size(worst.nbytes)
         out.append(("reserve: <= 5 us per batch at every size", us <= 5.0, f"{us:.1f} us at {at}"))
-    # Batches of any size at ring speed (issue 21): each varying path against
+    # Batches of any size at ring speed: each varying path against
     # the ring at the same size, in throughput and in the trainer's CPU.
     # (X varying against X's own fixed-size path: "shm ring", "transport:X".)
     for v in sorted((v for v in results if v.path.endswith(VARYING)), key=lambda v: (v.path, v.nbytes)):
