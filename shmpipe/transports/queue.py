@@ -261,39 +261,52 @@ class QueueProducer(ProducerEnd):
         t0: float | None = None
         try:
             while views:
-                try:
-                    n = os.writev(self.pipe.fd, views)
-                except BlockingIOError:
-                    n = 0
-                except BrokenPipeError:
-                    raise Closed("the consumer is gone") from None
+                n = self._writev(views)
                 written += n
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if views:
-                    views[0] = views[0][n:]
-                    if t0 is None:
-                        t0 = time.perf_counter()
-                    if not _wait_for(self.pipe.fd, select.POLLOUT, CHECK_S):
-                        try:
-                            self.control.check()
-                        except Cancelled as exc:
-                            if written == 0:
-                                if token:
-                                    self.held += 1
-                                raise
-                            cancelled = exc
+                _advance(views, n)
+                if not views:
+                    break
+                if t0 is None:
+                    t0 = time.perf_counter()
+                if _wait_for(self.pipe.fd, select.POLLOUT, CHECK_S):
+                    continue
+                try:
+                    self.control.check()
+                except Cancelled as exc:
+                    if written:
+                        cancelled = exc  # the frame is finished first
+                        continue
+                    if token:
+                        self.held += 1
+                    raise
         finally:
             if t0 is not None:
                 self.blocked[self.worker] += time.perf_counter() - t0
         if cancelled is not None:
             raise cancelled
 
+    def _writev(self, views: list[memoryview]) -> int:
+        """What one writev to the pipe took of `views` (0 while it is full)."""
+        try:
+            return os.writev(self.pipe.fd, views)
+        except BlockingIOError:
+            return 0
+        except BrokenPipeError:
+            raise Closed("the consumer is gone") from None
+
     def close(self) -> None:
         self._give_back_held()
         for fd in (self.pipe, self.token_r, self.token_w):
             fd.close()
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drops the first `n` bytes of `views` (what a writev took)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if views:
+        views[0] = views[0][n:]
 
 
 class _Pieces:
