@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
 from shmpipe._group import GroupOptions, RankPipeline, check_capacity, check_group, default_capacity
-from shmpipe._nodes import check_nodes
+from shmpipe._nodes import check_nodes, check_sampler_for_nodes
 from shmpipe._options import PipelineOptions, Source, check_options, is_int
 from shmpipe._pipeline import Pipeline
 from shmpipe._schedule import DatasetSchedule
@@ -322,9 +322,12 @@ def from_dataset(
 
     Args (several nodes):
         num_nodes: the job's nodes; default ``WORLD_SIZE // LOCAL_WORLD_SIZE``
-            (torchrun sets both), else 1.
+            (torchrun sets both), else 1. ``num_nodes=1`` always holds:
+            each node deals its own whole epoch (a job that shards the
+            data itself, with a ``DistributedSampler``).
         node_rank: this node's index in ``[0, num_nodes)``; default
-            ``GROUP_RANK`` (torchrun's) or ``NODE_RANK``, else 0.
+            ``GROUP_RANK`` (torchrun's) or ``NODE_RANK``; required with
+            ``num_nodes > 1`` where neither is set.
     """
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ShmpipeTypeError(
@@ -361,6 +364,7 @@ def from_dataset(
         ray_remote_args=ray_remote_args,
     )
     layout = check_nodes(num_nodes, node_rank, grouped.num_ranks if grouped is not None else 1, grouped is not None)
+    check_sampler_for_nodes(layout, sampler, batch_sampler)
     if layout.num_nodes > 1 and shuffle and not options.seed_given:
         raise ShmpipeValueError(
             f"a job of {layout.num_nodes} nodes needs seed= (the same on every node): each node draws the "

@@ -30,7 +30,7 @@ import numpy as np
 from shmpipe._options import is_int
 from shmpipe.errors import ShmpipeValueError
 
-__all__ = ["ONE_NODE", "NodeLayout", "check_nodes"]
+__all__ = ["ONE_NODE", "NodeLayout", "check_nodes", "check_sampler_for_nodes"]
 
 #: torchrun's name for the node's rank, and the name other launchers use.
 _NODE_RANK_VARIABLES = ("GROUP_RANK", "NODE_RANK")
@@ -76,23 +76,28 @@ def _env_int(name: str) -> int | None:
 
 def _nodes_from_environment() -> tuple[int | None, str]:
     """The number of nodes torchrun's environment gives (WORLD_SIZE //
-    LOCAL_WORLD_SIZE), or None where it gives none; and how it says so."""
+    LOCAL_WORLD_SIZE), or None where it gives none; and how it says so.
+    Read only where from_dataset needs it: a variable of another tool's
+    that it cannot read is then the error, naming it."""
     world, local = _env_int("WORLD_SIZE"), _env_int("LOCAL_WORLD_SIZE")
     if world is None or local is None:
         return None, ""
-    if local < 1 or world < local or world % local:
+    says = f"WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}"
+    if local < 1 or world < 1:
+        raise ShmpipeValueError(f"the environment's {says} must both be positive; pass num_nodes= yourself")
+    if world % local:
         raise ShmpipeValueError(
             f"the environment's WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: shmpipe deals "
-            "an epoch to nodes of equal size"
+            "an epoch to nodes of equal size; pass num_nodes= and node_rank= yourself"
         )
-    return world // local, f"WORLD_SIZE={world} // LOCAL_WORLD_SIZE={local}"
+    return world // local, f"{says}: {world // local} nodes"
 
 
 def _node_rank_from_environment() -> tuple[int | None, str]:
     for name in _NODE_RANK_VARIABLES:
         value = _env_int(name)
         if value is not None:
-            return value, f"{name}={value}"
+            return value, name
     return None, ""
 
 
@@ -100,30 +105,53 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     """The layout from from_dataset's node arguments, their defaults from
     torchrun's environment (one node where it sets none), or a
     ShmpipeValueError naming what is wrong. `ranks_per_node`: the group's
-    size (1 without a group)."""
+    size (1 without a group).
+
+    ``num_nodes=1`` given explicitly always holds, whatever the launcher
+    says: each node then deals its own whole epoch (the layout of a job
+    that shards the data itself, with a DistributedSampler). The
+    environment is read only for what was not given, and to check a
+    ``num_nodes`` or ``node_rank`` given against it."""
+    if num_nodes is not None and (not is_int(num_nodes) or num_nodes < 1):
+        raise ShmpipeValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+    if num_nodes == 1:
+        if node_rank not in (None, 0):
+            raise ShmpipeValueError(f"node_rank must be 0 with num_nodes=1, got {node_rank!r}")
+        return NodeLayout(1, 0, ranks_per_node)
     env_nodes, env_nodes_says = _nodes_from_environment()
-    env_rank, env_rank_says = _node_rank_from_environment()
     if num_nodes is None:
         num_nodes = env_nodes if env_nodes is not None else 1
-    elif not is_int(num_nodes) or num_nodes < 1:
-        raise ShmpipeValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
     elif env_nodes is not None and num_nodes != env_nodes:
         raise ShmpipeValueError(
-            f"num_nodes={num_nodes} disagrees with the environment ({env_nodes_says} = {env_nodes} nodes): "
-            "pass the launcher's number of nodes, or leave num_nodes out"
+            f"num_nodes={num_nodes} disagrees with the environment ({env_nodes_says}): pass the launcher's "
+            "number of nodes, leave num_nodes out, or pass num_nodes=1 to have each node deal its own epoch"
         )
-    if node_rank is None:
-        node_rank = env_rank if env_rank is not None and num_nodes > 1 else 0
-    elif not is_int(node_rank):
+    if num_nodes == 1:
+        if node_rank not in (None, 0):
+            raise ShmpipeValueError(f"node_rank must be 0 with one node, got {node_rank!r}")
+        return NodeLayout(1, 0, ranks_per_node)
+    if node_rank is not None and not is_int(node_rank):
         raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}")
-    elif env_rank is not None and num_nodes > 1 and node_rank != env_rank:
+    env_rank, env_rank_name = _node_rank_from_environment()
+    if node_rank is None:
+        if env_rank is None:
+            raise ShmpipeValueError(
+                f"num_nodes={num_nodes} needs node_rank= (this node's index, 0 to {num_nodes - 1}), or GROUP_RANK "
+                "or NODE_RANK in the environment (torchrun sets GROUP_RANK; under Slurm, SLURM_NODEID)"
+            )
+        if not 0 <= env_rank < num_nodes:
+            raise ShmpipeValueError(
+                f"the environment's {env_rank_name}={env_rank} is not a node of {num_nodes} (0 to {num_nodes - 1})"
+            )
+        node_rank = env_rank
+    elif env_rank is not None and node_rank != env_rank:
         raise ShmpipeValueError(
-            f"node_rank={node_rank} disagrees with the environment ({env_rank_says}): pass the launcher's "
-            "node rank, or leave node_rank out"
+            f"node_rank={node_rank} disagrees with the environment ({env_rank_name}={env_rank}): pass the "
+            "launcher's node rank, or leave node_rank out"
         )
     if not 0 <= node_rank < num_nodes:
         raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank}")
-    if num_nodes > 1 and not grouped:
+    if not grouped:
         local = _env_int("LOCAL_WORLD_SIZE")
         if local is not None and local > 1:
             raise ShmpipeValueError(
@@ -132,3 +160,23 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
                 "the node's whole share"
             )
     return NodeLayout(num_nodes, node_rank, ranks_per_node)
+
+
+def check_sampler_for_nodes(layout: NodeLayout, sampler: object, batch_sampler: object) -> None:
+    """Refuses a sampler that is a shard of the job already (torch's
+    DistributedSampler, or any with ``num_replicas > 1``) in a job whose
+    epoch shmpipe deals over the nodes: sharded twice, most samples would
+    never be read."""
+    if layout.num_nodes == 1:
+        return
+    for name, chosen in (("sampler", sampler), ("batch_sampler", batch_sampler)):
+        inner = getattr(chosen, "sampler", None) if name == "batch_sampler" else None
+        for candidate in (chosen, inner):
+            replicas: object = getattr(candidate, "num_replicas", None)
+            if isinstance(replicas, int) and replicas > 1:
+                raise ShmpipeValueError(
+                    f"the {name} is a shard of the job already ({type(candidate).__name__} with "
+                    f"num_replicas={replicas}), and with num_nodes={layout.num_nodes} shmpipe deals the epoch "
+                    "over the nodes itself: pass the whole order (shuffle=True, or a sampler of every index), or "
+                    "num_nodes=1 to keep your own sharding (each node then deals its own epoch)"
+                )

@@ -453,7 +453,7 @@ class DatasetSchedule(Schedule):
             # count. Every rank of the job takes one batch a round, so after
             # this node's one rank took n, the first n rounds are out on
             # every node. (A group's ranks count for themselves: RankPipeline.)
-            if not self.ordered:
+            if not self.ordered and any(progress.delivered):
                 raise ShmpipeValueError(
                     "the position of a job of several nodes is saved with ordered=True only: this node alone "
                     "cannot tell which batches an unordered job handed out"

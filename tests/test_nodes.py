@@ -219,6 +219,9 @@ def test_an_unordered_node_cannot_tell_the_jobs_position():
 # -- bad input ---------------------------------------------------------------------------------
 
 
+ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+
+
 @pytest.mark.parametrize(
     ("env", "kw", "match"),
     [
@@ -226,31 +229,25 @@ def test_an_unordered_node_cannot_tell_the_jobs_position():
         ({}, dict(num_nodes=2, node_rank=-1), r"node_rank must be an int in \[0, 2\)"),
         ({}, dict(num_nodes=0), "num_nodes must be a positive int"),
         ({}, dict(num_nodes=2, node_rank="1"), "node_rank must be an int"),
-        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"}, dict(num_nodes=2), r"num_nodes=2 disagrees .*4 nodes"),
+        ({}, dict(num_nodes=1, node_rank=1), "node_rank must be 0 with num_nodes=1"),
+        ({}, dict(num_nodes=2), r"num_nodes=2 needs node_rank= .*GROUP_RANK or NODE_RANK"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"}, dict(num_nodes=2), r"num_nodes=2 disagrees .*4 nodes.*num_nodes=1"),
         ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, dict(), "not a multiple of LOCAL_WORLD_SIZE"),
+        ({"WORLD_SIZE": "0", "LOCAL_WORLD_SIZE": "0"}, dict(), "must both be positive"),
         ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "3"}, dict(node_rank=1), r"node_rank=1 .*GROUP_RANK=3"),
-        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, dict(), r"LOCAL_WORLD_SIZE=2.*group="),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "7"}, dict(), r"GROUP_RANK=7 is not a node of 4"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, dict(), r"LOCAL_WORLD_SIZE=2.*group="),
         ({"NODE_RANK": "x"}, dict(num_nodes=2), "NODE_RANK='x' is not an int"),
         ({}, dict(num_nodes=2, node_rank=0, seed=None), "needs seed="),
     ],
 )
-def test_bad_node_arguments_are_refused_before_anything_starts(monkeypatch, env, kw, match):
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+def test_bad_node_arguments_are_refused(monkeypatch, env, kw, match):
+    for name in ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    children = set(os.listdir("/proc"))
     with pytest.raises(shmpipe.ShmpipeValueError, match=match):
         shmpipe.from_dataset(Numbered(N), num_workers=1, **arguments() | kw)
-    assert not [c for c in set(os.listdir("/proc")) - children if c.isdigit() and _parent(c) == os.getpid()]
-
-
-def _parent(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def test_the_environment_gives_the_defaults(monkeypatch):
@@ -258,13 +255,46 @@ def test_the_environment_gives_the_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "6")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert check_nodes(None, None, 2, True) == NodeLayout(3, 0, 2)
     monkeypatch.setenv("NODE_RANK", "2")
     assert check_nodes(None, None, 2, True) == NodeLayout(3, 2, 2)
     monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's name comes first
     assert check_nodes(None, None, 2, True) == NodeLayout(3, 1, 2)
     monkeypatch.delenv("WORLD_SIZE")
     assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "one node where the launcher says nothing"
+
+
+def test_num_nodes_1_always_holds_and_reads_no_environment(monkeypatch):
+    """A job that shards the data itself keeps doing so under a launcher of
+    several nodes; one node's user is not held to other tools' variables."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("NODE_RANK", "garbage")
+    assert check_nodes(1, None, 1, False) == NodeLayout(1, 0, 1)
+    assert check_nodes(1, 0, 2, True) == NodeLayout(1, 0, 2)
+
+
+def test_a_sampler_that_shards_the_job_already_is_refused_on_several_nodes(epochs):
+    torch_data = pytest.importorskip("torch.utils.data")
+    sharded = torch_data.distributed.DistributedSampler(Numbered(N), num_replicas=2, rank=0, shuffle=False)
+    for kw in (dict(sampler=sharded, batch_size=BATCH), dict(batch_sampler=torch_data.BatchSampler(sharded, BATCH, False))):
+        with pytest.raises(shmpipe.ShmpipeValueError, match=r"shard of the job already \(DistributedSampler with "
+                           r"num_replicas=2\).*num_nodes=1 to keep your own sharding"):
+            shmpipe.from_dataset(Numbered(N), num_nodes=2, node_rank=1, num_workers=1, seed=SEED, **kw)
+    # One node: the sampler's own shard, as a DataLoader would read it.
+    with shmpipe.from_dataset(Numbered(N), num_nodes=1, sampler=sharded, batch_size=BATCH, num_workers=1) as pipe:
+        assert sorted(i for b in pipe for i in b["i"].tolist()) == list(range(0, N + 1, 2))[: (N + 1) // 2]
+
+
+def test_an_unordered_node_has_a_state_before_it_delivers(epochs):
+    with shmpipe.from_dataset(Numbered(N), num_nodes=2, node_rank=1, **arguments(num_workers=1)) as ordered:
+        it = iter(ordered)
+        for _ in range(3):
+            next(it)
+        state = ordered.state_dict()
+        del it
+    with shmpipe.from_dataset(Numbered(N), num_nodes=2, node_rank=1, ordered=False, **arguments()) as pipe:
+        pipe.load_state_dict(state)
+        assert pipe.state_dict() == state
 
 
 def test_a_state_of_another_job_is_refused_on_any_layout(epochs):

@@ -162,3 +162,13 @@ def test_ray_remote_args_are_for_ray_alone():
         shmpipe.from_dataset(Numbered(8), ray_remote_args={"num_cpus": 1})
     with pytest.raises(shmpipe.ShmpipeValueError, match="ray_remote_args must be a dict"):
         shmpipe.from_dataset(Numbered(8), transport="ray", ray_remote_args=[("num_cpus", 1)])
+    for args, match in [
+        ({"max_concurrency": 4}, "may not set max_concurrency: shmpipe sets it"),
+        ({"name": "x", "num_cpus": 1}, "may not set name: shmpipe sets it"),
+        ({"foo": 1}, "holds an option Ray refuses: Invalid option keyword foo"),
+        ({"num_cpus": "two"}, "holds an option Ray refuses: The type of keyword 'num_cpus'"),
+        ({"num_cpus": -1}, "holds an option Ray refuses: .*cannot be negative"),
+    ]:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=f"ray_remote_args {match}"):
+            shmpipe.from_dataset(Numbered(8), transport="ray", ray_remote_args=args)
+    assert not ray.is_initialized(), "refused before Ray starts"

@@ -106,7 +106,7 @@ class RayTransport(Transport):
         init_options: dict | None = None,
     ) -> None:
         self.address = address
-        self.actor_options = dict(actor_options or {"num_cpus": 1})
+        self.actor_options = _checked_actor_options(dict(actor_options or {"num_cpus": 1}), "actor_options")
         self.object_store_memory = object_store_memory
         self.init_options = dict(init_options or {})
 
@@ -121,7 +121,7 @@ class RayTransport(Transport):
             )
         return RayTransport(
             address=self.address,
-            actor_options=self.actor_options | remote_args,
+            actor_options=_checked_actor_options(self.actor_options | remote_args, "ray_remote_args"),
             object_store_memory=self.object_store_memory,
             init_options=self.init_options,
         )
@@ -133,6 +133,26 @@ class RayTransport(Transport):
         self, sources: Sequence[Callable[[], Iterable[Any]]], spec: ChannelSpec, seed: int
     ) -> RayLauncher:
         return RayLauncher(self, sources, spec)
+
+
+#: Actor options shmpipe sets itself: each actor's name (unique, to find
+#: what is left after close) and its concurrency (a pass's stream and the
+#: call that cancels it).
+_OWN_ACTOR_OPTIONS = ("name", "max_concurrency")
+
+
+def _checked_actor_options(options: dict[str, Any], what: str) -> dict[str, Any]:
+    """`options` for every producer actor, checked as Ray's ``.options()``
+    checks them (without starting anything), so a bad one is an error of
+    the arguments, before any actor or Ray starts."""
+    own = sorted(set(options) & set(_OWN_ACTOR_OPTIONS))
+    if own:
+        raise ShmpipeValueError(f"{what} may not set {', '.join(own)}: shmpipe sets it for each producer actor")
+    try:
+        _ProducerActor.options(name="shmpipe-check", max_concurrency=2, **options)
+    except (TypeError, ValueError) as exc:
+        raise ShmpipeValueError(f"{what} holds an option Ray refuses: {exc}") from None
+    return options
 
 
 class _Producer:
@@ -284,7 +304,12 @@ class RayLauncher(Launcher):
         self._replacements += 1
         actor = self._actor(worker, f"{self.prefix}-{worker}-r{self._replacements}")
         self.actors[worker] = actor
-        (pid,) = self._started([actor])
+        try:
+            (pid,) = self._started([actor])
+        except ShmpipeValueError as exc:  # no room for it: the death is the pipeline's failure
+            raise WorkerDiedError(
+                worker, self._pids[worker], None, reason=f"its Ray actor died, and no replacement could start: {exc}"
+            ) from exc
         self._pids[worker] = pid
         return pid
 
