@@ -5,6 +5,7 @@ two-node cluster."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import textwrap
 import warnings
@@ -152,6 +153,18 @@ def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(
         assert nodes[-1] == second, "the replacements run on the node that joined"
         assert restarts == (1, 1)
         assert sum("replaced" in str(w.message) for w in caught) == 2
+        # Without max_restarts, a dead actor is the WorkerDiedError, after
+        # the batches before it, in order.
+        got = []
+        with pytest.raises(shmpipe.WorkerDiedError, match="its Ray actor died"):
+            with shmpipe.from_dataset(
+                OnRayNode(60, delay=0.01), transport="ray", ray_remote_args={"resources": {"producers": 1}}, **kw
+            ) as pipe:
+                for b in pipe:
+                    got.append(b["i"].tolist())
+                    if len(got) == 3:
+                        os.kill(pipe.pids[1], signal.SIGKILL)
+        assert 3 <= len(got) < len(reference) and got == reference[: len(got)]
     finally:
         ray.shutdown()
         cluster.shutdown()
