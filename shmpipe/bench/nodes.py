@@ -550,6 +550,16 @@ def _resume_round(cfg: NodesConfig, tmp: str, folder: str, epoch: list[list[int]
     assert cfg.resume is not None
     before, after = cfg.resume
     step = result.step
+
+    def fresh() -> None:
+        job = _run_job(cfg, tmp, folder, "shmpipe", after, stop=1)
+        result.fresh.append(_run_of(job, [b[:1] for b in dealt(epoch, after)]))
+
+    # The fresh job goes first in every other round, so that neither start
+    # always follows the same job (the order's own effect cancels out).
+    fresh_first = len(result.fresh) % 2 == 1
+    if fresh_first:
+        fresh()
     first = _run_job(cfg, tmp, folder, "shmpipe", before, stop=step)
     result.stopped.append(_run_of(first, [b[:step] for b in dealt(epoch, before)]))
     states = [r["state"] for r in first.reports]
@@ -557,8 +567,8 @@ def _resume_round(cfg: NodesConfig, tmp: str, folder: str, epoch: list[list[int]
     out = {i for b in epoch[: result.position] for i in b}
     resumed = _run_job(cfg, tmp, folder, "shmpipe", after, state=states[0])
     result.resumed.append(_run_of(resumed, dealt(epoch[result.position :], after), before=out))
-    fresh = _run_job(cfg, tmp, folder, "shmpipe", after, stop=1)
-    result.fresh.append(_run_of(fresh, [b[:1] for b in dealt(epoch, after)]))
+    if not fresh_first:
+        fresh()
 
 
 def run(cfg: NodesConfig, loaders: list[str] | None = None, progress: Callable[[str], None] | None = None,
