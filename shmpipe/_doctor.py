@@ -93,7 +93,7 @@ def _size(nbytes: int) -> str:
 
 def check_dev_shm() -> Check:
     from shmpipe._segments import SHM_DIR
-    from shmpipe.transports.shm import _free_bytes
+    from shmpipe.transports._shm_memory import _free_bytes
 
     try:
         st = os.statvfs(SHM_DIR)
@@ -111,7 +111,7 @@ def check_dev_shm() -> Check:
 
 
 def check_memory() -> Check:
-    from shmpipe.transports.shm import _cgroup_memory_free, _memory_available
+    from shmpipe.transports._shm_memory import _cgroup_memory_free, _memory_available
 
     room, what = _memory_available()
     cgroup = _cgroup_memory_free()
