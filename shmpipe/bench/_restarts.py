@@ -18,15 +18,13 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 import shmpipe
 from shmpipe.bench._jpegs import JpegFolder, fetched, ids
-
-if TYPE_CHECKING:
-    from shmpipe.bench.resume import ResumeConfig
+from shmpipe.bench._resume_config import ResumeConfig
 
 __all__ = ["RestartsResult", "RestartsRound", "restarts_available", "restarts_section", "restarts_table"]
 
