@@ -35,18 +35,20 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(limit: int, producers: int, transport: str = "shm") -> subprocess.CompletedProcess:
+def _run(limit: int, producers: int, cwd: str, transport: str = "shm") -> subprocess.CompletedProcess:
     def lower() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
+    # Run away from the checkout: with -c, ./ comes first on sys.path, and
+    # ./shmpipe there is the source, not the installed package.
     return subprocess.run(
         [sys.executable, "-c", SCRIPT, str(producers), transport], capture_output=True, text=True, timeout=120,
-        preexec_fn=lower,
+        preexec_fn=lower, cwd=cwd,
     )
 
 
-def test_sixteen_producers_run_under_ulimit_64():
-    out = _run(64, 16)
+def test_sixteen_producers_run_under_ulimit_64(tmp_path):
+    out = _run(64, 16, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     words = out.stdout.split()
     assert words[:2] == ["batches", "48"], out.stdout
@@ -54,8 +56,8 @@ def test_sixteen_producers_run_under_ulimit_64():
 
 
 @pytest.mark.parametrize(("limit", "producers", "transport"), [(40, 16, "shm"), (64, 16, "queue"), (64, 20, "arrow")])
-def test_a_pipeline_that_cannot_fit_is_refused_before_any_producer_starts(limit, producers, transport):
-    out = _run(limit, producers, transport)
+def test_a_pipeline_that_cannot_fit_is_refused_before_any_producer_starts(tmp_path, limit, producers, transport):
+    out = _run(limit, producers, str(tmp_path), transport)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("refused|"), out.stdout + out.stderr[-2000:]
     _, said_limit, needed, children, message = out.stdout.strip().split("|", 4)
