@@ -51,6 +51,18 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     return stat[stat.rindex(b")") + 2 :].split()
 
 
+def process_group_members(pgid: int) -> list[int]:
+    """The live processes (not zombies) of process group `pgid`: what is left
+    of a session a benchmark or a test started and must end."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+                members.append(int(entry))
+    return members
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time of `pid` in clock ticks since boot; None if it is gone
     or a zombie (it has exited; only its exit status remains)."""

@@ -112,19 +112,8 @@ def ignoring_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (zombies are not)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                members.append(int(entry))
-    return members
+#: The live processes of a process group (shmpipe._process has the one reading of /proc).
+group_members = _process.process_group_members
 
 
 def end_group(proc: subprocess.Popen, grace: float = 10.0, remove_segments: bool = True) -> tuple[Any, Any]:

@@ -8,6 +8,7 @@ import multiprocessing.context
 import os
 import platform
 import re
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +21,16 @@ from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
 KiB, MiB = 1 << 10, 1 << 20
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,
           "g": 10**9, "gb": 10**9, "gib": 1 << 30}
+
+
+def median(values: list[float]) -> float:
+    """The median, NaN for no values (a run that measured nothing)."""
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(v: float | None, spec: str) -> str:
+    """A number for a table: "-" for None or NaN."""
+    return "-" if v is None or v != v else format(v, spec)
 
 
 def parse_size(text: str) -> int:

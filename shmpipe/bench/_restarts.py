@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import os
 import signal
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -24,17 +23,11 @@ import numpy as np
 
 import shmpipe
 from shmpipe.bench._jpegs import JpegFolder, fetched, ids
+from shmpipe.bench._report import fmt as _fmt
+from shmpipe.bench._report import median as _median
 from shmpipe.bench._resume_config import ResumeConfig
 
 __all__ = ["RestartsResult", "RestartsRound", "restarts_available", "restarts_section", "restarts_table"]
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def _fmt(v: float | None, fmt: str) -> str:
-    return "-" if v is None or v != v else format(v, fmt)
 
 
 def restarts_available() -> str | None:

@@ -75,8 +75,9 @@ import numpy as np
 
 import shmpipe
 from shmpipe import _segments
-from shmpipe._process import owner_alive
+from shmpipe._process import owner_alive, process_group_members
 from shmpipe.bench._jpegs import fetched, make_jpegs
+from shmpipe.bench._report import median as _median
 from shmpipe.bench._report import pyplot
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
 
@@ -188,21 +189,6 @@ def step_at(fraction: float, batches: int, layout: Layout) -> int:
 # -- a job: the rank processes of one layout -----------------------------------------------
 
 
-def _members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (not zombies)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                found.append(int(entry))
-    return found
-
-
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -220,9 +206,9 @@ def _end(procs: list[subprocess.Popen]) -> int:
     for proc in procs:
         proc.wait(timeout=30)
     deadline = time.monotonic() + _GRACE_S
-    while any(_members(p.pid) for p in procs) and time.monotonic() < deadline:
+    while any(process_group_members(p.pid) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.02)
-    left = [pid for p in procs for pid in _members(p.pid)]
+    left = [pid for p in procs for pid in process_group_members(p.pid)]
     _signal_all(left, signal.SIGKILL)
     return len(left)
 
@@ -423,10 +409,6 @@ def _run_of(job: _Job, expected: list[list[list[int]]] | None, before: set[int] 
         made_to_first_s=[r["t_first"] - r["t_construct"] for r in reps],
         check=check,
     )
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 @dataclass

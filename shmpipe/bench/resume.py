@@ -59,7 +59,6 @@ import importlib
 import importlib.util
 import json
 import os
-import statistics
 import tempfile
 import time
 import warnings
@@ -70,6 +69,8 @@ from typing import Any, ClassVar
 import shmpipe
 from shmpipe.bench._jpegs import JpegFolder, fetched, make_jpegs
 from shmpipe.bench._jpegs import ids as _ids
+from shmpipe.bench._report import fmt as _fmt
+from shmpipe.bench._report import median as _median
 from shmpipe.bench._report import pyplot
 from shmpipe.bench._restarts import RestartsResult, restarts_available, restarts_section, restarts_table
 from shmpipe.bench._resume_config import ResumeConfig
@@ -435,10 +436,6 @@ def _resumed(
     return first_s, batches
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def _one_time(
     loaders: list[_Loader], ds: JpegFolder, cfg: ResumeConfig, results: dict[str, LoaderResult]
 ) -> dict[str, float]:
@@ -562,10 +559,6 @@ def _check(label: str, k: int, epoch: list[list[int]], rest: list[list[int]], go
 
 
 # -- the report ---------------------------------------------------------------------
-
-
-def _fmt(v: float | None, fmt: str) -> str:
-    return "-" if v is None or v != v else format(v, fmt)
 
 
 def _labels(results: list[LoaderResult]) -> list[str]:

@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 
 import shmpipe
+from shmpipe.bench._report import fmt as _fmt
 from shmpipe.bench._report import pyplot
 from shmpipe.errors import ShmpipeValueError
 
@@ -642,10 +643,6 @@ def run(
 
 
 # -- the report ---------------------------------------------------------------------
-
-
-def _fmt(v: float | None, fmt: str) -> str:
-    return "-" if v is None or v != v else format(v, fmt)
 
 
 def table(results: list[RecipeResult]) -> str:
