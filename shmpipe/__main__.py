@@ -260,7 +260,7 @@ def _bench_resume(args: argparse.Namespace) -> int:
     )
     cfg.check()  # before the JPEGs are made
     loaders = args.loaders or list(resume.LOADERS)
-    steps = 2 + (len(loaders) * (1 + len(cfg.at)) + 1) * cfg.repeat
+    steps = 2 + (len(loaders) * (2 + len(cfg.at)) + 1) * cfg.repeat  # fresh, each position, warm; restarts
     progress = Progress(steps, "bench resume")
     with progress.running():
         report = resume.run(cfg, loaders, progress=progress.step)
@@ -270,7 +270,8 @@ def _bench_resume(args: argparse.Namespace) -> int:
     for line in resume.summary(report.results):
         print(line)
     if report.one_time_s:
-        print("Paid once before the measurements, in no loader's first batch: "
+        print("Paid once in the bench's process before the warm column (each new process pays its own in its "
+              "first batch): "
               + ", ".join(f"{what} {s:.2f} s" for what, s in report.one_time_s.items()) + ".")
     print()
     print(resume.restarts_table(report.restarts, cfg))

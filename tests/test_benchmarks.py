@@ -101,7 +101,7 @@ def _command(key, folder):
             [sys.executable, "-m", "shmpipe", "bench", "resume", "--images", "40", "--side", "16", "--batch-size", "8",
              "--workers", "1", "--repeat", "1", "--timeout", "60", "--json", str(folder / "resume.json"), "--plot",
              str(folder / "resume.png")],
-            cwd=folder, env=env, timeout=180,
+            cwd=folder, env=env, timeout=300,
         )
     if key == "nodes":
         return Command(
@@ -299,7 +299,21 @@ def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(reques
         assert r["error"] is None, (name, r)
         assert r["images"] == 40 and r["images_per_s"] > 0, (name, r)
         assert set(r["first_batch_s"]) == {"fresh", *positions} and all(v > 0 for v in r["first_batch_s"].values())
+        assert r["warm_first_batch_s"] > 0 and len(r["runs_warm_first_batch_s"]) == 1, (name, r)
         assert r["positions"] == positions
+        # Each first batch of the new-process columns was a process of its
+        # own, started by the bench, with nothing of shmpipe's before its
+        # clock (see test_a_new_process_has_nothing_of_shmpipe_before_its_clock).
+        procs = r["processes"]
+        assert [p["at"] for p in procs] == ["fresh", *positions], name
+        assert len({p["pid"] for p in procs} | {procs[0]["bench_pid"]}) == len(procs) + 1, procs
+        for p in procs:
+            assert p["ppid"] == p["bench_pid"] != p["pid"], p
+            assert p["shmpipe_modules_before_clock"] == [] and p["children_before_clock"] == [], p
+            assert p["first_batch_s"] == r["first_batch_s"][p["at"]] and p["left_running"] == 0, p
+            assert "jpeg_dataset" in p["before_clock"], p
+            if name.startswith("shmpipe"):  # its import, and what from_dataset imported, inside the clock
+                assert p["import_s"] is not None and p["shmpipe_modules_at_first_batch"] > 0, p
         assert [(c["at"], c["batch"], c["resumed_batches"]) for c in r["checks"]] == [
             (at, k, 5 - k) for at, k in positions.items()
         ], name
@@ -320,6 +334,42 @@ def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(reques
         assert f"| {name} | {r['resumes_by']} |" in proc.stdout
     assert "shmpipe: resumed batches equal the rest of the uninterrupted epoch; 0 samples" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_new_process_has_nothing_of_shmpipe_before_its_clock(tmp_path):
+    # bench resume's new-process columns: one measurement, taken while this
+    # process has shmpipe imported and its fork server running (as the
+    # bench's warm column has them). The new process reports none of it
+    # before its clock: shmpipe's import, the fork server's start and the
+    # producers' are all in its first batch. The same report read in this
+    # process, warm, is not empty: the test would see a warm measurement.
+    import shmpipe
+    from shmpipe.bench import _resume_fresh
+    from shmpipe.bench._jpegs import JpegFolder, fetched, make_jpegs
+    from shmpipe.bench._resume_config import ResumeConfig
+
+    cfg = ResumeConfig(images=16, side=16, batch_size=4, workers=1, at=(0.5,), repeat=1, timeout_s=60)
+    images = tmp_path / "images"
+    images.mkdir()
+    make_jpegs(str(images), cfg.images, cfg.side)
+    job = _resume_fresh.prepare(str(tmp_path / "job"))
+    with shmpipe.from_dataset(JpegFolder(str(images), cfg.images), batch_size=4, num_workers=1, timeout=60) as pipe:
+        assert len([b for b in pipe]) == 4
+        warm = _resume_fresh._shmpipe_modules(), _resume_fresh._children()
+        assert warm[0] and warm[1], warm  # here: shmpipe imported, its fork server a child of this process
+        run, batches, states = _resume_fresh.measure(
+            str(job), "shmpipe", "fresh", 0, str(images), cfg.images, str(tmp_path / "log"), cfg, checkpoints=(2,))
+    assert run.pid != os.getpid() and run.ppid == run.bench_pid == os.getpid(), run
+    assert run.shmpipe_modules_before_clock == [] and run.children_before_clock == [], run
+    assert run.shmpipe_modules_at_first_batch > 0 and run.import_s is not None, run
+    assert 0 < run.made_s <= run.first_batch_s and run.left_running == 0, run
+    assert sorted(i for b in batches for i in b) == list(range(16)) and set(states) == {2}, (batches, states)
+    assert sorted(fetched(str(tmp_path / "log"))) == list(range(16))
+    # Resumed from the checkpoint the first process wrote: a third process.
+    again, rest, _ = _resume_fresh.measure(str(job), "shmpipe", "50%", 0, str(images), cfg.images,
+                                           str(tmp_path / "log2"), cfg, state=states[2], to_the_end=True)
+    assert again.pid not in (run.pid, os.getpid()) and again.children_before_clock == [], again
+    assert rest == batches[2:]
 
 
 def test_bench_resume_check_sees_a_wrong_resume():

@@ -1,7 +1,12 @@
 """The JPEG dataset of the benchmarks that load a map-style dataset (bench
 resume, bench nodes): files made once with Pillow, decoded where each
 sample is fetched. At the top level of a module of its own: producer and
-worker processes unpickle it, and import no more than it needs."""
+worker processes unpickle it, and import no more than it needs.
+
+It imports nothing of shmpipe, as a user's dataset module does not: bench
+resume's new processes load a copy of this file as a module of its own
+before their clock starts, and shmpipe's import belongs inside the clock
+(shmpipe/bench/_resume_fresh.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +14,6 @@ import os
 from typing import Any
 
 import numpy as np
-
-from shmpipe.testing.datasets import log_fetch
 
 __all__ = ["JpegFolder", "fetched", "ids", "make_jpegs"]
 
@@ -58,7 +61,7 @@ class JpegFolder:
             # torch's collate warns on every read-only array it is given.
             pixels = np.array(im.convert("RGB"))
         if self.log is not None:
-            log_fetch(self.log, i)
+            _log_fetch(self.log, i)
         return {"image": pixels, "label": i % _CLASSES, "index": i}
 
     def logged(self, log: str) -> JpegFolder:
@@ -68,6 +71,17 @@ class JpegFolder:
         # Grain refuses a checkpoint whose data source's repr differs; each
         # run has a log of its own, so the log is left out.
         return f"JpegFolder({self.folder!r}, {self.count})"
+
+
+def _log_fetch(path: str, index: int) -> None:
+    """shmpipe.testing.datasets.log_fetch's one O_APPEND write per fetch (the
+    lines of several processes never interleave), written out here so that
+    the module imports nothing of shmpipe."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{index}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def fetched(log: str) -> list[int]:

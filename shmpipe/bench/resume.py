@@ -21,25 +21,40 @@ shuffled epoch go through each loader, in one run, one after the other:
                        fast-forwards, iterating the batches before the
                        position and throwing them away
 
-A peer that is not installed is reported as such, never measured. Per
-loader and round:
+A peer that is not installed is reported as such, never measured.
 
-- one uninterrupted epoch from a fresh loader: its first batch (from making
-  the loader to the first batch in hand), its images/s (from the first
-  batch to the last, the checkpoints taken on the way not counted), each
-  batch's sample indices, and the loader's checkpoint after 10%, 50% and
-  90% of the epoch's batches (--at);
-- for each checkpoint, a new loader resumed from it: the time from making
-  it to its first batch. In the first round every resumed loader is then
-  run to the end of the epoch and checked: its batches against the rest of
-  the uninterrupted epoch, and the samples it fetched (the dataset appends
-  each fetched index to a log file) against the samples before the
-  position.
+A job resumed after preemption is a new process, and so is every
+measurement of a first batch here, for every loader alike (the clock as a
+restarted job meets it; shmpipe/bench/_resume_fresh.py): a ``python``
+process that has imported torch, Pillow, NumPy, the dataset's module and
+the peer's own modules (torchdata's, Grain's) and read the checkpoint
+before its clock starts. Nothing of shmpipe runs there before the clock:
+``import shmpipe`` is the first thing inside it (a user's job pays it; it
+is cheap: the package imports its modules where they are first used), then
+the loader is made (``from_dataset(...)`` and ``load_state_dict()``, or
+``DataLoader(...)`` and its fast-forward ...) up to its first batch in
+hand, shmpipe's fork server and producers starting inside. Per loader and
+round, in new processes:
 
-The table shows the median of --repeat rounds (the JSON has every run).
-Each process's one-time costs (importing torch, torchdata and Grain;
-starting shmpipe's forkserver) are paid once before the measurements and
-reported apart.
+- one uninterrupted epoch from a fresh loader: its first batch ("new
+  process: fresh"), its images/s (from the first batch to the last, the
+  checkpoints taken on the way not counted), each batch's sample indices,
+  and the loader's checkpoint after 10%, 50% and 90% of the epoch's
+  batches (--at);
+- for each checkpoint, a new loader resumed from it in a process of its
+  own: its first batch ("resumed at"). In the first round every resumed
+  loader is then run to the end of the epoch and checked: its batches
+  against the rest of the uninterrupted epoch, and the samples it fetched
+  (the dataset appends each fetched index to a log file) against the
+  samples before the position;
+- apart, labelled warm: a fresh loader in the bench's own process, whose
+  imports are done and whose shmpipe fork server was started before the
+  measurements (its one-time costs, reported apart): what a second pipeline
+  of a running job, or a job that called ``shmpipe.prestart()`` early, waits.
+
+Each round measures the loaders in turn, in the other order every other
+round. The table shows the medians of --repeat rounds (the JSON has every
+run, and each new process's pid and what it had before its clock).
 
 Then producer restarts under SIGKILL, shmpipe's alone (no peer replaces a
 dead worker): per round, a fault-free epoch, and an epoch of
@@ -53,20 +68,17 @@ The dataset is shmpipe/bench/_jpegs.py's (bench nodes reads it too).
 
 from __future__ import annotations
 
-import abc
-import copy
 import importlib
 import importlib.util
-import json
 import os
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import shmpipe
+from shmpipe.bench import _resume_fresh
 from shmpipe.bench._jpegs import JpegFolder, fetched, make_jpegs
 from shmpipe.bench._jpegs import ids as _ids
 from shmpipe.bench._report import fmt as _fmt
@@ -74,251 +86,13 @@ from shmpipe.bench._report import median as _median
 from shmpipe.bench._report import pyplot
 from shmpipe.bench._restarts import RestartsResult, restarts_available, restarts_section, restarts_table
 from shmpipe.bench._resume_config import ResumeConfig
+from shmpipe.bench._resume_loaders import LOADERS, Loader
 from shmpipe.errors import ShmpipeValueError, TransportUnavailableError
 
 __all__ = [
     "LOADERS", "JpegFolder", "LoaderResult", "ResumeConfig", "ResumeReport", "fetched",
     "make_jpegs", "plot", "restarts_available", "restarts_section", "restarts_table", "run", "summary", "table",
 ]
-
-
-# -- the loaders ------------------------------------------------------------------
-
-
-@dataclass
-class _Open:
-    """A loader being iterated: its batches, and how to stop it."""
-
-    batches: Iterator[Any]
-    close: Callable[[], None]
-    loader: Any = None
-
-
-class _Loader(abc.ABC):
-    """One way of loading the dataset: a fresh epoch, a checkpoint after k
-    of its batches, a new loader resumed from that checkpoint."""
-
-    name: ClassVar[str]
-    resumes_by: ClassVar[str]
-    #: (module, what to install) the loader needs beside torch-free shmpipe
-    needs: ClassVar[tuple[tuple[str, str], ...]] = ()
-    #: what it imports, in order (_one_time imports them before the timing)
-    imports: ClassVar[tuple[str, ...]] = ()
-    #: whose version the report gives
-    version_of: ClassVar[str | None] = None
-
-    def why_not(self) -> str | None:
-        for module, how in (("PIL", "pip install pillow"), *self.needs):
-            if importlib.util.find_spec(module) is None:
-                return f"not installed: {module} ({how})"
-        return None
-
-    def version(self) -> str | None:
-        if self.version_of is None:
-            return shmpipe.__version__
-        try:
-            from importlib.metadata import version
-
-            return version(self.version_of)
-        except Exception:  # noqa: BLE001 - a version is only informative
-            return None
-
-    @abc.abstractmethod
-    def fresh(self, ds: JpegFolder, cfg: ResumeConfig) -> _Open: ...
-
-    @abc.abstractmethod
-    def checkpoint(self, opened: _Open, k: int) -> Any:
-        """The loader's checkpoint after k batches were handed out."""
-
-    @abc.abstractmethod
-    def resume(self, ds: JpegFolder, cfg: ResumeConfig, state: Any) -> _Open:
-        """A new loader whose next batch is the first after the checkpoint."""
-
-
-class _Shmpipe(_Loader):
-    name = "shmpipe"
-    resumes_by = "position: load_state_dict() on a new pipeline"
-
-    def __init__(self, start_method: str | None = None, name: str | None = None) -> None:
-        self.start_method = start_method
-        if name is not None:
-            self.name = name  # type: ignore[misc]  # a variant's row
-
-    def _pipe(self, ds: JpegFolder, cfg: ResumeConfig) -> Any:
-        return shmpipe.from_dataset(
-            ds, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.workers, seed=cfg.seed,
-            timeout=cfg.timeout_s, start_method=self.start_method,
-        )
-
-    def fresh(self, ds: JpegFolder, cfg: ResumeConfig) -> _Open:
-        pipe = self._pipe(ds, cfg)
-        return _Open(iter(pipe), pipe.close, pipe)
-
-    def checkpoint(self, opened: _Open, k: int) -> Any:
-        # Through JSON, as a checkpoint file gives it back.
-        return json.loads(json.dumps(opened.loader.state_dict()))
-
-    def resume(self, ds: JpegFolder, cfg: ResumeConfig, state: Any) -> _Open:
-        pipe = self._pipe(ds, cfg)
-        try:
-            pipe.load_state_dict(state)
-        except BaseException:
-            pipe.close()
-            raise
-        return _Open(iter(pipe), pipe.close, pipe)
-
-
-def _peer(module: str) -> Any:
-    """A peer's module, imported by name: torchdata and Grain are optional
-    and untyped, and a name mypy cannot follow is checked nowhere (an
-    import statement would fail the type check where they are missing)."""
-    return importlib.import_module(module)
-
-
-def _torch_generator(seed: int) -> Any:
-    import torch
-
-    return torch.Generator().manual_seed(seed)
-
-
-def _close_torch(it: Any) -> Callable[[], None]:
-    def close() -> None:
-        # The multi-worker iterator stops its workers when collected; this
-        # stops them now, so the next loader's timing does not share the
-        # cores with them. (_shutdown_workers is private, but it is what
-        # the iterator's __del__ calls.)
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-
-    return close
-
-
-class _DataLoader(_Loader):
-    name = "DataLoader"
-    resumes_by = "none: a new loader fast-forwards, iterating and discarding the batches before the position"
-    needs = (("torch", 'pip install "shmpipe[torch]"'),)
-    imports = ("torch", "torch.utils.data")
-    version_of = "torch"
-
-    def _loader(self, ds: JpegFolder, cfg: ResumeConfig) -> Any:
-        from torch.utils.data import DataLoader
-
-        return DataLoader(
-            ds, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.workers,
-            generator=_torch_generator(cfg.seed), timeout=cfg.timeout_s,
-        )
-
-    def fresh(self, ds: JpegFolder, cfg: ResumeConfig) -> _Open:
-        it = iter(self._loader(ds, cfg))
-        return _Open(it, _close_torch(it))
-
-    def checkpoint(self, opened: _Open, k: int) -> Any:
-        return k  # all a plain DataLoader can go back to: how many batches to skip
-
-    def resume(self, ds: JpegFolder, cfg: ResumeConfig, state: Any) -> _Open:
-        it = iter(self._loader(ds, cfg))
-        try:
-            for _ in range(int(state)):
-                next(it)
-        except BaseException:
-            _close_torch(it)()
-            raise
-        return _Open(it, _close_torch(it))
-
-
-class _StatefulDataLoader(_Loader):
-    name = "StatefulDataLoader"
-    resumes_by = "its load_state_dict() on a new loader (the sampler fast-forwarded)"
-    needs = (("torch", 'pip install "shmpipe[torch]"'), ("torchdata", "pip install torchdata"))
-    imports = ("torch", "torch.utils.data", "torchdata.stateful_dataloader")
-    version_of = "torchdata"
-
-    def _loader(self, ds: JpegFolder, cfg: ResumeConfig) -> Any:
-        StatefulDataLoader = _peer("torchdata.stateful_dataloader").StatefulDataLoader
-        with warnings.catch_warnings():
-            # torchdata 0.11 calls torch.set_vital, which torch 2.13 says is
-            # deprecated, on every loader: the peer's noise, not this run's.
-            warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
-            return StatefulDataLoader(
-                ds, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.workers,
-                generator=_torch_generator(cfg.seed), timeout=cfg.timeout_s,
-            )
-
-    def fresh(self, ds: JpegFolder, cfg: ResumeConfig) -> _Open:
-        loader = self._loader(ds, cfg)
-        it = iter(loader)
-        return _Open(it, _close_torch(it), loader)
-
-    def checkpoint(self, opened: _Open, k: int) -> Any:
-        return copy.deepcopy(opened.loader.state_dict())
-
-    def resume(self, ds: JpegFolder, cfg: ResumeConfig, state: Any) -> _Open:
-        loader = self._loader(ds, cfg)
-        loader.load_state_dict(state)
-        it = iter(loader)
-        return _Open(it, _close_torch(it), loader)
-
-
-class _Grain(_Loader):
-    name = "Grain"
-    resumes_by = "its checkpoint: get_state() / set_state() on a new loader's iterator"
-    needs = (("grain", "pip install grain"),)
-    imports = ("grain.python",)
-    version_of = "grain"
-
-    def _loader(self, ds: JpegFolder, cfg: ResumeConfig) -> Any:
-        grain = _peer("grain.python")
-        sampler = grain.IndexSampler(
-            len(ds), shard_options=grain.NoSharding(), shuffle=True, num_epochs=1, seed=cfg.seed
-        )
-        return grain.DataLoader(
-            data_source=ds, sampler=sampler, operations=[grain.Batch(cfg.batch_size, drop_remainder=False)],
-            worker_count=cfg.workers,
-        )
-
-    @staticmethod
-    def _close(it: Any) -> Callable[[], None]:
-        def close() -> None:
-            # Grain 0.2's DataLoaderIterator has no close(); the dataset
-            # iterator it wraps does (it stops the worker processes).
-            inner = getattr(it, "_iterator", None)
-            if inner is not None and hasattr(inner, "close"):
-                inner.close()
-
-        return close
-
-    def fresh(self, ds: JpegFolder, cfg: ResumeConfig) -> _Open:
-        it = iter(self._loader(ds, cfg))
-        return _Open(it, self._close(it))
-
-    def checkpoint(self, opened: _Open, k: int) -> Any:
-        return opened.batches.get_state()  # type: ignore[attr-defined]  # Grain's iterator
-
-    def resume(self, ds: JpegFolder, cfg: ResumeConfig, state: Any) -> _Open:
-        it = iter(self._loader(ds, cfg))
-        try:
-            it.set_state(state)
-        except BaseException:
-            self._close(it)()
-            raise
-        return _Open(it, self._close(it))
-
-
-#: Loader name -> its implementation (the order is the table's).
-LOADERS: dict[str, _Loader] = {
-    loader.name: loader
-    for loader in (
-        _Shmpipe(),
-        # The same, its producers forked from this process as the
-        # DataLoaders' workers are (shmpipe's default start method is
-        # forkserver): how much of its first batch is the producers' start.
-        _Shmpipe("fork", "shmpipe (fork)"),
-        _StatefulDataLoader(),
-        _Grain(),
-        _DataLoader(),
-    )
-}
 
 
 # -- measuring ----------------------------------------------------------------------
@@ -346,10 +120,17 @@ class LoaderResult:
     images: int = 0  # in the uninterrupted epoch
     images_per_s: float = float("nan")  # median of the rounds
     runs_images_per_s: list[float] = field(default_factory=list)
-    first_batch_s: dict[str, float] = field(default_factory=dict)  # "fresh" and each position: median
+    #: In a new process (_resume_fresh): "fresh" and each position, median
+    first_batch_s: dict[str, float] = field(default_factory=dict)
     runs_first_batch_s: dict[str, list[float]] = field(default_factory=dict)
+    #: Warm: a fresh loader in the bench's own process, its imports done
+    #: and shmpipe's fork server running (median, and each round)
+    warm_first_batch_s: float = float("nan")
+    runs_warm_first_batch_s: list[float] = field(default_factory=list)
     positions: dict[str, int] = field(default_factory=dict)  # label -> batches before the checkpoint
     checks: list[Check] = field(default_factory=list)
+    #: Each new process: its pid, what it had before the clock, its times
+    processes: list[dict[str, Any]] = field(default_factory=list)
     skipped: str | None = None
     error: str | None = None
 
@@ -357,10 +138,21 @@ class LoaderResult:
         return asdict(self)
 
 
+#: What the report's first-batch figures are, in its JSON.
+CLOCKS = {
+    "first_batch_s": "in a new process per measurement, which imported torch, Pillow, NumPy, the dataset's module "
+                     "and the peer's own modules before the clock: from the clock (for shmpipe: `import shmpipe` is "
+                     "in it, then from_dataset(); for the others: making the loader) to the first batch in hand; "
+                     "shmpipe's fork server and producers start inside it",
+    "warm_first_batch_s": "warm: a fresh loader in the bench's own process, after its imports and after shmpipe's "
+                          "fork server started (one_time_s): from making the loader to its first batch",
+}
+
+
 @dataclass
 class ResumeReport:
     config: ResumeConfig
-    one_time_s: dict[str, float]  # imports and shmpipe's forkserver, before the measurements
+    one_time_s: dict[str, float]  # imports and shmpipe's fork server in the bench's process, before the warm column
     results: list[LoaderResult]
     restarts: RestartsResult
     make_jpegs_s: float = 0.0
@@ -370,6 +162,7 @@ class ResumeReport:
     def as_dict(self) -> dict[str, Any]:
         return {
             "config": {**asdict(self.config), "batches": self.config.batches},
+            "clocks": CLOCKS,
             "pillow": self.pillow,
             "make_jpegs_s": self.make_jpegs_s,
             "jpeg_bytes": self.jpeg_bytes,
@@ -379,71 +172,15 @@ class ResumeReport:
         }
 
 
-@dataclass
-class _Epoch:
-    first_batch_s: float
-    images_per_s: float
-    batches: list[list[int]]
-    states: dict[int, Any]
-
-
-def _epoch(loader: _Loader, ds: JpegFolder, cfg: ResumeConfig, at: set[int]) -> _Epoch:
-    """One uninterrupted epoch from a fresh loader, its checkpoints taken
-    after each k in `at` batches (their time left out of the rate)."""
-    t0 = time.perf_counter()
-    opened = loader.fresh(ds, cfg)
-    batches: list[list[int]] = []
-    states: dict[int, Any] = {}
-    paused = 0.0
-    t_first = float("nan")
-    try:
-        for batch in opened.batches:
-            batches.append(_ids(batch))
-            del batch  # shmpipe: the slot goes back before the next batch is taken
-            if len(batches) == 1:
-                t_first = time.perf_counter()
-            if len(batches) in at:
-                t = time.perf_counter()
-                states[len(batches)] = loader.checkpoint(opened, len(batches))
-                paused += time.perf_counter() - t
-        t_end = time.perf_counter()
-    finally:
-        opened.close()
-    after_first = sum(len(b) for b in batches[1:])
-    window = t_end - t_first - paused
-    return _Epoch(t_first - t0, after_first / window if window > 0 else float("nan"), batches, states)
-
-
-def _resumed(
-    loader: _Loader, ds: JpegFolder, cfg: ResumeConfig, state: Any, to_the_end: bool
-) -> tuple[float, list[list[int]]]:
-    """A new loader resumed from `state`: the time from making it to its
-    first batch, and its batches (the first only, or all to the end of the
-    epoch)."""
-    t0 = time.perf_counter()
-    opened = loader.resume(ds, cfg, state)
-    try:
-        first = next(opened.batches)
-        first_s = time.perf_counter() - t0
-        batches = [_ids(first)]
-        del first
-        if to_the_end:
-            for batch in opened.batches:
-                batches.append(_ids(batch))
-                del batch
-    finally:
-        opened.close()
-    return first_s, batches
-
-
 def _one_time(
-    loaders: list[_Loader], ds: JpegFolder, cfg: ResumeConfig, results: dict[str, LoaderResult]
+    loaders: list[Loader], ds: JpegFolder, cfg: ResumeConfig, results: dict[str, LoaderResult]
 ) -> dict[str, float]:
-    """Each process's one-time costs, paid here so that no loader's first
-    batch carries them: importing torch, torchdata and Grain, and starting
-    shmpipe's forkserver (a pipeline of one producer to its first batch).
-    A loader whose modules are there but do not import (a package installed
-    without its dependencies) is skipped, saying why."""
+    """The one-time costs of the bench's own process, paid here so that the
+    warm column carries none: importing torch, torchdata and Grain, and
+    starting shmpipe's fork server (a pipeline of one producer to its first
+    batch). The new processes pay theirs in their first batch. A loader
+    whose modules are there but do not import (a package installed without
+    its dependencies) is skipped, saying why."""
     out: dict[str, float] = {}
     for loader in loaders:
         for module in loader.imports:
@@ -456,12 +193,86 @@ def _one_time(
                 results[loader.name].skipped = f"not installed: {module} does not import ({exc})"
                 break
             out[f"import {module}"] = time.perf_counter() - t
-    if any(isinstance(loader, _Shmpipe) and loader.start_method is None for loader in loaders):
+    if any(loader.name == "shmpipe" for loader in loaders):
         t = time.perf_counter()
         with shmpipe.from_dataset(ds, batch_size=1, num_workers=1, timeout=cfg.timeout_s) as pipe:
             next(iter(pipe))
         out["shmpipe: forkserver and a first pipeline"] = time.perf_counter() - t
     return out
+
+
+class _Rounds:
+    """The measurements of one run, round by round: in each, every loader's
+    fresh epoch in a new process, then at each position every loader
+    resumed in a new process, then every loader warm in this process."""
+
+    def __init__(self, cfg: ResumeConfig, results: dict[str, LoaderResult], tmp: str, images: str,
+                 base: JpegFolder, progress: Callable[[str], None] | None) -> None:
+        self.cfg, self.results, self.tmp, self.images, self.base = cfg, results, tmp, images, base
+        self.progress = progress
+        self.job_dir = _resume_fresh.prepare(os.path.join(tmp, "new-processes"))
+        self._logs = iter(range(1 << 62))
+        #: this round's fresh epochs: loader -> (its batches, its checkpoint files by k)
+        self._epochs: dict[str, tuple[list[list[int]], dict[int, str]]] = {}
+
+    def new_log(self) -> str:
+        return os.path.join(self.tmp, f"fetched-{next(self._logs)}")
+
+    def round(self, round_no: int, order: list[Loader]) -> None:
+        tag = "" if self.cfg.repeat == 1 else f" ({round_no + 1}/{self.cfg.repeat})"
+        self._epochs = {}
+        for loader in order:
+            self._guarded(loader, f"an epoch in a new process{tag}", self._fresh, round_no)
+        for label, k in self.cfg.positions():
+            for loader in order:
+                self._guarded(loader, f"resumed at {label} in a new process{tag}", self._resumed, round_no, label, k)
+        for loader in order:
+            self._guarded(loader, f"warm, in this process{tag}", self._warm, loader)
+
+    def _guarded(self, loader: Loader, what: str, measure: Callable[..., None], *args: Any) -> None:
+        r = self.results[loader.name]
+        if r.error:
+            return
+        if self.progress:
+            self.progress(f"{loader.name}: {what}")
+        try:
+            measure(r, *args)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the others go on
+            r.error = f"{type(exc).__name__}: {exc}"
+
+    def _fresh(self, r: LoaderResult, round_no: int) -> None:
+        cfg = self.cfg
+        run, batches, states = _resume_fresh.measure(
+            self.job_dir, r.loader, "fresh", round_no, self.images, cfg.images, self.new_log(), cfg,
+            checkpoints=tuple(k for _, k in cfg.positions()))
+        r.images = sum(len(b) for b in batches)
+        r.runs_images_per_s.append(run.images_per_s)
+        r.runs_first_batch_s.setdefault("fresh", []).append(run.first_batch_s)
+        r.processes.append(run.record())
+        self._epochs[r.loader] = batches, states
+
+    def _resumed(self, r: LoaderResult, round_no: int, label: str, k: int) -> None:
+        check = round_no == 0  # every resumed loader of the first round runs to the end
+        log = self.new_log()
+        batches, states = self._epochs[r.loader]
+        run, rest, _ = _resume_fresh.measure(
+            self.job_dir, r.loader, label, round_no, self.images, self.cfg.images, log, self.cfg, state=states[k],
+            to_the_end=check)
+        r.positions[label] = k
+        r.runs_first_batch_s.setdefault(label, []).append(run.first_batch_s)
+        r.processes.append(run.record())
+        if check:
+            r.checks.append(_check(label, k, batches, rest, fetched(log)))
+
+    def _warm(self, r: LoaderResult, loader: Loader) -> None:
+        """A fresh loader in this process, to its first batch (then closed)."""
+        t0 = time.perf_counter()
+        opened = loader.fresh(self.base, self.cfg)
+        try:
+            _ids(next(opened.batches))
+            r.runs_warm_first_batch_s.append(time.perf_counter() - t0)
+        finally:
+            opened.close()
 
 
 def run(
@@ -485,7 +296,6 @@ def run(
     for name, r in results.items():
         r.skipped = LOADERS[name].why_not()
     running = [LOADERS[n] for n in names if results[n].skipped is None]
-    positions = cfg.positions()
     with tempfile.TemporaryDirectory(prefix="shmpipe-bench-resume-") as tmp:
         images_dir = folder or os.path.join(tmp, "images")
         os.makedirs(images_dir, exist_ok=True)
@@ -498,45 +308,20 @@ def run(
         base = JpegFolder(images_dir, cfg.images)
         one_time = _one_time(running, base, cfg, results) if running else {}
         running = [loader for loader in running if results[loader.name].skipped is None]
-        logs = iter(range(1 << 62))
-
-        def with_log() -> tuple[JpegFolder, str]:
-            log = os.path.join(tmp, f"fetched-{next(logs)}")
-            return base.logged(log), log
-
+        rounds = _Rounds(cfg, results, tmp, images_dir, base, progress)
         for round_no in range(cfg.repeat):
-            for loader in running:
-                r = results[loader.name]
-                if r.error:
-                    continue
-                tag = "" if cfg.repeat == 1 else f" ({round_no + 1}/{cfg.repeat})"
-                try:
-                    if progress:
-                        progress(f"{loader.name}: an epoch{tag}")
-                    ds, _ = with_log()
-                    epoch = _epoch(loader, ds, cfg, {k for _, k in positions})
-                    r.images = sum(len(b) for b in epoch.batches)
-                    r.runs_images_per_s.append(epoch.images_per_s)
-                    r.runs_first_batch_s.setdefault("fresh", []).append(epoch.first_batch_s)
-                    for label, k in positions:
-                        if progress:
-                            progress(f"{loader.name}: resumed at {label}{tag}")
-                        r.positions[label] = k
-                        check = round_no == 0  # every resumed loader of the first round runs to the end
-                        ds, log = with_log()
-                        first_s, rest = _resumed(loader, ds, cfg, epoch.states[k], to_the_end=check)
-                        r.runs_first_batch_s.setdefault(label, []).append(first_s)
-                        if check:
-                            r.checks.append(_check(label, k, epoch.batches, rest, fetched(log)))
-                except Exception as exc:  # noqa: BLE001 - reported in the table, the others go on
-                    r.error = f"{type(exc).__name__}: {exc}"
+            # Every other round the other way round: on a small, shared
+            # machine no loader always goes first, or always follows the
+            # same one.
+            rounds.round(round_no, running if round_no % 2 == 0 else running[::-1])
         if "shmpipe" in names:
-            restarts = restarts_section(base, cfg, progress, lambda: with_log()[1])
+            restarts = restarts_section(base, cfg, progress, rounds.new_log)
         else:
             restarts = RestartsResult(why="not run: shmpipe is not among the loaders", kills=cfg.kills)
     for r in results.values():
         r.images_per_s = _median(r.runs_images_per_s)
         r.first_batch_s = {k: _median(v) for k, v in r.runs_first_batch_s.items()}
+        r.warm_first_batch_s = _median(r.runs_warm_first_batch_s)
     import PIL
 
     return ResumeReport(
@@ -574,11 +359,13 @@ def _ok(r: LoaderResult) -> bool:
 
 def table(results: list[LoaderResult]) -> str:
     """Markdown: per loader images/s (the median round, and the slowest and
-    fastest), the first batch fresh and resumed at each position (medians),
-    and what the check of the resumed runs found."""
+    fastest), the first batch in a new process, fresh and resumed at each
+    position, and warm, fresh in the bench's process (medians), and what the
+    check of the resumed runs found."""
     labels = _labels(results)
-    head = ["loader", "resumes by", "images/s", "first batch: fresh",
-            *(f"resumed at {lab}" for lab in labels), "resumed = rest of epoch", "fetched before position"]
+    head = ["loader", "resumes by", "images/s", "first batch, new process: fresh",
+            *(f"new process: resumed at {lab}" for lab in labels), "warm process: fresh",
+            "resumed = rest of epoch", "fetched before position"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 2)) + " |"]
     for r in results:
         if not _ok(r):
@@ -587,6 +374,7 @@ def table(results: list[LoaderResult]) -> str:
             continue
         times = [_fmt(r.first_batch_s.get("fresh"), ".3f") + " s"]
         times += [_fmt(r.first_batch_s.get(lab), ".3f") + " s" for lab in labels]
+        times.append(_fmt(r.warm_first_batch_s, ".3f") + " s")
         if r.checks:
             equal = "yes" if all(c.resumed_equals_rest for c in r.checks) else "NO: " + ", ".join(
                 c.at for c in r.checks if not c.resumed_equals_rest)
@@ -650,7 +438,7 @@ def _wins(other: LoaderResult, mine: LoaderResult, results: list[LoaderResult]) 
     medians and, where the rounds overlap, a word of caution."""
     metrics: list[tuple[str, Callable[[LoaderResult], list[float]], bool]] = [
         ("images/s", lambda r: r.runs_images_per_s, True),
-        *((f"first batch {'fresh' if lab == 'fresh' else 'resumed at ' + lab}",
+        *((f"first batch in a new process, {'fresh' if lab == 'fresh' else 'resumed at ' + lab}",
            (lambda r, lab=lab: r.runs_first_batch_s.get(lab, [])), False)
           for lab in ["fresh", *_labels(results)]),
     ]
@@ -671,8 +459,9 @@ def _wins(other: LoaderResult, mine: LoaderResult, results: list[LoaderResult]) 
 
 
 def plot(results: list[LoaderResult], path: str, title: str) -> None:
-    """Two panels: images/s per loader, and the first batch fresh and
-    resumed at each position (log scale)."""
+    """Two panels: images/s per loader, and the first batch in a new
+    process, fresh and resumed at each position, and warm (hatched; log
+    scale)."""
     plt = pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -694,18 +483,24 @@ def plot(results: list[LoaderResult], path: str, title: str) -> None:
     left.set_xlabel("images/s, one epoch (bar: median of the rounds; whiskers: slowest and fastest)")
     left.set_title("Throughput")
     shades = ["#222222", "#5b5b5b", "#8c8c8c", "#bdbdbd", "#dedede"]
-    height = 0.8 / len(labels)
-    for j, lab in enumerate(labels):
+    height = 0.8 / (len(labels) + 1)
+    for j, lab in enumerate([*labels, "warm"]):
         ys = [y + 0.4 - height * (j + 0.5) for y in range(len(done))]
+        if lab == "warm":  # apart: the bench's own process, its fork server running
+            vals = [r.warm_first_batch_s for r in done][::-1]
+            right.barh(ys, vals, height=height, color="white", edgecolor="#4C72B0", hatch="//",
+                       label="warm process: fresh")
+            continue
         vals = [r.first_batch_s.get(lab, float("nan")) for r in done][::-1]
-        right.barh(ys, vals, height=height, color=shades[j % len(shades)], label=lab)
+        right.barh(ys, vals, height=height, color=shades[j % len(shades)],
+                   label=f"new process: {lab if lab == 'fresh' else 'resumed at ' + lab}")
     right.set_yticks(range(len(done)), names)
     right.set_xscale("log")
     right.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     right.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g} s"))
     right.xaxis.set_minor_formatter(NullFormatter())
-    right.set_xlabel("from making the loader to its first batch (median; log scale)")
-    right.set_title("First batch: fresh, and resumed at")
+    right.set_xlabel("to the first batch, median (log scale); new process: shmpipe's import and start inside")
+    right.set_title("First batch: in a new process (as a restarted job), and warm")
     right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
@@ -720,5 +515,9 @@ def describe(report: ResumeReport) -> str:
         f"({report.jpeg_bytes / 1e6:.1f} MB, made in {report.make_jpegs_s:.1f} s), decoded with Pillow in the "
         f"workers; shuffled epochs of {cfg.batches} batches of {cfg.batch_size}; {cfg.workers} workers per loader; "
         f"checkpoints after {', '.join(f'{lab} ({k} batches)' for lab, k in cfg.positions())}; "
-        f"median of {cfg.repeat} round(s)"
+        f"median of {cfg.repeat} round(s), the loaders' order reversed every other round. First batch, new "
+        "process: in a python process of its own per measurement, which imported torch, Pillow, NumPy, the "
+        "dataset's module and the peer's modules before its clock; in the clock `import shmpipe` (shmpipe's "
+        "loaders), making the loader (and loading the state), its fork server and workers, to the first batch. "
+        "Warm: a fresh loader in the bench's process, its imports done and shmpipe's fork server running"
     )
