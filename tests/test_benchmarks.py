@@ -372,6 +372,24 @@ def test_a_new_process_has_nothing_of_shmpipe_before_its_clock(tmp_path):
     assert rest == batches[2:]
 
 
+def test_bench_feed_says_which_first_batch_was_warm():
+    # bench feed's first batch. A start-up recipe is a script of its own
+    # whose clock starts before shmpipe's fork server does (the script has
+    # the package and the bench's module, nothing else of shmpipe): not
+    # warm. In the bench's own process a shmpipe recipe after another finds
+    # the server running: warm, and the table says so.
+    from shmpipe.bench import feed
+
+    cfg = feed.FeedConfig(workers=2, batches=2, shape=(8,), target_shape=(1,), fetch_s=0.0, train_s=0.0)
+    results = feed.run(cfg, ["shmpipe:shm@numpy", "shmpipe:queue", "shmpipe:shm"])
+    script, _, second = results
+    assert all(len(r.waits_s) == 4 and r.first_batch_s > 0 for r in results), results
+    assert script.warm_start is False and second.warm_start is True, results
+    assert f"| {feed._fmt_s(second.first_batch_s)} (warm) |" in feed.table(results)
+    assert any(line.startswith("First batches marked (warm): shmpipe:shm ran after") for line in
+               feed.summary(results, None)), feed.summary(results, None)
+
+
 def test_bench_resume_check_sees_a_wrong_resume():
     # The check of a resumed run, on runs made up here: one that repeats a
     # batch and fetches a sample before the position is told apart.

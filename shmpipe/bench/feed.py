@@ -72,8 +72,12 @@ from typing import Any
 import numpy as np
 
 import shmpipe
-from shmpipe._process import proc_kib
-from shmpipe.bench._report import process_context, pyplot
+
+# Nothing of shmpipe beyond the package itself is imported at the top
+# (_process and _report, which imports shmpipe._startup, where they are
+# used): the start-up recipes' training script imports this module before
+# its clock starts, and what of shmpipe a pipeline needs is a cost of the
+# first batch a user pays, inside the clock.
 
 __all__ = [
     "FeedConfig", "RecipeResult", "available_recipes", "run", "table", "plot", "summary", "transport_bound",
@@ -158,6 +162,12 @@ class RecipeResult:
     #: delivered a batch (None: no producer process apart from the loop's,
     #: or /proc unreadable)
     producers_pss_mib: float | None = None
+    #: shmpipe's recipes: whether its fork server was running in the
+    #: measuring process when the clock started (an earlier recipe of the
+    #: same process started it, or shmpipe.prestart()): then the first batch
+    #: is warm, without the server's start that a new job pays. None: not
+    #: a recipe of shmpipe's.
+    warm_start: bool | None = None
 
     @property
     def steady_waits_s(self) -> list[float]:
@@ -272,6 +282,7 @@ def _measure(
     """Times the consumer's wait for each batch of iterator make_iter(), and
     the CPU time this process spends from the first batch on. `producers`
     is how many make batches in parallel with the loop (0: the loop itself)."""
+    warm = _fork_server_running() if name.startswith("shmpipe") else None
     t_start = time.perf_counter()
     it = make_iter()
     waits: list[float] = []
@@ -307,8 +318,16 @@ def _measure(
     floor = wait_floor(producers, cfg.produce_s, cfg.train_s)
     return RecipeResult(
         name, producers, waits, first or 0.0, total, cpu_s=cpu, floor_s=floor, warm_up_batches=warm_up,
-        producers_pss_mib=pss,
+        producers_pss_mib=pss, warm_start=warm,
     )
+
+
+def _fork_server_running() -> bool:
+    """Whether shmpipe's fork server runs in this process now (read where
+    shmpipe keeps it; not imported here if no pipeline imported it yet)."""
+    startup = sys.modules.get("shmpipe._startup")
+    server_pid = getattr(startup, "server_pid", None)
+    return server_pid is not None and server_pid() is not None
 
 
 def producers_pss_mib(pids: set[int | None], earlier: dict[int, int | None] | None = None) -> float | None:
@@ -326,6 +345,8 @@ def producers_pss_mib(pids: set[int | None], earlier: dict[int, int | None] | No
 
 def _pss(pid: int) -> int | None:
     """Process `pid`'s PSS, bytes (None: gone, or /proc unreadable)."""
+    from shmpipe._process import proc_kib
+
     return proc_kib(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
@@ -350,6 +371,8 @@ def recipe_mp_queue(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeR
     """The plain multiprocessing recipe: cpu_count() processes put batches on
     one multiprocessing.Queue (without the queue.join() it is often written
     with, which multiprocessing.Queue does not have)."""
+    from shmpipe.bench._report import process_context
+
     n = cfg.workers
     ctx = process_context()
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -444,7 +467,10 @@ def recipe_shmpipe(transport: str, reserve: bool = False) -> Recipe:
 #: The training script of the start-up recipes: FRAMEWORK imported at its
 #: top (after shmpipe.prestart() where PRESTART says so), the source defined
 #: in it (using its global CFG), the loop under the main guard. It prints the
-#: RecipeResult as JSON.
+#: RecipeResult as JSON. Before the clock (in run_in_script) it has of
+#: shmpipe the package itself, as a user's `import shmpipe` at the top, and
+#: this module: what a pipeline imports of shmpipe, and its fork server's
+#: start, are inside (tests/test_benchmarks.py checks it).
 _SCRIPT = textwrap.dedent(
     """
     PRESTART
@@ -625,8 +651,9 @@ def table(results: list[RecipeResult]) -> str:
             producers = "- (the loop)"
         elif r.recipe == "tf.data":
             producers = "1 (a thread)"
+        first = _fmt_s(r.first_batch_s) + (" (warm)" if r.warm_start else "")
         cells = [r.recipe, producers, _fmt_s(r.wait_s), _fmt_s(r.floor_s), _fmt_s(r.above_floor_s),
-                 _fmt_s(r.median_s), _fmt_s(r.first_batch_s), _fmt_s(r.cpu_per_batch_s)]
+                 _fmt_s(r.median_s), first, _fmt_s(r.cpu_per_batch_s)]
         if memory:
             cells.append(_mib(r.producers_pss_mib))
         if base:
@@ -663,6 +690,13 @@ def summary(results: list[RecipeResult], bound: list[RecipeResult] | None) -> li
                 f"{_fmt_s(r.cpu_per_batch_s)}" for r in others
             )
             + "."
+        )
+    warm = [r.recipe for r in results if r.warm_start and "+prestart" not in r.recipe]
+    if warm:
+        lines.append(
+            f"First batches marked (warm): {', '.join(warm)} ran after an earlier recipe of this process had started "
+            "shmpipe's fork server and imported its modules; a new job pays both in its first batch, as the start-up "
+            "recipes (@FRAMEWORK, each a script of its own) measure."
         )
     for framework in STARTUP_FRAMEWORKS:
         ours, theirs = find(results, f"shmpipe:shm@{framework}"), find(results, f"torch.DataLoader@{framework}")
@@ -716,6 +750,8 @@ def plot(results: list[RecipeResult], path: str, title: str, bound: list[RecipeR
     """Bars of the steady-state wait per batch per recipe (log scale), the
     producers' floor as a black tick; a second panel for the transport-bound
     run when there is one."""
+    from shmpipe.bench._report import pyplot
+
     plt = pyplot()
     panels = [(results, title)] + ([(bound, bound_title)] if bound else [])
     rows = sum(len([r for r in res if not r.skipped]) for res, _ in panels)
