@@ -458,6 +458,9 @@ def test_bench_nodes_runs_every_layout_and_its_checks_pass(request):
         # both of them measured.
         for first, imports, made in zip(run["first_batch_s"], run["imports_s"], run["made_to_first_s"], strict=True):
             assert first > 0 and imports > 0 and made > 0 and first == pytest.approx(imports + made)
+        # Every rank imported torch in its clock, whatever its loader (a
+        # training job does; only the DataLoader's ranks did before).
+        assert run["torch_imported"] == [importlib.util.find_spec("torch") is not None] * 2, run
         c = run["check"]
         assert c["delivered"] == 48 and c["delivered_once"] and c["fetched_once"] and c["same_count"], c
         assert c["fetched"] == 48 and c["leftover"] is None, c

@@ -5,7 +5,8 @@ what it got and when.
 
 Started by shmpipe/bench/nodes.py as ``python -c`` with a bootstrap that
 reads the clock before it imports this module: every import and start-up
-of the loader is in the rank's first batch. The job is a JSON file (its
+of the loader is in the rank's first batch, torch's in every rank (where
+it is installed) whatever the loader, as a training job imports it. The job is a JSON file (its
 path the one argument); the report is one JSON line on stdout. Times are
 CLOCK_MONOTONIC, one clock for every process of the machine.
 """
@@ -13,8 +14,10 @@ CLOCK_MONOTONIC, one clock for every process of the machine.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +26,7 @@ import numpy as np
 
 import shmpipe
 from shmpipe.bench._jpegs import JpegFolder
+from shmpipe.bench._resume_loaders import grain_flags_parsed
 
 __all__ = ["main"]
 
@@ -60,6 +64,7 @@ def _open(job: dict[str, Any], ds: JpegFolder) -> tuple[Any, Callable[[], None],
         # The multi-worker iterator's own shutdown (what its __del__ calls).
         return it, getattr(it, "_shutdown_workers", lambda: None), None
     grain = importlib.import_module("grain.python")
+    grain_flags_parsed()
     sampler = grain.IndexSampler(
         len(ds), shard_options=grain.ShardOptions(shard_index=g, shard_count=world, drop_remainder=True),
         shuffle=True, num_epochs=1, seed=job["seed"],
@@ -83,12 +88,17 @@ def _barrier(folder: str, name: str, world: int, timeout: float) -> None:
 def _rank(t_start: float, job: dict[str, Any]) -> dict[str, Any]:
     """Runs one rank; returns what it measured (times on CLOCK_MONOTONIC)."""
     g = job["node"] * job["ranks"] + job["rank"]
-    if job["loader"] == "DataLoader":
-        import torch.utils.data  # noqa: F401 - the DataLoader's import, in its first batch
-    elif job["loader"] == "Grain":
+    # torch where it is installed, whatever the loader: a training job
+    # imports it (the DataLoader's ranks must), so the first batch from the
+    # process's start compares like with like. In the clock, as every
+    # import here; the loader's own import after it.
+    if importlib.util.find_spec("torch") is not None:
+        import torch.utils.data  # noqa: F401
+    if job["loader"] == "Grain":
         importlib.import_module("grain.python")
     ds = JpegFolder(job["folder"], job["count"], job["log"])
     out: dict[str, Any] = {"global_rank": g, "pid": os.getpid(), "t_start": t_start, "batches": [], "state": None}
+    out["torch_imported"] = "torch" in sys.modules  # before the loader is made, every loader alike
     out["t_construct"] = time.monotonic()
     it, close, pipe = _open(job, ds)
     try:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from shmpipe.bench._jpegs import JpegFolder
     from shmpipe.bench._resume_config import ResumeConfig
 
-__all__ = ["LOADERS", "Loader", "Opened"]
+__all__ = ["LOADERS", "Loader", "Opened", "grain_flags_parsed"]
 
 
 @dataclass
@@ -210,7 +210,7 @@ class _StatefulDataLoader(Loader):
         return Opened(it, _close_torch(it), loader)
 
 
-def _absl_flags_parsed() -> None:
+def grain_flags_parsed() -> None:
     """With JAX installed, Grain 0.2.18's iterator reads one of its absl
     flags, and absl raises UnparsedFlagAccessError in a program that never
     parsed its flags (only absl.app.run does). A bench process has no absl
@@ -229,7 +229,7 @@ class _Grain(Loader):
 
     def _loader(self, ds: JpegFolder, cfg: ResumeConfig) -> Any:
         grain = _peer("grain.python")
-        _absl_flags_parsed()
+        grain_flags_parsed()
         sampler = grain.IndexSampler(
             len(ds), shard_options=grain.NoSharding(), shuffle=True, num_epochs=1, seed=cfg.seed
         )

@@ -30,7 +30,10 @@ Per layout and loader, the median of --repeat rounds:
 - first batch: in each rank, from the first statement of its fresh process
   (before anything of shmpipe, torch or Grain is imported, so the import,
   the fork server's start and the producers' are all in it) to its first
-  batch in hand; the median over the ranks. Apart: how much of it was the
+  batch in hand; the median over the ranks. Every rank imports torch where
+  it is installed, whatever its loader: a training job does, and only the
+  DataLoader's paid it before, which made shmpipe's count from the start
+  look earlier than a job's would be. Apart: how much of it was the
   imports, and the time from making the loader to its first batch.
 
 Checked in every run, and any failure printed as FAILED in the table: every
@@ -386,6 +389,7 @@ class Run:
     imports_s: list[float]  # per rank, of that: the imports before the loader is made
     made_to_first_s: list[float]  # per rank, from making the loader (and loading a state) to its first batch
     check: Check
+    torch_imported: list[bool] = field(default_factory=list)  # per rank: torch was in it before the loader
 
 
 def _run_of(job: _Job, expected: list[list[list[int]]] | None, before: set[int] | None = None) -> Run:
@@ -408,6 +412,7 @@ def _run_of(job: _Job, expected: list[list[list[int]]] | None, before: set[int] 
         imports_s=[r["t_construct"] - r["t_start"] for r in reps],
         made_to_first_s=[r["t_first"] - r["t_construct"] for r in reps],
         check=check,
+        torch_imported=[r["torch_imported"] for r in reps],
     )
 
 
