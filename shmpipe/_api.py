@@ -261,6 +261,7 @@ def from_dataset(
     num_nodes: int | None = None,
     node_rank: int | None = None,
     ray_remote_args: dict[str, Any] | None = None,
+    fetch_while_starting: bool = True,
 ) -> Pipeline | RankPipeline:
     """Batches of a map-style dataset, fetched and collated by
     ``num_workers`` producer processes: the DataLoader's arguments, on
@@ -301,6 +302,18 @@ def from_dataset(
         max_restarts: as for :func:`from_iterators`; a replacement fetches
             only the samples of the batches its predecessor had not
             published.
+        fetch_while_starting: while the producers start (a fresh process's
+            first pipeline waits 0.15-0.3 s for shmpipe's fork server to
+            boot), this process fetches and collates the first batches
+            itself, one per ``next()``, as a DataLoader with
+            ``num_workers=0`` would, and hands the rest of the epoch to the
+            producers once they are up: the same batches in the same order
+            (each batch's random draws come from its own seed, wherever it
+            is made; the global generators of this process are left as
+            they were). Those batches are not in shared memory, and
+            ``get_worker_info()`` is None while they are fetched.
+            ``stats().extra["made_by_trainer"]`` counts them. False: the
+            dataset is only ever read in the producers. (Not in a group.)
 
     ``transport``, ``capacity``, ``start_method``, ``timeout``,
     ``slot_size``, ``ray_remote_args`` and the group's arguments (``group``, ``rank``,
@@ -384,9 +397,11 @@ def from_dataset(
         layout=layout,
         ordered=options.ordered,
     )
+    if not isinstance(fetch_while_starting, bool):
+        raise ShmpipeTypeError(f"fetch_while_starting must be True or False, got {fetch_while_starting!r}")
     if grouped is not None:
         return RankPipeline(options, grouped, schedule)
-    return Pipeline(options, schedule)
+    return Pipeline(options, schedule, fetch_while_starting=fetch_while_starting)
 
 
 def _check_sampling(

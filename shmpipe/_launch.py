@@ -115,6 +115,8 @@ class ProcessLauncher(Launcher):
         sources: Sequence[Callable[[], Iterable[Any]]],
         spec: ChannelSpec,
         shipments: _startup.Shipments | None = None,
+        *,
+        may_start_in_background: bool = False,
     ) -> None:
         self.transport = transport
         self.spec = spec
@@ -133,27 +135,84 @@ class ProcessLauncher(Launcher):
         self._iterator_states: list[dict[tuple[int, int], Any]] = [{} for _ in range(spec.num_workers)]
         self._failure: BaseException | None = None
         self._down = False
+        # The thread that starts the producers, while it does (see starting).
+        self._starter: threading.Thread | None = None
+        self._start_failure: BaseException | None = None
         _refuse_while_bootstrapping()
         check_descriptor_room(transport, spec.mp_context.get_start_method(), len(sources))
         lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
         try:
             if not lazy:
                 self.channel = transport.open(spec)
-            self._start(sources, shipments)
+            self.sources = list(sources)
+            # Each producer imports what its source needs, not the trainer's
+            # script, where the source can travel without it (_startup); a
+            # restarted producer starts the same way (_spawn). What the options'
+            # check pickled goes as it is (shipments). (Here, in the caller's
+            # thread: it may warn, naming the caller's line.)
+            self._plan = _startup.plan(spec.mp_context, self.sources, transport, shipments)
+            if may_start_in_background and self._start_waits_for_a_new_process():
+                self._starter = threading.Thread(target=self._start_in_background, name="shmpipe-start", daemon=True)
+                self._starter.start()
+            else:
+                self._start()
         except BaseException:  # a Ctrl-C too: what was made is destroyed before it propagates
             self.shutdown()
             raise
 
-    def _start(self, sources: Sequence[Callable[[], Iterable[Any]]], shipments: _startup.Shipments | None) -> None:
-        self.sources = list(sources)
+    def _start_waits_for_a_new_process(self) -> bool:
+        """Whether starting the producers waits for a new interpreter to
+        boot: each producer's own (spawn), or the fork server's, not running
+        yet (forkserver; 0.15-0.2 s, measured, with a dataset's modules to
+        preload). Only such a start runs in the background: every source
+        travels as the bytes the options' check pickled (nothing of the
+        trainer's objects is read in that thread while the trainer uses
+        them), and no thread forks this process (start method fork)."""
+        method = self.spec.mp_context.get_start_method()
+        if method == "fork" or not all(isinstance(s, _startup.Shipped) for s in self._plan.sources):
+            return False
+        return method == "spawn" or _startup.server_pid() is None
+
+    @property
+    def starting(self) -> bool:
+        """Whether the producers are still being started, in the background:
+        meanwhile the consumer may make batches itself (Pipeline,
+        shmpipe/_first_batches.py). Every other method waits for the start
+        to end first."""
+        starter = self._starter
+        return starter is not None and starter.is_alive()
+
+    def _start_in_background(self) -> None:
+        try:
+            self._start()
+        except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread, by _started
+            self._start_failure = exc
+
+    def _start_ended(self) -> None:
+        """Waits for a start in the background to end (the wait a consumer
+        without one made in its constructor); what it raised becomes the
+        launcher's failure."""
+        starter = self._starter
+        if starter is None:
+            return
+        starter.join()
+        self._starter = None
+        if self._start_failure is not None and self._failure is None:
+            self._failure = self._start_failure
+
+    def _started(self) -> None:
+        """_start_ended, for a method that needs every producer: a start
+        that failed is raised (what it started is stopped by shutdown)."""
+        self._start_ended()
+        if self._start_failure is not None:
+            raise self._start_failure
+
+    def _start(self) -> None:
         # A channel opened before the producers goes with their arguments: some
         # handles (multiprocessing queues) can only travel that way.
         handle = self.channel.handle if self.channel is not None else None
-        # Each producer imports what its source needs, not the trainer's
-        # script, where the source can travel without it (_startup); a
-        # restarted producer starts the same way (_spawn). What the options'
-        # check pickled goes as it is (shipments).
-        self._plan = _startup.plan(self.spec.mp_context, self.sources, self.transport, shipments)
+        # (In a thread of its own, _born_with_ctrl_c_blocked blocks SIGINT in
+        # that thread only: its children are still born with it blocked.)
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
             for worker in range(len(self.sources)):
                 p, parent_end = self._spawn(worker, handle)
@@ -198,6 +257,7 @@ class ProcessLauncher(Launcher):
         attached to the channel (transports that restarts_producers: the
         handle can be given again). Returns the new process's pid. The new
         producer runs nothing until it is sent a pass (send_pass)."""
+        self._started()
         old = self.processes[worker]
         _join(old, self.watches[worker], time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
         with self._reading:
@@ -217,6 +277,7 @@ class ProcessLauncher(Launcher):
     def send_pass(self, worker: int, work: PassWork) -> None:
         """Pass `work.pass_no`, already begun, for producer `worker` alone (a
         replacement, which goes on where its predecessor stopped)."""
+        self._started()
         self._send(worker, ("pass", work))
 
     def _send(self, worker: int, message: tuple[Any, ...]) -> None:
@@ -253,9 +314,11 @@ class ProcessLauncher(Launcher):
 
     @property
     def pids(self) -> list[int | None]:
+        self._start_ended()
         return [p.pid for p in self.processes]
 
     def open_channel(self, wait: float) -> ConsumerEnd | None:
+        self._started()
         if self.channel is None:
             self.wait_for_event(wait)
             self._read_messages()
@@ -270,6 +333,7 @@ class ProcessLauncher(Launcher):
         return self.channel
 
     def begin_pass(self, pass_no: int, work: Sequence[PassWork]) -> None:
+        self._started()
         self._pass_no = pass_no
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
@@ -286,7 +350,8 @@ class ProcessLauncher(Launcher):
             raise lost
 
     def wait_for_event(self, timeout: float) -> None:
-        if self._down:
+        self._start_ended()
+        if self._down or self._start_failure is not None:
             return
         # A producer's connection at its end is ready for ever: not waited on
         # (its process's end is, and says more).
@@ -295,6 +360,7 @@ class ProcessLauncher(Launcher):
 
     def first_failure(self) -> BaseException | None:
         """Reads the producers' messages; the first failure, or None."""
+        self._start_ended()
         if self._down:
             return self._failure
         self._read_messages()
@@ -357,6 +423,7 @@ class ProcessLauncher(Launcher):
     def reported_end(self, worker: int, pass_no: int) -> int | None:
         """How many batches producer `worker` said it published in pass
         `pass_no` when its part ended; None if it has not said so."""
+        self._start_ended()
         self._read_messages()
         ended = self._ended[worker]
         return ended[1] if ended is not None and ended[0] == pass_no else None
@@ -364,17 +431,20 @@ class ProcessLauncher(Launcher):
     def iterator_state(self, worker: int, pass_no: int, wseq: int) -> tuple[bool, Any]:
         """(True, the state producer `worker`'s iterator had after its batch
         `wseq` of pass `pass_no`), where it sent one; (False, None) else."""
+        self._start_ended()
         self._read_messages()
         key = (pass_no, wseq)
         states = self._iterator_states[worker]
         return (True, states[key]) if key in states else (False, None)
 
     def halt(self) -> None:
+        self._start_ended()
         self._send_quietly(("stop",))
 
     def shutdown(self) -> None:
         if self._down:
             return
+        self._start_ended()  # what it started is stopped below with the rest
         self._down = True
         channel = self.channel
         if channel is not None:
@@ -395,9 +465,11 @@ class ProcessLauncher(Launcher):
 
     def leftovers(self) -> list[str]:
         """What is still running after shutdown (for tests): nothing, we hope."""
+        self._start_ended()
         return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
 
     def children(self) -> list[Any]:
+        self._start_ended()
         return list(self.processes)
 
 

@@ -16,13 +16,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from shmpipe._frameworks import FrameworkStream
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._launch import ProcessLauncher
 from shmpipe._options import PipelineOptions
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
+from shmpipe._sources import DatasetSource
 from shmpipe._stream import POLL_S, Pass
 from shmpipe.errors import (
     CorruptChannelError,
@@ -33,6 +34,9 @@ from shmpipe.errors import (
     WorkerError,
 )
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
+
+if TYPE_CHECKING:  # imported where a pass makes its first batches (it loads the compiled codec)
+    from shmpipe._first_batches import FirstBatches
 
 __all__ = ["Pipeline"]
 
@@ -141,9 +145,16 @@ class Pipeline(FrameworkStream):
     #: Whether a variant hands the channel's memory on after the producers
     #: have it (a group's, to its ranks): ChannelSpec.hands_again.
     _hands_channel_on = False
+    #: Whether a from_dataset pipeline may make a pass's first batches itself
+    #: while its producers start (shmpipe/_first_batches.py): a variant
+    #: whose batches go elsewhere than to this process's iterator says no.
+    _makes_first_batches = True
 
-    def __init__(self, options: PipelineOptions, schedule: Schedule | None = None) -> None:
+    def __init__(
+        self, options: PipelineOptions, schedule: Schedule | None = None, *, fetch_while_starting: bool = False
+    ) -> None:
         super().__init__(options)
+        self._fetch_while_starting = fetch_while_starting
         self._spec = options.channel_spec()
         if self._hands_channel_on:
             self._spec = dataclasses.replace(self._spec, hands_again=True)
@@ -156,6 +167,11 @@ class Pipeline(FrameworkStream):
         self._restarts: list[str] = []  # each producer death that was replaced (max_restarts)
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
         self._dropped: list[int] = []  # per pass iterated: batches the schedule dealt to no rank
+        # The trainer's part of the pass begun last, while the producers start
+        # (None once they have their part, or where it makes none), and how
+        # many batches of the pass in progress it made and delivered.
+        self._first: FirstBatches | None = None
+        self._made_here = 0
         # A channel has one consumer. Threads may still meet here: a tf.data
         # iterator's thread waiting for a batch of one pass while another
         # iterator starts the next. So channel.get and begin_pass run one at
@@ -178,7 +194,13 @@ class Pipeline(FrameworkStream):
                 if transport.capabilities.own_producers:
                     launcher = transport.launch(options.sources, self._spec, options.seed)
                 else:
-                    launcher = ProcessLauncher(transport, options.sources, self._spec, options.shipments)
+                    launcher = ProcessLauncher(
+                        transport,
+                        options.sources,
+                        self._spec,
+                        options.shipments,
+                        may_start_in_background=self._may_make_first_batches,
+                    )
                 self._launcher = launcher
                 # The launcher, not this object, owns the processes and the
                 # channel, so a forgotten pipeline is shut down when collected.
@@ -221,14 +243,19 @@ class Pipeline(FrameworkStream):
         return self._launcher.leftovers()
 
     def _stats_extra(self) -> dict[str, Any]:
-        """``stats().extra`` of one node's pipeline in a job of several
-        (from_dataset(num_nodes=...)): num_nodes, node_rank,
+        """``stats().extra`` of a from_dataset pipeline: made_by_trainer
+        (batches the trainer made itself while the producers started,
+        shmpipe/_first_batches.py); and of one node's pipeline in a job of
+        several (from_dataset(num_nodes=...)): num_nodes, node_rank,
         dropped_remainder (batches of the passes that no rank of the job
         got: the incomplete last rounds) and dropped_per_pass."""
-        layout = self._schedule.layout if isinstance(self._schedule, DatasetSchedule) else None
-        if layout is None or layout.num_nodes == 1:
+        if not isinstance(self._schedule, DatasetSchedule):
             return {}
-        return {
+        made = {"made_by_trainer": self._counters.made_here} if self._makes_first_batches else {}
+        layout = self._schedule.layout
+        if layout.num_nodes == 1:
+            return made
+        return made | {
             "num_nodes": layout.num_nodes,
             "node_rank": layout.node_rank,
             "dropped_remainder": sum(self._dropped),
@@ -241,13 +268,27 @@ class Pipeline(FrameworkStream):
 
     # -- iteration ------------------------------------------------------------
 
+    @property
+    def _may_make_first_batches(self) -> bool:
+        return self._fetch_while_starting and self._makes_first_batches and isinstance(self._schedule, DatasetSchedule)
+
     def _begin_ahead(self) -> None:
         """Begins the next pass now, before it is iterated, so the producers
         make its first batches meanwhile (a pass begun ahead earlier, and
-        not iterated, is cancelled)."""
+        not iterated, is cancelled). While the producers are still being
+        started, a dataset's pass is theirs only from the hand-over
+        (_first_batches)."""
         self._begun += 1
         work = self._schedule.begin(self._begun)
         self._ahead = self._begun
+        self._first = None
+        if self._launcher.starting and self._may_make_first_batches:
+            from shmpipe._first_batches import FirstBatches
+
+            source = self.options.sources[0]
+            assert isinstance(source, DatasetSource) and isinstance(self._schedule, DatasetSchedule)
+            self._first = FirstBatches(source, self._schedule, self._begun)
+            return
         try:
             self._launcher.begin_pass(self._begun, work)
         except WorkerDiedError as death:  # gone since the last look (every other one was told)
@@ -262,6 +303,7 @@ class Pipeline(FrameworkStream):
                 assert self._ahead is not None
                 self._pass_no, self._ahead = self._ahead, None
                 self._delivered_before = self._counters.per_worker
+                self._made_here = 0
                 self._dropped.append(self._schedule.dropped)
                 return self._pass_no
             except WorkerError as exc:  # a producer gone between passes (WorkerDiedError)
@@ -296,6 +338,7 @@ class Pipeline(FrameworkStream):
         delivered = [n - b for n, b in zip(now, self._delivered_before, strict=True)]
         turn = self._turns.next() if self._turns is not None else None
         return Progress(
+            made_here=self._made_here,
             delivered=delivered,
             next_turn=None if turn is None else turn[0],
             finished=self._finished_pass == self._pass_no,
@@ -328,6 +371,11 @@ class Pipeline(FrameworkStream):
 
     def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
         assert isinstance(it, _PipelinePass)
+        first = self._first
+        if first is not None and first.pass_no == it.pass_no:
+            made = self._take_first(first)
+            if made is not None:
+                return made
         if t0 - self._last_health_ns > HEALTH_CHECK_NS:
             self._poll_producers(t0)
         try:
@@ -339,6 +387,37 @@ class Pipeline(FrameworkStream):
         channel = self._channel
         assert channel is not None  # a batch came through it
         return batch, channel.last_nbytes, channel.last_worker
+
+    def _take_first(self, first: FirstBatches) -> tuple[Any, int, int] | None:
+        """While the producers start: the pass's next batch, made here
+        (worker -1). Once they are up: the hand-over (the rest of the pass
+        is theirs, from the batch after the one made here now, if any),
+        then None once the trainer makes no more."""
+        if not self._launcher.starting and first.left:
+            self._hand_over(first, first.made + 1)
+        elif not first.left:
+            self._hand_over(first, first.made)
+            return None
+        try:
+            batch, nbytes = first.make()
+        except Exception as exc:  # the dataset's own error, raised here as a DataLoader's main process would
+            self._close_and_raise(exc)
+        self._made_here = first.made
+        return batch, nbytes, -1
+
+    def _hand_over(self, first: FirstBatches, made_here: int) -> None:
+        """The producers get the pass, less the first `made_here` batches
+        (the trainer's): after this, the trainer makes none but those."""
+        self._first = None
+        assert isinstance(self._schedule, DatasetSchedule)
+        with self._consumer_lock:
+            try:
+                self._launcher.begin_pass(first.pass_no, self._schedule.hand_over(first.pass_no, made_here))
+            except BaseException as exc:  # the start failed, or a producer went: nothing more comes
+                failure = exc
+            else:
+                return
+        self._close_and_raise(failure)
 
     def _take_from(self, channel: ConsumerEnd, pass_no: int, worker: int, wseq: int) -> Any:
         """One take from the channel: a batch or a sentinel (see

@@ -22,13 +22,16 @@ from shmpipe._spec import new_arrays
 __all__ = [
     "PassWork",
     "WorkerInfo",
+    "batch_seed",
     "current_work",
     "enter_pass",
     "get_worker_info",
     "reserve",
     "reserving_elsewhere",
     "seed_for",
+    "seed_generators",
     "set_reserver",
+    "generators_kept",
 ]
 
 
@@ -40,7 +43,9 @@ class WorkerInfo:
     derived from the pipeline's base seed, the pass (``epoch``) and the id,
     so runs with the same base seed see the same seeds. NumPy's and
     ``random``'s global generators are seeded from it before the source is
-    called.
+    called; from_dataset seeds them again before each batch, from the
+    batch's own seed (batch_seed), so that a batch's random draws do not
+    depend on which worker fetches it.
     """
 
     id: int
@@ -159,8 +164,53 @@ def enter_pass(worker: int, num_workers: int, work: PassWork) -> None:
     seed = work.seed
     _info = WorkerInfo(worker, num_workers, seed, work.epoch)
     _work = work
+    seed_generators(seed)
+
+
+def batch_seed(base_seed: int, epoch: int, batch: int) -> int:
+    """A 63-bit seed for batch `batch` of epoch `epoch` of a map-style
+    dataset (from_dataset), reproducible from base_seed alone: the same
+    whichever worker, node or process fetches the batch. (Its spawn key is
+    four long, so it never equals a worker's, seed_for's, of two or three.)"""
+    key = (epoch, batch, 0, 1)
+    state = np.random.SeedSequence(base_seed, spawn_key=key).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+#: The last word of NumPy's seed key (seed_generators): any constant that
+#: makes its stream differ from random's.
+_NUMPY_KEY = 0x6E756D70
+
+
+def seed_generators(seed: int) -> None:
+    """Seeds the global generators a source may draw from: ``random``,
+    NumPy's legacy one, and torch's CPU generator where torch is imported
+    (torch.default_generator, not torch.manual_seed, which would seed every
+    CUDA device's too: the trainer calls this, see generators_kept)."""
+    # random's and NumPy's legacy generator are both MT19937, seeded by the
+    # same init_by_array: the same words would make the same stream in both
+    # (a dataset drawing from each would draw twice the same numbers), so
+    # NumPy's key has a third word.
     random.seed(seed)
-    np.random.seed([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF])
+    np.random.seed([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, _NUMPY_KEY])
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """The global generators (those seed_generators seeds) as they were
+    before the block, whatever it drew or seeded: a batch the trainer
+    fetches itself draws from its own seed and leaves the user's
+    generators alone. (torch imported inside the block is not restored:
+    it was not seeded here either.)"""
+    torch = sys.modules.get("torch")
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state() if torch is not None else None)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        if torch is not None:
+            torch.set_rng_state(saved[2])

@@ -40,6 +40,7 @@ import numpy as np
 
 from shmpipe._nodes import ONE_NODE, NodeLayout
 from shmpipe._producer_context import PassWork, seed_for
+from shmpipe._sources import DatasetPlan
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "DatasetSchedule", "IteratorSchedule", "Schedule"]
@@ -64,6 +65,9 @@ class Progress:
     #: per worker, its source's iterator's state after its last batch
     #: delivered this pass (None where it has no state_dict, or delivered none)
     iterator_states: Sequence[Any] = ()
+    #: batches of the pass the consumer made itself (DatasetSchedule.hand_over):
+    #: the first ones of its share, delivered before any producer's
+    made_here: int = 0
 
 
 class Schedule(abc.ABC):
@@ -297,6 +301,8 @@ class DatasetSchedule(Schedule):
         self._plan = (np.zeros(0, np.int64), np.zeros(1, np.int64))
         self._done = np.zeros(0, bool)
         self._left = np.zeros(0, np.int64)  # the epoch's batches not done before it began, in dealing order
+        self._mine = np.zeros(0, np.int64)  # of those, this node's, in the order its ranks take them
+        self._made_here = 0  # the first of _mine, made by the consumer itself (hand_over)
         self._dealt: list[np.ndarray] = []
 
     def fingerprint(self) -> dict[str, Any]:
@@ -391,13 +397,45 @@ class DatasetSchedule(Schedule):
                 )
         self._digest, self._done, self._plan = digest, done, (indices, bounds)
         self._left = np.flatnonzero(~done)
-        mine, self.dropped = self.layout.share(self._left)
-        self._dealt = [mine[w :: self.num_workers] for w in range(self.num_workers)]
+        self._mine, self.dropped = self.layout.share(self._left)
         self.first_turn = 0
-        return [
-            PassWork(pass_no, epoch, self._seed(epoch, w), plan=_subplan(indices, bounds, self._dealt[w]))
-            for w in range(self.num_workers)
-        ]
+        return self._deal(pass_no, epoch, 0)
+
+    def _deal(self, pass_no: int, epoch: int, made_here: int) -> list[PassWork]:
+        """The producers' work: this node's batches after the first
+        `made_here`, round-robin from worker 0."""
+        self._made_here = made_here
+        rest = self._mine[made_here:]
+        self._dealt = [rest[w :: self.num_workers] for w in range(self.num_workers)]
+        return [PassWork(pass_no, epoch, self._seed(epoch, w), plan=self._plan_for(self._dealt[w], epoch))
+                for w in range(self.num_workers)]
+
+    # -- the consumer's own first batches (shmpipe/_first_batches.py) ---------------
+
+    @property
+    def share(self) -> int:
+        """This node's batches in the pass begun last."""
+        return len(self._mine)
+
+    def plan_of(self, k: int) -> DatasetPlan:
+        """The plan of the k-th batch of this node's share of the pass begun
+        last, alone: what the consumer fetches when it makes it itself."""
+        assert self.epoch is not None  # a pass was begun
+        return self._plan_for(self._mine[k : k + 1], self.epoch)
+
+    def hand_over(self, pass_no: int, made_here: int) -> list[PassWork]:
+        """The pass begun last, dealt again now that the consumer makes its
+        first `made_here` batches itself (it made or is making them; the
+        producers had no work of this pass yet): the producers' work is the
+        rest, round-robin from worker 0, so the order the node's ranks take
+        its batches in is unchanged."""
+        assert self.epoch is not None and 0 <= made_here <= len(self._mine)
+        self._works = self._deal(pass_no, self.epoch, made_here)
+        return self._works
+
+    def _plan_for(self, numbers: np.ndarray, epoch: int) -> DatasetPlan:
+        indices, bounds = _subplan(*self._plan, numbers)
+        return DatasetPlan(indices, bounds, numbers, self.seed, epoch)
 
     def _seed(self, epoch: int, worker: int) -> int:
         # Worker w of node n > 0 draws its own seeds: the workers of two
@@ -407,8 +445,7 @@ class DatasetSchedule(Schedule):
 
     def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork:
         # Only the batches it had not published: nothing is fetched twice.
-        indices, bounds = self._plan
-        plan = _subplan(indices, bounds, self._dealt[worker][next_wseq:])
+        plan = self._plan_for(self._dealt[worker][next_wseq:], work.epoch)
         return dataclasses.replace(work, plan=plan, first_wseq=next_wseq)
 
     # -- the state ----------------------------------------------------------------
@@ -446,6 +483,7 @@ class DatasetSchedule(Schedule):
     def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
         done = self._done.copy()
         if self.layout.world == 1:
+            done[self._mine[: progress.made_here]] = True
             for dealt, count in zip(self._dealt, progress.delivered, strict=True):
                 done[dealt[:count]] = True
         else:
@@ -453,12 +491,13 @@ class DatasetSchedule(Schedule):
             # count. Every rank of the job takes one batch a round, so after
             # this node's one rank took n, the first n rounds are out on
             # every node. (A group's ranks count for themselves: RankPipeline.)
-            if not self.ordered and any(progress.delivered):
+            if not self.ordered and (any(progress.delivered) or progress.made_here):
                 raise ShmpipeValueError(
                     "the position of a job of several nodes is saved with ordered=True only: this node alone "
                     "cannot tell which batches an unordered job handed out"
                 )
-            return self._after_rounds(epoch, sum(progress.delivered) // self.layout.ranks_per_node)
+            taken = progress.made_here + sum(progress.delivered)
+            return self._after_rounds(epoch, taken // self.layout.ranks_per_node)
         if done.all():  # its last batch is out: a resumed run begins the next epoch, not this one's empty end
             return self._fresh(epoch + 1)
         return self._fields(epoch, self._digest, len(done), done)

@@ -17,15 +17,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shmpipe._producer_context import PassWork, current_work, reserve, reserving_elsewhere
+from shmpipe._producer_context import (
+    PassWork,
+    batch_seed,
+    current_work,
+    reserve,
+    reserving_elsewhere,
+    seed_generators,
+)
 from shmpipe._spec import ArraySpec
 from shmpipe.errors import ShmpipeTypeError
 
-__all__ = ["DatasetSource", "IteratorSource", "collate_into_ring"]
+__all__ = ["DatasetPlan", "DatasetSource", "IteratorSource", "collate_into_ring"]
 
 
 def _work() -> PassWork:
@@ -79,10 +87,37 @@ class IteratorSource:
         return repr(self.source)
 
 
+@dataclass(frozen=True)
+class DatasetPlan:
+    """One producer's batches of one pass of a map-style dataset, chosen by
+    the consumer (shmpipe/_schedule.py): batch j is the samples
+    ``indices[bounds[j]:bounds[j + 1]]``, and it is batch ``numbers[j]`` of
+    the epoch, whose random draws come from ``batch_seed(seed, epoch,
+    numbers[j])``."""
+
+    indices: np.ndarray
+    bounds: np.ndarray
+    numbers: np.ndarray
+    seed: int
+    epoch: int
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def samples(self, j: int) -> list[int]:
+        return self.indices[self.bounds[j] : self.bounds[j + 1]].tolist()
+
+    def seed_of(self, j: int) -> int:
+        return batch_seed(self.seed, self.epoch, int(self.numbers[j]))
+
+
 class DatasetSource:
     """A map-style dataset's producer side (from_dataset): for each batch
-    of its plan (the consumer chose the indices), fetch the samples and
-    collate them, by default straight into slot memory (collate_into_ring)."""
+    of its plan (the consumer chose the indices), seed the global
+    generators from the batch's own seed, fetch the samples and collate
+    them, by default straight into slot memory (collate_into_ring). The
+    trainer makes a fresh pipeline's first batches the same way (batch(),
+    shmpipe/_first_batches.py)."""
 
     __slots__ = ("collate_fn", "dataset")
 
@@ -94,15 +129,17 @@ class DatasetSource:
         plan = _work().plan
         if plan is None:
             return iter(())
-        indices, bounds = plan
-        return self._batches(indices, bounds)
+        return (self.batch(plan, j) for j in range(len(plan)))
 
-    def _batches(self, indices: np.ndarray, bounds: np.ndarray) -> Iterator[Any]:
+    def batch(self, plan: DatasetPlan, j: int) -> Any:
+        """Batch j of `plan`: its samples fetched and collated, after the
+        global generators were seeded with its seed (so a dataset's random
+        augmentations are the same wherever the batch is made: on any
+        worker, after a resume or a restart, in the trainer)."""
+        seed_generators(plan.seed_of(j))
         dataset = self.dataset
-        collate = self.collate_fn
-        for b in range(len(bounds) - 1):
-            samples = [dataset[i] for i in indices[bounds[b] : bounds[b + 1]].tolist()]
-            yield collate(samples) if collate is not None else collate_into_ring(samples)
+        samples = [dataset[i] for i in plan.samples(j)]
+        return self.collate_fn(samples) if self.collate_fn is not None else collate_into_ring(samples)
 
 
 # -- the default collate --------------------------------------------------------

@@ -204,6 +204,7 @@ class Counters:
         "created_ns",
         "current_started_ns",
         "delivered_ready",
+        "made_here",
         "num_workers",
         "passes",
         "restarts",
@@ -219,6 +220,7 @@ class Counters:
         self.tally[FIRST_BATCH_NS] = -1  # none yet
         self.waits = WaitHistogram(self.tally, TOTALS + num_workers)
         self.restarts = [0] * num_workers  # per worker: producers replaced
+        self.made_here = 0  # batches the consumer made itself (worker -1)
         #: delivered_ready(wait_ns, nbytes, worker): a batch that was ready
         #: when asked for (the fast path: never a pass's first, so the
         #: pass's clock and the first batch's time are already set), after
@@ -290,14 +292,18 @@ class Counters:
         return self.wall_ns + (time.perf_counter_ns() - started if started is not None else 0)
 
     def delivered(self, asked_ns: int, got_ns: int, nbytes: int, worker: int) -> None:
-        """A batch asked for at `asked_ns` came at `got_ns`."""
+        """A batch asked for at `asked_ns` came at `got_ns`, from `worker`
+        (-1: made by the consumer itself)."""
         if self.current_started_ns is None:
             self.current_started_ns = asked_ns  # the pass's first request
         self.waits.add(got_ns - asked_ns)
         t = self.tally
         t[BATCHES] += 1
         t[BYTES] += nbytes
-        t[TOTALS + worker] += 1
+        if worker >= 0:
+            t[TOTALS + worker] += 1
+        else:  # made by the consumer itself (shmpipe/_first_batches.py)
+            self.made_here += 1
         if t[FIRST_BATCH_NS] < 0:
             t[FIRST_BATCH_NS] = got_ns
 

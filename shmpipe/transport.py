@@ -444,6 +444,14 @@ class Launcher(abc.ABC):
     channel: ConsumerEnd | None = None
 
     @property
+    def starting(self) -> bool:
+        """Whether the producers are still being started in the background
+        (shmpipe's launcher, when a start waits for a new interpreter): a
+        pass begun meanwhile is given to them later, and a from_dataset
+        pipeline makes its first batches itself until then."""
+        return False
+
+    @property
     @abc.abstractmethod
     def pids(self) -> list[int | None]:
         """Process ids of the producers (None where not meaningful)."""

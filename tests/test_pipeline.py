@@ -105,6 +105,10 @@ def test_worker_info_and_seeds():
     assert [b["epoch"] for b in first] == [0, 0, 0] and [b["epoch"] for b in second] == [1, 1, 1]
     assert len({b["seed"] for b in first + second}) == 6, "seeds differ per worker and per pass"
     assert len({b["np"] for b in first}) == 3 and len({b["py"] for b in first}) == 3
+    # NumPy's and random's generators are both MT19937: seeded with the same
+    # words they would draw the same numbers (they did, before NumPy's key
+    # got a word of its own).
+    assert all(b["np"] != b["py"] for b in first + second)
     assert again == first, "the same base seed gives the same seeds and draws"
     assert first[0]["seed"] == _producer_context.seed_for(1234, 0, 0)
 

@@ -257,7 +257,9 @@ PRELOAD_MODULES = {
             def __getitem__(self, i):
                 import decoder  # where it is used, as a dataset of images imports its decoder
 
-                return {"x": np.array(i * decoder.SCALE), "random": np.array(self.random_loaded)}
+                # (The trainer's own copy, which fetches a fresh pipeline's
+                # first batches itself, was never unpickled: it says True.)
+                return {"x": np.array(i * decoder.SCALE), "random": np.array(getattr(self, "random_loaded", True))}
 
             def __setstate__(self, state):
                 self.__dict__.update(state)

@@ -78,6 +78,7 @@ class DealingPipeline(Pipeline):
 
     _offers_fast_path = False
     _hands_channel_on = True  # the ring's memory goes to the ranks with the first batch
+    _makes_first_batches = False  # its batches are the ranks', taken from the ring
 
     def _take_from(self, channel: ConsumerEnd, pass_no: int, worker: int, wseq: int) -> Any:
         if not isinstance(channel, SharingConsumerEnd):

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochSampler", "FetchLog", "Numbered", "OnRayNode", "ShapeByIndex", "log_fetch"]
+__all__ = ["Augmented", "EpochSampler", "FetchLog", "Numbered", "OnRayNode", "ShapeByIndex", "log_fetch"]
 
 
 class Numbered:
@@ -51,6 +51,32 @@ class OnRayNode(Numbered):
 
         time.sleep(self.delay)
         return super().__getitem__(i) | {"node": ray.get_runtime_context().get_node_id()}
+
+
+class Augmented(Numbered):
+    """Numbered's sample i with "draws": one draw each from ``random`` and
+    NumPy's global generator, as a dataset's random augmentations draw
+    (not torch's: whether torch is imported differs between the trainer
+    and the producers, and so would the draws); and "pid": the process
+    that fetched it. Each fetch in process `slow_in` (the trainer, say)
+    takes `delay` seconds more, and, where `fail_at` is i, fails with a
+    LookupError there."""
+
+    def __init__(self, n: int, slow_in: int = -1, delay: float = 0.0, fail_at: int = -1) -> None:
+        super().__init__(n)
+        self.slow_in, self.delay, self.fail_at = slow_in, delay, fail_at
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import random
+        import time
+
+        here = os.getpid() == self.slow_in
+        if here and i == self.fail_at:
+            raise LookupError(f"sample {i} cannot be read here")
+        if here and self.delay:
+            time.sleep(self.delay)
+        draws = np.array([random.random(), np.random.random()])
+        return super().__getitem__(i) | {"draws": draws, "pid": os.getpid()}
 
 
 def log_fetch(path: str, index: int) -> None:

@@ -1,0 +1,234 @@
+"""A fresh from_dataset pipeline's first batches, made by the trainer while
+its producers start (shmpipe/_first_batches.py): real producers, from a
+real fork server that is not running yet, as in a fresh process.
+
+The fixture `fresh_fork_server` gives each test a new fork server, started
+by the test's first pipeline (so that pipeline's start runs in the
+background, as a user's first one does), and stops it after the test.
+A dataset that is slow in the trainer alone (Augmented's `slow_in`) keeps
+the trainer making batches while the producers start, so the hand-over
+comes in the middle of the epoch."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+
+import shmpipe
+from shmpipe import _startup
+from shmpipe.testing.datasets import Augmented
+from shmpipe.testing.sources import Counter
+
+T = 60.0  # no batch may take longer than this
+BATCH = 2
+
+
+@pytest.fixture
+def fresh_fork_server():
+    """shmpipe's fork server as a fresh process has it: not started. The
+    server of the tests before is set aside and back after; the new one
+    is stopped (its clients' end of its pipe closed: it exits) and reaped."""
+    with _startup._SERVER_LOCK:
+        before = _startup._SERVER
+        fresh = _startup._SERVER = _startup._ForkServer()
+        fresh.set_forkserver_preload(list(_startup.SERVER_PRELOAD))
+    try:
+        yield fresh
+    finally:
+        with _startup._SERVER_LOCK:
+            _startup._SERVER = before
+        pid, alive = fresh._forkserver_pid, fresh._forkserver_alive_fd
+        if alive is not None:
+            os.close(alive)
+        deadline = time.monotonic() + 10
+        while pid is not None and time.monotonic() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+            time.sleep(0.02)
+        else:
+            if pid is not None:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the fork server did not exit when its clients' pipe closed")
+
+
+def dataset(n: int, **kwargs) -> Augmented:
+    return Augmented(n, slow_in=os.getpid(), **kwargs)
+
+
+def pipe_of(ds: Augmented, **kwargs) -> shmpipe.Pipeline:
+    kwargs.setdefault("num_workers", 2)
+    return shmpipe.from_dataset(ds, batch_size=BATCH, shuffle=True, seed=7, timeout=T, **kwargs)
+
+
+def take(pipe, stop: int | None = None) -> list[tuple[list[int], list[list[float]], int]]:
+    """(sample numbers, their draws, the pid that fetched them) of each
+    batch of the next pass, or of its first `stop` batches."""
+    out = []
+    for b in pipe:
+        pids = set(b["pid"].tolist())
+        assert len(pids) == 1
+        out.append((b["i"].tolist(), b["draws"].tolist(), pids.pop()))
+        if stop is not None and len(out) == stop:
+            break
+    return out
+
+
+def content(batches):
+    return [(ids, draws) for ids, draws, _ in batches]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Two epochs of 120 samples as the producers alone deliver them (the
+    fork server of the module, running)."""
+    with pipe_of(Augmented(120), fetch_while_starting=False) as pipe:
+        return [content(take(pipe)), content(take(pipe))]
+
+
+def test_the_batches_made_here_and_the_order_are_those_of_the_producers_alone(fresh_fork_server, reference):
+    with pipe_of(dataset(120, delay=0.03)) as pipe:
+        epochs = [take(pipe), take(pipe)]
+        made = pipe.stats().extra["made_by_trainer"]
+        per_worker = pipe.stats().per_worker_batches
+    assert [content(e) for e in epochs] == reference
+    # The first `made` batches of the first epoch were fetched here, the rest
+    # by the producers, and the next epoch by the producers alone.
+    assert 1 <= made < len(epochs[0]), made
+    assert [pid == os.getpid() for _, _, pid in epochs[0]] == [True] * made + [False] * (len(epochs[0]) - made)
+    assert all(pid != os.getpid() for _, _, pid in epochs[1])
+    assert sum(per_worker) + made == 2 * len(epochs[0])
+
+
+def test_an_epoch_made_here_to_its_end_leaves_the_producers_an_empty_part(fresh_fork_server, reference):
+    # 8 quick batches: the trainer has made them all before the server is up.
+    with pipe_of(Augmented(16, slow_in=os.getpid())) as pipe:
+        first = take(pipe)
+        made = pipe.stats().extra["made_by_trainer"]
+        second = take(pipe)
+    with pipe_of(Augmented(16), fetch_while_starting=False) as alone:
+        assert [content(first), content(second)] == [content(take(alone)), content(take(alone))]
+    assert made >= 1
+    assert all(pid != os.getpid() for _, _, pid in second)
+
+
+def test_the_batches_made_here_are_read_only_aligned_and_shaped_as_the_producers(fresh_fork_server):
+    # (Batches made here hold no slot; of the producers' one is kept.)
+    with pipe_of(dataset(40, delay=0.03), num_workers=1) as pipe:
+        here, there = [], None
+        for b in pipe:
+            if int(b["pid"][0]) == os.getpid():
+                here.append(b)
+            elif there is None:
+                there = b
+    assert here and there is not None
+    for b in here:
+        for key in ("x", "i", "draws", "pid"):
+            a = b[key]
+            assert not a.flags.writeable and a.ctypes.data % 64 == 0, key
+    first, other = here[0], there
+    assert type(first) is type(other) and list(first) == list(other)
+    for key in first:
+        if isinstance(first[key], np.ndarray):
+            assert first[key].dtype == other[key].dtype and first[key].shape[1:] == other[key].shape[1:], key
+        else:
+            assert type(first[key]) is type(other[key]), key
+
+
+def test_the_trainers_own_generators_are_left_as_they_were(fresh_fork_server):
+    random.seed(1)
+    np.random.seed(1)
+    expected = (random.random(), np.random.random())
+    random.seed(1)
+    np.random.seed(1)
+    with pipe_of(dataset(40)) as pipe:
+        take(pipe, stop=3)
+        assert pipe.stats().extra["made_by_trainer"] >= 1
+    assert (random.random(), np.random.random()) == expected
+
+
+@pytest.mark.parametrize("stop", [1, 12])
+def test_a_state_taken_while_or_after_the_trainer_makes_batches_resumes_exactly(fresh_fork_server, reference, stop):
+    # At 1 the state is taken before the producers have anything (the batch
+    # was made here); at 12, after the hand-over.
+    with pipe_of(dataset(120, delay=0.03)) as pipe:
+        head = take(pipe, stop=stop)
+        state = pipe.state_dict()
+        made = pipe.stats().extra["made_by_trainer"]
+    assert made >= 1 and (stop > 1 or made == 1)
+    with pipe_of(Augmented(120), fetch_while_starting=False, num_workers=3) as resumed:
+        resumed.load_state_dict(state)
+        rest = take(resumed)
+    assert content(head) + content(rest) == reference[0]
+
+
+@pytest.fixture(scope="module")
+def state_at_20():
+    """The state after 20 batches (taken with the module's fork server,
+    before a test's fresh one)."""
+    with pipe_of(Augmented(120), fetch_while_starting=False) as pipe:
+        take(pipe, stop=20)
+        return pipe.state_dict()
+
+
+def test_a_resumed_pipeline_makes_its_first_batches_here_too(state_at_20, fresh_fork_server, reference):
+    state = state_at_20
+    with pipe_of(dataset(120, delay=0.03)) as resumed:
+        resumed.load_state_dict(state)
+        rest = take(resumed)
+        made = resumed.stats().extra["made_by_trainer"]
+    assert made >= 1
+    assert content(rest) == reference[0][20:]
+
+
+def test_the_datasets_error_here_is_raised_as_it_is_and_nothing_is_left(fresh_fork_server, reference):
+    first_sample = reference[0][0][0][0]
+    pipe = pipe_of(dataset(120, fail_at=first_sample))
+    with pytest.raises(LookupError, match=f"sample {first_sample} cannot be read here"):
+        next(iter(pipe))
+    assert pipe.closed
+    assert pipe.leftovers() == []
+
+
+def test_a_pipeline_closed_while_its_producers_start_leaves_nothing(fresh_fork_server):
+    pipe = pipe_of(dataset(40))
+    pipe.close()
+    assert pipe.leftovers() == []
+
+
+def test_a_start_that_fails_in_the_background_is_raised_by_next(fresh_fork_server):
+    # A fork server that cannot start (its interpreter does not exist): the
+    # start fails in its thread, and the trainer gets that error, with the
+    # pipeline closed, at the hand-over.
+    executable = multiprocessing.spawn.get_executable()
+    multiprocessing.set_executable("/nonexistent/python3")
+    try:
+        with pipe_of(dataset(40)) as pipe:
+            it = iter(pipe)
+            with pytest.raises(OSError):
+                for _ in range(25):  # the epoch's 20 batches, made here, then the hand-over at the latest
+                    next(it)
+            assert pipe.closed
+    finally:
+        multiprocessing.set_executable(executable)
+    assert pipe.leftovers() == []
+
+
+def test_from_iterators_starts_its_producers_in_the_constructor_as_before(fresh_fork_server):
+    with shmpipe.from_iterators([Counter(3, shape=(4,))] * 2, timeout=T) as pipe:
+        assert not pipe._launcher.starting and _startup.server_pid() is not None
+        assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(2) for s in range(3)]
+        assert "made_by_trainer" not in pipe.stats().extra
+
+
+def test_fetch_while_starting_false_reads_the_dataset_in_the_producers_only(fresh_fork_server):
+    with pipe_of(dataset(20), fetch_while_starting=False) as pipe:
+        assert all(pid != os.getpid() for _, _, pid in take(pipe))
+        assert pipe.stats().extra["made_by_trainer"] == 0
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="fetch_while_starting"):
+        pipe_of(dataset(20), fetch_while_starting=1)
