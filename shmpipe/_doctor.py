@@ -12,6 +12,8 @@ OK, or WARN with the fix. Exits 1 when a check warns.
   packages            numpy and the optional ones, with their versions
                       (read from the installed metadata, nothing imported)
   CUDA devices        from the driver (/proc/driver/nvidia), torch not imported
+  JAX devices         where JAX is installed: its version, backend and devices,
+                      from a child interpreter (this one never imports jax)
   leftover segments   named segments whose processes died (shmpipe clean)
   producer start-up   two producers started as a pipeline starts them: the
                       time to their first batch, their memory (PSS), and
@@ -62,6 +64,7 @@ OPTIONAL = {
     "ray": ("2.9", "ray"),
     "tensorflow": ("2.16", "tensorflow"),
     "torch": ("2.1", "torch"),
+    "jax": ("0.4.30", "jax"),
     "rich": ("13", "bench"),
     "matplotlib": ("3.7", "bench"),
 }
@@ -303,6 +306,46 @@ def check_cuda(gpus: int) -> Check:
                  "to_torch(device='cuda') needs one; everything else runs on the CPU")
 
 
+#: Importing jax and listing its devices takes 1-3 s; longer, a plugin hangs.
+JAX_PROBE_TIMEOUT_S = 60.0
+_JAX_PROBE = (
+    "import json, jax; "
+    "print(json.dumps([jax.__version__, jax.default_backend(), [str(d) for d in jax.local_devices()]]))"
+)
+
+
+def check_jax() -> Check:
+    """JAX's version, default backend and local devices (what to_jax() puts
+    batches on), asked of a child interpreter: importing jax here would
+    load it into the doctor's process (and a broken accelerator plugin may
+    crash or hang it)."""
+    import subprocess
+    import tempfile
+
+    name = "JAX devices"
+    if _version("jax") is None:
+        return Check(name, True, "none: JAX is not installed", 'to_jax() needs it: pip install "shmpipe[jax]"')
+    try:
+        # Away from the working directory: a folder named jax there would come first.
+        proc = subprocess.run([sys.executable, "-c", _JAX_PROBE], capture_output=True, text=True,
+                              timeout=JAX_PROBE_TIMEOUT_S, cwd=tempfile.gettempdir())
+    except subprocess.TimeoutExpired:
+        return Check(name, False, f"importing jax and listing its devices took over {JAX_PROBE_TIMEOUT_S:g} s",
+                     "python -c 'import jax; print(jax.devices())' shows where it hangs (a GPU plugin, often)")
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        error = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return Check(name, False, f"jax fails to start: {error}",
+                     "python -c 'import jax; print(jax.devices())' shows the whole error")
+    version, backend, devices = json.loads(lines[-1])
+    shown = ", ".join(devices[:4]) + (f" and {len(devices) - 4} more" if len(devices) > 4 else "")
+    value = f"JAX {version}, {backend} backend: {len(devices)} device{'s' if len(devices) != 1 else ''} ({shown})"
+    if backend == "cpu":
+        return Check(name, True, value, "to_jax() aliases the ring on the CPU; "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=N makes N host devices")
+    return Check(name, True, value)
+
+
 def check_leftovers() -> Check:
     from shmpipe._segments import sweep
 
@@ -326,6 +369,7 @@ def checks() -> list[Check]:
         check_start_methods(),
         *check_packages(),
         check_cuda(gpus),
+        check_jax(),
         check_leftovers(),
         # last: a pipeline that opens sweeps dead owners' segments, which
         # check_leftovers is to report first

@@ -1,10 +1,11 @@
-"""The framework adapters as methods of a stream: ``to_torch`` and
-``to_tf_dataset``.
+"""The framework adapters as methods of a stream: ``to_torch``,
+``to_tf_dataset`` and ``to_jax``.
 
 A mixin above BatchStream, so that the adapters (shmpipe/_torch.py,
-shmpipe/_tf.py) can be typed against BatchStream while the stream's own
-methods import them: the imports go one way (this module -> adapters ->
-_stream), and TensorFlow and torch load only when a method is called.
+shmpipe/_tf.py, shmpipe/_jax.py) can be typed against BatchStream while the
+stream's own methods import them: the imports go one way (this module ->
+adapters -> _stream), and TensorFlow, torch and JAX load only when a method
+is called.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from typing import TYPE_CHECKING, Any
 from shmpipe._stream import BatchStream
 
 if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time here
+    import jax
     import tensorflow as tf
 
+    from shmpipe._jax import JaxBatches
     from shmpipe._torch import TorchBatches
 
 __all__ = ["FrameworkStream"]
 
 
 class FrameworkStream(BatchStream):
-    """A BatchStream that hands its batches to TensorFlow and PyTorch."""
+    """A BatchStream that hands its batches to TensorFlow, PyTorch and JAX."""
 
     def to_tf_dataset(
         self, output_signature: Any = None, *, device: str | None = None, batches_per_pass: int | None = None
@@ -65,3 +68,48 @@ class FrameworkStream(BatchStream):
         from shmpipe._torch import TorchBatches
 
         return TorchBatches(self, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def to_jax(
+        self, sharding: jax.sharding.Sharding | None = None, prefetch: int = 2, device: jax.Device | str | None = None
+    ) -> JaxBatches:
+        """This pipeline's batches with ``jax.Array``s at the array leaves.
+
+        Batches keep their structure; NumPy scalars become 0-d arrays, other
+        leaves (Python numbers, strings) stay as they are. Returns an
+        iterable; each iteration is a new pass.
+
+        On the CPU backend each array *is* the shared memory where JAX
+        allows it (a 64-byte aligned array of a dtype JAX keeps: no copy),
+        and the batch's slot goes back once the last of its arrays is freed.
+        JAX copies a 64-bit array without ``jax_enable_x64`` (it keeps
+        int64 as int32) and an unaligned one; a copy of 1 MiB or more warns.
+
+        On an accelerator a background thread puts ``prefetch`` batches on
+        the device ahead of the step (``jax.device_put``, asynchronous) and
+        lets a slot go back only once its copy is done. A producer's error
+        reaches ``next()`` as the pipeline raises it; the thread ends with
+        the pass, at ``break`` and when the pipeline closes.
+
+        Args:
+            sharding: a ``jax.sharding.Sharding`` (``NamedSharding(mesh,
+                P("data"))``) to split each array along its first axis over
+                the sharding's devices. With several processes
+                (``jax.distributed``) each process's batch is its share of
+                the global array (``jax.make_array_from_process_local_data``).
+            prefetch: batches put on the device ahead (an accelerator).
+            device: one device (a ``jax.Device``, or ``"gpu"``, ``"cpu:0"``),
+                instead of ``sharding``; by default JAX's default device.
+
+        Raises:
+            ShmpipeValueError: ``prefetch < 1``, both ``sharding`` and
+                ``device``, a device JAX does not have; at the first batch,
+                a leaf whose first axis the sharding cannot split evenly (the
+                message names it: ``batch['image']``).
+            BatchTypeError: at the first batch, a leaf JAX cannot hold
+                (strings, objects), named by its path.
+
+        See docs/jax.md.
+        """
+        from shmpipe._jax import JaxBatches
+
+        return JaxBatches(self, sharding=sharding, prefetch=prefetch, device=device)

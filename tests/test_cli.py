@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -321,7 +322,7 @@ def _command(key: str, folder) -> Command:
                        env=_child_env(), timeout=120)
     if key == "doctor's checks":
         code = ("import sys; from shmpipe import _doctor; _doctor.checks(); "
-                "print(sorted(m for m in ('torch', 'tensorflow', 'ray', 'pyarrow') if m in sys.modules))")
+                "print(sorted(m for m in ('torch', 'tensorflow', 'ray', 'pyarrow', 'jax') if m in sys.modules))")
         return Command([sys.executable, "-c", code], cwd=NEUTRAL, env=_child_env(), timeout=120)
     if key == "doctor with torch in sitecustomize":
         (folder / "sitecustomize.py").write_text("import torch\n")
@@ -361,7 +362,8 @@ def test_doctor_checks_this_machine(request):
     names = [c["name"] for c in report["checks"]]
     for name in ("/dev/shm", "memory for rings", "open files (ulimit -n)", "locked memory (ulimit -l)",
                  "transparent huge pages", "start methods", "producer start-up", "package numpy", "package pyarrow", "package ray",
-                 "package tensorflow", "package torch", "CUDA devices", "leftover segments"):
+                 "package tensorflow", "package torch", "package jax", "CUDA devices", "JAX devices",
+                 "leftover segments"):
         assert name in names
     assert all(c["status"] in ("OK", "WARN") and c["value"] for c in report["checks"])
     warned = [c for c in report["checks"] if c["status"] == "WARN"]
@@ -371,6 +373,9 @@ def test_doctor_checks_this_machine(request):
     import numpy
 
     assert next(c for c in report["checks"] if c["name"] == "package numpy")["value"] == numpy.__version__
+    if importlib.util.find_spec("jax") is not None:  # JAX's devices, asked of a child interpreter
+        jax_line = next(c for c in report["checks"] if c["name"] == "JAX devices")["value"]
+        assert jax_line.startswith(f"JAX {importlib.metadata.version('jax')}, ") and " device" in jax_line, jax_line
     text, _ = RUNS.get(request, "doctor")
     assert text.returncode == out.returncode
     assert text.stdout.startswith("shmpipe doctor: ") and "  OK    package numpy" in text.stdout

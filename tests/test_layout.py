@@ -138,7 +138,7 @@ def test_streams_are_made_above_both_shapes():
     assert {"shmpipe._pipeline", "shmpipe._group"} <= graph["shmpipe._api"]
     assert [m for m, deps in graph.items() if "shmpipe._api" in deps] == ["shmpipe"]
     # The adapters know the base of every stream, never a shape of one.
-    for adapter in ("shmpipe._torch", "shmpipe._tf"):
+    for adapter in ("shmpipe._torch", "shmpipe._tf", "shmpipe._jax"):
         assert "shmpipe._stream" in graph[adapter]
         assert not graph[adapter] & {"shmpipe._pipeline", "shmpipe._group", "shmpipe._group._rank"}
 

@@ -19,7 +19,7 @@ def in_a_fresh_python(code: str, cwd) -> str:
 def test_import_pulls_in_no_heavy_optional_dependency(tmp_path):
     code = (
         "import sys, shmpipe; "
-        "heavy = [m for m in ('ray', 'pyarrow', 'tensorflow', 'torch', 'cloudpickle') if m in sys.modules]; "
+        "heavy = [m for m in ('ray', 'pyarrow', 'tensorflow', 'torch', 'jax', 'cloudpickle') if m in sys.modules]; "
         "compiled = [m for m in ('shmpipe._ring', 'shmpipe._codec', 'shmpipe._tally') if m in sys.modules]; "
         "print(heavy + compiled)"
     )

@@ -1,0 +1,647 @@
+"""JAX arrays from a stream of batches (a Pipeline, a rank's share of a
+group's pipeline): aliases of the ring on the CPU backend, one copy,
+prefetched from a background thread, to an accelerator.
+
+Each array leaf becomes a ``jax.Array`` placed on ``device`` or split over
+``sharding``; NumPy scalars become 0-d arrays; other leaves (Python
+numbers, strings) stay as they are, as with ``to_torch()``.
+
+How a leaf gets there. ``jax.device_put`` costs about 40 µs of Python per
+array, 15 times what the pipeline spends on a whole batch; the trainer's
+CPU per batch would be ten times ``to_torch()``'s. So each leaf goes through
+the call ``jax.device_put`` ends in (jaxlib's ``batched_device_put``, 3 µs),
+with what ``device_put`` works out first (the abstract value, the devices,
+each device's slice) computed once per shape and dtype (``_Plan``). That
+call is JAX's, not public: ``_probe`` checks once per process and platform
+that it makes exactly what ``jax.device_put`` makes, and where it does not
+(or is gone) every leaf goes through ``jax.device_put``, with a warning.
+With several processes (``jax.distributed``) each leaf is this process's
+share of the global array: ``jax.make_array_from_process_local_data``.
+
+Lifetime rules:
+
+* On the CPU backend ``device_put`` *aliases* a 64-byte aligned, contiguous
+  array of a dtype JAX keeps (no copy), on every device of a sharding too
+  (each device gets its slice). The jax.Array then holds a reference to the
+  array's root (the bottom of its ``base`` chain), and the root holds the
+  slot: the slot goes back when the last jax.Array of the batch is freed,
+  as with ``torch.from_numpy``. ``_probe`` checks that JAX still holds that
+  reference; where it would not, ``_Target.put`` holds the array itself
+  until the jax.Array is collected (``weakref.finalize``), never shorter.
+  XLA never writes an aliased buffer: a donated one is copied, not reused.
+* JAX lets go of a host array *lazily*: when a jax.Array dies, jaxlib
+  queues the release of the NumPy array it held and does it at its next
+  garbage collection (another device_put, a dispatch, Python's gc, through
+  a gc callback; jax-ml/jax#14882). Until then the slot stays held: a
+  trainer that drops its batches and waits would wait for slots nothing
+  gives back. So each wait for a batch, here or on the thread, begins
+  with jaxlib's collection (``_collector``, 0.2 µs); and the thread
+  collects after it drops a host batch whose copy is done.
+* Where JAX copies on the host (a 64-bit dtype without ``jax_enable_x64``,
+  an unaligned or strided array) it copies during the call, and the
+  jax.Array holds no slot. The first batch of a ``to_jax()`` is checked,
+  and a copied leaf of COPY_WARN_BYTES or more is a warning naming it.
+* To an accelerator, ``device_put`` returns before its copy has read the
+  slot. A background thread (``_Feeder``) puts batches ahead and waits for
+  each one's copies (``jax.block_until_ready``) before it lets go of the
+  host batch, so a slot goes back once its copy is done, never before. The
+  trainer then holds device arrays only, and the slots held are at most the
+  one batch being copied.
+* The thread holds at most ``prefetch`` batches (queued or being put):
+  ``prefetch`` permits, one taken before each batch is asked of the
+  pipeline, given back when the trainer takes a batch. Where the put arrays
+  alias the slots (the thread on the host, which only tests ask for), those
+  batches and the one the step holds are all slots the consumer holds, so
+  ``prefetch + 1`` must fit ``consumer_may_hold``: refused otherwise, with
+  the capacity that would do.
+* The thread ends at the end of the pass, at an error (which the trainer's
+  ``next()`` raises: the pipeline's own exception, the same object), and
+  when the pass is abandoned (``break``, an exception in the loop, the
+  iterator dropped: ``close``) or the pipeline closes. It never outlives
+  what it waits for by more than POLL_S: each wait it makes is a poll of
+  the stop flag, and the pipeline's own waits end with the pass or the
+  pipeline. It holds neither the pass's iterator object nor the batches
+  the trainer was given, so dropping the iterator stops it.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import queue
+import threading
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shmpipe._stream import POLL_S, BatchStream
+from shmpipe._tree import leaves_with_paths, map_leaves, map_leaves_with_paths
+from shmpipe.errors import BatchTypeError, ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning
+
+if TYPE_CHECKING:
+    import jax
+
+__all__ = ["JaxBatches"]
+
+#: A leaf at least this large that JAX copies on the host earns a warning
+#: (smaller copies, a batch's int64 labels, cost microseconds).
+COPY_WARN_BYTES = 1 << 20
+#: The alignment XLA's CPU client needs to alias host memory (measured: an
+#: array 4, 8, 16 or 32 bytes off a 64-byte boundary is copied).
+ALIGNMENT = 64
+
+
+class JaxBatches:
+    """An iterable over a stream's batches as ``jax.Array``s; each
+    iteration is a new pass (as with the pipeline itself).
+
+    ``ahead`` (for tests): put batches ahead from a background thread even
+    on the CPU backend, where the host path has nothing to hide; by default
+    only an accelerator does.
+    """
+
+    def __init__(
+        self,
+        pipe: BatchStream,
+        sharding: jax.sharding.Sharding | None = None,
+        prefetch: int = 2,
+        device: jax.Device | str | None = None,
+        *,
+        ahead: bool | None = None,
+    ) -> None:
+        import jax
+
+        if type(prefetch) is not int or prefetch < 1:
+            raise ShmpipeValueError(f"to_jax(prefetch={prefetch!r}): prefetch must be an int >= 1 (batches put ahead)")
+        self.pipe = pipe
+        self.prefetch = prefetch
+        self.target = _Target(jax, sharding, device)
+        self.ahead = (not self.target.on_host) if ahead is None else bool(ahead)
+        if self.ahead and self.target.on_host:
+            _check_room(pipe, prefetch)
+        self._copies_checked = False
+        #: Makes JAX let go now of host arrays whose jax.Arrays died (the module doc).
+        self.collect = _collector()
+        #: How the thread ahead waits until a batch's copies have read its
+        #: slot. Tests, which have no accelerator, put a slower one here.
+        self.wait_for_copies: Callable[[Any], Any] = jax.block_until_ready
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.pipe)
+        if self.ahead:
+            return _AheadPass(self, it)
+        return _HostPass(self, it)
+
+    def _convert(self, batch: Any) -> Any:
+        """`batch` with each array leaf (and NumPy scalar) a jax.Array."""
+        try:
+            # Without paths: naming each leaf costs more than putting it.
+            out = map_leaves(batch, self.target.put)
+        except _Unplanned:  # a shape or dtype not seen yet: checked, with paths for the errors
+            out = map_leaves_with_paths(batch, self.target.plan_and_put)
+        if not self._copies_checked:
+            self._copies_checked = True
+            if self.target.on_host:
+                _warn_about_copies(batch, out)
+        return out
+
+
+def _collector() -> Callable[[], Any]:
+    """jaxlib's collection of the host arrays JAX no longer needs; where it
+    is gone, a collection of Python's youngest generation, which runs it
+    (JAX's gc callback)."""
+    try:
+        from jax._src.lib import _jax
+
+        collect: Callable[[], Any] = _jax.collect_garbage
+        return collect
+    except (ImportError, AttributeError):
+        return functools.partial(gc.collect, 0)
+
+
+def _check_room(pipe: BatchStream, prefetch: int) -> None:
+    """Refuses a prefetch whose aliased batches, with the one the step
+    holds, would take slots the producers need (see the module doc)."""
+    may_hold = pipe.consumer_may_hold
+    if prefetch + 1 <= may_hold:
+        return
+    if may_hold >= 2:
+        fix = f"pass prefetch <= {may_hold - 1}, or raise capacity"
+    else:
+        fix = "raise capacity"
+    raise ShmpipeValueError(
+        f"to_jax(prefetch={prefetch}) on the CPU backend holds {prefetch + 1} slots of the ring ({prefetch} "
+        f"put ahead, which alias their slots, and the batch the step holds), but this pipeline "
+        f"(capacity={pipe.capacity}, {pipe.num_workers} worker{'s' if pipe.num_workers > 1 else ''}"
+        f"{', ordered' if pipe.ordered else ''}) lends "
+        f"its consumer at most {may_hold} while the batch it waits for is still sure to come; {fix}"
+    )
+
+
+# -- where leaves go ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """What this JAX does with a host array on one platform (measured once
+    per process and platform: _probe)."""
+
+    #: jax._src's batched_device_put makes what jax.device_put makes.
+    fast: bool
+    #: A read-only, 64-byte aligned float32 array becomes a jax.Array on its memory.
+    aliases: bool
+    #: ... and that jax.Array keeps the array's root alive.
+    keeps_alive: bool
+
+
+_probes: dict[str, _Probe] = {}
+_probe_lock = threading.Lock()
+
+
+def _probe(jax: Any, device: Any) -> _Probe:
+    with _probe_lock:
+        found = _probes.get(device.platform)
+        if found is None:
+            found = _probes[device.platform] = _measure(jax, device)
+            if not found.fast:
+                warnings.warn(
+                    f"to_jax: JAX {jax.__version__} has no batched_device_put as shmpipe knows it; each array "
+                    "goes through jax.device_put (about 40 µs more per array, on the trainer's thread)",
+                    ShmpipeWarning,
+                    stacklevel=4,
+                )
+        return found
+
+
+def _measure(jax: Any, device: Any) -> _Probe:
+    root = (np.arange(ALIGNMENT + 256) % 251).astype(np.uint8)
+    start = (-root.ctypes.data) % ALIGNMENT
+    arr = root[start : start + 256].view(np.float32)
+    arr.flags.writeable = False
+    expected = arr.copy()
+    public = jax.device_put(arr, device)
+    fast = False
+    try:
+        from jax._src import core
+        from jax._src.lib import xla_client
+
+        made = xla_client.batched_device_put(
+            core.shaped_abstractify(arr), jax.sharding.SingleDeviceSharding(device), [arr], [device], True
+        )
+        fast = (
+            type(made) is type(public)
+            and made.aval == public.aval
+            and made.sharding == public.sharding
+            and made.committed == public.committed
+            and np.array_equal(np.asarray(made), expected)
+        )
+    except Exception:  # gone, renamed, or another signature: the public call will do
+        made = None
+    out = made if fast else public
+    aliases = device.platform == "cpu" and _on_memory_of(out, arr)
+    root_ref = weakref.ref(root)
+    del root, arr, made, public
+    gc.collect()
+    keeps_alive = root_ref() is not None
+    del out
+    return _Probe(fast, aliases, keeps_alive)
+
+
+def _on_memory_of(out: Any, arr: np.ndarray) -> bool:
+    """Whether every shard of jax.Array `out` lies in `arr`'s memory."""
+    lo = arr.ctypes.data
+    hi = lo + arr.nbytes
+    try:
+        return all(lo <= s.data.unsafe_buffer_pointer() < hi or arr.nbytes == 0 for s in out.addressable_shards)
+    except Exception:  # a buffer without a host pointer (an accelerator's)
+        return False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one shape and dtype of leaf goes to the target: what
+    jax.device_put works out for it, worked out once."""
+
+    aval: Any
+    devices: list[Any]
+    #: each device's slice of the leaf (None: the whole leaf, each device)
+    indices: list[Any] | None
+
+
+class _Target:
+    """Where the leaves go (a device, or a sharding's devices) and the
+    call that puts one there."""
+
+    def __init__(self, jax: Any, sharding: Any, device: Any) -> None:
+        self.jax = jax
+        if sharding is not None and device is not None:
+            raise ShmpipeValueError(
+                "to_jax: pass sharding= or device=, not both (a sharding names its devices; for one device, "
+                "jax.sharding.SingleDeviceSharding(device))"
+            )
+        if sharding is not None:
+            if not isinstance(sharding, jax.sharding.Sharding):
+                raise ShmpipeTypeError(
+                    f"to_jax(sharding=...) takes a jax.sharding.Sharding (NamedSharding(mesh, P('data'))), "
+                    f"not {type(sharding).__name__}"
+                )
+            self.sharding = sharding
+            self.committed = True
+        else:
+            found = _checked_device(jax, device)
+            if found is None:
+                # JAX's default placement (jax.default_device, the config):
+                # uncommitted, as jax.device_put(x) and jnp.asarray(x) make.
+                self.sharding = jax.device_put(np.zeros((), np.float32)).sharding
+                self.committed = False
+            else:
+                self.sharding = jax.sharding.SingleDeviceSharding(found)
+                self.committed = True
+        devices = sorted(self.sharding.addressable_devices, key=lambda d: d.id)
+        if not devices:
+            raise ShmpipeValueError(f"to_jax: the sharding {self.sharding} has no device in this process")
+        self.on_host = all(d.platform == "cpu" for d in devices)
+        #: Several processes: each leaf is this process's share of a global array.
+        self.global_ = not self.sharding.is_fully_addressable
+        probe = _probe(jax, devices[0])
+        self.fast = probe.fast and not self.global_
+        #: JAX aliases host arrays here but would not keep them alive: we do.
+        self.hold = self.on_host and probe.aliases and not probe.keeps_alive
+        self.plans: dict[tuple[tuple[int, ...], np.dtype[Any]], _Plan] = {}
+        if self.fast:
+            from jax._src import core
+            from jax._src.lib import xla_client
+
+            self._abstractify: Callable[[np.ndarray], Any] = core.shaped_abstractify
+            self._batched_put: Callable[..., Any] = xla_client.batched_device_put
+
+    def put(self, leaf: Any) -> Any:
+        """`leaf` as a jax.Array on the target, if it is an array or a
+        NumPy scalar; otherwise `leaf` itself. _Unplanned for an array of a
+        shape and dtype without a plan yet (plan_and_put makes it)."""
+        if type(leaf) is not np.ndarray:
+            if not isinstance(leaf, (np.ndarray, np.generic)):
+                return leaf
+            leaf = np.asarray(leaf)  # a NumPy scalar: a fresh 0-d array of it
+        plan = self.plans.get((leaf.shape, leaf.dtype))
+        if plan is None:
+            raise _Unplanned
+        return self._put(leaf, plan, "batch")
+
+    def plan_and_put(self, leaf: Any, path: str) -> Any:
+        """put(), making the plan of a new shape and dtype (its checks
+        name the leaf by `path`)."""
+        if type(leaf) is not np.ndarray:
+            if not isinstance(leaf, (np.ndarray, np.generic)):
+                return leaf
+            leaf = np.asarray(leaf)
+        plan = self.plans.get((leaf.shape, leaf.dtype))
+        if plan is None:
+            plan = self._plan(leaf, path)
+        return self._put(leaf, plan, path)
+
+    def _put(self, leaf: np.ndarray, plan: _Plan, path: str) -> Any:
+        if self.fast:
+            shards = [leaf] * len(plan.devices) if plan.indices is None else [leaf[i] for i in plan.indices]
+            out = self._batched_put(plan.aval, self.sharding, shards, plan.devices, self.committed)
+        elif self.global_:
+            try:
+                out = self.jax.make_array_from_process_local_data(self.sharding, leaf)
+            except ValueError as exc:
+                raise ShmpipeValueError(
+                    f"{path}: JAX cannot make it this process's share of a global array of sharding "
+                    f"{self.sharding} (shape {leaf.shape}): {exc}"
+                ) from None
+        else:
+            out = self.jax.device_put(leaf, self.sharding if self.committed else None)
+        if self.hold:
+            weakref.finalize(out, _keep, leaf)
+        return out
+
+    def _plan(self, leaf: np.ndarray, path: str) -> _Plan:
+        """Checks a new shape and dtype of leaf (the checks of the first
+        batch, before the first step) and works out how it goes."""
+        _check_dtype(self.jax, leaf.dtype, path)
+        sharding = self.sharding
+        splits = not sharding.is_fully_replicated
+        if splits and leaf.ndim == 0:
+            raise ShmpipeValueError(
+                f"{path}: a 0-d array (a NumPy scalar) cannot be split along a first axis over the "
+                f"{sharding.num_devices} devices of the sharding; make it one value per example (shape "
+                "(batch,)), or a Python number, which stays as it is"
+            )
+        if self.global_:
+            # make_array_from_process_local_data works the global shape
+            # out from each process's share; it checks the split itself.
+            plan = _Plan(None, [], None)
+        else:
+            try:
+                sharding.shard_shape(leaf.shape)
+                index_map = sharding.addressable_devices_indices_map(leaf.shape)
+            except ValueError as exc:
+                raise ShmpipeValueError(
+                    f"{path}: its first axis has {leaf.shape[0]} rows, which the sharding cannot split evenly "
+                    f"over its devices{_parts(sharding)}; make the batch size a multiple of them ({exc})"
+                ) from None
+            devices = list(index_map)
+            whole = len(devices) == 1 or sharding.is_fully_replicated
+            aval = self._abstractify(leaf) if self.fast else None
+            plan = _Plan(aval, devices, None if whole else list(index_map.values()))
+        self.plans[(leaf.shape, leaf.dtype)] = plan
+        return plan
+
+
+class _Unplanned(Exception):
+    """A leaf of a shape and dtype _Target has no plan for yet."""
+
+
+def _keep(_: Any) -> None:
+    """weakref.finalize's callback: holding its argument until then was the point."""
+
+
+def _parts(sharding: Any) -> str:
+    """' (N shards along it)' for a NamedSharding (how many ways its
+    spec splits the first axis); '' otherwise."""
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or not len(spec) or spec[0] is None:
+        return ""
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    n = 1
+    for name in names:
+        n *= mesh.shape[name]
+    return f" ({n} shards along it: mesh axes {', '.join(map(repr, names))})"
+
+
+_dtype_ok: dict[np.dtype[Any], bool] = {}
+
+
+def _check_dtype(jax: Any, dtype: np.dtype[Any], path: str) -> None:
+    """BatchTypeError naming `path` for a dtype JAX cannot hold (strings,
+    objects, datetimes, records): what jax.device_put accepts, asked once
+    per dtype on an empty array."""
+    ok = _dtype_ok.get(dtype)
+    if ok is None:
+        try:
+            jax.device_put(np.empty(0, dtype), jax.local_devices(backend="cpu")[0])
+            ok = True
+        except (TypeError, ValueError):
+            ok = False
+        _dtype_ok[dtype] = ok
+    if not ok:
+        raise BatchTypeError(f"JAX has no dtype for {dtype!r} (only numbers and bools)", path)
+
+
+def _checked_device(jax: Any, device: Any) -> Any:
+    """The jax.Device `device` names (a Device, "cpu", "gpu", "tpu",
+    "cuda:1"), refused now if there is none (rather than at the first
+    batch, which would then be lost)."""
+    if device is None or isinstance(device, jax.Device):
+        return device
+    if not isinstance(device, str):
+        raise ShmpipeTypeError(f"to_jax(device=...) takes a jax.Device or a name like 'gpu:0', not {device!r}")
+    platform, _, index = device.partition(":")
+    try:
+        local = jax.local_devices(backend=platform)
+        return local[int(index or 0)]
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise ShmpipeValueError(
+            f"to_jax(device={device!r}): JAX {jax.__version__} has no such device here "
+            f"(its devices: {', '.join(str(d) for d in jax.local_devices())}): {exc}"
+        ) from None
+
+
+def _warn_about_copies(host: Any, out: Any) -> None:
+    """After a first batch on the host: a warning for each large leaf that
+    JAX copied, with why (the module doc)."""
+    put = dict(leaves_with_paths(out))
+    for path, leaf in leaves_with_paths(host):
+        if type(leaf) is not np.ndarray or leaf.nbytes < COPY_WARN_BYTES:
+            continue
+        result = put[path]
+        if _on_memory_of(result, leaf):
+            continue
+        if result.dtype != leaf.dtype:
+            why = f"JAX keeps {leaf.dtype} as {result.dtype} (jax_enable_x64 is off)"
+        elif leaf.ctypes.data % ALIGNMENT:
+            why = f"it is not {ALIGNMENT}-byte aligned"
+        elif not leaf.flags.c_contiguous:
+            why = "it is not C-contiguous"
+        else:
+            why = "the sharding's slices of it are not 64-byte aligned, or JAX would not alias it"
+        warnings.warn(
+            f"to_jax copies {path} ({leaf.nbytes:,} bytes) for each batch: {why}; see docs/jax.md",
+            ShmpipeWarning,
+            stacklevel=4,
+        )
+
+
+# -- the passes ---------------------------------------------------------------
+
+
+class _HostPass:
+    """One pass on the CPU backend: each batch put on the caller's thread
+    (aliasing costs microseconds; there is nothing to hide). An iterator
+    object, not a generator: a suspended generator would keep the batch it
+    yielded last (and its slot) until the next one."""
+
+    __slots__ = ("batches", "it")
+
+    def __init__(self, batches: JaxBatches, it: Iterator[Any]) -> None:
+        self.batches, self.it = batches, it
+
+    def __iter__(self) -> _HostPass:
+        return self
+
+    def __next__(self) -> Any:
+        batches = self.batches
+        batches.collect()  # the slots of arrays the trainer dropped go back before the wait
+        return batches._convert(next(self.it))
+
+
+_END = object()
+
+
+class _Raised:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Feeder:
+    """What the background thread of one pass runs, and all it shares with
+    the trainer's thread (the pass object itself is not shared: dropping it
+    stops the thread)."""
+
+    def __init__(
+        self,
+        it: Iterator[Any],
+        batches: JaxBatches,
+        prefetch: int,
+        stream: BatchStream,
+    ) -> None:
+        self.it: Iterator[Any] | None = it
+        self.convert = batches._convert
+        self.wait = batches.wait_for_copies
+        self.collect = batches.collect
+        self.stream = stream
+        #: (batch,), _END or _Raised, in order
+        self.ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.permits = threading.Semaphore(prefetch)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        host = out = None
+        try:
+            while self._permitted():
+                assert self.it is not None
+                self.collect()  # what the trainer dropped goes back before the wait
+                try:
+                    host = next(self.it)
+                except StopIteration:
+                    self.ready.put(_END)
+                    return
+                if self.stop.is_set():
+                    return  # abandoned while it waited: the batch goes back unread
+                out = self.convert(host)
+                # The copies have read the slot once they are ready: only
+                # then may the slot go back (on the host, where the arrays
+                # alias the slot, they hold it themselves).
+                self.wait(out)
+                host = None
+                self.collect()  # JAX's own reference to the host batch, kept until the copy was done
+                self.ready.put((out,))
+                out = None
+        except BaseException as exc:
+            host = out = None
+            # The frames of the traceback would hold the batch (and its
+            # slot) for as long as the exception lives.
+            traceback.clear_frames(exc.__traceback__)
+            self.ready.put(_Raised(exc))
+        finally:
+            self.it = None  # the pass, and with it the stream
+            if self.stop.is_set():
+                self.drain()
+                self.collect()
+
+    def _permitted(self) -> bool:
+        """Waits for a permit; False once the pass is abandoned."""
+        while not self.permits.acquire(timeout=POLL_S):
+            if self.stop.is_set():
+                return False
+            if self.stream.closed:
+                return True  # next() raises the pipeline's own PipelineClosedError
+        return not self.stop.is_set()
+
+    def take(self, thread: threading.Thread) -> Any:
+        """The next item the thread made (the trainer's side)."""
+        while True:
+            try:
+                item = self.ready.get(timeout=POLL_S)
+            except queue.Empty:
+                if not thread.is_alive() and self.ready.empty():
+                    raise RuntimeError("to_jax's thread ended without a batch, an end or an error") from None
+                continue
+            self.permits.release()
+            return item
+
+    def drain(self) -> None:
+        """Drops what was put ahead (on the host, their slots go back)."""
+        while True:
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                return
+
+
+class _AheadPass:
+    """One pass whose batches a background thread puts on the device
+    ahead of the step (see the module doc)."""
+
+    __slots__ = ("feeder", "thread", "finished", "__weakref__")
+
+    def __init__(self, batches: JaxBatches, it: Iterator[Any]) -> None:
+        self.finished = False
+        self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe)
+        self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
+        self.thread.start()
+
+    def __iter__(self) -> _AheadPass:
+        return self
+
+    def __next__(self) -> Any:
+        if self.finished:
+            raise StopIteration
+        feeder = self.feeder
+        feeder.collect()  # the slots of arrays the trainer dropped go back while it waits
+        item = feeder.take(self.thread)
+        if type(item) is tuple:
+            return item[0]
+        self.finished = True
+        self.thread.join(timeout=POLL_S * 10)  # it has put its last item: it is returning
+        if item is _END:
+            raise StopIteration
+        exc = item.exc
+        del item
+        raise exc
+
+    def close(self) -> None:
+        """Abandons the pass: the thread stops within POLL_S (or, if it
+        waits for a batch, when that comes), and what it put ahead goes."""
+        self.finished = True
+        self.feeder.stop.set()
+        self.feeder.drain()
+        self.feeder.collect()
+
+    def __del__(self) -> None:
+        feeder = getattr(self, "feeder", None)
+        if feeder is not None:
+            feeder.stop.set()
+            feeder.drain()
+            feeder.collect()

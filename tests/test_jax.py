@@ -1,0 +1,503 @@
+"""JAX arrays from a pipeline, with the CPU build of jax.
+
+There is no accelerator here. On the CPU backend the arrays alias the
+ring, which is what most of these tests check. The accelerator's path (a
+background thread that puts batches ahead and lets a slot go only once its
+copy is done) runs here too, forced with ``ahead=True``, and its rule is
+checked with leaves JAX copies (float64, which it keeps as float32) and a
+wait for the copies that the test holds shut. Several devices are forced
+host devices (``XLA_FLAGS=--xla_force_host_platform_device_count``), which
+must be set before jax is imported: those cases run in child interpreters,
+and so do two processes of a real ``jax.distributed`` job (Gloo, on the
+CPU), all three at once, from a directory away from the checkout."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from conftest import Command, run_together  # noqa: E402
+
+import shmpipe  # noqa: E402
+from shmpipe import _ring  # noqa: E402
+from shmpipe._jax import JaxBatches, _probe  # noqa: E402
+from shmpipe.testing.sources import Counter, Fixed, LinearXY, Raiser, payload_for  # noqa: E402
+
+T = 60.0
+
+
+def in_segment(x, pipe) -> bool:
+    lo = pipe.channel.segment.address
+    return all(lo <= s.data.unsafe_buffer_pointer() < lo + pipe.channel.segment.size for s in x.addressable_shards)
+
+
+def held_seqs(pipe) -> set[int]:
+    ring = pipe.channel.ring
+    return {ring.slot_info(i)[3] for i in range(ring.nslots) if ring.slot_info(i)[0] == _ring.HELD}
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def feeders() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "shmpipe-to_jax"]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left():
+    yield
+    assert wait_until(lambda: not feeders(), 5.0), "a to_jax thread outlived its test"
+
+
+# -- the CPU backend: aliases ---------------------------------------------------
+
+
+def test_arrays_alias_the_shared_memory():
+    with shmpipe.from_iterators([Counter(6, shape=(32, 32))] * 2, timeout=T) as pipe:
+        seen = []
+        for b in pipe.to_jax():
+            assert isinstance(b["data"], jax.Array) and b["data"].dtype == np.float32
+            assert in_segment(b["data"], pipe), "the array is a copy"
+            np.testing.assert_array_equal(np.asarray(b["data"]), payload_for(b["worker"], b["seq"], (32, 32)))
+            assert isinstance(b["seq"], int) and isinstance(b["checksum"], float)  # Python scalars stay
+            seen.append((b["worker"], b["seq"]))
+    assert sorted(seen) == [(w, s) for w in range(2) for s in range(6)]
+
+
+def test_this_jax_aliases_and_keeps_the_host_array_alive():
+    # What the host path rests on (measured once per process): were JAX to
+    # stop holding the array, to_jax would hold it itself (target.hold).
+    probe = _probe(jax, jax.local_devices(backend="cpu")[0])
+    assert probe.fast and probe.aliases and probe.keeps_alive
+    with shmpipe.from_iterators([Counter(1)], timeout=T) as pipe:
+        assert pipe.to_jax().target.hold is False
+        list(pipe)
+
+
+def test_a_slot_is_held_while_an_array_lives():
+    with shmpipe.from_iterators([Counter(30, shape=(256,))], capacity=8, timeout=T) as pipe:
+        it = iter(pipe.to_jax())
+        kept = [next(it)["data"] for _ in range(3)]  # the batches themselves are dropped at once
+        gc.collect()
+        assert held_seqs(pipe) == {0, 1, 2}, "the arrays hold their slots"
+        assert [float(x[0]) for x in kept] == [payload_for(0, s, (256,))[0] for s in range(3)]
+        del kept[0]
+        gc.collect()
+        assert held_seqs(pipe) == {1, 2}
+        del kept
+        gc.collect()
+        assert held_seqs(pipe) == set()
+        assert [b["seq"] for b in it] == list(range(3, 30))
+
+
+@pytest.fixture
+def no_gc():
+    """Python's gc off: JAX then lets go of a dead array's host memory only
+    when jaxlib collects its garbage (at its next call), which to_jax does
+    before each wait for a batch."""
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_a_small_ring_whose_batches_are_dropped_never_waits_on_jax(no_gc):
+    # capacity 2 lends the trainer one slot: the batch it holds. The one it
+    # dropped must be free by the time it waits for the next.
+    with shmpipe.from_iterators([Counter(30, shape=(64,))], capacity=2, timeout=10) as pipe:
+        assert [b["seq"] for b in pipe.to_jax()] == list(range(30))
+        it = iter(pipe.to_jax())
+        b = next(it)
+        del b
+        assert held_seqs(pipe) == {0}, "JAX lets go lazily (jax-ml/jax#14882)"
+        b = next(it)
+        assert b["seq"] == 1 and held_seqs(pipe) == {1}  # next() collected batch 0 before its wait
+        del b, it
+
+
+def test_nesting_numpy_scalars_python_values_and_new_passes():
+    batch = {"t": (np.arange(3, dtype=np.int16), [np.float64(2.5), "s"]), "n": np.int64(7), "u": np.zeros(2, np.uint8)}
+    with shmpipe.from_iterators([Fixed([batch, batch])], timeout=T) as pipe:
+        batches = pipe.to_jax()
+        for _ in range(2):  # each iteration is a pass
+            out = list(batches)
+            assert len(out) == 2
+            b = out[0]
+            assert isinstance(b["t"], tuple) and isinstance(b["t"][1], list)
+            assert b["t"][0].dtype == np.int16 and b["t"][0].tolist() == [0, 1, 2]
+            # NumPy scalars become 0-d arrays, 64-bit kept as JAX keeps them
+            assert b["t"][1][0].shape == () and b["t"][1][0].dtype == np.float32 and float(b["t"][1][0]) == 2.5
+            assert b["n"].dtype == np.int32 and int(b["n"]) == 7
+            assert b["t"][1][1] == "s" and b["u"].dtype == np.uint8
+
+
+def test_a_copied_leaf_holds_no_slot_and_a_large_one_warns():
+    # float64 without jax_enable_x64 becomes float32: a copy, made during
+    # the call; the array then holds no slot.
+    with shmpipe.from_iterators([Counter(4, shape=(64,), dtype=np.float64)], capacity=4, timeout=T) as pipe:
+        kept = [b["data"] for b in pipe.to_jax()]
+        assert held_seqs(pipe) == set() and kept[3].dtype == np.float32  # (JAX let go at the next put)
+        np.testing.assert_allclose(np.asarray(kept[3]), payload_for(0, 3, (64,), np.float64), rtol=1e-6)
+    with shmpipe.from_iterators([Counter(3, shape=(512, 512), dtype=np.float64)], timeout=T) as pipe:
+        with pytest.warns(shmpipe.ShmpipeWarning, match=r"copies batch\['data'\] \(2,097,152 bytes\).*float64 as float32"):
+            assert len(list(pipe.to_jax())) == 3
+
+
+def test_a_training_step():
+    w = jax.numpy.zeros((8, 1))
+
+    @jax.jit
+    def step(w, x, y):
+        loss, g = jax.value_and_grad(lambda w: ((x @ w - y) ** 2).mean())(w)
+        return w - 0.05 * g, loss
+
+    losses = []
+    with shmpipe.from_iterators([LinearXY(10)] * 2, timeout=T) as pipe:
+        for _ in range(3):
+            total = 0.0
+            for x, y in pipe.to_jax():
+                w, loss = step(w, x, y)
+                total += float(loss)
+            losses.append(total)
+    assert losses[-1] < losses[0]
+
+
+# -- bad input: refused before the first step, named ------------------------------
+
+
+@pytest.mark.parametrize("bad, says", [
+    (np.array(["x"]), "JAX has no dtype"), (np.array(["x"], dtype="S1"), "JAX has no dtype"),
+    (np.zeros(2, "M8[s]"), "JAX has no dtype"),
+    (np.array([object()], dtype=object), "cannot be carried"),  # the pipeline itself refuses objects
+])
+def test_a_leaf_jax_cannot_hold_is_a_type_error_with_its_path(bad, says):
+    batch = {"ok": np.zeros(2), "bad": [bad]}
+    with shmpipe.from_iterators([Fixed([batch])], timeout=T) as pipe:
+        with pytest.raises(shmpipe.BatchTypeError, match=rf"batch\['bad'\]\[0\]: .*{says}") as info:
+            next(iter(pipe.to_jax()))
+        assert isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize("prefetch", [0, -1, 1.5, True, "2"])
+def test_a_prefetch_below_one_is_refused(prefetch):
+    with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=r"to_jax\(prefetch=.*must be an int >= 1"):
+            pipe.to_jax(prefetch=prefetch)
+        assert [b["seq"] for b in pipe] == [0, 1, 2]  # nothing was lost
+
+
+def test_a_device_or_sharding_jax_cannot_use_is_refused_before_any_batch_is_taken():
+    cpu = jax.local_devices(backend="cpu")[0]
+    with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
+        for device in ("bogus", "cpu:99", "gpu"):
+            with pytest.raises(shmpipe.ShmpipeValueError, match=r"to_jax\(device=.*JAX .* has no such device"):
+                pipe.to_jax(device=device)
+        with pytest.raises(shmpipe.ShmpipeTypeError, match="jax.Device"):
+            pipe.to_jax(device=3)
+        with pytest.raises(shmpipe.ShmpipeTypeError, match=r"sharding=.*jax.sharding.Sharding"):
+            pipe.to_jax(sharding="data")
+        with pytest.raises(shmpipe.ShmpipeValueError, match="not both"):
+            pipe.to_jax(sharding=jax.sharding.SingleDeviceSharding(cpu), device=cpu)
+        assert [b["data"].devices() == {cpu} for b in pipe.to_jax(device="cpu:0")] == [True] * 3
+
+
+# -- the accelerator's path: a thread puts batches ahead ---------------------------
+
+
+def test_ahead_every_batch_arrives_in_order_and_the_thread_ends_with_the_pass():
+    with shmpipe.from_iterators([Counter(20, shape=(8, 8))], timeout=T) as pipe:
+        batches = JaxBatches(pipe, prefetch=2, ahead=True)
+        for _ in range(2):
+            seqs = []
+            for b in batches:
+                np.testing.assert_array_equal(np.asarray(b["data"]), payload_for(0, b["seq"], (8, 8)))
+                seqs.append(b["seq"])
+            assert seqs == list(range(20))
+            assert wait_until(lambda: not feeders(), 5.0)
+
+
+def test_ahead_holds_prefetch_batches_beyond_the_step():
+    with shmpipe.from_iterators([Counter(30, shape=(64,))], capacity=8, timeout=T) as pipe:
+        it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
+        b = next(it)
+        # the step's batch and two put ahead (on the host they alias their slots)
+        assert wait_until(lambda: held_seqs(pipe) == {0, 1, 2}), held_seqs(pipe)
+        time.sleep(0.3)
+        assert held_seqs(pipe) == {0, 1, 2}, "the thread took more than prefetch batches"
+        assert b["seq"] == 0 and [next(it)["seq"] for _ in range(3)] == [1, 2, 3]
+        del b
+        it.close()
+        assert wait_until(lambda: not feeders())
+        gc.collect()
+        assert wait_until(lambda: held_seqs(pipe) == set())
+
+
+def test_ahead_a_slot_goes_back_only_once_its_copy_is_done(no_gc):
+    # float64 leaves are copied (JAX keeps them as float32), so the arrays
+    # do not hold the slot: only the thread's wait for the copy does. That
+    # wait is held shut here, as a slow copy to a GPU would be.
+    gate = threading.Event()
+    waited = []
+
+    def slow_copy(out):
+        waited.append(out["seq"])
+        assert gate.wait(T)
+        return jax.block_until_ready(out)
+
+    with shmpipe.from_iterators([Counter(6, shape=(64,), dtype=np.float64)], capacity=4, timeout=T) as pipe:
+        batches = JaxBatches(pipe, prefetch=1, ahead=True)
+        batches.wait_for_copies = slow_copy
+        it = iter(batches)
+        assert wait_until(lambda: waited == [0])
+        time.sleep(0.1)
+        assert held_seqs(pipe) == {0}, "the slot went back before its copy was done"
+        gate.set()
+        b = next(it)
+        assert b["seq"] == 0 and b["data"].dtype == np.float32
+        assert wait_until(lambda: 0 not in held_seqs(pipe)), "the copy is done: its slot goes back"
+        assert [b["seq"] for b in it] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("capacity, prefetch, workers", [(2, 1, 1), (3, 2, 1), (6, 2, 4)])
+def test_ahead_on_the_host_is_refused_where_the_ring_cannot_lend_prefetch_slots(capacity, prefetch, workers):
+    with shmpipe.from_iterators([Counter(2)] * workers, capacity=capacity, ordered=workers > 1, timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=rf"capacity={capacity}.*at most {pipe.consumer_may_hold}"):
+            JaxBatches(pipe, prefetch=prefetch, ahead=True)
+        assert sum(1 for _ in pipe) == 2 * workers
+
+
+def test_ahead_on_a_small_ring_never_deadlocks(no_gc):
+    # capacity 3 lends 2: the step's batch and one put ahead
+    with shmpipe.from_iterators([Counter(40, shape=(64,))], capacity=3, timeout=10) as pipe:
+        kept = []
+        for b in JaxBatches(pipe, prefetch=1, ahead=True):
+            kept = [b]  # the step holds its batch while the next comes
+        assert kept[0]["seq"] == 39
+
+
+def test_ahead_a_producers_error_reaches_next_as_the_pipeline_raises_it():
+    with shmpipe.from_iterators([Raiser(3, KeyError, "boom from the source")], timeout=T) as pipe:
+        it = iter(pipe)
+        with pytest.raises(shmpipe.WorkerError) as plain:
+            for _ in it:
+                pass
+    with shmpipe.from_iterators([Raiser(3, KeyError, "boom from the source")], timeout=T) as pipe:
+        seqs = []
+        with pytest.raises(shmpipe.WorkerError, match="raised builtins.KeyError: 'boom from the source'") as ahead:
+            for b in JaxBatches(pipe, ahead=True):
+                seqs.append(b["seq"])
+        assert seqs == [0, 1, 2] and type(ahead.value) is type(plain.value)
+        assert wait_until(lambda: not feeders())
+
+
+def test_ahead_a_bad_leaf_reaches_the_first_next():
+    with shmpipe.from_iterators([Fixed([{"s": np.array(["x"])}])], timeout=T) as pipe:
+        with pytest.raises(shmpipe.BatchTypeError, match=r"batch\['s'\]"):
+            next(iter(JaxBatches(pipe, ahead=True)))
+
+
+@pytest.mark.parametrize("how", ["break", "exception", "close"])
+def test_ahead_the_thread_ends_when_the_pass_is_abandoned(how):
+    with shmpipe.from_iterators([Counter(200, shape=(64,))], capacity=8, timeout=T) as pipe:
+        batches = JaxBatches(pipe, ahead=True)
+
+        def abandon():
+            for b in batches:
+                if b["seq"] == 3:
+                    if how == "exception":
+                        raise RuntimeError("the step failed")
+                    if how == "close":
+                        pipe.close()
+                    break
+
+        if how == "exception":
+            with pytest.raises(RuntimeError):
+                abandon()
+        else:
+            abandon()
+        gc.collect()
+        assert wait_until(lambda: not feeders()), "the thread outlived its pass"
+        if how != "close":
+            assert wait_until(lambda: held_seqs(pipe) == set())  # what was put ahead went back
+            assert [b["seq"] for b in batches] == list(range(200))  # and the next pass is whole
+
+
+def test_ahead_a_close_from_the_trainer_ends_the_thread_and_next_says_closed():
+    with shmpipe.from_iterators([Counter(1000, shape=(64,), delay=0.01)], timeout=T) as pipe:
+        it = iter(JaxBatches(pipe, ahead=True))
+        next(it)
+        pipe.close()
+        with pytest.raises(shmpipe.PipelineClosedError):
+            for _ in range(10):
+                next(it)
+        assert wait_until(lambda: not feeders())
+
+
+# -- several devices, several processes: child interpreters -------------------------
+
+
+DEVICES = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import numpy as np, jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import shmpipe
+    from shmpipe._jax import JaxBatches
+    from shmpipe.testing.sources import Counter, Fixed, payload_for
+
+    def in_segment(x, pipe):
+        lo = pipe.channel.segment.address
+        return all(lo <= s.data.unsafe_buffer_pointer() < lo + pipe.channel.segment.size for s in x.addressable_shards)
+
+    def report(name, **values):
+        print(json.dumps({"case": name, **values}), flush=True)
+
+    if __name__ == "__main__":
+        mesh = jax.make_mesh((4,), ("data",))
+        data = NamedSharding(mesh, P("data"))
+        for ahead in (False, True):
+            with shmpipe.from_iterators([Counter(5, shape=(8, 16))] * 2, timeout=60) as pipe:
+                rows, shards, aliased, equal, n = set(), set(), [], [], 0
+                for b in JaxBatches(pipe, sharding=data, ahead=ahead):
+                    x = b["data"]
+                    rows.add(tuple(s.data.shape for s in x.addressable_shards))
+                    shards.add(x.sharding == data)
+                    aliased.append(in_segment(x, pipe))
+                    equal.append(bool((np.asarray(x) == payload_for(b["worker"], b["seq"], (8, 16))).all()))
+                    n += 1
+                report("sharded", ahead=ahead, n=n, rows=sorted(rows), same_sharding=sorted(shards),
+                       aliased=all(aliased), equal=all(equal))
+        with shmpipe.from_iterators([Counter(2, shape=(8, 16))], timeout=60) as pipe:
+            third = jax.devices()[2]
+            b = next(iter(pipe.to_jax(device=third)))
+            report("device", devices=[str(d) for d in b["data"].devices()], aliased=in_segment(b["data"], pipe))
+        with shmpipe.from_iterators([Counter(2, shape=(8, 16))], timeout=60) as pipe:
+            b = next(iter(pipe.to_jax(sharding=NamedSharding(mesh, P()))))
+            report("replicated", shards=len(b["data"].addressable_shards), aliased=in_segment(b["data"], pipe))
+        for name, batch in [("rows", {"image": np.zeros((6, 3), np.float32)}),
+                            ("scalar", {"image": np.zeros((8, 3), np.float32), "n": np.int64(3)})]:
+            for ahead in (False, True):
+                with shmpipe.from_iterators([Fixed([batch])], timeout=60) as pipe:
+                    try:
+                        next(iter(JaxBatches(pipe, sharding=data, ahead=ahead)))
+                        report(name, ahead=ahead, error=None)
+                    except shmpipe.ShmpipeValueError as exc:
+                        report(name, ahead=ahead, error=str(exc))
+    """
+)
+
+DISTRIBUTED = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import numpy as np, jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import shmpipe
+    from shmpipe.testing.sources import Fixed
+
+    if __name__ == "__main__":
+        process, port = int(sys.argv[1]), sys.argv[2]
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
+                                   initialization_timeout=60)
+        data = NamedSharding(jax.make_mesh((4,), ("data",)), P("data"))
+        # Each process's batches: 4 rows of its own (its share of 8).
+        # (16 float32 a row: each device's 2 rows are 64-byte aligned)
+        mine = [{"x": np.full((4, 16), 10 * process + i, np.float32)} for i in range(3)]
+        total = jax.jit(lambda x: x.sum(axis=1))
+        with shmpipe.from_iterators([Fixed(mine)], timeout=60) as pipe:
+            lo, size = pipe.memory_ranges()[0] if pipe.memory_ranges() else (0, 0)
+            out = []
+            for b in pipe.to_jax(sharding=data):
+                x = b["x"]
+                if not out:
+                    lo, size = pipe.memory_ranges()[0]
+                aliased = all(lo <= s.data.unsafe_buffer_pointer() < lo + size for s in x.addressable_shards)
+                rows = total(x)  # a computation over both processes' devices
+                local = sorted(float(v) for s in rows.addressable_shards for v in np.asarray(s.data))
+                out.append({"shape": list(x.shape), "local_rows": local, "aliased": aliased})
+        print(json.dumps({"process": process, "batches": out}), flush=True)
+        jax.distributed.shutdown()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """The child interpreters' output, all three run at once (the two
+    processes of the distributed job must run together)."""
+    folder = tmp_path_factory.mktemp("jax")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
+    port = str(_free_port())
+    commands = {
+        "devices": Command([sys.executable, "-c", DEVICES], cwd=folder, env=env, timeout=120),
+        **{p: Command([sys.executable, "-c", DISTRIBUTED, str(p), port], cwd=folder, env=env, timeout=120)
+           for p in (0, 1)},
+    }
+    return run_together(commands, jobs=3)
+
+
+def _cases(proc) -> list[dict]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_a_sharding_splits_each_leaf_over_the_devices_and_each_shard_aliases_its_slot(children):
+    cases = [c for c in _cases(children["devices"]) if c["case"] == "sharded"]
+    assert [c["ahead"] for c in cases] == [False, True]
+    for c in cases:
+        assert c["n"] == 10 and c["equal"] and c["aliased"], c
+        assert c["rows"] == [[[2, 16]] * 4] and c["same_sharding"] == [True], c
+
+
+def test_one_device_of_several_and_a_replicated_sharding(children):
+    cases = {c["case"]: c for c in _cases(children["devices"])}
+    assert cases["device"] == {"case": "device", "devices": ["cpu:2"], "aliased": True}
+    assert cases["replicated"] == {"case": "replicated", "shards": 4, "aliased": True}
+
+
+def test_a_sharding_that_cannot_split_a_leaf_is_refused_with_its_path(children):
+    cases = _cases(children["devices"])
+    rows = [c for c in cases if c["case"] == "rows"]
+    scalar = [c for c in cases if c["case"] == "scalar"]
+    assert len(rows) == len(scalar) == 2  # on the caller's thread and from the thread ahead
+    for c in rows:
+        assert c["error"].startswith("batch['image']: its first axis has 6 rows"), c
+        assert "4 shards along it" in c["error"], c
+    for c in scalar:
+        assert c["error"].startswith("batch['n']: a 0-d array"), c
+
+
+def test_several_processes_each_give_their_share_of_the_global_batch(children):
+    outs = {p: _cases(children[p])[0] for p in (0, 1)}
+    for p, out in outs.items():
+        batches = out["batches"]
+        assert len(batches) == 3
+        for i, b in enumerate(batches):
+            assert b["shape"] == [8, 16], b  # 4 rows of each process
+            # the rows this process holds of the global result are its own
+            assert b["local_rows"] == [16.0 * (10 * p + i)] * 4, b
+            assert b["aliased"], b
