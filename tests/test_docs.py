@@ -30,9 +30,12 @@ EXPECTED = {
     "tf_data_before.py": ("migration/tf-data.md", "epochs: 2, images per epoch: 256, checksum: 220020"),
     "tf_data_after.py": ("migration/tf-data.md", "epochs: 2, images per epoch: 256, checksum: 220020"),
     "long_runs.py": ("long-runs.md", "batches: 39, resumed after 20: 19 more, same batches: True"),
+    "grain_before.py": ("migration/grain.md", "epochs: 2, batches: 16, checksum: 2261504"),
+    "grain_after.py": ("migration/grain.md", "epochs: 2, batches: 16, checksum: 2261504"),
 }
 #: what each snippet needs installed
-NEEDS = {"ray_before.py": "ray.util.iter", "dataloader": "torch", "tf_data": "tensorflow", "long_runs": "torch"}
+NEEDS = {"ray_before.py": "ray.util.iter", "dataloader": "torch", "tf_data": "tensorflow", "long_runs": "torch",
+         "grain": "jax", "grain_before.py": "grain.python"}
 
 #: the modules whose public names the API reference must document
 API_MODULES = ["shmpipe", "shmpipe.transport", "shmpipe.registry", "shmpipe.errors"]
@@ -83,7 +86,7 @@ SNIPPET_RUNS = SharedRuns(
 )
 
 
-@pytest.mark.timeout(900)  # the first runs them all: 8 scripts of up to 360 s each, three at a time
+@pytest.mark.timeout(900)  # the first runs them all: 10 scripts of up to 360 s each, three at a time
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_snippet_runs_and_prints_what_its_page_says(name, request):
     for key, module in NEEDS.items():

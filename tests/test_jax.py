@@ -409,31 +409,42 @@ DISTRIBUTED = textwrap.dedent(
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import numpy as np, jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
     import shmpipe
-    from shmpipe.testing.sources import Fixed
+
+    class Samples:
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, k):  # 16 float32 a row: each device's rows are 64-byte aligned
+            return {"x": np.full(16, k, np.float32)}
 
     if __name__ == "__main__":
         process, port = int(sys.argv[1]), sys.argv[2]
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process,
                                    initialization_timeout=60)
         data = NamedSharding(jax.make_mesh((4,), ("data",)), P("data"))
-        # Each process's batches: 4 rows of its own (its share of 8).
-        # (16 float32 a row: each device's 2 rows are 64-byte aligned)
-        mine = [{"x": np.full((4, 16), 10 * process + i, np.float32)} for i in range(3)]
-        total = jax.jit(lambda x: x.sum(axis=1))
-        with shmpipe.from_iterators([Fixed(mine)], timeout=60) as pipe:
-            lo, size = pipe.memory_ranges()[0] if pipe.memory_ranges() else (0, 0)
-            out = []
+        # Each process is a node of shmpipe's: its pipeline draws its own
+        # share of the epoch's batches, and each batch is its share of the
+        # global batch.
+        pipe = shmpipe.from_dataset(Samples(), batch_size=4, shuffle=True, seed=7, num_workers=1, timeout=60,
+                                    fetch_while_starting=False,  # every batch from the ring, none made here
+                                    num_nodes=jax.process_count(), node_rank=jax.process_index())
+        row_sums = jax.jit(lambda x: x.sum(axis=1))
+        with pipe:
+            steps = []
             for b in pipe.to_jax(sharding=data):
                 x = b["x"]
-                if not out:
-                    lo, size = pipe.memory_ranges()[0]
+                lo, size = pipe.memory_ranges()[0]
                 aliased = all(lo <= s.data.unsafe_buffer_pointer() < lo + size for s in x.addressable_shards)
-                rows = total(x)  # a computation over both processes' devices
-                local = sorted(float(v) for s in rows.addressable_shards for v in np.asarray(s.data))
-                out.append({"shape": list(x.shape), "local_rows": local, "aliased": aliased})
-        print(json.dumps({"process": process, "batches": out}), flush=True)
+                sums = row_sums(x)  # a computation over both processes' devices
+                everyone = multihost_utils.process_allgather(x, tiled=True)  # the global batch, here too
+                steps.append({"shape": list(x.shape), "aliased": aliased,
+                              "samples": [int(v) for v in everyone[:, 0]],
+                              "sums_right": bool((np.asarray(multihost_utils.process_allgather(sums, tiled=True))
+                                                  == everyone.sum(axis=1)).all())})
+        print(json.dumps({"process": process, "steps": steps}), flush=True)
         jax.distributed.shutdown()
     """
 )
@@ -493,11 +504,12 @@ def test_a_sharding_that_cannot_split_a_leaf_is_refused_with_its_path(children):
 
 def test_several_processes_each_give_their_share_of_the_global_batch(children):
     outs = {p: _cases(children[p])[0] for p in (0, 1)}
-    for p, out in outs.items():
-        batches = out["batches"]
-        assert len(batches) == 3
-        for i, b in enumerate(batches):
-            assert b["shape"] == [8, 16], b  # 4 rows of each process
-            # the rows this process holds of the global result are its own
-            assert b["local_rows"] == [16.0 * (10 * p + i)] * 4, b
-            assert b["aliased"], b
+    steps = {p: out["steps"] for p, out in outs.items()}
+    assert len(steps[0]) == len(steps[1]) == 6  # 12 batches of 4 in the epoch, half on each
+    for p in (0, 1):
+        for step in steps[p]:
+            assert step["shape"] == [8, 16] and step["aliased"] and step["sums_right"], step
+    # Both see the same global batches, each made of both processes' shares,
+    # and the epoch's 48 samples each once.
+    assert [s["samples"] for s in steps[0]] == [s["samples"] for s in steps[1]]
+    assert sorted(k for s in steps[0] for k in s["samples"]) == list(range(48))
