@@ -59,9 +59,11 @@ Lifetime rules:
   when the pass is abandoned (``break``, an exception in the loop, the
   iterator dropped: ``close``) or the pipeline closes. It never outlives
   what it waits for by more than POLL_S: each wait it makes is a poll of
-  the stop flag, and the pipeline's own waits end with the pass or the
-  pipeline. It holds neither the pass's iterator object nor the batches
-  the trainer was given, so dropping the iterator stops it.
+  the stop flag, and the pipeline's own wait for a batch ends with the
+  batch, the pipeline's close, or a new pass begun meanwhile (which the
+  pipeline answers, in the old pass's wait, with PipelineClosedError). It
+  holds the pipeline's pass but not the to_jax pass object (``_AheadPass``),
+  nor the batches the trainer was given, so dropping the iterator stops it.
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def _probe(jax: Any, device: Any) -> _Probe:
                     f"to_jax: JAX {jax.__version__} has no batched_device_put as shmpipe knows it; each array "
                     "goes through jax.device_put (about 40 µs more per array, on the trainer's thread)",
                     ShmpipeWarning,
-                    stacklevel=4,
+                    stacklevel=5,  # the caller of to_jax()
                 )
         return found
 
