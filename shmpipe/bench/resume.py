@@ -480,7 +480,7 @@ def plot(results: list[LoaderResult], path: str, title: str) -> None:
     for y, (v, (_, hi)) in enumerate(zip(rates, spread, strict=True)):
         left.text(max(v, hi), y, f" {v:,.0f}/s", va="center", fontsize=8)
     left.set_xlim(0, max((hi for _, hi in spread), default=1) * 1.3)
-    left.set_xlabel("images/s, one epoch (bar: median of the rounds; whiskers: slowest and fastest)")
+    left.set_xlabel("images/s, one epoch (median; whiskers: slowest, fastest)")
     left.set_title("Throughput")
     shades = ["#222222", "#5b5b5b", "#8c8c8c", "#bdbdbd", "#dedede"]
     height = 0.8 / (len(labels) + 1)
@@ -499,7 +499,7 @@ def plot(results: list[LoaderResult], path: str, title: str) -> None:
     right.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     right.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g} s"))
     right.xaxis.set_minor_formatter(NullFormatter())
-    right.set_xlabel("to the first batch, median (log scale); new process: shmpipe's import and start inside")
+    right.set_xlabel("to the first batch, median (log scale)")
     right.set_title("First batch: in a new process (as a restarted job), and warm")
     right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)
