@@ -3,7 +3,7 @@
     shmpipe bench feed         how long a training loop waits for its next batch, every way of feeding it
     shmpipe bench throughput   transport-bound GB/s and batches/s, every transport
     shmpipe bench serialize    every serialization path, in one process
-    shmpipe bench train        end to end: a JPEG pipeline into Keras and torch training, every loader
+    shmpipe bench train        end to end: a JPEG pipeline into Keras, torch and JAX training, every loader
     shmpipe bench ranks        N ranks fed by one shared pool vs one pipeline or DataLoader each
     shmpipe bench resume       a JPEG dataset: images/s and the first batch after resuming, shmpipe and its peers
     shmpipe bench nodes        K simulated nodes x L ranks, each rank a fresh process: shmpipe vs DistributedSampler
@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--plot", metavar="FILE.png",
                    help="draw time per batch against batch size into FILE.png (default: no plot)")
     td = train.TrainConfig()  # the defaults, said once
-    d = kinds.add_parser("train", help="end to end: a JPEG pipeline into Keras and torch training, every loader",
+    d = kinds.add_parser("train", help="end to end: a JPEG pipeline into Keras, torch and JAX training, every loader",
                          description=train.__doc__,
                          formatter_class=_HelpFormatter)
     d.add_argument("--images", type=_positive(int), default=td.images,

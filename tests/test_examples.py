@@ -29,6 +29,10 @@ def _command(key: str, folder: Path) -> Command:
             f"runpy.run_path({str(EXAMPLES / 'torch_train.py')!r}, run_name='__main__')"
         )
         return Command([sys.executable, "-c", code], cwd=folder, timeout=120)
+    if key == "jax_train.py":
+        # 4 forced CPU devices, batches of 32 (8 a device), 6 a pass; about 15 s
+        return Command([sys.executable, str(EXAMPLES / key), "--workers", "2", "--epochs", "3", "--images", "192",
+                        "--batch-size", "32", "--crop", "32"], cwd=folder, timeout=180)
     return Command([sys.executable, str(EXAMPLES / key), "--workers", "2", "--epochs", "3", "--batches", "10"], cwd=folder)
 
 
@@ -39,6 +43,8 @@ def _keys(item: pytest.Item) -> list[str]:
         return [] if script == "torch_train.py" and importlib.util.find_spec("torch") is None else [script]
     if name == "test_the_readmes_first_example_runs_as_written":
         return ["README"]
+    if name == "test_the_jax_example_trains_data_parallel_and_every_sample_arrives_once":
+        return ["jax_train.py"] if all(importlib.util.find_spec(m) for m in ("jax", "optax")) else []
     return ["torch_train.py without torch"]
 
 
@@ -47,7 +53,8 @@ def _keys(item: pytest.Item) -> list[str]:
 #: and each test checks its own.
 RUNS = SharedRuns(
     {"test_example_trains_and_reports_the_stall_fraction", "test_the_readmes_first_example_runs_as_written",
-     "test_the_torch_example_says_what_to_install_without_torch"},
+     "test_the_torch_example_says_what_to_install_without_torch",
+     "test_the_jax_example_trains_data_parallel_and_every_sample_arrives_once"},
     keys=_keys, command=_command,
 )
 
@@ -78,3 +85,20 @@ def test_the_torch_example_says_what_to_install_without_torch(request):
     assert out.returncode == 1
     assert "needs torch" in out.stderr and "download.pytorch.org/whl/cpu" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(600)
+def test_the_jax_example_trains_data_parallel_and_every_sample_arrives_once(request):
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    out, _ = RUNS.get(request, "jax_train.py")
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    # the step ran on the 4 forced host devices, its batches split over them
+    devices, first, last = re.search(r"trained on (\d+) cpu devices, data-parallel: loss ([\d.]+) -> ([\d.]+)",
+                                     out.stdout).groups()
+    assert int(devices) == 4, out.stdout
+    assert float(last) < float(first), out.stdout
+    # the script compared each epoch's sample indices with range(192)
+    assert "every sample exactly once in each of 3 epochs of 192: yes" in out.stdout, out.stdout
+    assert "18 batches" in out.stdout  # 192 / 32 = 6 a pass, 3 passes
+    assert "ShmpipeWarning" not in out.stderr, out.stderr  # the producers did not import the script (nor jax)

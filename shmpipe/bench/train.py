@@ -5,8 +5,9 @@ that pipeline in parallel is timed where it matters: in the training loop.
 The data are JPEG images of varying sizes (made with Pillow at start, kept
 as bytes); each image is decoded with Pillow, randomly cropped, randomly
 flipped and normalised in NumPy, and the images are batched. The trainer is
-a small Keras model (model.fit) or a small torch model (a plain training
-loop). Recipes:
+a small Keras model (model.fit), a small torch model (a plain training
+loop) or the same model in JAX (a jitted step with optax; its recipes in
+_train_jax.py). Recipes:
 
   keras:tf.data-generator   tf.data.Dataset.from_generator over the images,
                             .batch(), .prefetch(AUTOTUNE)
@@ -18,6 +19,11 @@ loop). Recipes:
                             pin_memory where CUDA is)
   torch:shmpipe             N shmpipe producers; to_torch()
   torch:shmpipe+reserve     the same, decoding straight into a slot (reserve)
+  jax:Grain                 grain.python.DataLoader(worker_count=N), Batch
+  jax:tf.data               tf.data from_generator, .batch(), .prefetch(),
+                            .as_numpy_iterator()
+  jax:shmpipe               shmpipe.from_dataset(num_workers=N): N producers
+                            fetch and collate the samples; to_jax()
 
 Each recipe runs in a child process of its own, under a supervisor that
 adds up the CPU time of every process of the recipe (the trainer, its
@@ -30,14 +36,15 @@ and model not), and peak memory (the sum of the proportional set sizes of all it
 sampled every 0.2 s, so shared memory counts once; and the trainer's own
 peak RSS).
 
-The idle fraction of a torch loop is measured: the time spent in next()
-over the time of the steps. model.fit does not say how long it waited, so
+The idle fraction of a torch or JAX loop is measured: the time spent in
+next() over the time of the steps (a JAX step blocks on its loss, so the
+step's compute is not left to the next call). model.fit does not say how long it waited, so
 for Keras it is estimated: 1 - (steps x one step on a batch already in
 memory) / elapsed, clipped to [0, 1], with that reference step timed in the
 same process just before. The estimate counts, beside the wait, any time the
 trainer computed slower than it did alone (producers on the same cores,
 other load): it is an upper bound on the wait. The JSON has both figures
-for torch, which shows how far apart they are on the machine at hand.
+for torch and JAX, which shows how far apart they are on the machine at hand.
 
 The trainer computes with the cores the producers leave (--trainer-threads,
 at least 1): on 2 cores with 2 producers, torch's default of one thread per
@@ -47,7 +54,6 @@ core made every torch step about ten times slower, whatever fed it.
 from __future__ import annotations
 
 import ctypes
-import io
 import json
 import os
 import resource
@@ -56,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,11 +70,13 @@ from typing import Any
 import numpy as np
 
 import shmpipe
+from shmpipe.bench import _train_jax
 from shmpipe.bench._report import fmt as _fmt
 from shmpipe.bench._report import pyplot
+from shmpipe.bench._train_common import CLASSES, BatchSource, Images, TrainConfig, cpu_self, make_jpegs, summary
 from shmpipe.errors import ShmpipeValueError
 
-__all__ = ["TrainConfig", "RecipeResult", "RECIPES", "run", "table", "plot"]
+__all__ = ["TrainConfig", "RecipeResult", "RECIPES", "BASELINES", "Images", "make_jpegs", "run", "table", "plot"]
 
 #: Recipe name -> what it is (the order is the table's).
 RECIPES: dict[str, str] = {
@@ -79,44 +87,12 @@ RECIPES: dict[str, str] = {
     "torch:DataLoader": "torch DataLoader(num_workers=N)",
     "torch:shmpipe": "shmpipe producers, to_torch()",
     "torch:shmpipe+reserve": "shmpipe producers decoding into the slot (reserve), to_torch()",
+    **_train_jax.RECIPES,
 }
 #: The baseline each recipe's speed-up is against: its trainer's usual input pipeline.
-BASELINES = {"keras": "keras:tf.data-generator", "torch": "torch:DataLoader"}
+BASELINES = {"keras": "keras:tf.data-generator", "torch": "torch:DataLoader", "jax": _train_jax.BASELINE}
 
-_MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
-_STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
-_CLASSES = 10
 _SAMPLE_EVERY_S = 0.2
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    images: int = 4800  # per recipe: the trainer sees exactly this many
-    batch_size: int = 32
-    workers: int = 2  # shmpipe producers, DataLoader workers
-    crop: int = 64  # random crop, crop x crop pixels
-    min_side: int = 96  # image sides drawn from [min_side, max_side]
-    max_side: int = 224
-    distinct: int = 256  # distinct JPEGs made at start (the stream cycles through them)
-    reference_steps: int = 20  # steps on a batch in memory, for the Keras idle estimate
-    trainer_threads: int = 0  # the trainer's compute threads; 0: the cores the producers leave, at least 1
-    timeout_s: float = 900.0  # per recipe, then it is killed
-
-    def check(self) -> None:
-        if self.images < 2 * self.batch_size:
-            raise ShmpipeValueError(f"images ({self.images}) must be at least two batches ({2 * self.batch_size})")
-        if min(self.batch_size, self.workers, self.distinct, self.reference_steps) < 1:
-            raise ShmpipeValueError("batch_size, workers, distinct and reference_steps must be at least 1")
-        if not 8 <= self.crop <= self.min_side <= self.max_side:
-            raise ShmpipeValueError(f"need 8 <= crop ({self.crop}) <= min_side ({self.min_side}) <= max_side")
-
-    @property
-    def threads(self) -> int:
-        return self.trainer_threads or max(1, (os.cpu_count() or 1) - self.workers)
-
-    @property
-    def batches(self) -> int:
-        return -(-self.images // self.batch_size)
 
 
 @dataclass
@@ -145,122 +121,7 @@ class RecipeResult:
         return asdict(self)
 
 
-# -- the input pipeline (top level: producer processes unpickle it) ------------
-
-
-def make_jpegs(cfg: TrainConfig, seed: int = 0) -> list[bytes]:
-    """cfg.distinct JPEGs of random sizes: smooth colour fields with a
-    little noise (compressing like photographs, not like pure noise)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(cfg.distinct):
-        h, w = (int(s) for s in rng.integers(cfg.min_side, cfg.max_side + 1, size=2))
-        coarse = rng.integers(0, 256, size=(h // 16 + 2, w // 16 + 2, 3), dtype=np.uint8)
-        img = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC), dtype=np.int16)
-        img = np.clip(img + rng.integers(-12, 13, size=img.shape), 0, 255).astype(np.uint8)
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
-
-
-def augment_into(jpeg: bytes, k: int, crop: int, out: np.ndarray) -> None:
-    """Decodes one JPEG, crops a random crop x crop window, flips it at
-    random and writes it normalised (float32) into out. Image k of the
-    stream draws the same crop and flip in every recipe."""
-    from PIL import Image
-
-    rng = np.random.default_rng(k)
-    with Image.open(io.BytesIO(jpeg)) as im:
-        pixels = np.asarray(im.convert("RGB"))
-    h, w = pixels.shape[:2]
-    y, x = int(rng.integers(0, h - crop + 1)), int(rng.integers(0, w - crop + 1))
-    window = pixels[y : y + crop, x : x + crop]
-    if rng.random() < 0.5:
-        window = window[:, ::-1]
-    np.subtract(window, _MEAN, out=out, dtype=np.float32)
-    out /= _STD
-
-
-class Images:
-    """The stream of (image, label) samples: image k is JPEG k % distinct."""
-
-    def __init__(self, jpegs: list[bytes], cfg: TrainConfig) -> None:
-        self.jpegs, self.cfg = jpegs, cfg
-
-    def __len__(self) -> int:
-        return self.cfg.images
-
-    def __getitem__(self, k: int) -> tuple[np.ndarray, int]:
-        if not 0 <= k < self.cfg.images:
-            raise IndexError(k)
-        image = np.empty((self.cfg.crop, self.cfg.crop, 3), np.float32)
-        augment_into(self.jpegs[k % len(self.jpegs)], k, self.cfg.crop, image)
-        return image, k % _CLASSES
-
-    def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
-        return (self[k] for k in range(len(self)))
-
-    def batch(self, b: int, reserve: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Batch b: images [b * batch_size, ...) stacked, and their labels;
-        with reserve, written straight into a free slot of the ring."""
-        cfg = self.cfg
-        ks = range(b * cfg.batch_size, min((b + 1) * cfg.batch_size, cfg.images))
-        shape = (len(ks), cfg.crop, cfg.crop, 3)
-        if reserve:
-            spec = (shmpipe.ArraySpec(shape, np.float32), shmpipe.ArraySpec((len(ks),), np.int64))
-            images, labels = shmpipe.reserve(spec)
-        else:
-            images, labels = np.empty(shape, np.float32), np.empty(len(ks), np.int64)
-        for i, k in enumerate(ks):
-            augment_into(self.jpegs[k % len(self.jpegs)], k, cfg.crop, images[i])
-            labels[i] = k % _CLASSES
-        return images, labels
-
-
-class BatchSource:
-    """A shmpipe source: worker i of n makes batches i, i + n, i + 2n, ..."""
-
-    def __init__(self, images: Images, reserve: bool) -> None:
-        self.images, self.reserve = images, reserve
-
-    def __call__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        info = shmpipe.get_worker_info()
-        assert info is not None  # called in a producer
-        for b in range(info.id, self.images.cfg.batches, info.num_workers):
-            yield self.images.batch(b, self.reserve)
-
-
 # -- the recipes, run in the recipe's own process -------------------------------
-
-
-def _cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _summary(
-    name: str, step_ends: list[float], counts: list[int], t0: float, reference_step_s: float, waits: list[float] | None
-) -> dict[str, Any]:
-    window = step_ends[-1] - step_ends[0]
-    steps = len(step_ends)
-    estimated = min(1.0, max(0.0, 1.0 - reference_step_s * (steps - 1) / window)) if window > 0 else float("nan")
-    measured = sum(waits[1:]) / window if waits is not None and window > 0 else None
-    return {
-        "recipe": name,
-        "images": sum(counts),
-        "steps": steps,
-        "images_per_s": (sum(counts) - counts[0]) / window if window > 0 else float("nan"),
-        "idle_measured": measured,
-        "idle_estimated": estimated,
-        "idle_fraction": measured if measured is not None else estimated,
-        "idle_method": "measured" if measured is not None else "estimated",
-        "reference_step_s": reference_step_s,
-        "first_step_s": step_ends[0] - t0,
-        "window_s": window,
-    }
 
 
 def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, Any], float]:
@@ -302,7 +163,7 @@ def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
         keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
         keras.layers.Conv2D(64, 3, strides=2, activation="relu"),
         keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(_CLASSES),
+        keras.layers.Dense(CLASSES),
     ])
     model.compile(
         optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[ImageCount()]
@@ -315,7 +176,7 @@ def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
     model.fit(in_memory, epochs=1, verbose=0, callbacks=[ref])
     reference_step_s = float(np.median(np.diff(ref.ends)))
 
-    cpu0, t0 = _cpu_self(), time.perf_counter()
+    cpu0, t0 = cpu_self(), time.perf_counter()
     image_spec = tf.TensorSpec((c, c, 3), tf.float32)
     pipe = None
     if name == "keras:tf.data-generator":
@@ -347,7 +208,7 @@ def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
     finally:
         if pipe is not None:
             pipe.close()
-    return _summary(name, steps.ends, steps.counts, t0, reference_step_s, None), cpu0
+    return summary(name, steps.ends, steps.counts, t0, reference_step_s, None), cpu0
 
 
 def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, Any], float]:
@@ -365,7 +226,7 @@ def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
                 torch.nn.Conv2d(3, 16, 3, stride=2), torch.nn.ReLU(),
                 torch.nn.Conv2d(16, 32, 3, stride=2), torch.nn.ReLU(),
                 torch.nn.Conv2d(32, 64, 3, stride=2), torch.nn.ReLU(),
-                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, _CLASSES),
+                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, CLASSES),
             )
 
         def forward(self, x: Any) -> Any:
@@ -387,7 +248,7 @@ def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
         ref.append(time.perf_counter())
     reference_step_s = float(np.median(np.diff(ref)))
 
-    cpu0, t0 = _cpu_self(), time.perf_counter()
+    cpu0, t0 = cpu_self(), time.perf_counter()
     pipe = None
     loader: Any
     if name == "torch:DataLoader":
@@ -418,14 +279,14 @@ def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
     finally:
         if pipe is not None:
             pipe.close()
-    return _summary(name, ends, counts, t0, reference_step_s, waits), cpu0
+    return summary(name, ends, counts, t0, reference_step_s, waits), cpu0
 
 
 def _recipe_main() -> None:
     """The recipe's process: argv = [recipe, config JSON, result path]."""
     name, cfg = sys.argv[1], TrainConfig(**json.loads(sys.argv[2]))
     images = Images(make_jpegs(cfg), cfg)
-    trainer = _keras_recipe if name.startswith("keras:") else _torch_recipe
+    trainer = {"keras": _keras_recipe, "torch": _torch_recipe, "jax": _train_jax.run_recipe}[name.split(":")[0]]
     summary, cpu_before = trainer(name, cfg, images)
     summary["cpu_before_s"] = cpu_before
     summary["trainer_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -557,12 +418,13 @@ def why_not(name: str) -> str | None:
     """None if the recipe can run here; else why not."""
     import importlib.util
 
+    trainer = name.split(":")[0]
     need = {
-        "keras": ("tensorflow", 'pip install "shmpipe[tensorflow]"'),
-        "torch": ("torch", 'pip install "shmpipe[torch]"'),
+        "keras": [("tensorflow", 'pip install "shmpipe[tensorflow]"')],
+        "torch": [("torch", 'pip install "shmpipe[torch]"')],
     }
-    module, how = need[name.split(":")[0]]
-    for m, h in ((module, how), ("PIL", "pip install pillow")):
+    modules = _train_jax.needs(name) if trainer == "jax" else need[trainer]
+    for m, h in (*modules, ("PIL", "pip install pillow")):
         if importlib.util.find_spec(m) is None:
             return f"{m} is not installed ({h})"
     return None
