@@ -30,6 +30,7 @@ is released.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,10 +52,13 @@ class Descriptor:
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
-    def close(self) -> None:
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
+        # (os.close bound when the class is made: a batch kept in a module's
+        # globals until the interpreter exits is collected after the module
+        # `os` of this one's globals may be gone, and __del__ must not raise.)
         fd, self.fd = self.fd, -1
         if fd >= 0:
-            os.close(fd)
+            _close(fd)
 
     def __del__(self) -> None:
         self.close()
