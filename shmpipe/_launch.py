@@ -41,6 +41,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from shmpipe import _control, _startup
+from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
@@ -442,6 +443,14 @@ class ProcessLauncher(Launcher):
         self._send_quietly(("stop",))
 
     def shutdown(self) -> None:
+        # A Ctrl-C is held back to the end: a shutdown cut in the middle
+        # (waiting for a start in the background is the longest part)
+        # would never run again (its finalizer has run), and would leave
+        # the channel's memory and processes behind.
+        with ctrl_c_held_back():
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         if self._down:
             return
         self._start_ended()  # what it started is stopped below with the rest

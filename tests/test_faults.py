@@ -605,7 +605,7 @@ INTERRUPTED_WHILE_STARTING = textwrap.dedent(
         try:
             # A dataset's pipeline starts its producers in the background and
             # makes its first batches here meanwhile (_first_batches.py).
-            if sys.argv[3] == "dataset":
+            if sys.argv[3:] == ["dataset"]:
                 pipe = shmpipe.from_dataset(Numbered(10**6, shape=(64,)), batch_size=4, num_workers=2, transport=posix,
                                             slot_size=1 << 16, start_method=sys.argv[1], timeout=30)
             else:
