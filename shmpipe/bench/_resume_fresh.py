@@ -59,8 +59,11 @@ DATASET_MODULE = "jpeg_dataset"
 #: On top of the loader's timeout per batch: the most a new process may take
 #: to import torch (and Grain's JAX) and run its epoch on a loaded machine.
 _START_S = 120.0
-#: For a loader's processes to see their trainer gone and clean up after it.
-_GRACE_S = 5.0
+#: The most a loader's processes get to see their trainer gone and clean up
+#: after it before they are killed (and counted as left running): they are
+#: usually gone at once, but on a loaded 2-core machine a producer or a
+#: spawned worker may take seconds to be scheduled.
+_GRACE_S = 30.0
 
 
 def _here() -> str:
