@@ -239,6 +239,8 @@ def test_bench_train_runs_every_recipe_and_its_figures_are_sane(request):
         # any length; in this tiny one the DataLoader's workers can come and
         # go between two 0.2 s samples.)
         assert r["processes"] >= (3 if ":shmpipe" in name else 1), (name, r)
+        if name == "jax:shmpipe":  # the wait split: the batches its trainer made at start, the producers' after
+            assert 0 <= r["made_by_trainer"] <= 3 and 0 <= r["idle_producers"] <= r["idle_fraction"], r
 
 
 def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):

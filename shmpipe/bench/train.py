@@ -113,6 +113,8 @@ class RecipeResult:
     peak_pss_bytes: int = 0  # sum over the recipe's processes, sampled
     trainer_peak_rss_bytes: int = 0
     processes: int = 0  # the most seen at once
+    made_by_trainer: int | None = None  # jax:shmpipe: batches from_dataset's trainer made while its producers started
+    idle_producers: float | None = None  # jax:shmpipe: the idle fraction without those (waiting for producers only)
     runs_images_per_s: list[float] = field(default_factory=list)  # every run's, with repeat
     skipped: str | None = None
     error: str | None = None
