@@ -46,13 +46,17 @@ class FirstBatches:
     """The trainer's part of pass `pass_no`, begun while the producers were
     starting: the first `made` batches of the node's share, made here."""
 
-    __slots__ = ("made", "pass_no", "schedule", "source")
+    __slots__ = ("dealt_from", "made", "pass_no", "schedule", "source")
 
     def __init__(self, source: DatasetSource, schedule: DatasetSchedule, pass_no: int) -> None:
         self.source = source
         self.schedule = schedule
         self.pass_no = pass_no
+        #: batches made here and delivered
         self.made = 0
+        #: once handed over: the producers' part begins at this batch of the
+        #: share, and the trainer owes those before it not made yet
+        self.dealt_from: int | None = None
 
     @property
     def left(self) -> int:

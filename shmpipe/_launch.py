@@ -136,9 +136,14 @@ class ProcessLauncher(Launcher):
         self._iterator_states: list[dict[tuple[int, int], Any]] = [{} for _ in range(spec.num_workers)]
         self._failure: BaseException | None = None
         self._down = False
-        # The thread that starts the producers, while it does (see starting).
+        # The thread that starts the producers, while it does (see starting);
+        # what it raised; whether shutdown asked it to start no more; and
+        # whether the channel's handle_delivered is still to be called (from
+        # the consumer's thread, once the start is over: _started).
         self._starter: threading.Thread | None = None
         self._start_failure: BaseException | None = None
+        self._stop_starting = False
+        self._handle_owed = False
         _refuse_while_bootstrapping()
         check_descriptor_room(transport, spec.mp_context.get_start_method(), len(sources))
         lazy = transport.capabilities.sized_by_first_batch and spec.slot_size is None
@@ -153,10 +158,16 @@ class ProcessLauncher(Launcher):
             # thread: it may warn, naming the caller's line.)
             self._plan = _startup.plan(spec.mp_context, self.sources, transport, shipments)
             if may_start_in_background and self._start_waits_for_a_new_process():
+                self._handle_owed = self.channel is not None
                 self._starter = threading.Thread(target=self._start_in_background, name="shmpipe-start", daemon=True)
                 self._starter.start()
             else:
                 self._start()
+                if self.channel is not None:
+                    # Each producer holds its own copy of what the handle names
+                    # now (forked with it, or passed it at its start, before
+                    # start() returned): the consumer's may go.
+                    self.channel.handle_delivered()
         except BaseException:  # a Ctrl-C too: what was made is destroyed before it propagates
             self.shutdown()
             raise
@@ -189,9 +200,16 @@ class ProcessLauncher(Launcher):
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread, by _started
             self._start_failure = exc
 
+    def wait_for_start(self, timeout: float) -> None:
+        starter = self._starter
+        if starter is not None:
+            starter.join(timeout)
+
     def _start_ended(self) -> None:
         """Waits for a start in the background to end (the wait a consumer
-        without one made in its constructor); what it raised becomes the
+        without one made in its constructor: the fork server's boot and one
+        connection per producer; a pipeline's own waits go through
+        wait_for_start, within its timeout); what it raised becomes the
         launcher's failure."""
         starter = self._starter
         if starter is None:
@@ -203,10 +221,15 @@ class ProcessLauncher(Launcher):
 
     def _started(self) -> None:
         """_start_ended, for a method that needs every producer: a start
-        that failed is raised (what it started is stopped by shutdown)."""
+        that failed is raised (what it started is stopped by shutdown);
+        one that succeeded lets the channel drop the consumer's copy of
+        its handle now, in the consumer's thread, before any take."""
         self._start_ended()
         if self._start_failure is not None:
             raise self._start_failure
+        if self._handle_owed and self.channel is not None:
+            self._handle_owed = False
+            self.channel.handle_delivered()
 
     def _start(self) -> None:
         # A channel opened before the producers goes with their arguments: some
@@ -216,6 +239,8 @@ class ProcessLauncher(Launcher):
         # that thread only: its children are still born with it blocked.)
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
             for worker in range(len(self.sources)):
+                if self._stop_starting:  # shutdown is waiting: no more (what was started is stopped there)
+                    break
                 p, parent_end = self._spawn(worker, handle)
                 self.links.append(_control.ProducerLink(parent_end, f"worker {worker} (pid {p.pid})"))
                 self.processes.append(p)
@@ -223,11 +248,6 @@ class ProcessLauncher(Launcher):
                 # the forkserver), its pid is not reused.
                 self.watches.append(ProcessWatch(_pid(p)))
                 block_again()
-        if self.channel is not None:
-            # Each producer holds its own copy of what the handle names now
-            # (forked with it, or passed it at its start, before start()
-            # returned): the consumer's may go.
-            self.channel.handle_delivered()
 
     def _spawn(self, worker: int, handle: Any) -> tuple[BaseProcess, Connection]:
         """Starts producer `worker`'s process (SIGINT blocked: the caller
@@ -453,6 +473,7 @@ class ProcessLauncher(Launcher):
     def _shutdown(self) -> None:
         if self._down:
             return
+        self._stop_starting = True
         self._start_ended()  # what it started is stopped below with the rest
         self._down = True
         channel = self.channel

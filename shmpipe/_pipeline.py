@@ -12,6 +12,7 @@ transport's own); moving batches is the transport's (transport.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -22,12 +23,14 @@ from shmpipe._frameworks import FrameworkStream
 from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._launch import ProcessLauncher
 from shmpipe._options import PipelineOptions
+from shmpipe._producer_context import PassWork
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._sources import DatasetSource
 from shmpipe._stream import POLL_S, Pass
 from shmpipe.errors import (
     CorruptChannelError,
     PipelineClosedError,
+    ShmpipeError,
     ShmpipeValueError,
     ShmpipeWarning,
     WorkerDiedError,
@@ -172,6 +175,7 @@ class Pipeline(FrameworkStream):
         # many batches of the pass in progress it made and delivered.
         self._first: FirstBatches | None = None
         self._made_here = 0
+        self._abandoned: list[int] = []  # passes begun while the producers started, never handed over
         # A channel has one consumer. Threads may still meet here: a tf.data
         # iterator's thread waiting for a batch of one pass while another
         # iterator starts the next. So channel.get and begin_pass run one at
@@ -278,22 +282,33 @@ class Pipeline(FrameworkStream):
         not iterated, is cancelled). While the producers are still being
         started, a dataset's pass is theirs only from the hand-over
         (_first_batches)."""
+        first = self._first
+        if first is not None and first.dealt_from is None:
+            self._abandoned.append(first.pass_no)  # never handed over: sent, empty, before the next
+        self._first = None
         self._begun += 1
         work = self._schedule.begin(self._begun)
         self._ahead = self._begun
-        self._first = None
         if self._launcher.starting and self._may_make_first_batches:
             from shmpipe._first_batches import FirstBatches
 
             source = self.options.sources[0]
             assert isinstance(source, DatasetSource) and isinstance(self._schedule, DatasetSchedule)
             self._first = FirstBatches(source, self._schedule, self._begun)
+            # No fast path until the hand-over: the channel is not the
+            # producers' yet (ConsumerEnd.handle_delivered comes first).
+            self._take_ready = None
             return
         try:
+            self._send_abandoned()
             self._launcher.begin_pass(self._begun, work)
         except WorkerDiedError as death:  # gone since the last look (every other one was told)
             if not self._replaced(death):
                 raise
+        except WorkerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the producers' start (in the background) failed: nothing comes
+            self._close_and_raise(exc)
 
     def _begin_pass(self) -> int:
         with self._consumer_lock:  # waits for a get() of the old pass in another thread
@@ -371,9 +386,8 @@ class Pipeline(FrameworkStream):
 
     def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
         assert isinstance(it, _PipelinePass)
-        first = self._first
-        if first is not None and first.pass_no == it.pass_no:
-            made = self._take_first(first)
+        if self._first is not None:
+            made = self._take_first(it, t0)
             if made is not None:
                 return made
         if t0 - self._last_health_ns > HEALTH_CHECK_NS:
@@ -388,36 +402,92 @@ class Pipeline(FrameworkStream):
         assert channel is not None  # a batch came through it
         return batch, channel.last_nbytes, channel.last_worker
 
-    def _take_first(self, first: FirstBatches) -> tuple[Any, int, int] | None:
-        """While the producers start: the pass's next batch, made here
-        (worker -1). Once they are up: the hand-over (the rest of the pass
-        is theirs, from the batch after the one made here now, if any),
-        then None once the trainer makes no more."""
-        if not self._launcher.starting and first.left:
-            self._hand_over(first, first.made + 1)
-        elif not first.left:
-            self._hand_over(first, first.made)
-            return None
-        try:
-            batch, nbytes = first.make()
-        except Exception as exc:  # the dataset's own error, raised here as a DataLoader's main process would
-            self._close_and_raise(exc)
-        self._made_here = first.made
-        return batch, nbytes, -1
+    def _take_first(self, it: _PipelinePass, t0: int) -> tuple[Any, int, int] | None:
+        """The next batch of a pass begun while the producers started, made
+        here (worker -1), or None once the trainer owes no more (the
+        producers' take over; a pass no longer current is _get's to refuse).
 
-    def _hand_over(self, first: FirstBatches, made_here: int) -> None:
-        """The producers get the pass, less the first `made_here` batches
-        (the trainer's): after this, the trainer makes none but those."""
-        self._first = None
-        assert isinstance(self._schedule, DatasetSchedule)
+        The trainer makes batches while the producers start, from the main
+        thread only: the global generators it seeds and restores around a
+        batch are the process's, and another thread (tf.data's, to_jax's
+        feeder) would race the main thread's own draws. Once they are up,
+        or off the main thread, or at the end of the share, the pass is
+        handed over: the producers get it from the batch after the one the
+        trainer makes then (owed: made even if a Ctrl-C cuts its making,
+        at the next call). All of it under the consumer lock, so a pass
+        begun meanwhile by another thread finds the count and the hand-over
+        of the old one complete."""
+        first = self._first
+        assert first is not None
+        here = threading.current_thread() is threading.main_thread()
+        if first.dealt_from is None and not (here and first.left and self._launcher.starting):
+            self._wait_for_start(t0)  # (outside the lock: close() and state_dict() go on meanwhile)
         with self._consumer_lock:
+            if self._first is not first or first.pass_no != it.pass_no or it.pass_no != self._pass_no:
+                return None
+            if first.dealt_from is None and not (here and first.left and self._launcher.starting):
+                self._hand_over(first, first.made + (1 if here and first.left else 0))
+            if first.dealt_from is not None and first.made >= first.dealt_from:
+                self._first = None  # nothing owed: the producers' from here on
+                return None
             try:
-                self._launcher.begin_pass(first.pass_no, self._schedule.hand_over(first.pass_no, made_here))
-            except BaseException as exc:  # the start failed, or a producer went: nothing more comes
-                failure = exc
+                batch, nbytes = first.make()
+            except ShmpipeError as exc:  # shmpipe's own (the default collate's BatchTypeError): as from a producer
+                failure: BaseException = exc
+            except Exception as exc:  # noqa: BLE001 - the dataset's error, raised as a producer's would be
+                failure = WorkerError(
+                    -1, os.getpid(), _qualified_name(type(exc)), f"{exc} (fetched in the trainer itself, while the "
+                    "producers started)", "",
+                )
+                failure.__cause__ = exc
             else:
-                return
+                self._made_here = first.made
+                return batch, nbytes, -1
         self._close_and_raise(failure)
+
+    def _wait_for_start(self, t0: int) -> None:
+        """Waits for the producers' start in the background to end, within
+        the pipeline's timeout (counted from `t0`, when the batch was asked
+        for), and while it is open."""
+        while self._launcher.starting:
+            self._launcher.wait_for_start(POLL_S)
+            if self._closed:
+                raise PipelineClosedError("the pipeline was closed while waiting for a batch")
+            self._raise_if_timed_out(
+                t0, time.perf_counter_ns(), lambda: ": the producers are still starting (shmpipe's fork server too)"
+            )
+
+    def _hand_over(self, first: FirstBatches, dealt_from: int) -> None:
+        """The producers get the pass, less its first `dealt_from` batches
+        (the trainer's, made or owed); passes abandoned before their own
+        hand-over go first, empty. Under the consumer lock; with Ctrl-C
+        held back, so a pass is never sent without being recorded as sent."""
+        assert isinstance(self._schedule, DatasetSchedule)
+        works = self._schedule.hand_over(first.pass_no, dealt_from)
+        failure: BaseException | None = None
+        with ctrl_c_held_back():
+            try:
+                self._send_abandoned()
+                self._launcher.begin_pass(first.pass_no, works)
+            except WorkerDiedError as death:  # gone already: replaced, as at any pass's start (max_restarts)
+                if not self._replaced(death):
+                    failure = death
+            except BaseException as exc:  # noqa: BLE001 - the start failed: nothing will come
+                failure = exc
+            first.dealt_from = dealt_from
+            self._set_channel(self._launcher.channel)  # the fast path, withheld while the trainer made batches
+        if failure is not None:
+            self._close_and_raise(failure)
+
+    def _send_abandoned(self) -> None:
+        """Passes begun while the producers started and left before their
+        hand-over (a loop broken out of, iterated again): every pass must
+        reach the channel and the producers, in order, so each goes now,
+        with nothing to make."""
+        while self._abandoned:
+            pass_no = self._abandoned[0]
+            self._launcher.begin_pass(pass_no, [PassWork(pass_no, 0, 0)] * self.num_workers)
+            del self._abandoned[0]
 
     def _take_from(self, channel: ConsumerEnd, pass_no: int, worker: int, wseq: int) -> Any:
         """One take from the channel: a batch or a sentinel (see
@@ -702,3 +772,7 @@ class Pipeline(FrameworkStream):
             f"<shmpipe.Pipeline {self.num_workers} workers, transport={self.transport.name!r}, "
             f"capacity={self.capacity}, ordered={self.ordered}, {state}>"
         )
+
+
+def _qualified_name(cls: type) -> str:
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

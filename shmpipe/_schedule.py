@@ -302,7 +302,6 @@ class DatasetSchedule(Schedule):
         self._done = np.zeros(0, bool)
         self._left = np.zeros(0, np.int64)  # the epoch's batches not done before it began, in dealing order
         self._mine = np.zeros(0, np.int64)  # of those, this node's, in the order its ranks take them
-        self._made_here = 0  # the first of _mine, made by the consumer itself (hand_over)
         self._dealt: list[np.ndarray] = []
 
     def fingerprint(self) -> dict[str, Any]:
@@ -404,7 +403,6 @@ class DatasetSchedule(Schedule):
     def _deal(self, pass_no: int, epoch: int, made_here: int) -> list[PassWork]:
         """The producers' work: this node's batches after the first
         `made_here`, round-robin from worker 0."""
-        self._made_here = made_here
         rest = self._mine[made_here:]
         self._dealt = [rest[w :: self.num_workers] for w in range(self.num_workers)]
         return [PassWork(pass_no, epoch, self._seed(epoch, w), plan=self._plan_for(self._dealt[w], epoch))

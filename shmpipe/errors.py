@@ -242,7 +242,9 @@ class PipelineClosedError(ShmpipeError, RuntimeError):
 class WorkerError(ShmpipeError, RuntimeError):
     """A producer raised an exception.
 
-    ``worker_id`` is the producer's index, ``pid`` its process id,
+    ``worker_id`` is the producer's index (-1: this process itself, which
+    fetches a fresh from_dataset pipeline's first batches while its
+    producers start; the exception is then the ``__cause__``), ``pid`` its process id,
     ``exc_type`` the qualified name of the exception it raised and
     ``remote_traceback`` the formatted traceback from the producer process.
     """

@@ -451,6 +451,10 @@ class Launcher(abc.ABC):
         pipeline makes its first batches itself until then."""
         return False
 
+    def wait_for_start(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds for a start in the background to
+        end (see starting)."""
+
     @property
     @abc.abstractmethod
     def pids(self) -> list[int | None]:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import signal
+import threading
 import time
 
 import numpy as np
 import pytest
+from slow_start import SlowStart
 
 import shmpipe
 from shmpipe import _startup
@@ -63,20 +66,39 @@ def dataset(n: int, **kwargs) -> Augmented:
 
 def pipe_of(ds: Augmented, **kwargs) -> shmpipe.Pipeline:
     kwargs.setdefault("num_workers", 2)
-    return shmpipe.from_dataset(ds, batch_size=BATCH, shuffle=True, seed=7, timeout=T, **kwargs)
+    kwargs.setdefault("timeout", T)
+    return shmpipe.from_dataset(ds, batch_size=BATCH, shuffle=True, seed=7, **kwargs)
+
+
+def row(b) -> tuple[list[int], list[list[float]], int]:
+    """(sample numbers, their draws, the pid that fetched them) of a batch."""
+    pids = set(b["pid"].tolist())
+    assert len(pids) == 1
+    return b["i"].tolist(), b["draws"].tolist(), pids.pop()
 
 
 def take(pipe, stop: int | None = None) -> list[tuple[list[int], list[list[float]], int]]:
-    """(sample numbers, their draws, the pid that fetched them) of each
-    batch of the next pass, or of its first `stop` batches."""
+    """row() of each batch of the next pass, or of its first `stop` batches."""
     out = []
     for b in pipe:
-        pids = set(b["pid"].tolist())
-        assert len(pids) == 1
-        out.append((b["i"].tolist(), b["draws"].tolist(), pids.pop()))
+        out.append(row(b))
         if stop is not None and len(out) == stop:
             break
     return out
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> None:
+    """Until process `pid` has ended (a zombie, or reaped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not end"
+        time.sleep(0.01)
 
 
 def content(batches):
@@ -85,10 +107,25 @@ def content(batches):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Two epochs of 120 samples as the producers alone deliver them (the
+    """Three epochs of 120 samples as the producers alone deliver them (the
     fork server of the module, running)."""
     with pipe_of(Augmented(120), fetch_while_starting=False) as pipe:
-        return [content(take(pipe)), content(take(pipe))]
+        return [content(take(pipe)) for _ in range(3)]
+
+
+@pytest.fixture
+def slow_server(monkeypatch, fresh_fork_server):
+    """A fresh fork server that takes 1.5 s to start (tests/slow_start.py):
+    the trainer's phase lasts at least that long."""
+    monkeypatch.setenv("SHMPIPE_TEST_SERVER_DELAY", "1.5")
+    return fresh_fork_server
+
+
+def wait_started(pipe, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pipe._launcher.starting:
+        assert time.monotonic() < deadline, "the producers did not start"
+        time.sleep(0.01)
 
 
 def test_the_batches_made_here_and_the_order_are_those_of_the_producers_alone(fresh_fork_server, reference):
@@ -96,7 +133,7 @@ def test_the_batches_made_here_and_the_order_are_those_of_the_producers_alone(fr
         epochs = [take(pipe), take(pipe)]
         made = pipe.stats().extra["made_by_trainer"]
         per_worker = pipe.stats().per_worker_batches
-    assert [content(e) for e in epochs] == reference
+    assert [content(e) for e in epochs] == reference[:2]
     # The first `made` batches of the first epoch were fetched here, the rest
     # by the producers, and the next epoch by the producers alone.
     assert 1 <= made < len(epochs[0]), made
@@ -186,13 +223,88 @@ def test_a_resumed_pipeline_makes_its_first_batches_here_too(state_at_20, fresh_
     assert content(rest) == reference[0][20:]
 
 
-def test_the_datasets_error_here_is_raised_as_it_is_and_nothing_is_left(fresh_fork_server, reference):
+def test_the_datasets_error_here_is_a_worker_error_as_a_producers_and_nothing_is_left(fresh_fork_server, reference):
     first_sample = reference[0][0][0][0]
     pipe = pipe_of(dataset(120, fail_at=first_sample))
-    with pytest.raises(LookupError, match=f"sample {first_sample} cannot be read here"):
+    with pytest.raises(shmpipe.WorkerError, match=f"LookupError: sample {first_sample} cannot be read here") as info:
         next(iter(pipe))
+    assert info.value.worker_id == -1 and isinstance(info.value.__cause__, LookupError)
     assert pipe.closed
     assert pipe.leftovers() == []
+
+
+def test_passes_left_before_the_hand_over_still_reach_the_channel(slow_server, reference):
+    # A ring sized up front (slot_size): every pass must reach it in order,
+    # those the trainer began and left too (a peek at each of two epochs).
+    with pipe_of(SlowStart(120, slow_in=os.getpid()), slot_size=1 << 16) as pipe:
+        peeks = [content([row(next(iter(pipe)))]) for _ in range(2)]  # each iter() a new pass
+        assert pipe._launcher.starting, "the peeks came before the producers were up"
+        third = content(take(pipe))
+        state = pipe.state_dict()
+    assert peeks == [reference[0][:1], reference[1][:1]]
+    assert third == reference[2]
+    assert (state["epoch"], state["done_below"]) == (3, 0)
+
+
+def test_a_producer_that_dies_before_the_hand_over_is_replaced(slow_server, reference):
+    with pytest.warns(shmpipe.ShmpipeWarning, match="replaced"):
+        with pipe_of(SlowStart(120, slow_in=os.getpid()), max_restarts=1) as pipe:
+            it = iter(pipe)
+            got = [row(next(it))]
+            wait_started(pipe)
+            victim = pipe.pids[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_gone(victim)
+            got += [row(b) for b in it]
+            restarts = pipe.stats().restarts
+    assert content(got) == reference[0]
+    assert sum(restarts) == 1
+
+
+def test_a_ctrl_c_inside_the_batch_made_at_the_hand_over_loses_nothing(slow_server, reference):
+    # The hand-over deals the producers the pass from the batch after the one
+    # the trainer makes then: a KeyboardInterrupt inside that one's fetch
+    # leaves it owed, and the next next() makes it.
+    second_batch_first_sample = reference[0][1][0][0]
+    ds = SlowStart(120, slow_in=os.getpid(), interrupt_at=second_batch_first_sample)
+    with pipe_of(ds) as pipe:
+        it = iter(pipe)
+        got = [row(next(it))]
+        wait_started(pipe)
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        got += [row(b) for b in it]
+        made = pipe.stats().extra["made_by_trainer"]
+        state = pipe.state_dict()
+    assert content(got) == reference[0]
+    assert made == 2 and (state["epoch"], state["done_below"]) == (1, 0)
+
+
+def test_a_pipeline_iterated_from_another_thread_makes_nothing_here_and_keeps_its_timeout(slow_server, reference):
+    # Off the main thread (tf.data's, to_jax's feeder) the trainer makes no
+    # batch: the process's generators are not its to seed there. It waits
+    # for the producers, within the timeout.
+    out: dict = {}
+
+    def consume(pipe):
+        try:
+            out["batches"] = content(take(pipe))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            out["error"] = exc
+
+    with pipe_of(SlowStart(120, slow_in=os.getpid()), timeout=0.3) as pipe:
+        worker = threading.Thread(target=consume, args=(pipe,))
+        worker.start()
+        worker.join(60)
+        assert isinstance(out.get("error"), shmpipe.PipelineTimeoutError), out
+        assert "still starting" in str(out["error"])
+    out.clear()
+    with pipe_of(SlowStart(120, slow_in=os.getpid())) as pipe:
+        worker = threading.Thread(target=consume, args=(pipe,))
+        worker.start()
+        worker.join(60)
+        assert out.get("batches") == reference[0], out.get("error")
+        assert pipe.stats().extra["made_by_trainer"] == 0
 
 
 def test_a_pipeline_closed_while_its_producers_start_leaves_nothing(fresh_fork_server):
@@ -204,13 +316,21 @@ def test_a_pipeline_closed_while_its_producers_start_leaves_nothing(fresh_fork_s
 def test_a_start_that_fails_in_the_background_is_raised_by_next(fresh_fork_server):
     # A fork server that cannot start (its interpreter does not exist): the
     # start fails in its thread, and the trainer gets that error, with the
-    # pipeline closed, at the hand-over.
+    # pipeline closed, at the hand-over (or at iter(), which begins the pass,
+    # where the start has failed already). multiprocessing's resource
+    # tracker is started first, with the real interpreter.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     executable = multiprocessing.spawn.get_executable()
     multiprocessing.set_executable("/nonexistent/python3")
     try:
         with pipe_of(dataset(40)) as pipe:
-            it = iter(pipe)
-            with pytest.raises(OSError):
+            # (OSError, or EOFError where the server's exec failed after the
+            # fork and multiprocessing read its pid from a closed pipe: what
+            # a start in the constructor raised too.)
+            with pytest.raises((OSError, EOFError)):
+                it = iter(pipe)
                 for _ in range(25):  # the epoch's 20 batches, made here, then the hand-over at the latest
                     next(it)
             assert pipe.closed

@@ -59,12 +59,15 @@ class Augmented(Numbered):
     (not torch's: whether torch is imported differs between the trainer
     and the producers, and so would the draws); and "pid": the process
     that fetched it. Each fetch in process `slow_in` (the trainer, say)
-    takes `delay` seconds more, and, where `fail_at` is i, fails with a
-    LookupError there."""
+    takes `delay` seconds more; there, where `fail_at` is i, it fails with
+    a LookupError, and the first fetch of `interrupt_at` raises
+    KeyboardInterrupt (a Ctrl-C inside the dataset's code)."""
 
-    def __init__(self, n: int, slow_in: int = -1, delay: float = 0.0, fail_at: int = -1) -> None:
+    def __init__(
+        self, n: int, slow_in: int = -1, delay: float = 0.0, fail_at: int = -1, interrupt_at: int = -1
+    ) -> None:
         super().__init__(n)
-        self.slow_in, self.delay, self.fail_at = slow_in, delay, fail_at
+        self.slow_in, self.delay, self.fail_at, self.interrupt_at = slow_in, delay, fail_at, interrupt_at
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         import random
@@ -73,6 +76,9 @@ class Augmented(Numbered):
         here = os.getpid() == self.slow_in
         if here and i == self.fail_at:
             raise LookupError(f"sample {i} cannot be read here")
+        if here and i == self.interrupt_at:
+            self.interrupt_at = -1
+            raise KeyboardInterrupt
         if here and self.delay:
             time.sleep(self.delay)
         draws = np.array([random.random(), np.random.random()])
