@@ -100,9 +100,21 @@ class NewProcess:
 
 
 def prepare(folder: str) -> str:
-    """The folder the new processes run in, with the dataset's module."""
+    """The folder the new processes run in, with the dataset's module; and
+    shmpipe's modules compiled to bytecode where they are not, as `pip
+    install` leaves an installed package (the peers' packages are): a
+    checkout run with PYTHONDONTWRITEBYTECODE, as this project's machines
+    run, compiled every module of shmpipe from its source in every new
+    process, 0.1 s of its first batch on a loaded 2-core machine that no
+    user's install pays. Where the package's folder cannot be written, it
+    stays as it is."""
+    import compileall
+
     os.makedirs(folder, exist_ok=True)
     shutil.copyfile(os.path.join(_here(), "_jpegs.py"), os.path.join(folder, DATASET_MODULE + ".py"))
+    package = os.path.dirname(_here())
+    if os.access(package, os.W_OK):
+        compileall.compile_dir(package, quiet=2)
     return folder
 
 
