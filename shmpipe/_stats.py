@@ -146,7 +146,8 @@ class PipelineStats:
             + (f", slot {self.slot_size:,} bytes" if self.slot_size else ""),
             f"  delivered      {self.batches:,} batches, {gb:.3f} GB in {self.passes} pass(es)"
             + rate,
-            f"  per worker     {list(self.per_worker_batches)}",
+            f"  per worker     {list(self.per_worker_batches)}"
+            + (f", {made} made by the trainer itself" if (made := self.extra.get("made_by_trainer")) else ""),
             f"  consumer wait  total {self.wait_total_s:.3f} s, mean {ms(self.wait_mean_s)}, "
             f"p50 {ms(self.wait_p50_s)}, p99 {ms(self.wait_p99_s)}, max {ms(self.wait_max_s)}",
             f"  first batch    {ms(self.time_to_first_batch_s)} after start",
