@@ -100,8 +100,8 @@ def _command(key, folder):
     if key == "resume":
         return Command(
             [sys.executable, "-m", "shmpipe", "bench", "resume", "--images", "40", "--side", "16", "--batch-size", "8",
-             "--workers", "1", "--repeat", "1", "--timeout", "60", "--json", str(folder / "resume.json"), "--plot",
-             str(folder / "resume.png")],
+             "--workers", "1", "--repeat", "1", "--at", "0.5", "--timeout", "60",
+             "--json", str(folder / "resume.json"), "--plot", str(folder / "resume.png")],
             cwd=folder, env=env, timeout=300,
         )
     if key == "nodes":
@@ -270,7 +270,7 @@ def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):
 
 @SHARED_TIMEOUT
 def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(request):
-    # A tiny run (40 JPEGs of 16x16, 5 batches, 1 worker): the JSON's
+    # A tiny run (40 JPEGs of 16x16, 5 batches, 1 worker, resumed at 50%): the JSON's
     # structure, and the checks it records, never a timing.
     from shmpipe.bench import resume
 
@@ -296,7 +296,9 @@ def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(reques
         assert "Producer restarts under SIGKILL (max_restarts): not available: max_restarts is not implemented" in proc.stdout
     results = {r["loader"]: r for r in data["results"]}
     assert list(results) == list(resume.LOADERS)
-    positions = {"10%": 1, "50%": 2, "90%": 4}  # of 5 batches: at least one before, one after
+    # One position (each is a new process per loader: the suite's time), of
+    # 5 batches: some before it, some after.
+    positions = {"50%": 2}
     for name, r in results.items():
         if r["skipped"] is not None:  # an optional peer, said so and not measured
             assert name in ("StatefulDataLoader", "Grain") and r["skipped"].startswith("not installed"), (name, r)
