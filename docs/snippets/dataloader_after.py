@@ -20,7 +20,8 @@ class Samples:  # any object with __len__ and __getitem__: a torch Dataset works
         return SAMPLES
 
     def __getitem__(self, k):
-        connection(shmpipe.get_worker_info().id)
+        info = shmpipe.get_worker_info()  # None where the trainer fetches (a fresh pipeline's first batches)
+        connection(info.id if info is not None else -1)
         return np.full((8, 8, 3), k, dtype=np.float32), k % 10  # read, decode, augment, ...
 
 
