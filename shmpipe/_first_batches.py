@@ -21,9 +21,10 @@ The hand-over leads by one batch: once the producers are up, they are
 given the pass from the batch after the one the trainer makes then, so
 they fetch while it does.
 
-A batch made here goes through the codec as a producer's would (encode,
-then decode: read-only, 64-byte-aligned arrays, the same nesting), in
-memory of its own, not a slot of the ring.
+A batch made here is laid out by the codec as a producer's is in a slot
+(the default collate writes each sample once, into a buffer of its own; a
+collate_fn's batch is copied in once), and delivered as the same
+read-only, 64-byte-aligned views of it, with the same nesting.
 
 Not atomic with respect to the start: the trainer looks at ``starting``
 before each batch, and a start that ends while it fetches one is seen at
@@ -34,8 +35,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from shmpipe import _codec
-from shmpipe._producer_context import generators_kept, reserving_elsewhere
+from shmpipe._producer_context import generators_kept, reserving_into
 from shmpipe._schedule import DatasetSchedule
 from shmpipe._sources import DatasetSource
 
@@ -67,10 +70,31 @@ class FirstBatches:
         """The next batch of the share, made here: (batch, its bytes)."""
         plan = self.schedule.plan_of(self.made)
         # The user's generators are left as they were (the batch draws from
-        # its own seed), and reserve() gives ordinary memory even where this
-        # process is itself a producer of another pipeline.
-        with generators_kept(), reserving_elsewhere():
+        # its own seed), and reserve() lays the batch out in memory of its
+        # own, as it would in a slot (even where this process is itself a
+        # producer of another pipeline).
+        reserver = _PrivateReserver()
+        with generators_kept(), reserving_into(reserver):
             batch = self.source.batch(plan, 0)
-        buf = _codec.encode(batch)
+        if reserver.buf is not None and batch is reserver.reserved:
+            buf = reserver.buf  # the default collate filled it: no copy
+        else:  # a collate_fn's own batch: copied once, as a producer copies it into a slot
+            buf = _codec.encode(batch)
         self.made += 1
         return _codec.decode(buf), buf.nbytes
+
+
+class _PrivateReserver:
+    """reserve() in the trainer: the batch laid out as in a slot (the
+    codec's layout), in a new 64-byte-aligned buffer of its own."""
+
+    __slots__ = ("buf", "reserved")
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.reserved: Any = None
+
+    def reserve(self, template: Any) -> Any:
+        self.buf = _codec.aligned_empty(_codec.template_size(template))
+        self.reserved = _codec.reserve_into(template, self.buf)
+        return self.reserved

@@ -28,6 +28,7 @@ __all__ = [
     "get_worker_info",
     "reserve",
     "reserving_elsewhere",
+    "reserving_into",
     "seed_for",
     "seed_generators",
     "set_reserver",
@@ -127,6 +128,18 @@ def set_reserver(reserver: Reserver | None) -> None:
     """What reserve() asks in this process (a producer sets itself)."""
     global _reserver
     _reserver = reserver
+
+
+@contextlib.contextmanager
+def reserving_into(reserver: Reserver) -> Iterator[None]:
+    """While in the block, reserve() asks `reserver` (the trainer making a
+    fresh pipeline's first batches: shmpipe/_first_batches.py)."""
+    global _reserver
+    saved, _reserver = _reserver, reserver
+    try:
+        yield
+    finally:
+        _reserver = saved
 
 
 @contextlib.contextmanager
