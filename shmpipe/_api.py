@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
-from shmpipe._group import GroupOptions, RankPipeline, check_capacity, check_group, default_capacity
+from shmpipe._group import check_capacity, check_group, default_capacity
 from shmpipe._nodes import check_nodes, check_sampler_for_nodes
 from shmpipe._options import PipelineOptions, Source, check_options, is_int
 from shmpipe._pipeline import Pipeline
@@ -21,6 +21,9 @@ from shmpipe._sources import DatasetSource, IteratorSource
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import Transport
+
+if TYPE_CHECKING:
+    from shmpipe._group import GroupOptions, RankPipeline
 
 __all__ = ["check_arguments", "from_dataset", "from_iterators"]
 
@@ -171,8 +174,16 @@ def from_iterators(
         wrap=IteratorSource,
     )
     if grouped is not None:
-        return RankPipeline(options, grouped)
+        return _rank_pipeline()(options, grouped)
     return Pipeline(options)
+
+
+def _rank_pipeline() -> type[RankPipeline]:
+    """The class of a rank's stream, imported where a group is asked for:
+    a pipeline without one never loads the ranks' client (shmpipe/_group)."""
+    from shmpipe._group import RankPipeline
+
+    return RankPipeline
 
 
 def check_arguments(
@@ -400,7 +411,7 @@ def from_dataset(
     if not isinstance(fetch_while_starting, bool):
         raise ShmpipeTypeError(f"fetch_while_starting must be True or False, got {fetch_while_starting!r}")
     if grouped is not None:
-        return RankPipeline(options, grouped, schedule)
+        return _rank_pipeline()(options, grouped, schedule)
     return Pipeline(options, schedule, fetch_while_starting=fetch_while_starting)
 
 

@@ -14,8 +14,10 @@ pipeline starts (as a fork copies them), not values the script's top level
 would compute again.
 
 Restricted to what can be rebuilt faithfully: plain functions (closures,
-defaults, lambdas and nested functions included) and classes whose
-metaclass is ``type`` or ``abc.ABCMeta`` without ``__slots__``. Anything
+defaults, lambdas and nested functions included), such a function under
+``functools.cache`` or ``lru_cache`` (a new, empty cache in each producer,
+as importing the script would make), and classes whose metaclass is
+``type`` or ``abc.ABCMeta`` without ``__slots__``. Anything
 else of ``__main__`` (an enum, a class with ``__slots__``, a module-level
 lock or open file a source uses, an object pickled by a name in
 ``__main__``) makes dumps() raise NotByValue, and the caller starts that
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import dis
+import functools
 import importlib
 import io
 import marshal
@@ -56,6 +59,16 @@ _PLAIN_METACLASSES = (type, abc.ABCMeta)
 #: set apart (__module__).
 _CLASS_SKIP = frozenset({"__dict__", "__weakref__", "__module__", "_abc_impl", "__abstractmethods__"})
 
+#: What functools.cache and lru_cache return (a C type; pickled by default
+#: by its name in its module, which for the script's is __main__).
+_CACHE_WRAPPER = type(functools.cache(abs))
+
+#: Opcodes that store into or read from the pickle's memo, and those that
+#: push nothing (_main_reference follows what is on top of the stack).
+_MEMO_PUTS = frozenset({"MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})
+_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_NO_PUSH = frozenset({"PROTO", "FRAME", "STOP"})
+
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
 
 
@@ -75,6 +88,8 @@ def dumps(obj: Any) -> bytes:
         raise NotByValue(str(exc) or type(exc).__name__) from None
     data = buf.getvalue()
     name = _main_reference(data)
+    if name == "__main__":
+        raise NotByValue("it names the script's module (__main__)")
     if name is not None:
         raise NotByValue(f"it refers to {name} in the script by name")
     return data
@@ -86,20 +101,34 @@ def loads(data: bytes) -> Any:
 
 
 def _main_reference(data: bytes) -> str | None:
-    """The first name in __main__ the pickle would look up, or None. Any
-    string "__main__" counts (a global's value too): a false alarm costs
-    only the old, slower start."""
-    module = None
-    for _, arg, _ in pickletools.genops(data):
-        if not isinstance(arg, str):
-            continue
-        if module is not None:  # STACK_GLOBAL: the module's string, then the name's
-            return f"{module}.{arg}"
-        if arg.split(" ", 1)[0] in MAIN_NAMES:  # GLOBAL's argument is "module name"
-            if " " in arg:
+    """The first name in __main__ the pickle would look up ("__main__.x"),
+    else "__main__" if the string "__main__" is anywhere in it (a global's
+    value too: a false alarm costs only the old, slower start), else None.
+
+    STACK_GLOBAL takes the module's and the name's strings from the top of
+    the stack, pushed just before it or fetched from the memo (a string
+    pickled once is fetched so the next time): both are followed."""
+    memo: dict[int, str | None] = {}
+    pushed: list[str | None] = []  # the last two values pushed: a string, or None for anything else
+    named = False
+    for op, arg, _ in pickletools.genops(data):
+        if isinstance(arg, str) and arg.split(" ", 1)[0] in MAIN_NAMES:
+            named = True
+            if op.name == "GLOBAL":  # its argument is "module name"
                 return arg.replace(" ", ".")
-            module = arg
-    return module
+        if op.name == "STACK_GLOBAL" and len(pushed) == 2 and pushed[0] in MAIN_NAMES:
+            return f"{pushed[0]}.{pushed[1]}"
+        if op.name in _MEMO_PUTS:  # MEMOIZE stores at the memo's length
+            memo[len(memo) if op.name == "MEMOIZE" else arg] = pushed[-1] if pushed else None
+            continue
+        if op.name in _NO_PUSH:
+            continue
+        if op.name in _MEMO_GETS:
+            pushed.append(memo.get(arg))
+        else:
+            pushed.append(arg if isinstance(arg, str) and "UNICODE" in op.name else None)
+        del pushed[:-2]
+    return "__main__" if named else None
 
 
 class _Pickler(ForkingPickler):
@@ -117,6 +146,14 @@ class _Pickler(ForkingPickler):
             return self._function(obj)
         if isinstance(obj, type) and obj.__module__ in MAIN_NAMES:
             return _class(obj)
+        if isinstance(obj, _CACHE_WRAPPER) and getattr(obj.__wrapped__, "__module__", None) in MAIN_NAMES:
+            # Rebuilt around the function (by value) with the same cache
+            # parameters and an empty cache. A cached function that calls
+            # itself by its global name is pickled while its own reduction
+            # is under way, so its body gets a second wrapper around the
+            # same function: the same results, two caches.
+            parameters = obj.cache_parameters()
+            return _make_cached, (obj.__wrapped__, parameters["maxsize"], parameters["typed"])
         if isinstance(obj, types.ModuleType):
             return _module(obj)
         if isinstance(obj, (staticmethod, classmethod)):  # in a class of the script
@@ -215,6 +252,10 @@ def _set_function_state(fn: types.FunctionType, state: dict[str, Any]) -> types.
     fn.__doc__ = state["doc"]
     fn.__module__ = "__main__"
     return fn
+
+
+def _make_cached(fn: types.FunctionType, maxsize: int | None, typed: bool) -> Any:
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(fn)
 
 
 def _make_class(meta: type, name: str, bases: tuple[type, ...]) -> type:

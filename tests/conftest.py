@@ -171,7 +171,9 @@ def end_group(proc: subprocess.Popen, grace: float = 10.0, remove_segments: bool
 class Command:
     """A script a test runs and waits for: `args` in `cwd`, killed (and its
     process group) if it is not done within `timeout` seconds. Commands of
-    the same `exclusive` tag never run at the same time (two local Rays)."""
+    the same `exclusive` tag never run at the same time (two local Rays).
+    `seconds`: about how long it takes alone, an order only (run_together
+    starts the longest first)."""
 
     args: list[str]
     cwd: Any
@@ -179,6 +181,7 @@ class Command:
     timeout: float = 300.0
     exclusive: str | None = None
     preexec_fn: Callable[[], None] | None = None
+    seconds: float = 0.0
 
 
 def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hashable, subprocess.CompletedProcess]:
@@ -190,8 +193,12 @@ def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hasha
     is SIGKILLed with its process group and comes back with its output so
     far and returncode -9 (the test's assertion on it says so). Whatever
     ends the wait early (a KeyboardInterrupt, pytest-timeout's signal), the
-    commands still running are killed with their process groups."""
-    pending = dict(commands)
+    commands still running are killed with their process groups.
+
+    The longest start first (Command.seconds; ties in the given order): the
+    family's wait ends when its last command does, and a long one started
+    last would run alone on a core the others left idle."""
+    pending = dict(sorted(commands.items(), key=lambda kv: -kv[1].seconds))
     running: dict[Hashable, tuple[subprocess.Popen, Any, Any, float]] = {}
     done: dict[Hashable, subprocess.CompletedProcess] = {}
     try:

@@ -302,21 +302,22 @@ def _command(key: str, folder) -> Command:
         return Command([sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", "ray.util.iter",
                         "shmpipe:ray", "--out", str(folder)],
                        cwd=folder,  # not the repository's root: -m would import its unbuilt source tree first
-                       env=_child_env(), exclusive="ray")
+                       env=_child_env(), exclusive="ray", seconds=25)
     if key == "feed startup":
         return Command([sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", *STARTUP_RECIPES,
-                        "--out", str(folder)], cwd=folder, env=_child_env())
+                        "--out", str(folder)], cwd=folder, env=_child_env(), seconds=10)
     if key == "serialize":
         from shmpipe.bench.serialize import PATHS
 
         return Command([sys.executable, "-m", "shmpipe", "bench", "serialize", "--sizes", "4KiB", "128KiB", "--paths",
                         *PATHS, "--seconds", "0.01", "--json", str(folder / "s.json"), "--plot", str(folder / "s.png")],
-                       cwd=folder, env=_child_env(), exclusive="ray")
-    if key == "console":
-        return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "shmpipe:shm"], cwd=folder)
+                       cwd=folder, env=_child_env(), exclusive="ray", seconds=15)
+    if key == "console":  # the recipes of tf.data import TensorFlow
+        return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "shmpipe:shm"], cwd=folder,
+                       seconds=8)
     if key == "console verbose":
         return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "--out", "v", "--verbose"],
-                       cwd=folder)
+                       cwd=folder, seconds=8)
     if key.startswith("help "):
         return Command([sys.executable, "-m", "shmpipe", "bench", key.split()[1], "--help"], cwd=folder,
                        env=_child_env(), timeout=120)

@@ -81,6 +81,7 @@ SNIPPET_RUNS = SharedRuns(
     command=lambda name, folder: Command(
         [sys.executable, str(SNIPPETS / name)], cwd=folder, env=_env(), timeout=360,
         exclusive="ray" if name.startswith("ray") else None,  # one local Ray at a time
+        seconds=10 if name.startswith("ray") else 8 if name.startswith("tf_data") else 4,  # Ray's start, TF's import
     ),
     jobs=3,
 )

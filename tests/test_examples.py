@@ -32,8 +32,9 @@ def _command(key: str, folder: Path) -> Command:
     if key == "jax_train.py":
         # 4 forced CPU devices, batches of 32 (8 a device), 6 a pass; about 15 s
         return Command([sys.executable, str(EXAMPLES / key), "--workers", "2", "--epochs", "3", "--images", "192",
-                        "--batch-size", "32", "--crop", "32"], cwd=folder, timeout=180)
-    return Command([sys.executable, str(EXAMPLES / key), "--workers", "2", "--epochs", "3", "--batches", "10"], cwd=folder)
+                        "--batch-size", "32", "--crop", "32"], cwd=folder, timeout=180, seconds=15)
+    return Command([sys.executable, str(EXAMPLES / key), "--workers", "2", "--epochs", "3", "--batches", "10"], cwd=folder,
+                   seconds=20 if key == "keras_fit.py" else 8)
 
 
 def _keys(item: pytest.Item) -> list[str]:

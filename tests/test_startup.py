@@ -757,6 +757,66 @@ def test_a_value_named_by_the_script_is_not_shipped_by_value():
         sys.modules["__main__"] = real
 
 
+def test_cached_functions_travel_by_value_each_with_an_empty_cache():
+    # functools.cache is how a script opens a connection once per producer
+    # (DataLoader's worker_init_fn's job): by name, it needed the script.
+    ns = script_namespace(
+        """
+        import functools
+        CALLS = []
+        @functools.cache
+        def connection(worker):
+            CALLS.append(worker)
+            return f"connection {worker}"
+        @functools.lru_cache(maxsize=8, typed=True)
+        def fib(n):
+            return n if n < 2 else fib(n - 1) + fib(n - 2)
+        def fetch(k):
+            return connection(k % 2), fib(k)
+        """
+    )
+    ns["connection"](0)  # the trainer's cache holds an entry; a producer's starts empty
+    fetch = roundtrip(ns["fetch"])
+    connection = fetch.__globals__["connection"]
+    assert connection is not ns["connection"] and connection.cache_info().currsize == 0
+    assert connection.__wrapped__.__module__ == "__main__"
+    assert [fetch(k) for k in (3, 5, 10)] == [("connection 1", 2), ("connection 1", 5), ("connection 0", 55)]
+    # CALLS travelled with the trainer's value ([0]), as a fork copies it;
+    # the copy's empty cache called the function once per argument since.
+    assert connection.__wrapped__.__globals__["CALLS"] == [0, 1, 0]
+    fib = fetch.__globals__["fib"]
+    assert fib.cache_parameters() == {"maxsize": 8, "typed": True}
+    assert ns["CALLS"] == [0]  # the trainer's own is untouched
+
+
+def test_what_needs_the_script_is_named_even_after_the_string_main_was_pickled_once():
+    # "__main__" pickled once as a value is fetched from the pickle's memo
+    # when a name of the script is looked up after it: the message names
+    # that lookup, not the next string of the pickle.
+    ns = script_namespace(
+        """
+        class Token:
+            def __reduce__(self):
+                return "TOKEN"
+        TOKEN = Token()
+        """
+    )
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(ns)
+    real = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        with pytest.raises(_byvalue.NotByValue, match=r"refers to __main__\.TOKEN in"):
+            _byvalue.dumps(["__main__", {"np": 1}, ns["TOKEN"]])
+    finally:
+        sys.modules["__main__"] = real
+    # The string alone is refused too (a false alarm costs only the slower start), and says so.
+    with pytest.raises(_byvalue.NotByValue, match=r"names the script's module \(__main__\)"):
+        _byvalue.dumps(["__main__", "np"])
+
+
 def test_objects_of_other_modules_travel_by_reference():
     from shmpipe.testing.sources import Counter
 

@@ -57,9 +57,35 @@ contract (its optional protocol for several ranks) and nothing below it.
 
 from __future__ import annotations
 
-from shmpipe._group._options import GroupOptions, check_capacity, check_group, default_capacity, group_capacity
-from shmpipe._group._rank import RankPipeline
-from shmpipe._group._wire import socket_address
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs
+    from shmpipe._group._options import (
+        GroupOptions,
+        check_capacity,
+        check_group,
+        default_capacity,
+        group_capacity,
+    )
+    from shmpipe._group._rank import RankPipeline
+    from shmpipe._group._wire import socket_address
+
+#: Where each name lives, its module imported at the name's first use (PEP
+#: 562, as the package's face does). Every from_dataset and from_iterators
+#: checks its group arguments (_options), most with no group: they never
+#: load the ranks' client, the leader and the wire. Those three are about
+#: 550 objects a fresh process allocates on its way to the first batch, and
+#: the allocations are what brings CPython's first full collection after
+#: `import torch` (0.07 to 0.09 s) into it: docs/design.md, "A fresh
+#: pipeline's first batches".
+_WHERE = {
+    **dict.fromkeys(
+        ("GroupOptions", "check_capacity", "check_group", "default_capacity", "group_capacity"),
+        "shmpipe._group._options",
+    ),
+    "RankPipeline": "shmpipe._group._rank",
+    "socket_address": "shmpipe._group._wire",
+}
 
 __all__ = [
     "GroupOptions",
@@ -70,3 +96,20 @@ __all__ = [
     "group_capacity",
     "socket_address",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A name of the package, its module imported at its first use (and the
+    name kept here). A submodule imported by name (``from shmpipe._group
+    import _wire``) is found by the import system, not here."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    from shmpipe._interrupts import ctrl_c_held_back
+
+    with ctrl_c_held_back():  # as the package's face: an import cut short by Ctrl-C is left undone
+        value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
