@@ -62,6 +62,10 @@ _CLASS_SKIP = frozenset({"__dict__", "__weakref__", "__module__", "_abc_impl", "
 #: What functools.cache and lru_cache return (a C type; pickled by default
 #: by its name in its module, which for the script's is __main__).
 _CACHE_WRAPPER = type(functools.cache(abs))
+#: What lru_cache itself puts in a wrapper's __dict__, its own or copied
+#: from the function (the rebuilt wrapper gets them again, and __module__
+#: is "__main__"); the rest was set by the script and travels.
+_CACHE_OWN = frozenset({"__wrapped__", "cache_parameters", *functools.WRAPPER_ASSIGNMENTS})
 
 #: Opcodes that store into or read from the pickle's memo, and those that
 #: push nothing (_main_reference follows what is on top of the stack).
@@ -102,8 +106,9 @@ def loads(data: bytes) -> Any:
 
 def _main_reference(data: bytes) -> str | None:
     """The first name in __main__ the pickle would look up ("__main__.x"),
-    else "__main__" if the string "__main__" is anywhere in it (a global's
-    value too: a false alarm costs only the old, slower start), else None.
+    else "__main__" if any string in it starts with a name of the script's
+    module (MAIN_NAMES: a global's value too, a false alarm that costs only
+    the old, slower start), else None.
 
     STACK_GLOBAL takes the module's and the name's strings from the top of
     the stack, pushed just before it or fetched from the memo (a string
@@ -114,17 +119,19 @@ def _main_reference(data: bytes) -> str | None:
     for op, arg, _ in pickletools.genops(data):
         if isinstance(arg, str) and arg.split(" ", 1)[0] in MAIN_NAMES:
             named = True
-            if op.name == "GLOBAL":  # its argument is "module name"
+            if op.name in ("GLOBAL", "INST"):  # their argument is "module name"
                 return arg.replace(" ", ".")
         if op.name == "STACK_GLOBAL" and len(pushed) == 2 and pushed[0] in MAIN_NAMES:
             return f"{pushed[0]}.{pushed[1]}"
         if op.name in _MEMO_PUTS:  # MEMOIZE stores at the memo's length
-            memo[len(memo) if op.name == "MEMOIZE" else arg] = pushed[-1] if pushed else None
+            index = len(memo) if op.name == "MEMOIZE" else arg
+            if isinstance(index, int):
+                memo[index] = pushed[-1] if pushed else None
             continue
         if op.name in _NO_PUSH:
             continue
         if op.name in _MEMO_GETS:
-            pushed.append(memo.get(arg))
+            pushed.append(memo.get(arg) if isinstance(arg, int) else None)  # a GET's argument: the memo's index
         else:
             pushed.append(arg if isinstance(arg, str) and "UNICODE" in op.name else None)
         del pushed[:-2]
@@ -148,12 +155,15 @@ class _Pickler(ForkingPickler):
             return _class(obj)
         if isinstance(obj, _CACHE_WRAPPER) and getattr(obj.__wrapped__, "__module__", None) in MAIN_NAMES:
             # Rebuilt around the function (by value) with the same cache
-            # parameters and an empty cache. A cached function that calls
-            # itself by its global name is pickled while its own reduction
-            # is under way, so its body gets a second wrapper around the
-            # same function: the same results, two caches.
+            # parameters and an empty cache, and what the script set on the
+            # wrapper (its __dict__, but for what lru_cache puts there). A
+            # cached function that calls itself by its global name meets
+            # the wrapper again while the wrapper's arguments are pickled:
+            # pickle then keeps the one made inside and drops the outer,
+            # so there is one wrapper, one cache.
             parameters = obj.cache_parameters()
-            return _make_cached, (obj.__wrapped__, parameters["maxsize"], parameters["typed"])
+            state = {k: v for k, v in obj.__dict__.items() if k not in _CACHE_OWN}
+            return _make_cached, (obj.__wrapped__, parameters["maxsize"], parameters["typed"]), state
         if isinstance(obj, types.ModuleType):
             return _module(obj)
         if isinstance(obj, (staticmethod, classmethod)):  # in a class of the script

@@ -771,6 +771,7 @@ def test_cached_functions_travel_by_value_each_with_an_empty_cache():
         @functools.lru_cache(maxsize=8, typed=True)
         def fib(n):
             return n if n < 2 else fib(n - 1) + fib(n - 2)
+        fib.calls_made = "counted elsewhere"  # set by the script on the wrapper: travels
         def fetch(k):
             return connection(k % 2), fib(k)
         """
@@ -785,7 +786,8 @@ def test_cached_functions_travel_by_value_each_with_an_empty_cache():
     # the copy's empty cache called the function once per argument since.
     assert connection.__wrapped__.__globals__["CALLS"] == [0, 1, 0]
     fib = fetch.__globals__["fib"]
-    assert fib.cache_parameters() == {"maxsize": 8, "typed": True}
+    assert fib.cache_parameters() == {"maxsize": 8, "typed": True} and fib.calls_made == "counted elsewhere"
+    assert fib.__wrapped__.__globals__["fib"] is fib  # one wrapper: the one the function calls itself through
     assert ns["CALLS"] == [0]  # the trainer's own is untouched
 
 

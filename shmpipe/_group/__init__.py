@@ -74,7 +74,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs
 #: 562, as the package's face does). Every from_dataset and from_iterators
 #: checks its group arguments (_options), most with no group: they never
 #: load the ranks' client, the leader and the wire. Those three are about
-#: 550 objects a fresh process allocates on its way to the first batch, and
+#: 600 objects a fresh process allocates on its way to the first batch, and
 #: the allocations are what brings CPython's first full collection after
 #: `import torch` (0.07 to 0.09 s) into it: docs/design.md, "A fresh
 #: pipeline's first batches".
@@ -113,3 +113,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
