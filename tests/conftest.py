@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
@@ -40,12 +41,19 @@ def _our_segments() -> set[str]:
     return ours
 
 
+#: The scripts of SharedRuns families running in the background now (their
+#: pids): what they and their children make is theirs, not the test's that
+#: runs meanwhile (a segment they leave behind, its owner dead, is still
+#: seen by the guard of whatever test runs then).
+_BACKGROUND_PIDS: set[int] = set()
+
+
 def _descends_from_us(pid: int) -> bool:
     me = os.getpid()
     for _ in range(64):  # a chain of parents; pid 1 ends it
         if pid == me:
             return True
-        if pid <= 1:
+        if pid <= 1 or pid in _BACKGROUND_PIDS:
             return False
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
@@ -85,6 +93,24 @@ def no_leaks():
     assert not left, f"the test left shared-memory segments behind: {sorted(left)}"
     assert not left_fds, f"the test left descriptors of ring memory open: {sorted(left_fds)}"
     assert not children, f"the test left child processes behind: {children}"
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests of modules with a background family run last (in their
+    order), so that their scripts have run beside everything before them."""
+    late = {id(module) for _, module in background_families(items)}
+    if late:
+        items[:] = [i for i in items if id(i.module) not in late] + [i for i in items if id(i.module) in late]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_runs_in_background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Starts the scripts of the background families (SharedRuns) with the
+    session, and ends whatever of them still runs when it ends."""
+    runs = BackgroundRuns(request.session.items, tmp_path_factory)
+    runs.start()
+    yield runs
+    runs.stop()
 
 
 @contextlib.contextmanager
@@ -184,7 +210,15 @@ class Command:
     seconds: float = 0.0
 
 
-def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hashable, subprocess.CompletedProcess]:
+class Stopped(Exception):
+    """run_together was told to stop (the session ends)."""
+
+
+def run_together(
+    commands: dict[Hashable, Command], jobs: int = 2, *, stop: threading.Event | None = None,
+    on_start: Callable[[Hashable, int], None] | None = None,
+    on_done: Callable[[Hashable, subprocess.CompletedProcess], None] | None = None,
+) -> dict[Hashable, subprocess.CompletedProcess]:
     """Runs `commands`, `jobs` at a time (this machine, and CI's, has two
     cores; most of these scripts keep one busy while they import a
     framework, then wait on their producers), and returns for each what
@@ -197,7 +231,11 @@ def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hasha
 
     The longest start first (Command.seconds; ties in the given order): the
     family's wait ends when its last command does, and a long one started
-    last would run alone on a core the others left idle."""
+    last would run alone on a core the others left idle.
+
+    `on_start(key, pid)` and `on_done(key, result)` are called as each
+    starts and ends; `stop`, once set, ends the wait with Stopped (what is
+    still running killed)."""
     pending = dict(sorted(commands.items(), key=lambda kv: -kv[1].seconds))
     running: dict[Hashable, tuple[subprocess.Popen, Any, Any, float]] = {}
     done: dict[Hashable, subprocess.CompletedProcess] = {}
@@ -215,6 +253,8 @@ def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hasha
                 running[key] = (proc, out, err, time.monotonic() + cmd.timeout)
                 busy.add(cmd.exclusive)
                 del pending[key]
+                if on_start is not None:
+                    on_start(key, proc.pid)
             for key, (proc, out, err, deadline) in list(running.items()):
                 if proc.poll() is None and time.monotonic() < deadline:
                     continue
@@ -228,6 +268,10 @@ def run_together(commands: dict[Hashable, Command], jobs: int = 2) -> dict[Hasha
                 out.close()
                 err.close()
                 del running[key]
+                if on_done is not None:
+                    on_done(key, done[key])
+            if stop is not None and stop.is_set():
+                raise Stopped
             if running:
                 _wait_any([proc for proc, *_ in running.values()], 0.5)
     finally:
@@ -302,23 +346,136 @@ class SharedRuns(_Shared):
     skipped); `command(key, folder)` makes one, in an empty folder of its
     own, writing there whatever it needs. The first test's guard (no_leaks)
     sees every script of the family end and checks that nothing of theirs
-    is left behind."""
+    is left behind.
+
+    With `background`, the family's scripts start when the session does
+    (BackgroundRuns), beside the other tests, which mostly wait on their
+    processes (the suite used half a core outside these scripts), and its
+    tests run last; a script that needs a machine-wide resource alone
+    (Command.exclusive: a local Ray) is still run by the first test that
+    asks."""
 
     def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
-                 command: Callable[[Hashable, Any], Command], jobs: int = 2) -> None:
+                 command: Callable[[Hashable, Any], Command], jobs: int = 2, background: bool = False) -> None:
         super().__init__(tests, keys, jobs)
         self.command = command
+        self.background = background
+        #: key -> its folder, for the scripts the background runs; set once they have all ended
+        self.in_background: dict[Hashable, Any] = {}
+        self.background_done = threading.Event()
+        self.background_error: BaseException | None = None
+
+    def wanted_by(self, items: list[pytest.Item], module: Any) -> list[Hashable]:
+        """The keys of every test of the family among `items` (of `module`)."""
+        keys: list[Hashable] = []
+        for item in items:
+            if item.module is module and getattr(item, "originalname", None) in self.tests:
+                keys += [k for k in self.keys(item) if k not in keys]
+        return keys
 
     def get(self, request: pytest.FixtureRequest, key: Hashable) -> tuple[subprocess.CompletedProcess, Any]:
         """(what the script of `key` did, its folder)."""
+        if key in self.in_background:
+            # The test's own timeout (pytest-timeout) bounds this wait too.
+            if not self.background_done.wait(BACKGROUND_WAIT_S):
+                raise TimeoutError(f"the background run of {key!r} did not end within {BACKGROUND_WAIT_S:g} s")
+            if key not in self.results:
+                raise RuntimeError(f"the background run of {key!r} did not run: {self.background_error!r}")
         if key not in self.results:
-            keys = self._wanted(request, key)
+            keys = [k for k in self._wanted(request, key) if k not in self.in_background]
             factory = request.getfixturevalue("tmp_path_factory")
-            folders = {k: factory.mktemp(re.sub(r"\W+", "_", str(k))[:30] or "run") for k in keys}
+            folders = {k: _folder(factory, k) for k in keys}
             commands = {k: self.command(k, folders[k]) for k in keys}
             for k, out in run_together(commands, self.jobs).items():
                 self.results[k] = (out, folders[k])
         return self.results[key]
+
+
+def _folder(factory: pytest.TempPathFactory, key: Hashable) -> Any:
+    return factory.mktemp(re.sub(r"\W+", "_", str(key))[:30] or "run")
+
+
+#: The most a test waits for the background runs (each script has its own
+#: timeout, and run_together kills it there).
+BACKGROUND_WAIT_S = 1200.0
+
+
+def background_families(items: list[pytest.Item]) -> list[tuple[SharedRuns, Any]]:
+    """The SharedRuns families made with background=True among the modules
+    of `items`, with their modules, in the items' order."""
+    found: list[tuple[SharedRuns, Any]] = []
+    for module in dict.fromkeys(item.module for item in items if getattr(item, "module", None) is not None):
+        for value in vars(module).values():
+            if isinstance(value, SharedRuns) and value.background and all(f is not value for f, _ in found):
+                found.append((value, module))
+    return found
+
+
+class BackgroundRuns:
+    """The scripts of every background family this session runs, started at
+    the session's start in a thread of this process (run_together, `jobs`
+    at a time, the longest first), each family's results handed to it as
+    its scripts end. stop() kills what is still running."""
+
+    def __init__(self, items: list[pytest.Item], factory: pytest.TempPathFactory, jobs: int = 2) -> None:
+        self.jobs = jobs
+        self.commands: dict[Hashable, Command] = {}
+        self.owner: dict[Hashable, tuple[SharedRuns, Hashable]] = {}
+        self.families = [family for family, _ in background_families(items)]
+        for family, module in background_families(items):
+            for key in family.wanted_by(items, module):
+                folder = _folder(factory, key)
+                command = family.command(key, folder)
+                if command.exclusive is not None:
+                    continue  # run by the first test that asks, as without a background
+                family.in_background[key] = folder
+                self.commands[(id(family), key)] = command
+                self.owner[(id(family), key)] = (family, key)
+        #: each family's scripts not ended yet: its tests wait for its own only
+        self.left = {id(family): len(family.in_background) for family in self.families}
+        self.pids: dict[Hashable, int] = {}
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="shared runs", daemon=True)
+
+    def start(self) -> None:
+        for family in self.families:
+            if not self.left[id(family)]:
+                family.background_done.set()
+        if self.commands:
+            self.thread.start()
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            run_together(self.commands, self.jobs, stop=self.stop_event, on_start=self._started, on_done=self._done)
+        except BaseException as exc:  # handed to the tests that wait, which raise it
+            error = exc
+        finally:
+            self._finish(error)
+
+    def _started(self, key: Hashable, pid: int) -> None:
+        self.pids[key] = pid
+        _BACKGROUND_PIDS.add(pid)
+
+    def _done(self, key: Hashable, result: subprocess.CompletedProcess) -> None:
+        family, k = self.owner[key]
+        family.results[k] = (result, family.in_background[k])
+        _BACKGROUND_PIDS.discard(self.pids.pop(key, -1))
+        self.left[id(family)] -= 1
+        if not self.left[id(family)]:
+            family.background_done.set()
+
+    def _finish(self, error: BaseException | None) -> None:
+        """Every family's wait ends (with `error`, where the run failed or
+        was stopped, for the scripts that did not end)."""
+        for family in self.families:
+            family.background_error = error
+            family.background_done.set()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.thread.is_alive():
+            self.thread.join(60)
 
 
 class SharedJobs(_Shared):

@@ -78,8 +78,8 @@ def test_targets_are_checked_from_results():
 
 
 # -- the scripts and CLI runs of these tests: independent processes (most
-#    import torch or TensorFlow), run two at a time by the first test that
-#    needs one (SharedRuns); each test checks its own. ----------------------------
+#    import torch or TensorFlow), run in the background from the session's
+#    start (SharedRuns, conftest.BackgroundRuns); each test checks its own. --------
 
 #: bench train's recipes in three runs, one per trainer, side by side.
 TRAIN_GROUPS = {trainer: [name for name in train.RECIPES if name.startswith(trainer + ":")]
@@ -139,8 +139,9 @@ RUNS = SharedRuns(
         "test_bench_nodes_runs_every_layout_and_its_checks_pass": ["nodes"],
     }[item.originalname],
     command=_command,
+    background=True,  # from the session's start, beside the other tests (conftest.BackgroundRuns)
 )
-#: The first test of RUNS waits for all of them (bench train's two runs take
+#: A test of RUNS may wait for the background's scripts (bench train's take
 #: the longest: up to 840 s).
 SHARED_TIMEOUT = pytest.mark.timeout(900)
 

@@ -353,7 +353,9 @@ _KEYS = {
     "test_doctor_warns_when_producers_load_a_heavy_framework": ["doctor with torch in sitecustomize"] if _TORCH else [],
     "test_doctor_warns_about_few_open_files": ["doctor with 256 open files"],
 }
-RUNS = SharedRuns(set(_KEYS), keys=lambda item: _KEYS[item.originalname], command=_command, jobs=3)
+# In the background from the session's start (conftest.BackgroundRuns), but
+# for the two that start a local Ray (exclusive): the first test that asks runs those.
+RUNS = SharedRuns(set(_KEYS), keys=lambda item: _KEYS[item.originalname], command=_command, jobs=3, background=True)
 
 
 @SHARED_TIMEOUT

@@ -71,10 +71,9 @@ def _missing(name: str) -> str | None:
 
 
 #: The snippets are independent scripts (most import TensorFlow, torch or
-#: Ray, and wait on their producers): the first of these tests runs every
-#: one this session runs, three at a time (on 2 cores: 32 s one after the
-#: other, 22 s two at a time, 16.5 s three, 19 s four), and each test
-#: checks its own.
+#: Ray, and wait on their producers), run in the background from the
+#: session's start (conftest.BackgroundRuns) but for Ray's, which the first
+#: of these tests runs (one local Ray at a time); each test checks its own.
 SNIPPET_RUNS = SharedRuns(
     {"test_snippet_runs_and_prints_what_its_page_says"},
     keys=lambda item: [] if _missing(item.callspec.params["name"]) else [item.callspec.params["name"]],
@@ -84,6 +83,7 @@ SNIPPET_RUNS = SharedRuns(
         seconds=10 if name.startswith("ray") else 8 if name.startswith("tf_data") else 4,  # Ray's start, TF's import
     ),
     jobs=3,
+    background=True,  # but the Ray snippets (exclusive): those run when their first test asks
 )
 
 

@@ -49,14 +49,14 @@ def _keys(item: pytest.Item) -> list[str]:
     return ["torch_train.py without torch"]
 
 
-#: The examples are independent scripts (Keras, torch, the README's): the
-#: first of these tests runs every one this session runs, two at a time,
-#: and each test checks its own.
+#: The examples are independent scripts (Keras, torch, JAX, the README's),
+#: run in the background from the session's start (conftest.BackgroundRuns);
+#: each test checks its own.
 RUNS = SharedRuns(
     {"test_example_trains_and_reports_the_stall_fraction", "test_the_readmes_first_example_runs_as_written",
      "test_the_torch_example_says_what_to_install_without_torch",
      "test_the_jax_example_trains_data_parallel_and_every_sample_arrives_once"},
-    keys=_keys, command=_command,
+    keys=_keys, command=_command, background=True,
 )
 
 

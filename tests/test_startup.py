@@ -567,12 +567,10 @@ def _keys(item):
     return [key]
 
 
-#: The training scripts of these tests are independent processes: the first
-#: of them runs every one this session runs, three at a time (on 2 cores:
-#: 29 s one after the other, 21.6 s two at a time, 17.2 s three; they wait
-#: on their producers and the heavy module's sleep), and each test
+#: The training scripts of these tests are independent processes, run in the
+#: background from the session's start (conftest.BackgroundRuns); each test
 #: checks its own.
-SCRIPTS = SharedRuns(set(_KEYS), keys=_keys, command=_command, jobs=3)
+SCRIPTS = SharedRuns(set(_KEYS), keys=_keys, command=_command, jobs=3, background=True)
 
 
 class CountsItsPickles:
