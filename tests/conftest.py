@@ -326,14 +326,19 @@ class _Shared:
         self.tests, self.keys, self.jobs = tests, keys, jobs
         self.results: dict[Hashable, Any] = {}
 
+    def wanted_by(self, items: list[pytest.Item], module: Any) -> list[Hashable]:
+        """The keys of every test of the family among `items` (of `module`)."""
+        keys: list[Hashable] = []
+        for item in items:
+            if item.module is module and getattr(item, "originalname", None) in self.tests:
+                keys += [k for k in self.keys(item) if k not in keys]
+        return keys
+
     def _wanted(self, request: pytest.FixtureRequest, key: Hashable) -> list[Hashable]:
         """`key`, then those of every test of the family this session runs,
         that are not made yet."""
-        keys = [key]
-        for item in request.session.items:
-            if item.module is request.module and getattr(item, "originalname", None) in self.tests:
-                keys += [k for k in self.keys(item) if k not in self.results and k not in keys]
-        return keys
+        return [key] + [k for k in self.wanted_by(request.session.items, request.module)
+                        if k != key and k not in self.results]
 
 
 class SharedRuns(_Shared):
@@ -364,14 +369,6 @@ class SharedRuns(_Shared):
         self.in_background: dict[Hashable, Any] = {}
         self.background_done = threading.Event()
         self.background_error: BaseException | None = None
-
-    def wanted_by(self, items: list[pytest.Item], module: Any) -> list[Hashable]:
-        """The keys of every test of the family among `items` (of `module`)."""
-        keys: list[Hashable] = []
-        for item in items:
-            if item.module is module and getattr(item, "originalname", None) in self.tests:
-                keys += [k for k in self.keys(item) if k not in keys]
-        return keys
 
     def get(self, request: pytest.FixtureRequest, key: Hashable) -> tuple[subprocess.CompletedProcess, Any]:
         """(what the script of `key` did, its folder)."""
@@ -421,8 +418,9 @@ class BackgroundRuns:
         self.jobs = jobs
         self.commands: dict[Hashable, Command] = {}
         self.owner: dict[Hashable, tuple[SharedRuns, Hashable]] = {}
-        self.families = [family for family, _ in background_families(items)]
-        for family, module in background_families(items):
+        found = background_families(items)
+        self.families = [family for family, _ in found]
+        for family, module in found:
             for key in family.wanted_by(items, module):
                 folder = _folder(factory, key)
                 command = family.command(key, folder)

@@ -731,9 +731,12 @@ def test_what_cannot_travel_by_value_says_why(code, name, why):
         _byvalue.dumps(ns[name])
 
 
-def test_a_value_named_by_the_script_is_not_shipped_by_value():
-    # an object whose pickle names a global of __main__ (a singleton with a
-    # __reduce__ returning its name) would need the script in the producer
+@pytest.fixture
+def token_of_the_script():
+    """A script whose TOKEN pickles as its name in __main__ (a singleton with
+    a __reduce__ returning its name), installed as __main__ for the test."""
+    import types
+
     ns = script_namespace(
         """
         class Token:
@@ -742,17 +745,20 @@ def test_a_value_named_by_the_script_is_not_shipped_by_value():
         TOKEN = Token()
         """
     )
-    import types
-
     main = types.ModuleType("__main__")
     main.__dict__.update(ns)
     real = sys.modules["__main__"]
     sys.modules["__main__"] = main
     try:
-        with pytest.raises(_byvalue.NotByValue, match="__main__.TOKEN"):
-            _byvalue.dumps([ns["TOKEN"]])
+        yield ns["TOKEN"]
     finally:
         sys.modules["__main__"] = real
+
+
+def test_a_value_named_by_the_script_is_not_shipped_by_value(token_of_the_script):
+    # an object whose pickle names a global of __main__ would need the script in the producer
+    with pytest.raises(_byvalue.NotByValue, match="__main__.TOKEN"):
+        _byvalue.dumps([token_of_the_script])
 
 
 def test_cached_functions_travel_by_value_each_with_an_empty_cache():
@@ -789,29 +795,12 @@ def test_cached_functions_travel_by_value_each_with_an_empty_cache():
     assert ns["CALLS"] == [0]  # the trainer's own is untouched
 
 
-def test_what_needs_the_script_is_named_even_after_the_string_main_was_pickled_once():
+def test_what_needs_the_script_is_named_even_after_the_string_main_was_pickled_once(token_of_the_script):
     # "__main__" pickled once as a value is fetched from the pickle's memo
     # when a name of the script is looked up after it: the message names
     # that lookup, not the next string of the pickle.
-    ns = script_namespace(
-        """
-        class Token:
-            def __reduce__(self):
-                return "TOKEN"
-        TOKEN = Token()
-        """
-    )
-    import types
-
-    main = types.ModuleType("__main__")
-    main.__dict__.update(ns)
-    real = sys.modules["__main__"]
-    sys.modules["__main__"] = main
-    try:
-        with pytest.raises(_byvalue.NotByValue, match=r"refers to __main__\.TOKEN in"):
-            _byvalue.dumps(["__main__", {"np": 1}, ns["TOKEN"]])
-    finally:
-        sys.modules["__main__"] = real
+    with pytest.raises(_byvalue.NotByValue, match=r"refers to __main__\.TOKEN in"):
+        _byvalue.dumps(["__main__", {"np": 1}, token_of_the_script])
     # The string alone is refused too (a false alarm costs only the slower start), and says so.
     with pytest.raises(_byvalue.NotByValue, match=r"names the script's module \(__main__\)"):
         _byvalue.dumps(["__main__", "np"])
