@@ -39,6 +39,19 @@ def _in_a_ring_mapping(address: int) -> bool:
     return False
 
 
+def _touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def _wait_for(path: str, timeout: float = 60.0) -> None:
+    """Until `path` exists; past `timeout`, on (the test finds out what
+    did not happen)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _rank_main(cfg: dict[str, Any]) -> None:
     import gc
 
@@ -108,6 +121,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
 
     pipe = batches = ds = kept = None
     try:
+        if cfg.get("wait_for_file"):  # a stray: it joins once the group delivers
+            _wait_for(cfg["wait_for_file"])
         transport: Any = cfg.get("transport", "shm")
         if transport == "shm-posix":
             from shmpipe.transports.shm import ShmTransport
@@ -139,6 +154,11 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                 if cfg.get("keep_first") and kept is None:
                     kept = (w, s, b["data"])  # its slot must not be reused while this lives
                 del b
+                if p == 0 and len(got) == 1:
+                    if cfg.get("started_file"):
+                        _touch(cfg["started_file"])
+                    if cfg.get("hold_until_file"):  # the group goes on once the stray was answered
+                        _wait_for(cfg["hold_until_file"])
                 if cfg.get("fork_child_at") == [p, len(got)]:
                     # A child that keeps this rank's end of the group's socket
                     # open (as a DataLoader worker would) for 20 s, but not
@@ -182,6 +202,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
     finally:
         if pipe is not None:
             pipe.close()
+        if cfg.get("touch_when_done"):
+            _touch(cfg["touch_when_done"])
     pipe = batches = ds = kept = None
     gc.collect()
     result["ring_fds"] = sorted(ring_descriptors().values())

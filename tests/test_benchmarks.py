@@ -323,6 +323,7 @@ def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(reques
             assert p["ppid"] == p["bench_pid"] != p["pid"], p
             assert p["shmpipe_modules_before_clock"] == [] and p["children_before_clock"] == [], p
             assert p["first_batch_s"] == r["first_batch_s"][p["at"]] and p["left_running"] == 0, p
+            assert (p["full_gcs"] > 0) == (p["full_gc_s"] > 0) and 0 <= p["full_gc_s"] < p["first_batch_s"], p
             assert "jpeg_dataset" in p["before_clock"], p
             if name.startswith("shmpipe"):  # its import, and what from_dataset imported, inside the clock
                 assert p["import_s"] is not None and p["shmpipe_modules_at_first_batch"] > 0, p
@@ -345,6 +346,7 @@ def test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs(reques
                 assert isinstance(c["resumed_equals_rest"], bool) and c["fetched"] >= after, (name, c)
         assert f"| {name} | {r['resumes_by']} |" in proc.stdout
     assert "shmpipe: resumed batches equal the rest of the uninterrupted epoch; 0 samples" in proc.stdout
+    assert "CPython's full garbage collection (the first after torch's import) fell inside the first batch" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -382,6 +384,27 @@ def test_a_new_process_has_nothing_of_shmpipe_before_its_clock(tmp_path):
                                            str(tmp_path / "log2"), cfg, state=states[2], to_the_end=True)
     assert again.pid not in (run.pid, os.getpid()) and again.children_before_clock == [], again
     assert rest == batches[2:]
+
+
+def test_a_new_process_times_the_full_collections_inside_its_clock():
+    # What bench resume's new processes register before their clock: it
+    # times generation-2 collections only (the ones that take torch's
+    # import's 0.1 s), each from its start to its end.
+    import gc
+
+    from shmpipe.bench._resume_fresh import _FullCollections
+
+    full = _FullCollections()
+    gc.callbacks.append(full)
+    try:
+        gc.collect(0)
+        gc.collect(1)
+        assert (full.count, full.seconds) == (0, 0.0)
+        gc.collect()
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(full)
+    assert full.count == 2 and full.seconds > 0, (full.count, full.seconds)
 
 
 def test_bench_feed_says_which_first_batch_was_warm():

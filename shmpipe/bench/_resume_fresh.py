@@ -38,6 +38,7 @@ shmpipe/bench/_resume_loaders.py by its path, as a module of its own).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.util
 import json
@@ -90,6 +91,11 @@ class NewProcess:
     import_s: float | None = None  # of the first batch: `import shmpipe` (shmpipe's loaders)
     made_s: float = float("nan")  # of the first batch: making the loader (and loading the state)
     first_batch_s: float = float("nan")  # from the clock's start to the first batch in hand
+    #: of first_batch_s: CPython's full (generation 2) garbage collections
+    #: inside it, timed by gc.callbacks (registered before the clock), and
+    #: how many there were
+    full_gc_s: float = 0.0
+    full_gcs: int = 0
     images_per_s: float = float("nan")  # a fresh epoch's, first batch to last (checkpoints not counted)
     batches: int = 0
     left_running: int = 0  # processes of its session still alive after it ended, killed
@@ -229,6 +235,29 @@ def _load(name: str, path: str) -> types.ModuleType:
     return module
 
 
+class _FullCollections:
+    """CPython's full (generation 2) garbage collections in this process,
+    timed: a callback of gc.callbacks, added before the clock. After
+    ``import torch`` the collector's counters stand close to its first full
+    collection (about 0.1 s over torch's objects), which the next few
+    thousand allocations of anything trigger; the report says whose first
+    batch it fell in."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.count = 0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+            self.count += 1
+
+
 def _main(spec_path: str) -> None:
     with open(spec_path) as f:
         job = json.load(f)
@@ -254,6 +283,8 @@ def _main(spec_path: str) -> None:
     batches: list[list[int]] = []
     states: dict[int, str] = {}
     paused, t_first = 0.0, float("nan")
+    full = _FullCollections()
+    gc.callbacks.append(full)
 
     t0 = time.perf_counter()  # the clock: nothing of shmpipe's has run in this process
     if job["loader"].startswith("shmpipe"):
@@ -270,6 +301,7 @@ def _main(spec_path: str) -> None:
             if len(batches) == 1:
                 t_first = t
                 out["first_batch_s"] = t - t0
+                out["full_gc_s"], out["full_gcs"] = full.seconds, full.count
                 out["shmpipe_modules_at_first_batch"] = len(_shmpipe_modules())
                 if not job["to_the_end"]:
                     break

@@ -427,10 +427,37 @@ def summary(results: list[LoaderResult]) -> list[str]:
             + (" (no resume: the fast-forward reads them)" if r.loader == "DataLoader" else "")
             + "."
         )
+    collected = _full_collections(results)
+    if collected:
+        out.append(collected)
     skipped = [f"{r.loader} ({r.skipped})" for r in results if r.skipped]
     if skipped:
         out.append("Not measured: " + "; ".join(skipped) + ".")
     return out
+
+
+def _full_collections(results: list[LoaderResult]) -> str:
+    """A sentence: in how many of each loader's new processes (fresh and
+    resumed) CPython's full garbage collection fell inside the first batch,
+    its median length there, and the median first batch less it. After
+    ``import torch`` it comes within the next few thousand allocations of
+    whatever runs, so the loader that allocates more before its first batch
+    meets it there; the others meet it later, in the training loop."""
+    parts = []
+    for r in results:
+        runs = [p for p in r.processes if _ok(r) and "full_gcs" in p]
+        if not runs:
+            continue
+        hit = [p for p in runs if p["full_gcs"] > 0]
+        parts.append(
+            f"{r.loader} {len(hit)} of {len(runs)}"
+            + (f" ({_median([p['full_gc_s'] for p in hit]):.3f} s median; the first batch less it "
+               f"{_median([p['first_batch_s'] - p['full_gc_s'] for p in hit]):.3f} s median)" if hit else "")
+        )
+    if not parts:
+        return ""
+    return ("CPython's full garbage collection (the first after torch's import) fell inside the first batch in a "
+            "new process for " + ", ".join(parts) + ".")
 
 
 def _wins(other: LoaderResult, mine: LoaderResult, results: list[LoaderResult]) -> list[str]:
