@@ -90,7 +90,8 @@ def _nodes_from_environment() -> tuple[int | None, str]:
             f"the environment's WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: shmpipe deals "
             "an epoch to nodes of equal size; pass num_nodes= and node_rank= yourself"
         )
-    return world // local, f"{says}: {world // local} nodes"
+    nodes = world // local
+    return nodes, f"{says}: {nodes} node{'s' if nodes != 1 else ''}"
 
 
 def _node_rank_from_environment() -> tuple[int | None, str]:
@@ -129,6 +130,8 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     if num_nodes == 1:
         if node_rank not in (None, 0):
             raise ShmpipeValueError(f"node_rank must be 0 with one node, got {node_rank!r}")
+        if node_rank is None:
+            _refuse_a_lone_node_rank(env_nodes_says)
         return NodeLayout(1, 0, ranks_per_node)
     if node_rank is not None and not is_int(node_rank):
         raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}")
@@ -160,6 +163,22 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
                 "the node's whole share"
             )
     return NodeLayout(num_nodes, node_rank, ranks_per_node)
+
+
+def _refuse_a_lone_node_rank(env_nodes_says: str) -> None:
+    """One node by default, but the launcher numbers this node above 0:
+    a node of a job of several, whose number shmpipe cannot tell (or that
+    the environment's sizes contradict). Dealt its own whole epoch, every
+    node would read every sample."""
+    env_rank, name = _node_rank_from_environment()
+    if env_rank in (None, 0):
+        return
+    sizes = env_nodes_says or "WORLD_SIZE and LOCAL_WORLD_SIZE are not both set, so nothing says how many nodes"
+    raise ShmpipeValueError(
+        f"the environment's {name}={env_rank} says this is node {env_rank} of a job of several, but {sizes}: "
+        "pass num_nodes= (the job's number of nodes) and node_rank=, or num_nodes=1 to have each node deal "
+        "its own epoch"
+    )
 
 
 def check_sampler_for_nodes(layout: NodeLayout, sampler: object, batch_sampler: object) -> None:

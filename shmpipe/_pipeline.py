@@ -286,8 +286,8 @@ class Pipeline(FrameworkStream):
         if first is not None and first.dealt_from is None:
             self._abandoned.append(first.pass_no)  # never handed over: sent, empty, before the next
         self._first = None
+        work = self._schedule.begin(self._begun + 1)  # where it raises, no pass was begun
         self._begun += 1
-        work = self._schedule.begin(self._begun)
         self._ahead = self._begun
         if self._launcher.starting and self._may_make_first_batches:
             from shmpipe._first_batches import FirstBatches

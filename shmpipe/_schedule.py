@@ -32,6 +32,7 @@ import abc
 import dataclasses
 import hashlib
 import math
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -109,11 +110,12 @@ class Schedule(abc.ABC):
 
     def begin(self, pass_no: int) -> list[PassWork]:
         """The work of each producer for the next pass (numbered `pass_no`
-        on the channel), which serves epoch `next_epoch`."""
-        epoch = self.epoch = self.next_epoch
-        self.next_epoch = epoch + 1
-        self._works = self._work(pass_no, epoch)
-        return self._works
+        on the channel), which serves epoch `next_epoch`. Where it raises
+        (a sampler that fails), the schedule is as it was."""
+        epoch = self.next_epoch
+        works = self._work(pass_no, epoch)
+        self.epoch, self.next_epoch, self._works = epoch, epoch + 1, works
+        return works
 
     @abc.abstractmethod
     def _work(self, pass_no: int, epoch: int) -> list[PassWork]: ...
@@ -156,7 +158,8 @@ class Schedule(abc.ABC):
         """The state within the pass in progress."""
 
     def load(self, state: Any) -> None:
-        """Makes the next pass begin where `state` says (checked first)."""
+        """Makes the next pass begin where `state` says. Everything is
+        checked first: a state refused leaves the schedule as it was."""
         fields = _Fields(state, self.kind)
         seed = fields.integer("seed", 0, (1 << 63) - 1)
         if self.seed_given and seed != self.seed:
@@ -164,12 +167,15 @@ class Schedule(abc.ABC):
                 f"the state's seed is {seed}, this pipeline's is {self.seed}: the saved run's batches came "
                 "from its seed; pass seed=None (the state's is used) or the same seed"
             )
-        self._load(fields)
+        self._load(fields, seed)
         self.seed = seed
         self.epoch = None
 
     @abc.abstractmethod
-    def _load(self, fields: _Fields) -> None: ...
+    def _load(self, fields: _Fields, seed: int) -> None:
+        """Checks the rest of the state (the pipeline's batches come from
+        `seed`, the state's) and keeps it for the next pass; raises, with
+        nothing changed, where it does not fit."""
 
 
 class IteratorSchedule(Schedule):
@@ -240,7 +246,7 @@ class IteratorSchedule(Schedule):
         ]
         return self._fields(epoch, delivered, after, progress.next_turn or 0)
 
-    def _load(self, fields: _Fields) -> None:
+    def _load(self, fields: _Fields, seed: int) -> None:
         sources = fields.integer("sources", 1, 1 << 20)
         if sources != self.num_workers:
             raise ShmpipeValueError(
@@ -294,7 +300,10 @@ class DatasetSchedule(Schedule):
         self.drop_last = drop_last
         self.sampler = sampler
         self.batch_sampler = batch_sampler
-        self._loaded: tuple[str, np.ndarray] | None = None  # digest, done mask of the next pass's epoch
+        #: Loaded, for the next pass: its epoch's batches (drawn and checked
+        #: against the state when it was loaded: the sampler is drawn once an
+        #: epoch), their digest, and which of them were done.
+        self._loaded: tuple[tuple[np.ndarray, np.ndarray], str, np.ndarray] | None = None
         # the pass in progress: its epoch's batches, which were done before
         # it began, and which global batches each worker has, in order
         self._digest = ""
@@ -346,10 +355,11 @@ class DatasetSchedule(Schedule):
 
     # -- an epoch's batches ---------------------------------------------------
 
-    def epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def epoch_plan(self, epoch: int, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(indices, bounds): epoch `epoch`'s batches, batch b being
         indices[bounds[b]:bounds[b + 1]]. The same for the same arguments
-        and epoch, whatever the number of workers."""
+        and epoch, whatever the number of workers. `seed`: the shuffle's
+        (this pipeline's by default)."""
         if self.batch_sampler is not None:
             _set_epoch(self.batch_sampler, epoch)
             batches = [_indices(b, f"batch_sampler's batch {i}") for i, b in enumerate(self.batch_sampler)]
@@ -363,7 +373,8 @@ class DatasetSchedule(Schedule):
                 _set_epoch(self.sampler, epoch)
                 order = _indices(list(self.sampler), "sampler")
             elif self.shuffle:
-                rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(epoch,)))
+                seed = self.seed if seed is None else seed
+                rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(epoch,)))
                 order = rng.permutation(self.length).astype(np.int64)
             else:
                 order = np.arange(self.length, dtype=np.int64)
@@ -380,20 +391,13 @@ class DatasetSchedule(Schedule):
     # -- passes -----------------------------------------------------------------
 
     def _work(self, pass_no: int, epoch: int) -> list[PassWork]:
-        indices, bounds = self.epoch_plan(epoch)
-        digest = _digest(indices, bounds)
-        batches = len(bounds) - 1
-        loaded, self._loaded = self._loaded, None
-        if loaded is None:
-            done = np.zeros(batches, bool)
+        if self._loaded is not None:  # epoch `epoch`'s, checked against the state when loaded
+            (indices, bounds), digest, done = self._loaded
         else:
-            saved_digest, done = loaded
-            if saved_digest != digest or len(done) != batches:
-                raise ShmpipeValueError(
-                    f"the state's epoch {epoch} had other batches than this pipeline draws for it "
-                    f"(sampler {self.sampler_name!r}): a sampler of your own must give the same indices for "
-                    "the same epoch (seed it, or give it set_epoch) to resume exactly"
-                )
+            indices, bounds = self.epoch_plan(epoch)
+            digest = _digest(indices, bounds)
+            done = np.zeros(len(bounds) - 1, bool)
+        self._loaded = None
         self._digest, self._done, self._plan = digest, done, (indices, bounds)
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
@@ -475,7 +479,7 @@ class DatasetSchedule(Schedule):
     def _pending(self) -> dict[str, Any]:
         if self._loaded is None:
             return self._fresh(self.next_epoch)
-        digest, done = self._loaded
+        _, digest, done = self._loaded
         return self._fields(self.next_epoch, digest, len(done), done)
 
     def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
@@ -520,12 +524,12 @@ class DatasetSchedule(Schedule):
         done[self._left[:taken]] = True
         return self._fields(epoch, self._digest, len(done), done)
 
-    def _load(self, fields: _Fields) -> None:
+    def _load(self, fields: _Fields, seed: int) -> None:
         for name, mine in (("length", self.length), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
             theirs = fields.value(name)
-            if theirs != mine:
+            if type(theirs) is not type(mine) or theirs != mine:  # 2.0 or True is not 2
                 raise ShmpipeValueError(
-                    f"the state's {name} is {theirs!r}, this pipeline's is {mine!r}: it belongs to another "
+                    f"the state's {name} is {_shown(theirs)}, this pipeline's is {mine!r}: it belongs to another "
                     "dataset or loader"
                 )
         sampler = fields.text("sampler")
@@ -542,11 +546,22 @@ class DatasetSchedule(Schedule):
         if any(b >= a for a, b in zip(extra[1:], extra, strict=False)):
             raise ShmpipeValueError("malformed state: 'done' must be increasing")
         fields.done()
+        # The epoch's batches as this pipeline draws them, before anything
+        # is sized from the state's count: a state of another order, or a
+        # count that is not the epoch's (2**62 would size the mask below),
+        # is refused here, with the schedule as it was.
+        plan = self.epoch_plan(epoch, seed)
+        if _digest(*plan) != digest or len(plan[1]) - 1 != batches:
+            raise ShmpipeValueError(
+                f"the state's epoch {epoch} had other batches than this pipeline draws for it "
+                f"(sampler {self.sampler_name!r}): a sampler of your own must give the same indices for "
+                "the same epoch (seed it, or give it set_epoch) to resume exactly"
+            )
         done = np.zeros(batches, bool)
         done[:below] = True
         done[extra] = True
         self.next_epoch = epoch
-        self._loaded = (digest, done)
+        self._loaded = (plan, digest, done)
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -589,6 +604,16 @@ def _set_epoch(sampler: Any, epoch: int) -> None:
         set_epoch(epoch)
 
 
+#: How a state's value is shown in an error: short, whatever it holds (a
+#: list nested thousands deep in a pickled checkpoint would exhaust repr()).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist = 3, 80, 80, 8
+
+
+def _shown(value: Any) -> str:
+    return _SHOWN.repr(value)
+
+
 def _name(obj: Any) -> str:
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
@@ -603,17 +628,20 @@ class _Fields:
         if not isinstance(state, Mapping):
             raise ShmpipeTypeError(f"a state is a dict (from state_dict()), got {type(state).__name__}")
         self.state = dict(state)
+        if any(type(k) is not str for k in self.state):
+            raise ShmpipeValueError("malformed state: its keys must be strings (a state_dict() is JSON)")
         self.seen: set[str] = set()
-        if self.value("format") != STATE_FORMAT:
-            raise ShmpipeValueError(f"not a shmpipe state (its 'format' is {state.get('format')!r})")
+        fmt = self.value("format")
+        if type(fmt) is not str or fmt != STATE_FORMAT:
+            raise ShmpipeValueError(f"not a shmpipe state (its 'format' is {_shown(fmt)})")
         version = self.value("version")
-        if version != STATE_VERSION:
+        if type(version) is not int or version != STATE_VERSION:
             raise ShmpipeValueError(
-                f"the state's version is {version!r}; this shmpipe reads version {STATE_VERSION}"
+                f"the state's version is {_shown(version)}; this shmpipe reads version {STATE_VERSION}"
             )
         theirs = self.value("kind")
-        if theirs != kind:
-            raise ShmpipeValueError(f"the state is of a {theirs!r} pipeline, this one is {kind!r}")
+        if type(theirs) is not str or theirs != kind:
+            raise ShmpipeValueError(f"the state is of a {_shown(theirs)} pipeline, this one is {kind!r}")
 
     def value(self, name: str) -> Any:
         if name not in self.state:
@@ -624,23 +652,23 @@ class _Fields:
     def integer(self, name: str, low: int, high: int) -> int:
         v = self.value(name)
         if type(v) is not int or not low <= v <= high:
-            raise ShmpipeValueError(f"malformed state: {name!r} must be an int in [{low}, {high}], got {v!r}")
+            raise ShmpipeValueError(f"malformed state: {name!r} must be an int in [{low}, {high}], got {_shown(v)}")
         return v
 
     def text(self, name: str) -> str:
         v = self.value(name)
         if type(v) is not str or len(v) > 256:
-            raise ShmpipeValueError(f"malformed state: {name!r} must be a short string, got {v!r:.80}")
+            raise ShmpipeValueError(f"malformed state: {name!r} must be a short string, got {_shown(v)}")
         return v
 
     def integers(self, name: str, count: int | None, low: int, high: int) -> list[int]:
         v = self.value(name)
         if not isinstance(v, list) or (count is not None and len(v) != count):
             want = "a list" if count is None else f"a list of {count}"
-            raise ShmpipeValueError(f"malformed state: {name!r} must be {want} ints, got {v!r:.80}")
+            raise ShmpipeValueError(f"malformed state: {name!r} must be {want} ints, got {_shown(v)}")
         for x in v:
             if type(x) is not int or not low <= x <= high:
-                raise ShmpipeValueError(f"malformed state: {name!r} holds {x!r}, not an int in [{low}, {high}]")
+                raise ShmpipeValueError(f"malformed state: {name!r} holds {_shown(x)}, not an int in [{low}, {high}]")
         return list(v)
 
     def done(self) -> None:

@@ -238,6 +238,11 @@ ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
         ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "7"}, dict(), r"GROUP_RANK=7 is not a node of 4"),
         ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, dict(), r"LOCAL_WORLD_SIZE=2.*group="),
         ({"NODE_RANK": "x"}, dict(num_nodes=2), "NODE_RANK='x' is not an int"),
+        # One node by default, yet the launcher numbers this node above 0:
+        # dealt its own epoch, every node would read every sample.
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "3"}, dict(),
+         r"GROUP_RANK=3 says this is node 3 .*LOCAL_WORLD_SIZE=4: 1 node: .*num_nodes=1"),
+        ({"WORLD_SIZE": "8", "NODE_RANK": "1"}, dict(), r"NODE_RANK=1 says .*nothing says how many nodes"),
         ({}, dict(num_nodes=2, node_rank=0, seed=None), "needs seed="),
     ],
 )
@@ -260,7 +265,11 @@ def test_the_environment_gives_the_defaults(monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's name comes first
     assert check_nodes(None, None, 2, True) == NodeLayout(3, 1, 2)
     monkeypatch.delenv("WORLD_SIZE")
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name)
     assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "one node where the launcher says nothing"
+    monkeypatch.setenv("GROUP_RANK", "0")
+    assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "or numbers its one node 0"
 
 
 def test_num_nodes_1_always_holds_and_reads_no_environment(monkeypatch):

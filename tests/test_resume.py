@@ -162,11 +162,53 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_field():
             pipe.load_state_dict({k: v for k, v in good.items() if k != "plan"})
         with pytest.raises(shmpipe.ShmpipeTypeError, match="a state is a dict"):
             pipe.load_state_dict([good])  # type: ignore[arg-type]
-        refused({"plan": "0" * 16}, "other batches")  # checked as the resumed pass begins
-    # A refused plan closes nothing it should not: a new pipeline loads the good state.
+        refused({"plan": "0" * 16}, "other batches")
+        refused({"epoch": 5}, "the state's epoch 5 had other batches")  # epoch 0's plan
+        # Its count is checked against the epoch before anything is sized
+        # from it (a mask of 2**62 batches was a MemoryError).
+        refused({"batches": 1 << 62, "done_below": 1}, "other batches")
+        refused({"batches": 1 << 40, "done_below": 1 << 40}, "other batches")
+        # What only a pickled checkpoint can hold: named, never a crash
+        # in sorting or showing it.
+        refused({1: "x", "junk": 2}, "keys must be strings")
+        deep: list = []
+        for _ in range(5000):
+            deep = [deep]
+        refused({"length": deep}, "the state's length is")
+        refused({"done": deep}, "'done'")
+        refused({"plan": deep}, "'plan'")
+        # A value equal to this pipeline's but of another type is another
+        # pipeline's (or a hand-made state's).
+        refused({"batch_size": 4.0}, "batch_size")
+        refused({"drop_last": 0}, "drop_last")
+        refused({"version": True}, "version")
+        # Every refusal left the pipeline as it was: the epoch from its start.
+        assert pipe.state_dict() == good
+        assert take(pipe) == [b for b in take_reference()]
+    # And a new pipeline loads the good state.
     with dataset_pipe(2) as pipe:
         pipe.load_state_dict(good)
         assert len(take(pipe)) == 6
+
+
+def take_reference() -> list[list[int]]:
+    """The first epoch of dataset_pipe's seed, from a pipeline of its own."""
+    with dataset_pipe(1) as pipe:
+        return take(pipe)
+
+
+def test_a_state_refused_leaves_a_pipeline_without_a_seed_its_own():
+    """A refused state changes nothing: not its seed (a pipeline given none
+    takes the state's), not its epoch."""
+    with dataset_pipe(2) as pipe:
+        take(pipe, stop=2)
+        other = pipe.state_dict()
+    with shmpipe.from_dataset(Numbered(N), batch_size=4, shuffle=True, num_workers=2, timeout=T) as pipe:
+        seed, before = pipe.seed, pipe.state_dict()
+        with pytest.raises(shmpipe.ShmpipeValueError, match="the state's epoch 3 had other batches"):
+            pipe.load_state_dict({**other, "epoch": 3})
+        assert (pipe.seed, pipe.state_dict()) == (seed, before)
+        assert sorted(i for b in take(pipe) for i in b) == list(range(N)), "epoch 0, whole"
 
 
 def test_a_state_is_loaded_before_the_first_pass_only():
