@@ -116,7 +116,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     if num_nodes is not None and (not is_int(num_nodes) or num_nodes < 1):
         raise ShmpipeValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
     if num_nodes == 1:
-        if node_rank not in (None, 0):
+        if node_rank is not None and not (is_int(node_rank) and node_rank == 0):  # not False, not 0.0
             raise ShmpipeValueError(f"node_rank must be 0 with num_nodes=1, got {node_rank!r}")
         return NodeLayout(1, 0, ranks_per_node)
     env_nodes, env_nodes_says = _nodes_from_environment()
@@ -128,7 +128,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
             "number of nodes, leave num_nodes out, or pass num_nodes=1 to have each node deal its own epoch"
         )
     if num_nodes == 1:
-        if node_rank not in (None, 0):
+        if node_rank is not None and not (is_int(node_rank) and node_rank == 0):
             raise ShmpipeValueError(f"node_rank must be 0 with one node, got {node_rank!r}")
         if node_rank is None:
             _refuse_a_lone_node_rank(env_nodes_says)
@@ -171,8 +171,10 @@ def _refuse_a_lone_node_rank(env_nodes_says: str) -> None:
     the environment's sizes contradict). Dealt its own whole epoch, every
     node would read every sample."""
     env_rank, name = _node_rank_from_environment()
-    if env_rank in (None, 0):
+    if env_rank is None or env_rank == 0:
         return
+    if env_rank < 0:
+        raise ShmpipeValueError(f"the environment's {name}={env_rank} is not a node's number (0 or more)")
     sizes = env_nodes_says or "WORLD_SIZE and LOCAL_WORLD_SIZE are not both set, so nothing says how many nodes"
     raise ShmpipeValueError(
         f"the environment's {name}={env_rank} says this is node {env_rank} of a job of several, but {sizes}: "
