@@ -120,6 +120,11 @@ def test_site_builds_strict_with_every_public_name(tmp_path):
         missing = [n for n in names if f"{module}.{n}" not in anchors]
         assert not missing, (module, missing)
     assert "shmpipe.testing.conformance.TransportConformance" in anchors
+    # A pipeline's methods, defined on its base classes, are on the page
+    # (a newcomer looks for to_torch under Pipeline).
+    for cls in ("Pipeline", "RankPipeline"):
+        for method in ("to_torch", "to_tf_dataset", "to_jax", "stats", "close", "state_dict", "load_state_dict"):
+            assert f"shmpipe.{cls}.{method}" in anchors, (cls, method)
     # The snippets are in the pages, not their markers.
     ray_page = (site / "migration" / "ray" / "index.html").read_text()
     assert "gather_async" in ray_page and "--8&lt;--" not in ray_page and "--8<--" not in ray_page
