@@ -244,6 +244,9 @@ def test_bench_train_runs_every_recipe_and_its_figures_are_sane(request):
         assert r["processes"] >= (3 if ":shmpipe" in name else 1), (name, r)
         if name == "jax:shmpipe":  # the wait split: the batches its trainer made at start, the producers' after
             assert 0 <= r["made_by_trainer"] <= 3 and 0 <= r["idle_producers"] <= r["idle_fraction"], r
+        # Every run's figures (one run here), the median run's among them.
+        assert r["runs_images_per_s"] == [r["images_per_s"]] and r["runs_idle_fraction"] == [r["idle_fraction"]], r
+        assert r["runs_made_by_trainer"] == [r["made_by_trainer"]], r
 
 
 def test_bench_train_help_gives_every_default_and_bad_sizes_are_refused(capsys):

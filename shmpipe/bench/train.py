@@ -116,6 +116,8 @@ class RecipeResult:
     made_by_trainer: int | None = None  # jax:shmpipe: batches from_dataset's trainer made while its producers started
     idle_producers: float | None = None  # jax:shmpipe: the idle fraction without those (waiting for producers only)
     runs_images_per_s: list[float] = field(default_factory=list)  # every run's, with repeat
+    runs_idle_fraction: list[float] = field(default_factory=list)  # every run's, in the same order
+    runs_made_by_trainer: list[int | None] = field(default_factory=list)  # jax:shmpipe: every run's
     skipped: str | None = None
     error: str | None = None
 
@@ -502,6 +504,8 @@ def run(
         ranked = sorted(runs[name], key=lambda r: r.images_per_s)
         median = ranked[(len(ranked) - 1) // 2]
         median.runs_images_per_s = [r.images_per_s for r in runs[name]]
+        median.runs_idle_fraction = [r.idle_fraction for r in runs[name]]
+        median.runs_made_by_trainer = [r.made_by_trainer for r in runs[name]]
         results.append(median)
     return results
 
