@@ -130,8 +130,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     if num_nodes == 1:
         if node_rank is not None and not (is_int(node_rank) and node_rank == 0):
             raise ShmpipeValueError(f"node_rank must be 0 with one node, got {node_rank!r}")
-        if node_rank is None:
-            _refuse_a_lone_node_rank(env_nodes_says)
+        _refuse_a_lone_node_rank(env_nodes_says)  # node_rank=0 given or not
         return NodeLayout(1, 0, ranks_per_node)
     if node_rank is not None and not is_int(node_rank):
         raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}")

@@ -282,11 +282,11 @@ class Pipeline(FrameworkStream):
         not iterated, is cancelled). While the producers are still being
         started, a dataset's pass is theirs only from the hand-over
         (_first_batches)."""
+        work = self._schedule.begin(self._begun + 1)  # where it raises, no pass was begun
         first = self._first
         if first is not None and first.dealt_from is None:
             self._abandoned.append(first.pass_no)  # never handed over: sent, empty, before the next
         self._first = None
-        work = self._schedule.begin(self._begun + 1)  # where it raises, no pass was begun
         self._begun += 1
         self._ahead = self._begun
         if self._launcher.starting and self._may_make_first_batches:

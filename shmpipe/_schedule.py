@@ -171,6 +171,17 @@ class Schedule(abc.ABC):
         self.seed = seed
         self.epoch = None
 
+    def saved(self) -> dict[str, Any]:
+        """What load() and begin() may change, to put back with restore()
+        where a step after them fails (a group's rank 0 loads its position,
+        then its leader's pipeline). They assign attributes and never change
+        one in place, so a shallow copy is whole."""
+        return dict(vars(self))
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        vars(self).clear()
+        vars(self).update(saved)
+
     @abc.abstractmethod
     def _load(self, fields: _Fields, seed: int) -> None:
         """Checks the rest of the state (the pipeline's batches come from
@@ -527,7 +538,10 @@ class DatasetSchedule(Schedule):
     def _load(self, fields: _Fields, seed: int) -> None:
         for name, mine in (("length", self.length), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
             theirs = fields.value(name)
-            if type(theirs) is not type(mine) or theirs != mine:  # 2.0 or True is not 2
+            # As JSON gives it back: 2.0 or True is not 2 (whatever int
+            # subclass the pipeline was given).
+            want = type(None) if mine is None else bool if isinstance(mine, bool) else int
+            if type(theirs) is not want or theirs != mine:
                 raise ShmpipeValueError(
                     f"the state's {name} is {_shown(theirs)}, this pipeline's is {mine!r}: it belongs to another "
                     "dataset or loader"

@@ -90,6 +90,80 @@ def test_a_group_resumes_with_another_number_of_ranks(tmp_path, before, after):
         assert report["batches"] == want, rank
 
 
+class _Flips:
+    """A sampler whose order reverses at each drawing: not the same
+    indices for the same epoch, which a resume refuses."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        self.drawn += 1
+        return iter(range(N) if self.drawn % 2 else range(N - 1, -1, -1))
+
+
+class _FailsAtEpoch1:
+    fail = False
+    epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        if self.fail and self.epoch == 1:
+            raise RuntimeError("the sampler failed at epoch 1")
+        return iter(range(N))
+
+
+def _one_rank_group(sampler: Any) -> Any:
+    """A group of one rank in this process: its position and its leader's
+    pipeline both draw the sampler."""
+    return shmpipe.from_dataset(
+        Numbered(N), batch_size=BATCH, sampler=sampler, num_workers=1, timeout=60.0,
+        group=f"r-{os.getpid()}-{uuid.uuid4().hex[:8]}", rank=0, num_ranks=1, group_timeout=30,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_state_the_leader_refuses_leaves_the_ranks_count_as_it_was():
+    with _one_rank_group(_Flips()) as pipe:
+        state = {**pipe.state_dict(), "done_below": 1}  # the ascending order's first batch out
+    with _one_rank_group(_Flips()) as pipe:
+        before = pipe.state_dict()  # drew the ascending order
+        # The position draws the descending order and refuses.
+        with pytest.raises(shmpipe.ShmpipeValueError, match="other batches"):
+            pipe.load_state_dict(state)
+        # Then the position draws the ascending order and takes it; the
+        # leader draws the descending one and refuses: the rank's count
+        # goes back, it does not say batch 0 is out.
+        with pytest.raises(shmpipe.ShmpipeValueError, match="other batches"):
+            pipe.load_state_dict(state)
+        assert pipe.state_dict() == before
+        got = [b["i"].tolist() for _, b in zip(range(2), pipe)]
+        assert len(got) == 2
+        assert pipe.state_dict()["done_below"] == 2, "two batches out, counted from the epoch's start"
+
+
+@pytest.mark.timeout(120)
+def test_a_pass_whose_sampler_fails_is_not_begun_in_a_rank():
+    sampler = _FailsAtEpoch1()
+    with _one_rank_group(sampler) as pipe:
+        assert len([b["i"].tolist() for b in pipe]) == 13
+        after_epoch_0 = pipe.state_dict()
+        assert after_epoch_0["epoch"] == 1
+        sampler.fail = True
+        with pytest.raises(RuntimeError, match="failed at epoch 1"):
+            next(iter(pipe))
+        sampler.fail = False  # (the state at an epoch's end draws the next epoch)
+        assert pipe.state_dict() == after_epoch_0, "no pass of epoch 1 was begun"
+
+
 def _rank_main(cfg: dict[str, Any]) -> None:
     report: dict[str, Any] = {"rank": cfg["rank"], "batches": []}
     with shmpipe.from_dataset(

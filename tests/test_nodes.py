@@ -244,6 +244,7 @@ ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
          r"GROUP_RANK=3 says this is node 3 .*LOCAL_WORLD_SIZE=4: 1 node: .*num_nodes=1"),
         ({"WORLD_SIZE": "8", "NODE_RANK": "1"}, dict(), r"NODE_RANK=1 says .*nothing says how many nodes"),
         ({"GROUP_RANK": "-2"}, dict(), r"GROUP_RANK=-2 is not a node's number"),
+        ({"GROUP_RANK": "3"}, dict(node_rank=0), r"GROUP_RANK=3 says this is node 3"),
         ({}, dict(num_nodes=1, node_rank=False), "node_rank must be 0 with num_nodes=1"),
         ({}, dict(node_rank=0.0), "node_rank must be 0 with one node"),
         ({}, dict(num_nodes=2, node_rank=0, seed=None), "needs seed="),

@@ -211,6 +211,22 @@ def test_a_state_refused_leaves_a_pipeline_without_a_seed_its_own():
         assert sorted(i for b in take(pipe) for i in b) == list(range(N)), "epoch 0, whole"
 
 
+def test_a_state_through_json_fits_a_pipeline_given_an_int_subclass():
+    """batch_size=4 as an IntEnum (an int to from_dataset) comes back from
+    JSON a plain 4: the same pipeline's state."""
+    import enum
+
+    class Size(enum.IntEnum):
+        FOUR = 4
+
+    with dataset_pipe(2, batch_size=Size.FOUR) as pipe:
+        take(pipe, stop=2)
+        state = json.loads(json.dumps(pipe.state_dict()))
+    with dataset_pipe(2, batch_size=Size.FOUR) as pipe:
+        pipe.load_state_dict(state)
+        assert len(take(pipe)) == 4
+
+
 def test_a_state_is_loaded_before_the_first_pass_only():
     with dataset_pipe(1) as pipe:
         state = pipe.state_dict()

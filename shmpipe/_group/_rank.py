@@ -275,9 +275,14 @@ class RankPipeline(FrameworkStream):
         self._check_usable()
         if self._pass_no >= 0:
             raise ShmpipeValueError("load_state_dict() must come before the first pass: make a new pipeline to resume")
+        saved = position.saved()
         position.load(state)
         if self._leader is not None:
-            self._leader.pipe.load_state_dict(state)
+            try:
+                self._leader.pipe.load_state_dict(state)
+            except BaseException:  # refused there (or the pipeline failed): this rank's count is as it was
+                position.restore(saved)
+                raise
 
     def _position_or_refuse(self) -> DatasetSchedule:
         if self._position is None or not self.ordered:
@@ -290,10 +295,10 @@ class RankPipeline(FrameworkStream):
     # -- iteration ------------------------------------------------------------
 
     def _begin_pass(self) -> int:
+        if self._position is not None:
+            self._position.begin(self._pass_no + 1)  # where it raises (the sampler), no pass was begun
         self._pass_no += 1
         self._taken_before = self._counters.batches
-        if self._position is not None:
-            self._position.begin(self._pass_no)
         if not self._conn.send(["begin", self._pass_no]):
             self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
         return self._pass_no
