@@ -488,11 +488,17 @@ class SharedJobs(_Shared):
         super().__init__(tests, keys, jobs)
         self.job, self.timeout = job, timeout
 
+    def seconds(self, key: Hashable) -> float:
+        """About how long `key`'s job takes alone, where that is known: the
+        longest start first, so that one of them starting last does not
+        hold the family up after the others ended."""
+        return 0.0
+
     def get(self, request: pytest.FixtureRequest, key: Hashable) -> Any:
         if key not in self.results:
             import concurrent.futures
 
-            keys = self._wanted(request, key)
+            keys = sorted(self._wanted(request, key), key=self.seconds, reverse=True)  # stable: else in order
             calls = {k: self.job(k) for k in keys}
             with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
                 futures = {k: pool.submit(call) for k, call in calls.items()}
@@ -520,18 +526,19 @@ class RegisteredJobs(SharedJobs):
 
     def __init__(self, wrap: Callable[[Any], Callable[[], Any]] | None = None, jobs: int = 2,
                  timeout: float = 600.0) -> None:
-        #: test name -> (make, the module it needs)
-        self.made: dict[str, tuple[Callable[..., Any], str | None]] = {}
+        #: test name -> (make, the module it needs, about how long its job takes alone)
+        self.made: dict[str, tuple[Callable[..., Any], str | None, float]] = {}
         self.wrap = wrap if wrap is not None else (lambda made: made)
         super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout)
 
-    def runs(self, make: Callable[..., Any], needs: str | None = None) -> Callable[[Any], Any]:
+    def runs(self, make: Callable[..., Any], needs: str | None = None, seconds: float = 0.0) -> Callable[[Any], Any]:
         """Registers what the decorated test runs: the first test of the
         family to ask runs those of every one this session runs, `jobs` at a
-        time, and waits for all (its timeout is the family's)."""
+        time (the longest by `seconds` first), and waits for all (its
+        timeout is the family's)."""
 
         def register(test: Any) -> Any:
-            self.made[test.__name__] = (make, needs)
+            self.made[test.__name__] = (make, needs, seconds)
             return pytest.mark.timeout(self.timeout)(test)
 
         return register
@@ -539,7 +546,7 @@ class RegisteredJobs(SharedJobs):
     def _keys_of(self, item: pytest.Item) -> list[Hashable]:
         import importlib.util
 
-        _, needs = self.made[item.originalname]  # type: ignore[attr-defined]
+        _, needs, _ = self.made[item.originalname]  # type: ignore[attr-defined]
         if needs is not None and importlib.util.find_spec(needs) is None:
             return []  # the test is skipped
         params = item.callspec.params if hasattr(item, "callspec") else {}
@@ -548,6 +555,9 @@ class RegisteredJobs(SharedJobs):
     def _job(self, key: Hashable) -> Callable[[], Any]:
         name, params = key  # type: ignore[misc]
         return self.wrap(self.made[name][0](**dict(params)))
+
+    def seconds(self, key: Hashable) -> float:
+        return self.made[key[0]][2]  # type: ignore[index]
 
     def get_for(self, request: pytest.FixtureRequest) -> Any:
         return self.get(request, self._keys_of(request.node)[0])

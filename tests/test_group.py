@@ -192,7 +192,7 @@ def test_unordered_delivery_is_disjoint_and_equal_with_arrow_and_big_batches(req
     assert sum(r["big"] for r in reports) > 0  # some did travel outside the ring
 
 
-@runs(lambda: _configs(2, sources=2, per_source=9, passes=1, grow=True, adapter="torch"), needs="torch")
+@runs(lambda: _configs(2, sources=2, per_source=9, passes=1, grow=True, adapter="torch"), needs="torch", seconds=12)
 def test_in_place_torch_ops_in_every_rank_on_batches_of_any_size(request):
     """A rank's batches lie in memory it maps read-only: an in-place op on
     their tensors (x.add_(1)) killed the rank with SIGSEGV. Now each
@@ -590,7 +590,7 @@ def test_a_rank_turns_any_malformed_message_from_rank_0_into_a_shmpipe_error(wha
 # -- frameworks --------------------------------------------------------------------
 
 
-@runs(lambda: _configs(2, sources=2, per_source=6, passes=1, adapter="torch"), needs="torch")
+@runs(lambda: _configs(2, sources=2, per_source=6, passes=1, adapter="torch"), needs="torch", seconds=7)
 def test_to_torch_in_each_rank(request):
     pytest.importorskip("torch")
     reports = _reports(request)
@@ -607,7 +607,7 @@ def _one_tf_rank() -> Any:
     return configs
 
 
-@runs(_one_tf_rank, needs="tensorflow")
+@runs(_one_tf_rank, needs="tensorflow", seconds=12)  # a rank imports TensorFlow
 def test_to_tf_dataset_in_a_rank(request):
     pytest.importorskip("tensorflow")
     reports = _reports(request)
@@ -634,7 +634,7 @@ def _script(*args: str) -> Callable[[], subprocess.CompletedProcess]:
 
 @runs(lambda: _script(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                       os.path.join(ROOT, "examples", "ddp_train.py"), "--workers", "3", "--epochs", "3", "--batches", "5"),
-      needs="torch")
+      needs="torch", seconds=23)
 def test_the_ddp_example_trains_under_torchrun(request):
     """examples/ddp_train.py: DistributedDataParallel (gloo, CPU) on 2 ranks
     under torchrun, fed by one pipeline of 3 producers: 15 batches an epoch,
