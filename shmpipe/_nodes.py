@@ -116,9 +116,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     if num_nodes is not None and (not is_int(num_nodes) or num_nodes < 1):
         raise ShmpipeValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
     if num_nodes == 1:
-        if node_rank is not None and not (is_int(node_rank) and node_rank == 0):  # not False, not 0.0
-            raise ShmpipeValueError(f"node_rank must be 0 with num_nodes=1, got {node_rank!r}")
-        return NodeLayout(1, 0, ranks_per_node)
+        return _the_only_node(node_rank, ranks_per_node, "num_nodes=1")
     env_nodes, env_nodes_says = _nodes_from_environment()
     if num_nodes is None:
         num_nodes = env_nodes if env_nodes is not None else 1
@@ -128,10 +126,9 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
             "number of nodes, leave num_nodes out, or pass num_nodes=1 to have each node deal its own epoch"
         )
     if num_nodes == 1:
-        if node_rank is not None and not (is_int(node_rank) and node_rank == 0):
-            raise ShmpipeValueError(f"node_rank must be 0 with one node, got {node_rank!r}")
+        layout = _the_only_node(node_rank, ranks_per_node, "one node")
         _refuse_a_lone_node_rank(env_nodes_says)  # node_rank=0 given or not
-        return NodeLayout(1, 0, ranks_per_node)
+        return layout
     if node_rank is not None and not is_int(node_rank):
         raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}")
     env_rank, env_rank_name = _node_rank_from_environment()
@@ -162,6 +159,14 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
                 "the node's whole share"
             )
     return NodeLayout(num_nodes, node_rank, ranks_per_node)
+
+
+def _the_only_node(node_rank: int | None, ranks_per_node: int, why: str) -> NodeLayout:
+    """The layout of one node, where `node_rank` is None or 0 (an int: not
+    False, not 0.0)."""
+    if node_rank is not None and not (is_int(node_rank) and node_rank == 0):
+        raise ShmpipeValueError(f"node_rank must be 0 with {why}, got {node_rank!r}")
+    return NodeLayout(1, 0, ranks_per_node)
 
 
 def _refuse_a_lone_node_rank(env_nodes_says: str) -> None:
