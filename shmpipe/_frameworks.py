@@ -86,9 +86,10 @@ class FrameworkStream(BatchStream):
 
         On an accelerator a background thread puts ``prefetch`` batches on
         the device ahead of the step (``jax.device_put``, asynchronous) and
-        lets a slot go back only once its copy is done. A producer's error
-        reaches ``next()`` as the pipeline raises it; the thread ends with
-        the pass, at ``break`` and when the pipeline closes.
+        lets a slot go back only once its copy is done; ``state_dict()``
+        counts the batches the loop took, not those put ahead. A producer's
+        error reaches ``next()`` as the pipeline raises it; the thread ends
+        with the pass, at ``break`` and when the pipeline closes.
 
         Args:
             sharding: a ``jax.sharding.Sharding`` (``NamedSharding(mesh,

@@ -54,6 +54,11 @@ Lifetime rules:
   batches and the one the step holds are all slots the consumer holds, so
   ``prefetch + 1`` must fit ``consumer_may_hold``: refused otherwise, with
   the capacity that would do.
+* The batches the thread put ahead are not the trainer's yet: the
+  stream's ``state_dict()`` counts those the trainer took (the thread keeps
+  the stream's state before each batch it asks for, ``TrainerPosition``),
+  so a checkpoint taken between steps resumes with the batches that were
+  ahead, not after them.
 * The thread ends at the end of the pass, at an error (which the trainer's
   ``next()`` raises: the pipeline's own exception, the same object), and
   when the pass is abandoned (``break``, an exception in the loop, the
@@ -81,7 +86,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmpipe._stream import POLL_S, BatchStream
+from shmpipe._stream import POLL_S, BatchStream, TrainerPosition
 from shmpipe._tree import leaves_with_paths, map_leaves, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning
 
@@ -527,12 +532,16 @@ class _Feeder:
         batches: JaxBatches,
         prefetch: int,
         stream: BatchStream,
+        position: TrainerPosition | None,
     ) -> None:
         self.it: Iterator[Any] | None = it
         self.convert = batches._convert
         self.wait = batches.wait_for_copies
         self.collect = batches.collect
         self.stream = stream
+        #: What the stream's state_dict() answers from: the batches the
+        #: trainer has had, not those put ahead here.
+        self.position = position
         #: (batch,), _END or _Raised, in order
         self.ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.permits = threading.Semaphore(prefetch)
@@ -544,6 +553,8 @@ class _Feeder:
             while self._permitted():
                 assert self.it is not None
                 self.collect()  # what the trainer dropped goes back before the wait
+                if self.position is not None:
+                    self.position.before_take(self.stream._state)
                 try:
                     host = next(self.it)
                 except StopIteration:
@@ -610,7 +621,8 @@ class _AheadPass:
 
     def __init__(self, batches: JaxBatches, it: Iterator[Any]) -> None:
         self.finished = False
-        self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe)
+        position = batches.pipe._position_for_adapter()  # of the pass just begun (iter(pipe))
+        self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe, position)
         self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
         self.thread.start()
 
@@ -623,8 +635,13 @@ class _AheadPass:
         feeder = self.feeder
         feeder.collect()  # the slots of arrays the trainer dropped go back while it waits
         item = feeder.take(self.thread)
+        position = feeder.position
         if type(item) is tuple:
+            if position is not None:
+                position.had()
             return item[0]
+        if item is _END and position is not None:
+            position.ended()
         self.finished = True
         self.thread.join(timeout=POLL_S * 10)  # it has put its last item: it is returning
         if item is _END:

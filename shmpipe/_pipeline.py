@@ -338,8 +338,13 @@ class Pipeline(FrameworkStream):
         arguments to go on with the batches not yet handed out, in the same
         order where the pipeline is ordered, and the same later epochs.
 
-        Counts what this pipeline handed out (a batch an adapter took ahead,
-        into a prefetch buffer, counts as handed out). See docs/long-runs.md."""
+        Counts the batches the trainer has had: those ``to_jax()``'s thread
+        put ahead on an accelerator are not counted until the trainer takes
+        them; those tf.data's own ``prefetch`` took are (see
+        docs/long-runs.md)."""
+        return self._state_of_the_trainer()
+
+    def _state(self) -> dict[str, Any]:
         with self._consumer_lock:
             return self._schedule.state(self._progress())
 

@@ -17,19 +17,22 @@ shapes), and shmpipe/_api.py, which makes streams.
 from __future__ import annotations
 
 import abc
+import copy
 import multiprocessing.process
 import os
+import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, PipelineStats
-from shmpipe.errors import PipelineClosedError, PipelineTimeoutError
+from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeValueError
 from shmpipe.transport import Transport
 
-__all__ = ["POLL_S", "BatchStream", "Pass"]
+__all__ = ["POLL_S", "BatchStream", "Pass", "TrainerPosition"]
 
 #: How long one wait for a batch lasts before the stream looks again at
 #: what may end it (a producer's or a rank's death, a close from another
@@ -61,6 +64,62 @@ class Pass:
         return self.stream._next(self)
 
 
+class TrainerPosition:
+    """Where the trainer stands in a pass whose batches an adapter takes
+    ahead of it (to_jax's thread, to an accelerator): ``state_dict()`` then
+    counts the batches the trainer has had, not those in the adapter's
+    buffer, which a resumed run would otherwise never deliver.
+
+    The adapter's thread keeps the stream's state *before* each batch it
+    asks for (``before_take``); the trainer's side counts what it gets
+    (``had``, ``ended``). Before, not after: a state kept after a take
+    leaves a moment (the batch taken, its state not kept yet) when neither
+    the stream's state nor a kept one is the trainer's. Kept before, under
+    the lock that ``state`` holds too, the stream's own state is the
+    trainer's whenever none is kept for its count: the thread has not
+    asked for a batch beyond it, and cannot while ``state`` runs. Lock
+    order: this lock, then the stream's own (in the stream's ``_state``).
+    """
+
+    __slots__ = ("_ended", "_first", "_had", "_kept", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._had = 0  # batches of the pass the trainer has had
+        #: the stream's states after _first, _first + 1, ... batches taken
+        self._kept: deque[dict[str, Any]] = deque()
+        self._first = 0
+        self._ended = False  # the trainer had the pass's end: the stream's own state is its
+
+    def before_take(self, own: Callable[[], dict[str, Any]]) -> None:
+        """The adapter's thread, before it asks the stream for a batch;
+        `own`: the stream's ``_state``."""
+        with self._lock:
+            self._kept.append(own())
+
+    def had(self) -> None:
+        """The trainer was given a batch."""
+        with self._lock:
+            self._had += 1
+            while self._first < self._had and self._kept:
+                self._kept.popleft()
+                self._first += 1
+
+    def ended(self) -> None:
+        """The trainer was given the pass's end."""
+        with self._lock:
+            self._ended = True
+            self._kept.clear()
+
+    def state(self, own: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The state as of the batches the trainer has had."""
+        with self._lock:
+            i = self._had - self._first
+            if not self._ended and 0 <= i < len(self._kept):
+                return copy.deepcopy(self._kept[i])  # the caller's to change
+            return own()
+
+
 class BatchStream(abc.ABC):
     """A stream of batches in passes: the skeleton every shape shares.
 
@@ -84,6 +143,9 @@ class BatchStream(abc.ABC):
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._owner_pid = os.getpid()
         self._forked_from: int | None = None  # set in a child forked from the owner
+        #: The pass's batches that the trainer has had, where an adapter
+        #: takes them ahead of it (_position_for_adapter); None: all it took.
+        self._trainer_position: TrainerPosition | None = None
 
     def _own(self, shutdown: Callable[[], None]) -> None:
         """From now on close() (or the stream's collection, if it is
@@ -169,6 +231,7 @@ class BatchStream(abc.ABC):
     def __iter__(self) -> Iterator[Any]:
         self._check_usable()
         pass_no = self._begin_pass()
+        self._trainer_position = None  # the new pass's batches are taken by whoever iterates it
         self._counters.pass_started()
         return self._new_pass(pass_no)
 
@@ -207,6 +270,33 @@ class BatchStream(abc.ABC):
     def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
         """(batch, its payload's bytes, its worker) of pass `it`, asked for
         at `t0`; StopIteration at the end of the pass."""
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        """Where the stream stands: what it has handed out (a subclass's
+        state). ``state_dict()`` is this, less what an adapter holds ahead
+        of the trainer (_state_of_the_trainer)."""
+        raise ShmpipeValueError(f"a {type(self).__name__} cannot save its position")
+
+    def _state_of_the_trainer(self) -> dict[str, Any]:
+        """What ``state_dict()`` returns: the stream's state as of the
+        batches the trainer has had."""
+        position = self._trainer_position
+        return self._state() if position is None else position.state(self._state)
+
+    def _position_for_adapter(self) -> TrainerPosition | None:
+        """For an adapter that takes the batches of the pass just begun
+        ahead of the trainer (to_jax's thread): the position it keeps, which
+        ``state_dict()`` then answers from until the next pass begins; None
+        where this stream cannot save its position (nothing to keep)."""
+        try:
+            self._state()
+        except ShmpipeValueError:
+            return None
+        position = TrainerPosition()
+        self._trainer_position = position
+        return position
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -32,6 +32,7 @@ from conftest import Command, run_together  # noqa: E402
 import shmpipe  # noqa: E402
 from shmpipe import _ring  # noqa: E402
 from shmpipe._jax import JaxBatches, _probe  # noqa: E402
+from shmpipe.testing.datasets import Numbered  # noqa: E402
 from shmpipe.testing.sources import Counter, Fixed, LinearXY, Raiser, payload_for  # noqa: E402
 
 T = 60.0
@@ -347,6 +348,58 @@ def test_ahead_a_close_from_the_trainer_ends_the_thread_and_next_says_closed():
             for _ in range(10):
                 next(it)
         assert wait_until(lambda: not feeders())
+
+
+def _dataset_pipe(**kwargs):
+    kwargs.setdefault("num_workers", 2)
+    kwargs.setdefault("capacity", 8)  # room for the thread's prefetch, which aliases its slots here
+    return shmpipe.from_dataset(Numbered(23), batch_size=4, shuffle=True, seed=11, timeout=T, **kwargs)
+
+
+def _ids(batch) -> list[int]:
+    return np.asarray(batch["i"]).tolist()
+
+
+@pytest.mark.parametrize("stop", [0, 1, 4, 6, "end"], ids=lambda s: f"after-{s}")
+def test_ahead_a_state_counts_the_batches_the_trainer_had_not_those_put_ahead(stop):
+    """23 samples by 4: 6 batches an epoch. The trainer stops after `stop`
+    of them (6: the last, before the pass's end; "end": after it) while
+    the thread has put more ahead; a new pipeline resumed from the state
+    delivers what the first had not given the trainer, nothing skipped."""
+    with _dataset_pipe() as pipe:
+        reference = [_ids(b) for _ in range(2) for b in pipe]
+    with _dataset_pipe() as pipe:
+        it = iter(JaxBatches(pipe, prefetch=3, ahead=True))
+        got = [_ids(b) for b in it] if stop == "end" else [_ids(next(it)) for _ in range(stop)]
+        # the thread has put its prefetch ahead meanwhile (or reached the end)
+        assert wait_until(lambda: pipe.stats().batches >= min(len(got) + 3, 6))
+        state = json.loads(json.dumps(pipe.state_dict()))
+        it.close()
+        assert wait_until(lambda: not feeders())
+        assert json.loads(json.dumps(pipe.state_dict())) == state, "abandoning the pass moved the state"
+    with _dataset_pipe(num_workers=1) as pipe:
+        pipe.load_state_dict(state)
+        rest = [_ids(b) for _ in range(2) for b in pipe]
+    assert got + rest[: 12 - len(got)] == reference
+
+
+def test_ahead_every_state_between_steps_is_the_trainers_count():
+    """Taken at every step while the thread runs ahead (no wait for it):
+    an ordered pipeline's state says exactly the batches the trainer had."""
+    with _dataset_pipe() as pipe:
+        def position() -> tuple[int, int, list[int]]:
+            state = pipe.state_dict()
+            return state["epoch"], state["done_below"], state["done"]
+
+        for epoch in range(2):
+            it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
+            for had in range(6):
+                assert position() == (epoch, had, [])
+                next(it)
+            assert position() == (epoch + 1, 0, [])  # all had: the next epoch's start
+            with pytest.raises(StopIteration):
+                next(it)
+            assert position() == (epoch + 1, 0, [])
 
 
 # -- several devices, several processes: child interpreters -------------------------

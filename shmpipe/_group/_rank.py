@@ -259,7 +259,11 @@ class RankPipeline(FrameworkStream):
         job's; a group of another size or another number of nodes resumes
         from it. A dataset's ordered group only
         (from_dataset(group=..., ordered=True)): an unordered or
-        from_iterators group cannot tell its position from one rank."""
+        from_iterators group cannot tell its position from one rank.
+        Counts the batches the trainer has had, as ``Pipeline.state_dict``."""
+        return self._state_of_the_trainer()
+
+    def _state(self) -> dict[str, Any]:
         position = self._position_or_refuse()
         if self._pass_no < 0:
             return position.state(None)
