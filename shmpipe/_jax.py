@@ -55,10 +55,10 @@ Lifetime rules:
   ``prefetch + 1`` must fit ``consumer_may_hold``: refused otherwise, with
   the capacity that would do.
 * The batches the thread put ahead are not the trainer's yet: the
-  stream's ``state_dict()`` counts those the trainer took (the thread keeps
-  the stream's state before each batch it asks for, ``TrainerPosition``),
-  so a checkpoint taken between steps resumes with the batches that were
-  ahead, not after them.
+  stream's ``state_dict()`` counts those the trainer took (the thread notes
+  each batch it takes and the worker it came from, the trainer's side what
+  it gets: ``TrainerPosition``), so a checkpoint taken between steps
+  resumes with the batches that were ahead, not after them.
 * The thread ends at the end of the pass, at an error (which the trainer's
   ``next()`` raises: the pipeline's own exception, the same object), and
   when the pass is abandoned (``break``, an exception in the loop, the
@@ -86,7 +86,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmpipe._stream import POLL_S, BatchStream, TrainerPosition
+from shmpipe._stream import POLL_S, BatchStream, Pass, TrainerPosition
 from shmpipe._tree import leaves_with_paths, map_leaves, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning
 
@@ -141,6 +141,7 @@ class JaxBatches:
     def __iter__(self) -> Iterator[Any]:
         it = iter(self.pipe)
         if self.ahead:
+            assert isinstance(it, Pass)  # what a stream's iter() makes (its last_worker is read)
             return _AheadPass(self, it)
         return _HostPass(self, it)
 
@@ -528,13 +529,13 @@ class _Feeder:
 
     def __init__(
         self,
-        it: Iterator[Any],
+        it: Pass,
         batches: JaxBatches,
         prefetch: int,
         stream: BatchStream,
         position: TrainerPosition | None,
     ) -> None:
-        self.it: Iterator[Any] | None = it
+        self.it: Pass | None = it
         self.convert = batches._convert
         self.wait = batches.wait_for_copies
         self.collect = batches.collect
@@ -553,13 +554,19 @@ class _Feeder:
             while self._permitted():
                 assert self.it is not None
                 self.collect()  # what the trainer dropped goes back before the wait
-                if self.position is not None:
-                    self.position.before_take(self.stream._state)
+                position = self.position
+                noted = None if position is None else self.stream._note_taking(position)
                 try:
                     host = next(self.it)
-                except StopIteration:
-                    self.ready.put(_END)
-                    return
+                except BaseException as exc:
+                    if position is not None and noted is not None:
+                        position.not_taken(noted)
+                    if isinstance(exc, StopIteration):
+                        self.ready.put(_END)
+                        return
+                    raise
+                if position is not None and noted is not None:
+                    position.took(noted, self.it.last_worker)
                 if self.stop.is_set():
                     return  # abandoned while it waited: the batch goes back unread
                 out = self.convert(host)
@@ -619,9 +626,11 @@ class _AheadPass:
 
     __slots__ = ("feeder", "thread", "finished", "__weakref__")
 
-    def __init__(self, batches: JaxBatches, it: Iterator[Any]) -> None:
+    def __init__(self, batches: JaxBatches, it: Pass) -> None:
         self.finished = False
-        position = batches.pipe._position_for_adapter()  # of the pass just begun (iter(pipe))
+        # Where the stream can tell its position, the trainer's is kept (of
+        # the pass just begun: iter(pipe)).
+        position = batches.pipe._position_for_adapter()
         self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe, position)
         self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
         self.thread.start()
@@ -638,10 +647,10 @@ class _AheadPass:
         position = feeder.position
         if type(item) is tuple:
             if position is not None:
-                position.had()
+                position.had_one()
             return item[0]
         if item is _END and position is not None:
-            position.ended()
+            position.had_end()
         self.finished = True
         self.thread.join(timeout=POLL_S * 10)  # it has put its last item: it is returning
         if item is _END:

@@ -26,7 +26,7 @@ from shmpipe._options import PipelineOptions
 from shmpipe._producer_context import PassWork
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._sources import DatasetSource
-from shmpipe._stream import POLL_S, Pass
+from shmpipe._stream import POLL_S, Had, Pass
 from shmpipe.errors import (
     CorruptChannelError,
     PipelineClosedError,
@@ -127,6 +127,7 @@ class _PipelinePass(Pass):
                     turns.took()
                 batch, nbytes, worker, wait_ns = got
                 self.count_ready(wait_ns, nbytes, worker)
+                self.last_worker = worker
                 return batch
         return pipe._next(self)
 
@@ -344,24 +345,39 @@ class Pipeline(FrameworkStream):
         docs/long-runs.md)."""
         return self._state_of_the_trainer()
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, had: Had | None = None) -> dict[str, Any]:
         with self._consumer_lock:
-            return self._schedule.state(self._progress())
+            return self._schedule.state(self._progress(had))
 
-    def _progress(self) -> Progress | None:
+    def _next_turn(self) -> int | None:
+        turn = self._turns.next() if self._turns is not None else None
+        return None if turn is None else turn[0]
+
+    def _progress(self, had: Had | None) -> Progress | None:
+        """The pass in progress's count: of what it handed out, or (`had`)
+        of what the trainer has had of it."""
         none = [None] * self.num_workers
         if self._ahead is not None:  # begun, not iterated yet: nothing of it delivered
             return Progress([0] * self.num_workers, self._schedule.first_turn, finished=False, iterator_states=none)
         if self._pass_no < 0:
             return None
-        now = self._counters.per_worker
-        delivered = [n - b for n, b in zip(now, self._delivered_before, strict=True)]
-        turn = self._turns.next() if self._turns is not None else None
+        had = Had.of_pass(had, self._pass_no)  # (under the consumer lock, which _begin_pass holds)
+        if had is None:
+            now = self._counters.per_worker
+            made_here = self._made_here
+            delivered = [n - b for n, b in zip(now, self._delivered_before, strict=True)]
+            turn = self._next_turn()
+            finished = self._finished_pass == self._pass_no
+        else:
+            made_here = had.made_here
+            delivered = [had.of(w) for w in range(self.num_workers)]
+            turn = self._next_turn() if had.next_turn is None else had.next_turn
+            finished = had.finished
         return Progress(
-            made_here=self._made_here,
+            made_here=made_here,
             delivered=delivered,
-            next_turn=None if turn is None else turn[0],
-            finished=self._finished_pass == self._pass_no,
+            next_turn=turn,
+            finished=finished,
             # The state its iterator had after the last batch taken (batch d - 1 of the pass).
             iterator_states=[
                 self._launcher.iterator_state(w, self._pass_no, d - 1)[1] if d else None

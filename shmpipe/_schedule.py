@@ -315,6 +315,8 @@ class DatasetSchedule(Schedule):
         #: against the state when it was loaded: the sampler is drawn once an
         #: epoch), their digest, and which of them were done.
         self._loaded: tuple[tuple[np.ndarray, np.ndarray], str, np.ndarray] | None = None
+        #: An epoch's batches drawn for a state before its pass began (_drawn).
+        self._drawn_ahead: tuple[int, tuple[np.ndarray, np.ndarray], str] | None = None
         # the pass in progress: its epoch's batches, which were done before
         # it began, and which global batches each worker has, in order
         self._digest = ""
@@ -405,10 +407,9 @@ class DatasetSchedule(Schedule):
         if self._loaded is not None:  # epoch `epoch`'s, checked against the state when loaded
             (indices, bounds), digest, done = self._loaded
         else:
-            indices, bounds = self.epoch_plan(epoch)
-            digest = _digest(indices, bounds)
+            (indices, bounds), digest = self._drawn(epoch)
             done = np.zeros(len(bounds) - 1, bool)
-        self._loaded = None
+        self._loaded = self._drawn_ahead = None
         self._digest, self._done, self._plan = digest, done, (indices, bounds)
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
@@ -484,8 +485,24 @@ class DatasetSchedule(Schedule):
         }
 
     def _fresh(self, epoch: int) -> dict[str, Any]:
-        indices, bounds = self.epoch_plan(epoch)
-        return self._fields(epoch, _digest(indices, bounds), len(bounds) - 1, None)
+        (_, bounds), digest = self._drawn(epoch)
+        return self._fields(epoch, digest, len(bounds) - 1, None)
+
+    def _drawn(self, epoch: int) -> tuple[tuple[np.ndarray, np.ndarray], str]:
+        """Epoch `epoch`'s batches and their digest, drawn once: a state
+        that names the next epoch (taken at an epoch's end, or before the
+        first pass) draws them, and that pass's begin() takes the same. A
+        sampler is drawn once an epoch however many states are taken: one
+        with a generator of its own (torch's RandomSampler(generator=g))
+        would otherwise give the next epochs in another order than a run
+        that took no state."""
+        ahead = self._drawn_ahead
+        if ahead is not None and ahead[0] == epoch:
+            return ahead[1], ahead[2]
+        plan = self.epoch_plan(epoch)
+        digest = _digest(*plan)
+        self._drawn_ahead = (epoch, plan, digest)
+        return plan, digest
 
     def _pending(self) -> dict[str, Any]:
         if self._loaded is None:
@@ -576,6 +593,7 @@ class DatasetSchedule(Schedule):
         done[extra] = True
         self.next_epoch = epoch
         self._loaded = (plan, digest, done)
+        self._drawn_ahead = None  # (of this pipeline's seed, which the state's may replace)
 
 
 # -- helpers ----------------------------------------------------------------------

@@ -17,7 +17,6 @@ shapes), and shmpipe/_api.py, which makes streams.
 from __future__ import annotations
 
 import abc
-import copy
 import multiprocessing.process
 import os
 import threading
@@ -32,7 +31,7 @@ from shmpipe._stats import Counters, PipelineStats
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeValueError
 from shmpipe.transport import Transport
 
-__all__ = ["POLL_S", "BatchStream", "Pass", "TrainerPosition"]
+__all__ = ["POLL_S", "BatchStream", "Had", "Pass", "TrainerPosition"]
 
 #: How long one wait for a batch lasts before the stream looks again at
 #: what may end it (a producer's or a rank's death, a close from another
@@ -46,7 +45,7 @@ _Stream = TypeVar("_Stream", bound="BatchStream")
 class Pass:
     """The iterator of one pass over a stream (what ``iter(stream)`` returns)."""
 
-    __slots__ = ("delivered", "finished", "pass_no", "started_ns", "stream")
+    __slots__ = ("delivered", "finished", "last_worker", "pass_no", "started_ns", "stream")
 
     def __init__(self, stream: BatchStream, pass_no: int) -> None:
         self.stream = stream
@@ -56,6 +55,8 @@ class Pass:
         self.delivered = False
         #: When the pass first asked for a batch (its clock starts there).
         self.started_ns: int | None = None
+        #: The worker the batch delivered last came from (-1: the trainer).
+        self.last_worker = -1
 
     def __iter__(self) -> Pass:
         return self
@@ -64,60 +65,119 @@ class Pass:
         return self.stream._next(self)
 
 
+class Had:
+    """What the trainer has had of the pass in progress (TrainerPosition):
+    the count a stream's state is made from in place of its own."""
+
+    __slots__ = ("delivered", "finished", "made_here", "next_turn", "pass_no")
+
+    def __init__(
+        self, pass_no: int, made_here: int, delivered: dict[int, int], next_turn: int | None, finished: bool
+    ) -> None:
+        #: the pass counted: a state of another pass (one begun since, in
+        #: the trainer's thread, while another thread made a state) is the
+        #: stream's own count, not this (Had.of_pass)
+        self.pass_no = pass_no
+        #: batches made in the trainer itself (worker -1) it has had
+        self.made_here = made_here
+        #: per worker, the batches of it the trainer has had
+        self.delivered = delivered
+        #: an ordered pass: the worker whose batch the trainer gets next,
+        #: where one was taken ahead of it; None: the stream's own turn
+        self.next_turn = next_turn
+        #: the trainer had the pass's end
+        self.finished = finished
+
+    def of(self, worker: int) -> int:
+        return self.delivered.get(worker, 0)
+
+    def total(self) -> int:
+        return self.made_here + sum(self.delivered.values())
+
+    @staticmethod
+    def of_pass(had: Had | None, pass_no: int) -> Had | None:
+        """`had` if it counts pass `pass_no`, else None. Read where the pass
+        cannot change meanwhile (under the lock the stream begins passes
+        under): nothing of a pass was taken ahead before its own position
+        was made, so its own count is the trainer's until then."""
+        return had if had is not None and had.pass_no == pass_no else None
+
+
 class TrainerPosition:
     """Where the trainer stands in a pass whose batches an adapter takes
-    ahead of it (to_jax's thread, to an accelerator): ``state_dict()`` then
-    counts the batches the trainer has had, not those in the adapter's
-    buffer, which a resumed run would otherwise never deliver.
+    ahead of it (to_jax's thread, to an accelerator), so that the stream's
+    ``state_dict()`` counts the batches the trainer has had and not those
+    in the adapter's buffer, which a run resumed from it would otherwise
+    never deliver.
 
-    The adapter's thread keeps the stream's state *before* each batch it
-    asks for (``before_take``); the trainer's side counts what it gets
-    (``had``, ``ended``). Before, not after: a state kept after a take
-    leaves a moment (the batch taken, its state not kept yet) when neither
-    the stream's state nor a kept one is the trainer's. Kept before, under
-    the lock that ``state`` holds too, the stream's own state is the
-    trainer's whenever none is kept for its count: the thread has not
-    asked for a batch beyond it, and cannot while ``state`` runs. Lock
-    order: this lock, then the stream's own (in the stream's ``_state``).
+    The adapter's thread notes each batch it takes (``taking`` before it
+    asks, with whose turn it is; ``took`` with the worker it came from;
+    ``not_taken`` where the pass ended or failed instead), in order; the
+    trainer's side counts, per worker, what it gets (``had_one``,
+    ``had_end``). The stream makes its state from ``had()`` under this
+    lock, and the thread notes a take under it before it asks the stream
+    for the batch: so a state is never made while a batch is taken and not
+    yet noted, and an ordered pass's next turn is that of the oldest batch
+    taken ahead, or else the stream's own, which then has nothing beyond
+    the trainer's. Cheap on purpose: a few list operations per batch, no
+    state made on the thread (which would cost O(epoch) per batch, and at
+    an epoch's end draw the next epoch's sampler). Lock order: this lock,
+    then the stream's own.
     """
 
-    __slots__ = ("_ended", "_first", "_had", "_kept", "_lock")
+    __slots__ = ("_ahead", "_delivered", "_finished", "_made_here", "lock", "pass_no")
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._had = 0  # batches of the pass the trainer has had
-        #: the stream's states after _first, _first + 1, ... batches taken
-        self._kept: deque[dict[str, Any]] = deque()
-        self._first = 0
-        self._ended = False  # the trainer had the pass's end: the stream's own state is its
+    def __init__(self, pass_no: int) -> None:
+        self.lock = threading.Lock()
+        #: The pass it counts: once another began, it counts nothing of it.
+        self.pass_no = pass_no
+        self._made_here = 0
+        self._delivered: dict[int, int] = {}
+        self._finished = False
+        #: The batches taken ahead, oldest first: [whose turn it was before
+        #: the take, the worker it came from (None while being taken)].
+        self._ahead: deque[list[int | None]] = deque()
 
-    def before_take(self, own: Callable[[], dict[str, Any]]) -> None:
-        """The adapter's thread, before it asks the stream for a batch;
-        `own`: the stream's ``_state``."""
-        with self._lock:
-            self._kept.append(own())
+    # -- the adapter's thread -------------------------------------------------
 
-    def had(self) -> None:
-        """The trainer was given a batch."""
-        with self._lock:
-            self._had += 1
-            while self._first < self._had and self._kept:
-                self._kept.popleft()
-                self._first += 1
+    def taking(self, turn: int | None) -> list[int | None]:
+        """About to ask the stream for a batch; `turn`: the stream's next
+        turn now (``_next_turn``, read under this lock)."""
+        entry: list[int | None] = [turn, None]
+        self._ahead.append(entry)
+        return entry
 
-    def ended(self) -> None:
+    def took(self, entry: list[int | None], worker: int) -> None:
+        with self.lock:
+            entry[1] = worker
+
+    def not_taken(self, entry: list[int | None]) -> None:
+        """The ask gave no batch (the pass's end, an error)."""
+        with self.lock:
+            if self._ahead and self._ahead[-1] is entry:
+                self._ahead.pop()
+
+    # -- the trainer's side ---------------------------------------------------
+
+    def had_one(self) -> None:
+        """The trainer was given the oldest batch taken ahead."""
+        with self.lock:
+            worker = self._ahead.popleft()[1]
+            assert worker is not None  # noted (took) before it was queued for the trainer
+            if worker < 0:
+                self._made_here += 1
+            else:
+                self._delivered[worker] = self._delivered.get(worker, 0) + 1
+
+    def had_end(self) -> None:
         """The trainer was given the pass's end."""
-        with self._lock:
-            self._ended = True
-            self._kept.clear()
+        with self.lock:
+            self._finished = True
 
-    def state(self, own: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """The state as of the batches the trainer has had."""
-        with self._lock:
-            i = self._had - self._first
-            if not self._ended and 0 <= i < len(self._kept):
-                return copy.deepcopy(self._kept[i])  # the caller's to change
-            return own()
+    def had(self) -> Had:
+        """What the trainer has had; call under ``lock``."""
+        turn = self._ahead[0][0] if self._ahead else None
+        return Had(self.pass_no, self._made_here, dict(self._delivered), turn, self._finished)
 
 
 class BatchStream(abc.ABC):
@@ -146,6 +206,8 @@ class BatchStream(abc.ABC):
         #: The pass's batches that the trainer has had, where an adapter
         #: takes them ahead of it (_position_for_adapter); None: all it took.
         self._trainer_position: TrainerPosition | None = None
+        #: Held while the position is replaced and while a state is made.
+        self._position_lock = threading.Lock()
 
     def _own(self, shutdown: Callable[[], None]) -> None:
         """From now on close() (or the stream's collection, if it is
@@ -231,7 +293,8 @@ class BatchStream(abc.ABC):
     def __iter__(self) -> Iterator[Any]:
         self._check_usable()
         pass_no = self._begin_pass()
-        self._trainer_position = None  # the new pass's batches are taken by whoever iterates it
+        with self._position_lock:
+            self._trainer_position = None  # the new pass's batches are taken by whoever iterates it
         self._counters.pass_started()
         return self._new_pass(pass_no)
 
@@ -264,6 +327,7 @@ class BatchStream(abc.ABC):
             raise
         self._counters.delivered(t0, time.perf_counter_ns(), nbytes, worker)
         it.delivered = True
+        it.last_worker = worker
         return batch
 
     @abc.abstractmethod
@@ -273,30 +337,42 @@ class BatchStream(abc.ABC):
 
     # -- checkpoints ----------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        """Where the stream stands: what it has handed out (a subclass's
-        state). ``state_dict()`` is this, less what an adapter holds ahead
-        of the trainer (_state_of_the_trainer)."""
+    def _state(self, had: Had | None = None) -> dict[str, Any]:
+        """Where the stream stands (a subclass's state): from what it has
+        handed out, or, given `had`, from what the trainer has had of the
+        pass in progress (_state_of_the_trainer)."""
         raise ShmpipeValueError(f"a {type(self).__name__} cannot save its position")
+
+    def _next_turn(self) -> int | None:
+        """An ordered pass's worker whose batch comes next (None: no turns)."""
+        return None
 
     def _state_of_the_trainer(self) -> dict[str, Any]:
         """What ``state_dict()`` returns: the stream's state as of the
         batches the trainer has had."""
-        position = self._trainer_position
-        return self._state() if position is None else position.state(self._state)
+        with self._position_lock:
+            position = self._trainer_position
+            if position is None:
+                return self._state()
+            with position.lock:
+                return self._state(position.had())
 
-    def _position_for_adapter(self) -> TrainerPosition | None:
+    def _position_for_adapter(self) -> TrainerPosition:
         """For an adapter that takes the batches of the pass just begun
         ahead of the trainer (to_jax's thread): the position it keeps, which
-        ``state_dict()`` then answers from until the next pass begins; None
-        where this stream cannot save its position (nothing to keep)."""
-        try:
-            self._state()
-        except ShmpipeValueError:
-            return None
-        position = TrainerPosition()
-        self._trainer_position = position
+        ``state_dict()`` answers from until the next pass begins. Made
+        before the adapter takes any batch, under the lock a state is made
+        under: a state made from another thread meanwhile is the pass's
+        start, never a count of batches the trainer has not had."""
+        position = TrainerPosition(self._pass_no)
+        with self._position_lock:
+            self._trainer_position = position
         return position
+
+    def _note_taking(self, position: TrainerPosition) -> list[int | None]:
+        """The adapter's thread, about to ask for a batch of the pass."""
+        with position.lock:
+            return position.taking(self._next_turn())
 
     def _check_usable(self) -> None:
         if self._closed:

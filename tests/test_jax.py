@@ -33,7 +33,7 @@ import shmpipe  # noqa: E402
 from shmpipe import _ring  # noqa: E402
 from shmpipe._jax import JaxBatches, _probe  # noqa: E402
 from shmpipe.testing.datasets import Numbered  # noqa: E402
-from shmpipe.testing.sources import Counter, Fixed, LinearXY, Raiser, payload_for  # noqa: E402
+from shmpipe.testing.sources import Counter, Fixed, LinearXY, Raiser, StatefulCounter, payload_for  # noqa: E402
 
 T = 60.0
 
@@ -400,6 +400,77 @@ def test_ahead_every_state_between_steps_is_the_trainers_count():
             with pytest.raises(StopIteration):
                 next(it)
             assert position() == (epoch + 1, 0, [])
+
+
+@pytest.mark.parametrize("stop", [0, 3, 8, 10], ids=lambda s: f"after-{s}")
+def test_ahead_an_ordered_pass_of_iterators_resumes_at_the_trainers_turn(stop):
+    """Two sources of 7 and 4 batches, in turn (the second's end leaves
+    the first alone): the state names whose turn comes after the batches
+    the trainer had, not after those put ahead, and each iterator's state
+    as of them."""
+    def make():
+        return shmpipe.from_iterators([StatefulCounter(7), StatefulCounter(4)], ordered=True, capacity=8, timeout=T)
+
+    def key(b) -> tuple[int, int]:
+        return int(b["worker"]), int(b["seq"])
+
+    with make() as pipe:
+        reference = [key(b) for _ in range(2) for b in pipe]
+    with make() as pipe:
+        it = iter(JaxBatches(pipe, prefetch=3, ahead=True))
+        got = [key(next(it)) for _ in range(stop)]
+        assert wait_until(lambda: pipe.stats().batches >= min(stop + 3, 11))
+        state = json.loads(json.dumps(pipe.state_dict()))
+        it.close()
+        assert wait_until(lambda: not feeders())
+    with make() as pipe:
+        pipe.load_state_dict(state)
+        rest = [key(b) for _ in range(2) for b in pipe]
+    assert got + rest[: 22 - stop] == reference
+
+
+def test_ahead_an_unordered_pass_of_one_node_of_several_runs_and_its_state_is_refused():
+    """One node of two, unordered: its position cannot be told from one
+    node (refused, as without the thread), and the thread asks for none."""
+    with _dataset_pipe(num_nodes=2, node_rank=0, ordered=False) as pipe:
+        assert len([_ids(b) for b in JaxBatches(pipe, prefetch=2, ahead=True)]) == 3  # 6 batches, half each
+        it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
+        next(it)
+        with pytest.raises(shmpipe.ShmpipeValueError, match="ordered=True"):
+            pipe.state_dict()
+        it.close()
+
+
+def test_ahead_a_state_from_another_thread_never_counts_a_batch_put_ahead():
+    """A second thread takes states while the trainer begins passes whose
+    thread runs ahead: while the trainer has had no batch of a pass, no
+    state counts one of it."""
+    with shmpipe.from_dataset(Numbered(12), batch_size=4, num_workers=1, capacity=6, timeout=T) as pipe:
+        stage = [0, False]  # the pass, and whether the trainer asked for a batch of it
+        stop = threading.Event()
+        wrong: list[tuple[int, dict]] = []
+
+        def watch() -> None:
+            while not stop.is_set():
+                before = tuple(stage)
+                state = pipe.state_dict()
+                if tuple(stage) == before and not before[1] and state["epoch"] == before[0]:
+                    if state["done_below"] or state["done"]:
+                        wrong.append((before[0], state))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            for p in range(60):
+                stage[:] = [p, False]
+                it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
+                time.sleep(0.005)  # the step before the first next(): the thread puts batches ahead
+                stage[1] = True
+                assert len(list(it)) == 3
+        finally:
+            stop.set()
+            watcher.join(T)
+        assert not wrong, wrong[:3]
 
 
 # -- several devices, several processes: child interpreters -------------------------

@@ -256,6 +256,43 @@ def test_a_sampler_with_set_epoch_orders_each_epoch():
         assert take(pipe, epochs=2) == want
 
 
+class _GeneratorSampler:
+    """A sampler with a generator of its own, as torch's
+    RandomSampler(generator=g): each draw goes on from the last, so a draw
+    more changes every later epoch."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.draws, self.rng = n, 0, np.random.default_rng(5)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        self.draws += 1
+        return iter(self.rng.permutation(self.n).tolist())
+
+
+def test_a_state_taken_at_each_epochs_end_draws_no_sampler_twice():
+    """A state at an epoch's end names the next epoch's batches (their
+    digest), so it draws them; the next pass takes those, and the sampler
+    is drawn once an epoch as without the states."""
+    def epochs(take_states: bool) -> tuple[list[list[int]], int]:
+        sampler = _GeneratorSampler(N)
+        with shmpipe.from_dataset(Numbered(N), batch_size=4, sampler=sampler, num_workers=2, timeout=T) as pipe:
+            out = []
+            for _ in range(3):
+                out.append([i for b in pipe for i in b["i"].tolist()])
+                if take_states:
+                    pipe.state_dict()
+                    pipe.state_dict()
+            return out, sampler.draws
+
+    plain, plain_draws = epochs(False)
+    with_states, draws = epochs(True)
+    assert with_states == plain
+    assert (plain_draws, draws) == (3, 4)  # the states drew epoch 3, once
+
+
 def test_a_batch_sampler_gives_the_batches():
     batches = [[5, 1], [0, 2, 3], [22], [7, 8, 9, 10]]
     with shmpipe.from_dataset(Numbered(N), batch_sampler=batches, num_workers=2, timeout=T) as pipe:

@@ -28,7 +28,7 @@ from shmpipe._options import PipelineOptions
 from shmpipe._process import ProcessWatch
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._stats import GroupStats
-from shmpipe._stream import POLL_S, Pass
+from shmpipe._stream import POLL_S, Had, Pass
 from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError, ShmpipeValueError
 from shmpipe.transport import ChannelSpec, RankReader, ServesRanks
 
@@ -263,13 +263,16 @@ class RankPipeline(FrameworkStream):
         Counts the batches the trainer has had, as ``Pipeline.state_dict``."""
         return self._state_of_the_trainer()
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, had: Had | None = None) -> dict[str, Any]:
         position = self._position_or_refuse()
         if self._pass_no < 0:
             return position.state(None)
-        if self._finished_pass == self._pass_no:
+        had = Had.of_pass(had, self._pass_no)
+        finished = self._finished_pass == self._pass_no if had is None else had.finished
+        if finished:
             return position.state(Progress([0], None, finished=True))
-        return position.state_after_rounds(self._counters.batches - self._taken_before)
+        taken = self._counters.batches - self._taken_before if had is None else had.total()
+        return position.state_after_rounds(taken)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the group's next pass begin where `state` says; every rank
