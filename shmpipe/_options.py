@@ -127,7 +127,7 @@ def check_options(
     if max_restarts and not resolved.capabilities.restarts_producers:
         raise ShmpipeValueError(
             f"the {resolved.name!r} transport cannot replace a producer that dies (max_restarts={max_restarts}); "
-            "'shm' and 'arrow' can (and any transport whose capabilities say restarts_producers)"
+            "'shm', 'arrow' and 'ray' can (and any transport whose capabilities say restarts_producers)"
         )
     method = start_method or default_start_method()
     if method not in multiprocessing.get_all_start_methods():

@@ -80,6 +80,10 @@ class Schedule(abc.ABC):
     #: iterated (from_iterators prefetches; a dataset waits, since a state
     #: loaded before the first pass would make the fetched samples waste).
     begins_early: ClassVar[bool]
+    #: Whether the schedule knows that a pass's batches may differ in size
+    #: (a dataset's partial last batch, a batch_sampler's); False where only
+    #: the batches can tell.
+    batch_sizes_vary: bool = False
 
     def __init__(self, num_workers: int, seed: int, seed_given: bool) -> None:
         self.num_workers = num_workers
@@ -360,6 +364,20 @@ class DatasetSchedule(Schedule):
         """Batches of the pass begun last that were not done before it
         began (on every node)."""
         return len(self._left)
+
+    @property
+    def batch_sizes_vary(self) -> bool:  # type: ignore[override]
+        if self.batch_sampler is not None:
+            return True
+        if self.drop_last:
+            return False
+        assert self.batch_size is not None
+        if self.sampler is None:
+            return self.length % self.batch_size != 0
+        try:  # a sampler may give any number of indices; one with a length says
+            return len(self.sampler) % self.batch_size != 0  # type: ignore[arg-type]
+        except TypeError:
+            return True
 
     @property
     def sampler_name(self) -> str:

@@ -208,6 +208,10 @@ class BatchStream(abc.ABC):
         self._trainer_position: TrainerPosition | None = None
         #: Held while the position is replaced and while a state is made.
         self._position_lock = threading.Lock()
+        #: Whether the pipeline knows its batches may differ in size along
+        #: their first axis (from_dataset's partial last batch): to_tf_dataset
+        #: then leaves that axis unknown instead of inferring it.
+        self._batch_sizes_vary = False
 
     def _own(self, shutdown: Callable[[], None]) -> None:
         """From now on close() (or the stream's collection, if it is

@@ -88,6 +88,8 @@ def check_aliasing(to_tensor: Callable[[np.ndarray], Any]) -> bool:
 def _spec_of_leaf(leaf: Any, path: str) -> Any:
     import tensorflow as tf
 
+    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "US":
+        return tf.TensorSpec(leaf.shape, tf.string)  # a list of strings (map_leaves_with_paths)
     if isinstance(leaf, np.ndarray) or isinstance(leaf, np.generic):
         try:
             dtype = tf.as_dtype(leaf.dtype)
@@ -140,6 +142,17 @@ def signature_of(*batches: Any) -> Any:
                 f"batches differ in structure ({exc}); pass output_signature yourself"
             ) from None
     return out
+
+
+def _first_axis_unknown(signature: Any) -> Any:
+    import tensorflow as tf
+
+    def relax(spec: Any) -> Any:
+        if spec.shape.rank is None or spec.shape.rank == 0:
+            return spec
+        return tf.TensorSpec([None, *spec.shape.as_list()[1:]], spec.dtype, spec.name)
+
+    return tf.nest.map_structure(relax, signature)
 
 
 class _Feeder:
@@ -327,6 +340,11 @@ def to_tf_dataset(
                 "element_spec from; pass output_signature="
             )
         output_signature = signature_of(*first)
+        if pipe._batch_sizes_vary:
+            # The first batches of a pass are full; the last may not be (a
+            # dataset's partial batch): the batch axis is unknown, as with
+            # tf.data's batch(drop_remainder=False).
+            output_signature = _first_axis_unknown(output_signature)
         peeked = (it, first)
     ds = tf.data.Dataset.from_generator(_Feeder(pipe, output_signature, peeked), output_signature=output_signature)
     if batches_per_pass is not None:

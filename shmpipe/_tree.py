@@ -95,19 +95,31 @@ def map_leaves_with_paths(
     batch: Any, fn: Callable[[Any, str], Any], path: str = "batch", *, lists_as_tuples: bool = False
 ) -> Any:
     """`batch` with ``fn(leaf, path)`` in place of each leaf. With
-    `lists_as_tuples`, lists become tuples (tf.data has no lists)."""
+    `lists_as_tuples` (tf.data's view: it has no lists), lists become
+    tuples, and a list of strings (or of bytes) is one leaf, a NumPy array
+    of them: the default collate gathers a string field into a list, one
+    per sample, which tf.data holds as one string tensor of the batch's
+    length (a tuple would have as many components as the batch has rows,
+    and the last batch of an epoch may have fewer)."""
     t = type(batch)
     if t is dict:
         return {
             k: map_leaves_with_paths(v, fn, f"{path}[{k!r}]", lists_as_tuples=lists_as_tuples)
             for k, v in batch.items()
         }
+    if t is list and lists_as_tuples and batch and _all_strings(batch):
+        return fn(np.array(batch), path)
     if t is tuple or t is list:
         children = (
             map_leaves_with_paths(v, fn, f"{path}[{i}]", lists_as_tuples=lists_as_tuples) for i, v in enumerate(batch)
         )
         return tuple(children) if lists_as_tuples or t is tuple else list(children)
     return fn(batch, path)
+
+
+def _all_strings(items: list[Any]) -> bool:
+    kind = type(items[0])
+    return (kind is str or kind is bytes) and all(type(item) is kind for item in items)
 
 
 def nbytes(batch: Any) -> int:

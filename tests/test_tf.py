@@ -275,6 +275,79 @@ def test_lists_become_tuples_and_none_is_refused():
             pipe.to_tf_dataset()
 
 
+def test_a_list_of_strings_is_one_string_tensor_of_the_batch():
+    batches = [{"x": np.zeros(3), "name": ["a", "bb", "c"]}, {"x": np.zeros(3), "name": [b"d", b"e", b"f"]}]
+    with shmpipe.from_iterators([Fixed(batches)], timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert ds.element_spec["name"] == tf.TensorSpec((3,), tf.string)
+        assert [e["name"].numpy().tolist() for e in ds] == [[b"a", b"bb", b"c"], [b"d", b"e", b"f"]]
+
+
+# from_dataset: the schedule knows whether an epoch ends with a partial batch
+# (a length the batch size does not divide, drop_last=False), so the batch
+# axis is unknown there even though the first batches peeked are all full.
+
+
+@pytest.mark.parametrize(("n", "drop_last", "first_axis"), [(10, False, None), (12, False, 4), (10, True, 4)])
+def test_a_datasets_partial_last_batch_fits_the_element_spec(n, drop_last, first_axis):
+    from shmpipe.testing.datasets import Numbered
+
+    with shmpipe.from_dataset(Numbered(n), batch_size=4, drop_last=drop_last, num_workers=2, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert ds.element_spec["x"] == tf.TensorSpec((first_axis, 3), tf.int64)
+        # the collate gathers each sample's name into a list: one string tensor
+        assert ds.element_spec["name"] == tf.TensorSpec((first_axis,), tf.string)
+        for _ in range(2):  # two epochs: the partial batch ends each
+            rows = [e["i"].numpy().tolist() for e in ds]
+            names = [e["name"].numpy().tolist() for e in ds.take(1)]
+            want = list(range(n - n % 4 if drop_last else n))
+            assert [i for r in rows for i in r] == want
+            assert [len(r) for r in rows][-1] == (n % 4 or 4 if not drop_last else 4)
+            assert names == [[b"s0", b"s1", b"s2", b"s3"]]
+
+
+def test_a_batch_samplers_batches_leave_the_batch_axis_unknown():
+    from shmpipe.testing.datasets import Numbered
+
+    sizes = [[0, 1, 2], [3, 4, 5], [6]]
+    with shmpipe.from_dataset(Numbered(7), batch_sampler=sizes, num_workers=2, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert ds.element_spec["x"] == tf.TensorSpec((None, 3), tf.int64)
+        assert [e["i"].numpy().tolist() for e in ds] == sizes
+
+
+class _Unsized:
+    """A sampler without a length: how many batches it makes is unknown."""
+
+    def __iter__(self):
+        return iter(range(8))
+
+
+def test_a_samplers_length_tells_whether_the_last_batch_may_be_partial():
+    from shmpipe.testing.datasets import EpochSampler, Numbered
+
+    for sampler, first_axis in ((EpochSampler(12, seed=1), 4), (EpochSampler(10, seed=1), None), (_Unsized(), None)):
+        with shmpipe.from_dataset(Numbered(12), batch_size=4, sampler=sampler, num_workers=1, timeout=T) as pipe:
+            ds = pipe.to_tf_dataset()
+            assert ds.element_spec["x"].shape.as_list() == [first_axis, 3], sampler
+            assert sum(len(e["i"]) for e in ds) == len(list(sampler))
+
+
+def test_keras_fits_a_dataset_whose_epochs_end_with_a_partial_batch():
+    import keras
+
+    from shmpipe.testing.datasets import Numbered
+
+    # 10 samples in batches of 4: each epoch's third batch has 2
+    with shmpipe.from_dataset(Numbered(10, shape=(8,)), batch_size=4, num_workers=2, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset(batches_per_pass=3).map(lambda b: (tf.cast(b["x"], tf.float32) / 10, tf.cast(b["i"], tf.float32) / 10))
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(ds, epochs=3, verbose=0, shuffle=False)
+        assert len(history.history["loss"]) == 3
+        assert pipe.stats().batches == 9
+
+
 def test_prefetch_to_device_is_the_last_hop():
     with shmpipe.from_iterators([Counter(6)] * 2, timeout=T) as pipe:
         ds = pipe.to_tf_dataset(device="/cpu:0")

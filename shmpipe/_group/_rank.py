@@ -162,6 +162,7 @@ class RankPipeline(FrameworkStream):
         if schedule is None:
             schedule = IteratorSchedule(options.num_workers, options.seed, options.seed_given)
         self._batches = schedule.fingerprint()
+        self._batch_sizes_vary = schedule.batch_sizes_vary
         self._position = schedule.one_reader() if isinstance(schedule, DatasetSchedule) else None
         self._taken_before = 0  # batches this rank took before the pass in progress
         self._leader = Leader(options, group, schedule) if group.rank == 0 else None
