@@ -76,6 +76,7 @@ from __future__ import annotations
 import functools
 import gc
 import queue
+import sys
 import threading
 import traceback
 import warnings
@@ -611,12 +612,14 @@ class _Feeder:
             self.permits.release()
             return item
 
-    def drain(self) -> None:
-        """Drops what was put ahead (on the host, their slots go back)."""
+    def drain(self, _empty: type[Exception] = queue.Empty) -> None:
+        """Drops what was put ahead (on the host, their slots go back).
+        (`_empty` is bound here: __del__ may call this while the interpreter
+        exits, after the module's globals were set to None.)"""
         while True:
             try:
                 self.ready.get_nowait()
-            except queue.Empty:
+            except _empty:
                 return
 
 
@@ -667,9 +670,12 @@ class _AheadPass:
         self.feeder.drain()
         self.feeder.collect()
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # At the interpreter's exit the pipeline's own shutdown frees every
+        # slot; the module's globals may be None by then (hence the bound
+        # default), so there is nothing to do here.
         feeder = getattr(self, "feeder", None)
-        if feeder is not None:
+        if feeder is not None and not _finalizing():
             feeder.stop.set()
             feeder.drain()
             feeder.collect()

@@ -580,6 +580,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# A script that leaves a pass put ahead for the interpreter's exit to end.
+AT_EXIT = textwrap.dedent("""
+    import shmpipe
+    from shmpipe._jax import JaxBatches
+    from shmpipe.testing.sources import Counter
+    pipe = shmpipe.from_iterators([Counter(50, shape=(256,))] * 2, timeout=60)
+    it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
+    b = next(it)
+    print("took", int(b["seq"]))
+""")
+
+
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
     """The child interpreters' output, all three run at once (the two
@@ -591,8 +603,18 @@ def children(tmp_path_factory):
         "devices": Command([sys.executable, "-c", DEVICES], cwd=folder, env=env, timeout=120),
         **{p: Command([sys.executable, "-c", DISTRIBUTED, str(p), port], cwd=folder, env=env, timeout=120)
            for p in (0, 1)},
+        "at exit": Command([sys.executable, "-c", AT_EXIT], cwd=folder, env=env, timeout=120),
     }
     return run_together(commands, jobs=3)
+
+
+def test_a_pass_put_ahead_that_the_interpreters_exit_ends_says_nothing(children):
+    # Its __del__ ran after the module's globals were None, and printed an
+    # AttributeError ("Exception ignored in ... __del__") at every such exit.
+    proc = children["at exit"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("took "), proc.stdout
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def _cases(proc) -> list[dict]:
