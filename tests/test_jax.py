@@ -221,6 +221,29 @@ def test_a_device_or_sharding_jax_cannot_use_is_refused_before_any_batch_is_take
 # -- the accelerator's path: a thread puts batches ahead ---------------------------
 
 
+@pytest.mark.timeout(120)
+def test_ahead_in_a_rank_a_pass_begun_after_a_break_waits_for_the_old_threads_take():
+    # The thread of a pass left at a break may still wait for rank 0's next
+    # message when the next pass begins: two threads polled the socket at
+    # once ("RuntimeError: concurrent poll() invocation", most runs of 40).
+    import uuid
+
+    group = f"jx-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with shmpipe.from_dataset(
+        Numbered(4000, shape=(64,)), batch_size=4, num_workers=2, timeout=T,
+        group=group, rank=0, num_ranks=1, group_timeout=30,
+    ) as pipe:
+        batches = JaxBatches(pipe, prefetch=2, ahead=True)
+        for r in range(40):
+            got = []
+            for b in batches:
+                got.append(np.asarray(b["i"]).tolist())
+                if len(got) == 1 + r % 2:
+                    break
+            assert got == [list(range(4 * k, 4 * k + 4)) for k in range(1 + r % 2)], r
+        assert wait_until(lambda: not feeders(), 5.0)
+
+
 def test_ahead_every_batch_arrives_in_order_and_the_thread_ends_with_the_pass():
     with shmpipe.from_iterators([Counter(20, shape=(8, 8))], timeout=T) as pipe:
         batches = JaxBatches(pipe, prefetch=2, ahead=True)

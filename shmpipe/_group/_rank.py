@@ -29,7 +29,14 @@ from shmpipe._process import ProcessWatch
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S, Had, Pass
-from shmpipe.errors import GroupError, GroupStartError, RankDiedError, ShmpipeError, ShmpipeValueError
+from shmpipe.errors import (
+    GroupError,
+    GroupStartError,
+    PipelineClosedError,
+    RankDiedError,
+    ShmpipeError,
+    ShmpipeValueError,
+)
 from shmpipe.transport import ChannelSpec, RankReader, ServesRanks
 
 __all__ = ["RankPipeline"]
@@ -165,6 +172,11 @@ class RankPipeline(FrameworkStream):
         self._batch_sizes_vary = schedule.batch_sizes_vary
         self._position = schedule.one_reader() if isinstance(schedule, DatasetSchedule) else None
         self._taken_before = 0  # batches this rank took before the pass in progress
+        # One reader of rank 0's socket at a time (a poll object refuses two
+        # threads), and no new pass while a take of the old one runs: the
+        # thread of to_jax's pass left at a break may still be in _take when
+        # the next pass begins. Held for one poll (POLL_S) at most.
+        self._consumer_lock = threading.Lock()
         self._leader = Leader(options, group, schedule) if group.rank == 0 else None
         try:
             self._conn = self._join(options, group)
@@ -265,6 +277,10 @@ class RankPipeline(FrameworkStream):
         return self._state_of_the_trainer()
 
     def _state(self, had: Had | None = None) -> dict[str, Any]:
+        with self._consumer_lock:  # not while a pass begins in another thread
+            return self._state_locked(had)
+
+    def _state_locked(self, had: Had | None) -> dict[str, Any]:
         position = self._position_or_refuse()
         if self._pass_no < 0:
             return position.state(None)
@@ -303,11 +319,13 @@ class RankPipeline(FrameworkStream):
     # -- iteration ------------------------------------------------------------
 
     def _begin_pass(self) -> int:
-        if self._position is not None:
-            self._position.begin(self._pass_no + 1)  # where it raises (the sampler), no pass was begun
-        self._pass_no += 1
-        self._taken_before = self._counters.batches
-        if not self._conn.send(["begin", self._pass_no]):
+        with self._consumer_lock:  # waits for a take of the old pass in another thread
+            if self._position is not None:
+                self._position.begin(self._pass_no + 1)  # where it raises (the sampler), no pass was begun
+            self._pass_no += 1
+            self._taken_before = self._counters.batches
+            sent = self._conn.send(["begin", self._pass_no])
+        if not sent:
             self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
         return self._pass_no
 
@@ -325,15 +343,21 @@ class RankPipeline(FrameworkStream):
 
     def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
         while True:
-            events = self._poller.poll(int(POLL_S * 1000))  # a Ctrl-C here is the user's to have
-            if self._closed:  # by another thread (or a hook)
-                self._check_usable()
+            with self._consumer_lock:
+                if it.pass_no != self._pass_no:
+                    raise PipelineClosedError(
+                        "this iterator belongs to an earlier pass; iterating the pipeline again "
+                        "started a new one (while this one waited for a batch)"
+                    )
+                events = self._poller.poll(int(POLL_S * 1000))  # a Ctrl-C here is the user's to have
+                if self._closed:  # by another thread (or a hook)
+                    self._check_usable()
+                got: Any = self._take_message(events, it) if events else _NOTHING
+            if got is _END:
+                raise StopIteration
+            if got is not _NOTHING:
+                return got
             if events:
-                got = self._take_message(events, it)
-                if got is _END:
-                    raise StopIteration
-                if got is not _NOTHING:
-                    return got
                 continue
             if self._leader_gone_unpolled(self._conn):
                 self._fail(RankDiedError(f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died", 0))
