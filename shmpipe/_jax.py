@@ -632,8 +632,10 @@ class _AheadPass:
     def __init__(self, batches: JaxBatches, it: Pass) -> None:
         self.finished = False
         # Where the stream can tell its position, the trainer's is kept (of
-        # the pass just begun: iter(pipe)).
-        position = batches.pipe._position_for_adapter()
+        # the pass just begun: iter(pipe)). The thread takes at most
+        # `prefetch` + 1 batches the trainer has not had: one permit each,
+        # given back as next() takes the batch, before it counts it.
+        position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1)
         self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe, position)
         self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
         self.thread.start()

@@ -134,6 +134,11 @@ class ProcessLauncher(Launcher):
         self._ended: list[tuple[int, int] | None] = [None] * spec.num_workers
         #: per worker: (pass, wseq) -> its source's iterator's state after that batch
         self._iterator_states: list[dict[tuple[int, int], Any]] = [{} for _ in range(spec.num_workers)]
+        #: How many of each producer's last states are kept: a producer is
+        #: never more than the ring's capacity ahead of what was taken, and
+        #: a state is of what was taken, or less an adapter's batches taken
+        #: ahead of the trainer (keep_iterator_states).
+        self._states_kept = spec.capacity + 2
         self._failure: BaseException | None = None
         self._down = False
         # The thread that starts the producers, while it does (see starting);
@@ -419,12 +424,11 @@ class ProcessLauncher(Launcher):
         elif isinstance(msg, _control.PassDone):
             self._ended[worker] = (msg.pass_no, msg.produced)
         elif isinstance(msg, _control.IteratorState):
-            # The last few only: a producer is never more than the ring's
-            # capacity ahead of what was taken, so the state of the batch
-            # taken last is among them, and a flood costs nothing.
+            # The last few only (_states_kept): the state of the batch the
+            # trainer had last is among them, and a flood costs nothing.
             states = self._iterator_states[worker]
             states[(msg.pass_no, msg.wseq)] = msg.state
-            while len(states) > self.spec.capacity + 2:
+            while len(states) > self._states_kept:
                 del states[min(states)]
         elif self._failure is None:
             pid = self.processes[worker].pid
@@ -448,6 +452,11 @@ class ProcessLauncher(Launcher):
         self._read_messages()
         ended = self._ended[worker]
         return ended[1] if ended is not None and ended[0] == pass_no else None
+
+    def keep_iterator_states(self, behind: int) -> None:
+        """Keeps enough states for one made `behind` batches behind those
+        taken (an adapter's thread takes that many ahead of the trainer)."""
+        self._states_kept = max(self._states_kept, self.spec.capacity + 2 + behind)
 
     def iterator_state(self, worker: int, pass_no: int, wseq: int) -> tuple[bool, Any]:
         """(True, the state producer `worker`'s iterator had after its batch

@@ -350,6 +350,9 @@ class Pipeline(FrameworkStream):
         with self._consumer_lock:
             return self._schedule.state(self._progress(had))
 
+    def _states_needed_behind(self, ahead: int) -> None:
+        self._launcher.keep_iterator_states(ahead)
+
     def _next_turn(self) -> int | None:
         turn = self._turns.next() if self._turns is not None else None
         return None if turn is None else turn[0]

@@ -361,17 +361,23 @@ class BatchStream(abc.ABC):
             with position.lock:
                 return self._state(position.had())
 
-    def _position_for_adapter(self) -> TrainerPosition:
+    def _position_for_adapter(self, ahead: int) -> TrainerPosition:
         """For an adapter that takes the batches of the pass just begun
-        ahead of the trainer (to_jax's thread): the position it keeps, which
+        ahead of the trainer (to_jax's thread), at most `ahead` of them
+        before the trainer has them: the position it keeps, which
         ``state_dict()`` answers from until the next pass begins. Made
         before the adapter takes any batch, under the lock a state is made
         under: a state made from another thread meanwhile is the pass's
         start, never a count of batches the trainer has not had."""
+        self._states_needed_behind(ahead)
         position = TrainerPosition(self._pass_no)
         with self._position_lock:
             self._trainer_position = position
         return position
+
+    def _states_needed_behind(self, ahead: int) -> None:
+        """A state may now be made `ahead` batches behind those taken: what
+        the stream keeps to make one must reach that far back."""
 
     def _note_taking(self, position: TrainerPosition) -> list[int | None]:
         """The adapter's thread, about to ask for a batch of the pass."""

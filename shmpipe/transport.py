@@ -510,6 +510,12 @@ class Launcher(abc.ABC):
         (then a resume goes by count). Default: never."""
         return False, None
 
+    def keep_iterator_states(self, behind: int) -> None:
+        """From now on a state may be asked for `behind` batches behind
+        those the consumer took (an adapter takes them ahead of the
+        trainer): a launcher that keeps only its producers' last few states
+        keeps that many more. Default: nothing to do."""
+
     #: Whether restart() and send_pass() replace a dead producer (shmpipe's
     #: own launcher, over a channel that ``restarts_producers``); the
     #: pipeline asks only such a launcher, and only with max_restarts.

@@ -425,6 +425,21 @@ def test_ahead_every_state_between_steps_is_the_trainers_count():
             assert position() == (epoch + 1, 0, [])
 
 
+def test_ahead_a_state_holds_the_iterators_state_of_the_batch_had_last_however_far_the_producer_ran():
+    """The producer fills the ring (8) ahead of what was taken, and the
+    thread takes 5 ahead of the trainer: the iterator's state after the
+    batch the trainer had last is 13 behind the newest (the pipeline kept
+    10, and the state fell back to a count, the iterator's state null)."""
+    with shmpipe.from_iterators([StatefulCounter(40)], capacity=8, timeout=T) as pipe:
+        it = iter(JaxBatches(pipe, prefetch=4, ahead=True))
+        for had in range(1, 41):
+            next(it)
+            time.sleep(0.01)  # a step: the producer and the thread fill up meanwhile
+            state = pipe.state_dict()
+            if had < 40:  # (after the last batch the state names the next epoch)
+                assert state["delivered"] == [had] and state["iterator_states"] == [{"next_seq": had}], had
+
+
 @pytest.mark.parametrize("stop", [0, 3, 8, 10], ids=lambda s: f"after-{s}")
 def test_ahead_an_ordered_pass_of_iterators_resumes_at_the_trainers_turn(stop):
     """Two sources of 7 and 4 batches, in turn (the second's end leaves
