@@ -80,10 +80,6 @@ class Schedule(abc.ABC):
     #: iterated (from_iterators prefetches; a dataset waits, since a state
     #: loaded before the first pass would make the fetched samples waste).
     begins_early: ClassVar[bool]
-    #: Whether the schedule knows that a pass's batches may differ in size
-    #: (a dataset's partial last batch, a batch_sampler's); False where only
-    #: the batches can tell.
-    batch_sizes_vary: bool = False
 
     def __init__(self, num_workers: int, seed: int, seed_given: bool) -> None:
         self.num_workers = num_workers
@@ -100,6 +96,13 @@ class Schedule(abc.ABC):
         #: several nodes). A group's leader adds its own.
         self.dropped = 0
         self._works: list[PassWork] = []  # the pass begun last's
+
+    def batch_sizes_vary(self, local_rank: int | None = None) -> bool:
+        """Whether the schedule knows that the batches a pass gives this
+        node (with `local_rank`, that rank of it) may differ in size: a
+        dataset's partial last batch, a batch_sampler's batches. False
+        where only the batches can tell (from_iterators)."""
+        return False
 
     def fingerprint(self) -> dict[str, Any]:
         """What every rank of a group must agree on about the batches (a
@@ -365,19 +368,27 @@ class DatasetSchedule(Schedule):
         began (on every node)."""
         return len(self._left)
 
-    @property
-    def batch_sizes_vary(self) -> bool:  # type: ignore[override]
+    def batch_sizes_vary(self, local_rank: int | None = None) -> bool:
         if self.batch_sampler is not None:
             return True
         if self.drop_last:
             return False
         assert self.batch_size is not None
         if self.sampler is None:
-            return self.length % self.batch_size != 0
-        try:  # a sampler may give any number of indices; one with a length says
-            return len(self.sampler) % self.batch_size != 0  # type: ignore[arg-type]
-        except TypeError:
-            return True
+            partial = self.length % self.batch_size != 0
+        else:
+            try:  # a sampler may give any number of indices; one with a length says
+                partial = len(self.sampler) % self.batch_size != 0  # type: ignore[arg-type]
+            except TypeError:
+                partial = True
+        if not partial or self.layout.world == 1:
+            return partial
+        # The partial batch is the epoch's last, so the last of the batches
+        # left to deal (after a resume too): in rounds of W, only the last
+        # rank of the last node can get it (where the last round is whole;
+        # an incomplete one goes to no rank).
+        last = self.layout.node_rank == self.layout.num_nodes - 1
+        return last and (local_rank is None or local_rank == self.layout.ranks_per_node - 1)
 
     @property
     def sampler_name(self) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 
 from shmpipe._codec import aligned_empty
 from shmpipe._stream import BatchStream
-from shmpipe._tree import leaves_with_paths, map_leaves_with_paths
+from shmpipe._tree import all_strings, leaves_with_paths, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
 
 if TYPE_CHECKING:
@@ -88,8 +88,12 @@ def check_aliasing(to_tensor: Callable[[np.ndarray], Any]) -> bool:
 def _spec_of_leaf(leaf: Any, path: str) -> Any:
     import tensorflow as tf
 
-    if isinstance(leaf, np.ndarray) and leaf.dtype.kind in "US":
-        return tf.TensorSpec(leaf.shape, tf.string)  # a list of strings (map_leaves_with_paths)
+    if isinstance(leaf, np.ndarray) and (
+        leaf.dtype.kind in "US" or (leaf.dtype == object and leaf.size and all_strings(leaf.ravel()))
+    ):
+        # NumPy strings; or Python ones, as a list of strings arrives here
+        # (map_leaves_with_paths): TensorFlow encodes str as UTF-8
+        return tf.TensorSpec(leaf.shape, tf.string)
     if isinstance(leaf, np.ndarray) or isinstance(leaf, np.generic):
         try:
             dtype = tf.as_dtype(leaf.dtype)

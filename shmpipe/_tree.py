@@ -100,15 +100,18 @@ def map_leaves_with_paths(
     of them: the default collate gathers a string field into a list, one
     per sample, which tf.data holds as one string tensor of the batch's
     length (a tuple would have as many components as the batch has rows,
-    and the last batch of an epoch may have fewer)."""
+    and the last batch of an epoch may have fewer). The array holds the
+    strings themselves (dtype object): NumPy's fixed-width ``S``/``U``
+    dtypes would drop each value's trailing NUL bytes and pad every value
+    to the longest."""
     t = type(batch)
     if t is dict:
         return {
             k: map_leaves_with_paths(v, fn, f"{path}[{k!r}]", lists_as_tuples=lists_as_tuples)
             for k, v in batch.items()
         }
-    if t is list and lists_as_tuples and batch and _all_strings(batch):
-        return fn(np.array(batch), path)
+    if t is list and lists_as_tuples and batch and all_strings(batch):
+        return fn(_string_array(batch), path)
     if t is tuple or t is list:
         children = (
             map_leaves_with_paths(v, fn, f"{path}[{i}]", lists_as_tuples=lists_as_tuples) for i, v in enumerate(batch)
@@ -117,7 +120,15 @@ def map_leaves_with_paths(
     return fn(batch, path)
 
 
-def _all_strings(items: list[Any]) -> bool:
+def _string_array(items: list[Any]) -> np.ndarray:
+    """`items` (strings, or bytes) as a 1-d NumPy array of those objects."""
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+def all_strings(items: Any) -> bool:
+    """Whether `items` (a non-empty sequence) are all str, or all bytes."""
     kind = type(items[0])
     return (kind is str or kind is bytes) and all(type(item) is kind for item in items)
 

@@ -140,6 +140,41 @@ def test_a_state_resumes_on_every_other_layout_with_nothing_lost_or_repeated(epo
         assert len(delivered) == len(epochs[0]) - dropped, "nothing lost but the new layout's remainder"
 
 
+def _states_at_each_fraction(epochs) -> list[dict | None]:
+    states: list[dict | None] = [None]
+    for nodes, ranks in LAYOUTS:
+        for fraction in FRACTIONS:
+            position = _schedule(nodes, ranks, 0).one_reader()
+            position.begin(0)
+            states.append(position.state_after_rounds(step_at(fraction, len(epochs[0]), nodes, ranks)))
+    for step in range(1, 13):  # one rank, each step: every count of batches left, modulo any W here
+        position = _schedule(1, 1, 0).one_reader()
+        position.begin(0)
+        states.append(position.state_after_rounds(step))
+    return states
+
+
+@pytest.mark.parametrize(("nodes", "ranks"), LAYOUTS + [(1, 1), (4, 3)])
+def test_only_a_rank_that_may_get_the_short_batch_says_the_sizes_vary(epochs, nodes, ranks):
+    # The short batch is an epoch's last: in rounds of W it can only reach
+    # the last rank of the last node (to_tf_dataset leaves the batch axis
+    # unknown there, and fixed everywhere else), fresh or resumed from any
+    # layout's state.
+    says = [_schedule(nodes, ranks, g // ranks).batch_sizes_vary(g % ranks) for g in range(nodes * ranks)]
+    assert says == [g == nodes * ranks - 1 for g in range(nodes * ranks)]
+    assert [_schedule(nodes, ranks, node).batch_sizes_vary() for node in range(nodes)] == [
+        node == nodes - 1 for node in range(nodes)
+    ]
+    got_short = set()
+    for state in _states_at_each_fraction(epochs):
+        per_rank, _ = _job(nodes, ranks, state)
+        got_short |= {g for g, batches in enumerate(per_rank) if any(len(b) < BATCH for b in batches)}
+        for g, batches in enumerate(per_rank):
+            if not says[g]:
+                assert all(len(b) == BATCH for b in batches), (g, state)
+    assert got_short == {nodes * ranks - 1}, "some state gives the last rank the short batch"
+
+
 def test_the_state_at_the_last_complete_round_is_the_next_epochs_start(epochs):
     nodes, ranks = 3, 2
     position = _schedule(nodes, ranks, 1).one_reader()

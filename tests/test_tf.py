@@ -283,6 +283,20 @@ def test_a_list_of_strings_is_one_string_tensor_of_the_batch():
         assert [e["name"].numpy().tolist() for e in ds] == [[b"a", b"bb", b"c"], [b"d", b"e", b"f"]]
 
 
+def test_a_list_of_bytes_keeps_every_byte_of_each_value():
+    # NumPy's fixed-width bytes and str dtypes drop trailing NULs, and pad
+    # each value to the longest: the values go to TensorFlow as they are.
+    values = [b"\x01", b"\x02\x00", b"\x03\x00\x00", b"x" * 100_000]
+    texts = ["\u00e9\x00", "a", "b\x00\x00", "\u4e2d"]
+    batches = [{"raw": values, "text": texts}]
+    with shmpipe.from_iterators([Fixed(batches)], timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert ds.element_spec["raw"] == tf.TensorSpec((4,), tf.string)
+        (element,) = list(ds)
+        assert element["raw"].numpy().tolist() == values
+        assert element["text"].numpy().tolist() == [t.encode() for t in texts]
+
+
 # from_dataset: the schedule knows whether an epoch ends with a partial batch
 # (a length the batch size does not divide, drop_last=False), so the batch
 # axis is unknown there even though the first batches peeked are all full.
@@ -304,6 +318,18 @@ def test_a_datasets_partial_last_batch_fits_the_element_spec(n, drop_last, first
             assert [i for r in rows for i in r] == want
             assert [len(r) for r in rows][-1] == (n % 4 or 4 if not drop_last else 4)
             assert names == [[b"s0", b"s1", b"s2", b"s3"]]
+
+
+@pytest.mark.parametrize(("node", "first_axis", "sizes"), [(0, 4, [4, 4]), (1, None, [4, 2])])
+def test_only_the_node_that_gets_the_short_batch_leaves_the_batch_axis_unknown(node, first_axis, sizes):
+    from shmpipe.testing.datasets import Numbered
+
+    # 14 samples: batches of 4, 4, 4, 2 dealt to 2 nodes in turn; node 0
+    # never gets the short one, whatever state a run resumes from.
+    with shmpipe.from_dataset(Numbered(14), batch_size=4, num_workers=1, num_nodes=2, node_rank=node, timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        assert ds.element_spec["x"] == tf.TensorSpec((first_axis, 3), tf.int64)
+        assert [len(e["i"]) for e in ds] == sizes
 
 
 def test_a_batch_samplers_batches_leave_the_batch_axis_unknown():
