@@ -1,5 +1,5 @@
 """The trainer's CPU per batch for ``to_jax()`` against ``to_torch()`` on the
-same batches, on the CPU backend, in one run (issue 29's target: to_jax at
+same batches, on the CPU backend, in one run (the target: to_jax at
 most 2x to_torch, no hidden copy).
 
     python benchmarks/jax_cpu_cost.py                  # 64 images of 64x64x3 + labels

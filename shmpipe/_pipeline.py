@@ -27,6 +27,7 @@ from shmpipe._producer_context import PassWork
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._sources import DatasetSource
 from shmpipe._stream import POLL_S, Had, Pass
+from shmpipe._turns import Turns
 from shmpipe.errors import (
     CorruptChannelError,
     PipelineClosedError,
@@ -51,40 +52,6 @@ HEALTH_CHECK_NS = 250_000_000
 STALL_WARNING_NS = 10_000_000_000
 
 
-class _Turns:
-    """Whose batch an ordered pass takes next, for both ways of taking one
-    (the fast path and get()): the workers round-robin, skipping those whose
-    part of the pass is over, each at its next batch number. (Unordered, a
-    pass takes anyone's oldest batch: worker -1.)"""
-
-    __slots__ = ("order", "turn", "wseq")
-
-    def __init__(self, num_workers: int, first: int = 0) -> None:
-        self.order = list(range(num_workers))  # the workers not yet done
-        self.turn = first  # index into order (a resumed pass may begin at any worker)
-        self.wseq = [0] * num_workers  # the next batch number of each worker
-
-    def next(self) -> tuple[int, int] | None:
-        """(worker, its batch number) whose turn it is; None when every
-        worker's part is over."""
-        if not self.order:
-            return None
-        worker = self.order[self.turn]
-        return worker, self.wseq[worker]
-
-    def took(self) -> None:
-        """The batch next() named was delivered."""
-        worker = self.order[self.turn]
-        self.wseq[worker] += 1
-        self.turn = (self.turn + 1) % len(self.order)
-
-    def retire(self) -> None:
-        """The worker whose turn it is has nothing more this pass."""
-        del self.order[self.turn]
-        if self.turn == len(self.order):
-            self.turn = 0
-
-
 class _PipelinePass(Pass):
     """A pass over a Pipeline: the general path (Pipeline._next), and before
     it the channel's fast path for a batch that is already there."""
@@ -94,7 +61,7 @@ class _PipelinePass(Pass):
     def __init__(self, pipe: Pipeline, pass_no: int) -> None:
         super().__init__(pipe, pass_no)
         self.pipe = pipe
-        self.turns = _Turns(pipe.num_workers, pipe._schedule.first_turn) if pipe.ordered else None
+        self.turns = Turns(pipe.num_workers, pipe._schedule.first_turn) if pipe.ordered else None
         self.count_ready = pipe._counters.delivered_ready
 
     def __next__(self) -> Any:
@@ -167,7 +134,7 @@ class Pipeline(FrameworkStream):
         self._batch_sizes_vary = self._schedule.batch_sizes_vary()
         self._begun = -1  # the channel's pass begun last (iterated or ahead)
         self._ahead: int | None = None  # a pass begun before it is iterated (prefetching)
-        self._turns: _Turns | None = None  # the ordered pass in progress's
+        self._turns: Turns | None = None  # the ordered pass in progress's
         self._delivered_before: list[int] = [0] * options.num_workers  # per worker, before that pass
         self._restarts: list[str] = []  # each producer death that was replaced (max_restarts)
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
