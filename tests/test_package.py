@@ -106,3 +106,16 @@ def test_a_ctrl_c_while_a_name_loads_its_module_comes_after_the_import(tmp_path)
     )
     printed = in_a_fresh_python(code, tmp_path)
     assert printed.split() == ["KeyboardInterrupt", "True", "True"], printed
+
+
+def test_every_python_module_stays_under_800_lines():
+    # One job per module: a module past this has taken on a second one
+    # (split it by job, as _turns.py was split from _pipeline.py). The
+    # compiled cores (_ring.pyx, _codec.pyx) are one job each, and longer.
+    from pathlib import Path
+
+    root = Path(shmpipe.__file__).parent
+    modules = [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
+    assert len(modules) > 40
+    long = {str(p.relative_to(root)): n for p in modules if (n := len(p.read_text().splitlines())) > 800}
+    assert not long, long
