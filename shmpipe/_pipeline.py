@@ -2,8 +2,8 @@
 
 The consumer (this process) iterates passes, asks the channel for the next
 batch in the order the user wants, enforces timeouts, and turns a
-producer's failure into an error once the batches it published before
-failing are delivered. What every stream does around that (passes, close,
+producer's failure into an error once the batches published before it
+are delivered (ordered: those before the first one missing). What every stream does around that (passes, close,
 counting, the adapters) is BatchStream's (_stream.py); starting and
 watching the producers is the launcher's job (_launch.py, or the
 transport's own); moving batches is the transport's (transport.py).
@@ -525,15 +525,21 @@ class Pipeline(FrameworkStream):
             r = self._get(it, *turn)
             if r is AGAIN and self._failure is None:
                 self._keep_waiting(t0)
-            elif r is AGAIN or r is FAULT or r is END:
-                if r is FAULT:
-                    self._learn_why_production_stopped()
-                elif r is END and self._failure is None:
+            elif r is END:
+                if self._failure is None:
                     self._check_end(it.pass_no, [turn[0]])
-                # This worker's part is over: it ended, or production stopped
-                # after a failure and it has nothing more. The others go on,
-                # so what they published before the failure is delivered too.
-                turns.retire()
+                turns.retire()  # this worker's part is over, all of it delivered
+            elif r is AGAIN or r is FAULT:
+                # Production stopped after a failure, and the batch whose turn
+                # it is was never published: the pass ends here, before it. So
+                # an ordered pass delivers a prefix of its sequence, even when
+                # it fails, and a resume from its state delivers the rest in
+                # the order an uninterrupted run would (what other workers
+                # published after the gap is made again then, never lost).
+                if r is FAULT:
+                    self._learn_why_production_stopped()  # which failure (it sets one)
+                assert self._failure is not None
+                self._close_and_raise(self._failure)
             else:
                 turns.took()
                 return r
@@ -583,7 +589,8 @@ class Pipeline(FrameworkStream):
     # -- failures, closing, timeouts: what decides whether to go on waiting ---
     #
     # A producer's failure stops production at once, but the batches it and
-    # the others published before it are still delivered; the failure is
+    # the others published before it are still delivered (an ordered pass:
+    # up to the first batch that is missing, _take_ordered); the failure is
     # raised when nothing more is in flight. A close from another thread, a
     # timeout, and a consumer that holds every slot end a wait too.
 
@@ -651,8 +658,8 @@ class Pipeline(FrameworkStream):
 
     def _production_failed(self, exc: BaseException) -> None:
         """A producer failed: production stops now; `exc` is raised once
-        what was published before is delivered (_raise_failure_if_any).
-        Nothing a producer yielded before failing is lost."""
+        what was published before is delivered (_raise_failure_if_any;
+        ordered, up to the first batch missing: _take_ordered)."""
         if self._failure is not None:
             return  # the first failure is the one to report
         self._failure = exc

@@ -64,6 +64,15 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
+def assert_round_robin_prefix(order: list[tuple[int, int]], num_workers: int) -> None:
+    """An ordered pass's deliveries, (worker, its batch number) each, of
+    workers whose parts are equally long: the workers in turn, each at its
+    next batch, with no gap: a prefix of the uninterrupted sequence, also
+    where the pass failed."""
+    want = [(k % num_workers, k // num_workers) for k in range(len(order))]
+    assert order == want, f"not the ordered sequence's prefix: {order[:40]}"
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     before = _our_segments()

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SharedJobs, concurrently, end_group, ignoring_sigint
+from conftest import SharedJobs, assert_round_robin_prefix, concurrently, end_group, ignoring_sigint
 
 import shmpipe
 from shmpipe import _launch, _process, _ring, _segments
@@ -39,15 +39,21 @@ def test_a_producer_that_raises(ordered):
     with pytest.raises(shmpipe.WorkerError) as info:
         with pipe:
             for b in pipe:
-                seen.append((b["worker"], b["seq"]))
+                seen.append((int(b["worker"]), int(b["seq"])))
     err = info.value
     assert err.worker_id == 1 and err.pid == pids[1]
     assert err.exc_type == "builtins.ValueError"
     assert "boom from the source" in str(err)
     assert "Remote traceback" in str(err) and "sources.py" in err.remote_traceback
     assert "raise self.exc_type(self.message)" in err.remote_traceback
-    # everything worker 1 yielded before raising was delivered
-    assert [s for w, s in seen if w == 1] == [0, 1, 2]
+    if ordered:
+        # the sequence up to the first batch missing, none after it (even
+        # where worker 0 published more): a prefix of the ordered sequence
+        assert_round_robin_prefix(seen, 2)
+        assert [s for w, s in seen if w == 1] == list(range(min(3, len(seen) // 2)))
+    else:
+        # everything worker 1 yielded before raising was delivered
+        assert [s for w, s in seen if w == 1] == [0, 1, 2]
     assert pipe.closed
     assert all(gone(pid) for pid in pids), "the other producers must be stopped"
 

@@ -129,3 +129,34 @@ def test_max_restarts_needs_a_transport_that_can_replace_a_producer():
         shmpipe.from_iterators([Reserver(1)], transport="queue", max_restarts=1)
     with pytest.raises(shmpipe.ShmpipeValueError, match="max_restarts must be"):
         shmpipe.from_iterators([Reserver(1)], max_restarts=-1)
+
+
+@pytest.mark.parametrize("adapter", ["plain", "torch"])
+def test_an_ordered_run_whose_producer_dies_delivers_a_prefix_and_resumes_in_order(adapter):
+    # No restarts left: the death ends the run. What it delivered is the
+    # ordered sequence up to the batch the dead worker never published, not
+    # the later batches the others had published (which would put a gap in
+    # the trainer's sequence); the state after the last batch resumes there,
+    # and the two runs together are the uninterrupted epoch, in its order.
+    import json
+    import time
+
+    with dataset_pipe() as pipe:
+        want = [key("dataset", b) for b in pipe]
+    got, state = [], None
+    pipe = dataset_pipe()
+    batches = pipe.to_torch() if adapter == "torch" else pipe
+    with pytest.raises(shmpipe.WorkerDiedError):
+        with pipe:
+            for b in batches:
+                got.append(key("dataset", b))
+                state = json.loads(json.dumps(pipe.state_dict()))
+                if len(got) == 2:
+                    os.kill(pipe.pids[0], signal.SIGKILL)
+                    time.sleep(0.5)  # the others fill their slots meanwhile
+    assert 2 <= len(got) < len(want)
+    assert got == want[: len(got)], "a prefix of the sequence, no batch after a gap"
+    with dataset_pipe() as pipe:
+        pipe.load_state_dict(state)
+        rest = [key("dataset", b) for b in pipe]
+    assert got + rest == want
