@@ -163,6 +163,16 @@ class ProcessLauncher(Launcher):
             # thread: it may warn, naming the caller's line.)
             self._plan = _startup.plan(spec.mp_context, self.sources, transport, shipments)
             if may_start_in_background and self._start_waits_for_a_new_process():
+                if spec.mp_context.get_start_method() == "forkserver":
+                    # The server's process is launched from this thread (a
+                    # fork and exec, milliseconds) so that its boot begins
+                    # now: in the thread it waited for the GIL, held by the
+                    # trainer making its first batches, and for any garbage
+                    # collection that fell meanwhile (up to 0.1 s after
+                    # import torch, measured). Ctrl-C is held back as
+                    # around prestart: it would leave a server half-made.
+                    with ctrl_c_held_back(), _born_with_ctrl_c_blocked("forkserver"):
+                        _startup.launch_server()
                 self._handle_owed = self.channel is not None
                 self._starter = threading.Thread(target=self._start_in_background, name="shmpipe-start", daemon=True)
                 self._starter.start()

@@ -49,6 +49,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -59,7 +60,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from shmpipe import _byvalue
-from shmpipe.errors import ShmpipeWarning
+from shmpipe.errors import ShmpipeError, ShmpipeWarning
 
 __all__ = [
     "HEAVY_FRAMEWORKS",
@@ -95,6 +96,11 @@ SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe._sources", "sh
 #: Frameworks whose import costs a producer seconds and hundreds of MiB:
 #: named in the warning when a producer has to import the script.
 HEAVY_FRAMEWORKS = ("tensorflow", "torch", "jax", "keras", "ray")
+
+#: How long a start that found the fork server gone (a connection refused,
+#: or closed before it answered) waits for its process to end before it
+#: starts a new one; one that is still running then is an error.
+SERVER_END_WAIT_S = 2.0
 
 #: The fork server's command line (Python 3.11, _ForkServer): the trainer's
 #: sys.path first, then the preload, then the standard library's server
@@ -187,6 +193,35 @@ class _ForkServer(forkserver.ForkServer):
                 self._forkserver_address = address
                 self._forkserver_alive_fd = alive_w
                 self._forkserver_pid = pid
+
+    def forget_if_ended(self, wait_s: float) -> bool:
+        """Whether the server's process has ended, waited for up to
+        `wait_s` (a process killed a moment ago may still be exiting: not
+        yet a zombie, so ensure_running took it for running); an ended one
+        is forgotten, as ensure_running forgets one it finds dead, and the
+        next start starts a new server."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:  # type: ignore[attr-defined]
+            pid = self._forkserver_pid
+            if pid is None:
+                return True  # forgotten already (by another thread's start)
+            while True:
+                try:
+                    ended, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere: gone all the same
+                    ended = pid
+                if ended:
+                    break
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.005)
+            alive = self._forkserver_alive_fd
+            if alive is not None:
+                os.close(alive)
+            self._forkserver_address = None
+            self._forkserver_alive_fd = None
+            self._forkserver_pid = None
+            return True
 
 
 #: The fork server that new producers fork from. A later pipeline whose
@@ -319,6 +354,14 @@ def start_server(objects: Sequence[Any]) -> bool:
     _preload_with_the_server(objects)
     _SERVER.ensure_running()
     return True
+
+
+def launch_server() -> None:
+    """Starts the fork server's process now, with the preload plan() set,
+    where it is not running: the caller then does other work while it boots
+    (0.2-0.3 s); the first producer's start connects to it, waiting for
+    the rest of its boot. (ensure_running does nothing where it runs.)"""
+    _SERVER.ensure_running()
 
 
 def _preload_with_the_server(sources: Sequence[Any]) -> None:
@@ -539,16 +582,45 @@ class _ServerPopen(popen_forkserver.Popen):
 
     def _launch(self, process_obj: BaseProcess) -> None:
         buf = _pickled_for_child(self, process_obj)
-        self.sentinel, w = _SERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        server = _SERVER
+        pid = server._forkserver_pid
+        try:
+            self._fork_from(server, buf)
+            return
+        except (ConnectionError, EOFError) as exc:
+            # The server ended after it was last seen running (killed: the
+            # OOM killer's pick, say, while it was starting this child), or
+            # it refuses. Once it has ended, a new one starts this child.
+            if not server.forget_if_ended(SERVER_END_WAIT_S):
+                raise ShmpipeError(
+                    f"shmpipe's fork server (pid {pid}) did not start {process_obj.name} ({exc!r}) and is "
+                    f"still running after {SERVER_END_WAIT_S} s"
+                ) from exc
+        try:
+            self._fork_from(server, buf)
+        except (ConnectionError, EOFError) as exc:
+            raise ShmpipeError(
+                f"shmpipe's fork server (pid {pid}) ended, and the one started in its place (pid "
+                f"{server._forkserver_pid}, interpreter {spawn.get_executable()}) did not start "
+                f"{process_obj.name} either: {exc!r}"
+            ) from exc
+
+    def _fork_from(self, server: _ForkServer, buf: io.BytesIO) -> None:
+        sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         # multiprocessing keeps a duplicate of the data pipe's write end
         # open for the child's multiprocessing.parent_process(); a producer
         # watches its consumer itself (the owner's pidfd, _worker.py), so
         # the pipe closes once written: one descriptor less per producer
         # against `ulimit -n`.
-        self.finalizer = util.Finalize(self, util.close_fds, (self.sentinel,))  # type: ignore[attr-defined]
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        finalizer = util.Finalize(self, util.close_fds, (sentinel,))  # type: ignore[attr-defined]
+        try:
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            pid = forkserver.read_signed(sentinel)
+        except BaseException:
+            finalizer()  # the sentinel is closed now, not at a collection (its number may be reused by then)
+            raise
+        self.sentinel, self.finalizer, self.pid = sentinel, finalizer, pid
 
 
 class _SpawnPopen(popen_spawn_posix.Popen):

@@ -232,6 +232,45 @@ def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
         assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
 
 
+def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced():
+    # Killed (by the OOM killer, say) after the start found it running: the
+    # connection closes before it answers. The start waits for it to end,
+    # and a new server starts the producer. (Stopped first, so that the
+    # start is surely inside its connection when the kill lands.)
+    import signal
+    import threading
+
+    from shmpipe import _startup
+    from shmpipe.testing.datasets import Numbered
+
+    with shmpipe.from_dataset(Numbered(20), batch_size=4, num_workers=2, timeout=T) as pipe:
+        assert len(list(pipe)) == 5
+    old = _startup.server_pid()
+    assert old is not None
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            with shmpipe.from_dataset(Numbered(20), batch_size=4, num_workers=2, timeout=T) as again:
+                out["ids"] = [i for b in again for i in b["i"].tolist()]
+        except BaseException as exc:  # noqa: BLE001 - the test's to see
+            out["error"] = exc
+
+    os.kill(old, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive(), "the start waits for the stopped server's answer"
+    finally:
+        os.kill(old, signal.SIGKILL)
+    thread.join(T)
+    assert not thread.is_alive()
+    assert out.get("error") is None, repr(out.get("error"))
+    assert out["ids"] == list(range(20))
+    assert _startup.server_pid() not in (None, old)
+
+
 #: Modules of the preload tests: each says in a file who imported it.
 PRELOAD_MODULES = {
     "recorded.py": """
