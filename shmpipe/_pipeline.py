@@ -531,13 +531,19 @@ class Pipeline(FrameworkStream):
                 turns.retire()  # this worker's part is over, all of it delivered
             elif r is AGAIN or r is FAULT:
                 # Production stopped after a failure, and the batch whose turn
-                # it is was never published: the pass ends here, before it. So
+                # it is was not published: the pass ends here, before it. So
                 # an ordered pass delivers a prefix of its sequence, even when
                 # it fails, and a resume from its state delivers the rest in
                 # the order an uninterrupted run would (what other workers
                 # published after the gap is made again then, never lost).
+                # Unless the worker's part ended before (all of it delivered):
+                # a channel may say FAULT for it once production stopped (shm
+                # checks the fault before the end), and its turns are over.
                 if r is FAULT:
                     self._learn_why_production_stopped()  # which failure (it sets one)
+                if self._part_delivered(it.pass_no, turn[0]):
+                    turns.retire()
+                    continue
                 assert self._failure is not None
                 self._close_and_raise(self._failure)
             else:
@@ -545,6 +551,15 @@ class Pipeline(FrameworkStream):
                 return r
         self._raise_failure_if_any()
         raise StopIteration
+
+    def _part_delivered(self, pass_no: int, worker: int) -> bool:
+        """Whether `worker` said its part of pass `pass_no` ended, after as
+        many batches as were delivered (False where the launcher cannot tell)."""
+        launcher = self._launcher
+        if not launcher.reports_ends:
+            return False
+        delivered = self._counters.per_worker[worker] - self._delivered_before[worker]
+        return launcher.reported_end(worker, pass_no) == delivered
 
     def _check_end(self, pass_no: int, workers: Iterable[int]) -> None:
         """The channel says these workers' parts of pass `pass_no` are over:

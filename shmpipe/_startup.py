@@ -41,13 +41,17 @@ children read their arguments through the standard code
 
 from __future__ import annotations
 
+import array
 import dis
+import fcntl
 import importlib.util
 import io
 import multiprocessing
 import os
+import select
 import socket
 import sys
+import termios
 import threading
 import time
 import types
@@ -57,7 +61,7 @@ from dataclasses import dataclass
 from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix, reduction, spawn, util
 from multiprocessing.context import BaseContext, set_spawning_popen
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn
 
 from shmpipe import _byvalue
 from shmpipe.errors import ShmpipeError, ShmpipeWarning
@@ -194,17 +198,16 @@ class _ForkServer(forkserver.ForkServer):
                 self._forkserver_alive_fd = alive_w
                 self._forkserver_pid = pid
 
-    def forget_if_ended(self, wait_s: float) -> bool:
-        """Whether the server's process has ended, waited for up to
+    def forget_if_ended(self, pid: int | None, wait_s: float) -> bool:
+        """Whether the server's process `pid` has ended, waited for up to
         `wait_s` (a process killed a moment ago may still be exiting: not
         yet a zombie, so ensure_running took it for running); an ended one
         is forgotten, as ensure_running forgets one it finds dead, and the
         next start starts a new server."""
         deadline = time.monotonic() + wait_s
         with self._lock:  # type: ignore[attr-defined]
-            pid = self._forkserver_pid
-            if pid is None:
-                return True  # forgotten already (by another thread's start)
+            if pid is None or self._forkserver_pid != pid:
+                return True  # forgotten already (another thread's start may have started its successor)
             while True:
                 try:
                     ended, _ = os.waitpid(pid, os.WNOHANG)
@@ -582,45 +585,99 @@ class _ServerPopen(popen_forkserver.Popen):
 
     def _launch(self, process_obj: BaseProcess) -> None:
         buf = _pickled_for_child(self, process_obj)
-        server = _SERVER
-        pid = server._forkserver_pid
+        server, name = _SERVER, process_obj.name
         try:
-            self._fork_from(server, buf)
+            self._fork_from(server, buf, name)
             return
-        except (ConnectionError, EOFError) as exc:
+        except _ServerGone as gone:
             # The server ended after it was last seen running (killed: the
-            # OOM killer's pick, say, while it was starting this child), or
-            # it refuses. Once it has ended, a new one starts this child.
-            if not server.forget_if_ended(SERVER_END_WAIT_S):
-                raise ShmpipeError(
-                    f"shmpipe's fork server (pid {pid}) did not start {process_obj.name} ({exc!r}) and is "
-                    f"still running after {SERVER_END_WAIT_S} s"
-                ) from exc
+            # OOM killer's pick, say, while it was starting this child), and
+            # no child of it has this start's data: a new server starts it.
+            first = gone.pid
         try:
-            self._fork_from(server, buf)
-        except (ConnectionError, EOFError) as exc:
+            self._fork_from(server, buf, name)
+        except _ServerGone as gone:
             raise ShmpipeError(
-                f"shmpipe's fork server (pid {pid}) ended, and the one started in its place (pid "
-                f"{server._forkserver_pid}, interpreter {spawn.get_executable()}) did not start "
-                f"{process_obj.name} either: {exc!r}"
-            ) from exc
+                f"shmpipe's fork server (pid {first}) ended, and the one started in its place (pid {gone.pid}, "
+                f"interpreter {spawn.get_executable()}) did not start {name} either: {gone.__cause__!r}"
+            ) from gone.__cause__
 
-    def _fork_from(self, server: _ForkServer, buf: io.BytesIO) -> None:
-        sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
-        # multiprocessing keeps a duplicate of the data pipe's write end
-        # open for the child's multiprocessing.parent_process(); a producer
-        # watches its consumer itself (the owner's pidfd, _worker.py), so
-        # the pipe closes once written: one descriptor less per producer
-        # against `ulimit -n`.
+    def _fork_from(self, server: _ForkServer, buf: io.BytesIO, name: str) -> None:
+        """Has `server` fork child `name` and sends it `buf`; _ServerGone
+        where the server ended (or refused) and no child of it can have the
+        data, so that a new server may start it (see _server_gone)."""
+        try:
+            sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        except (ConnectionError, FileNotFoundError) as exc:  # the request reached no server
+            _server_gone(server, server._forkserver_pid, name, exc)
+        used = server._forkserver_pid  # the server this start talks to (ensure_running's, above)
         finalizer = util.Finalize(self, util.close_fds, (sentinel,))  # type: ignore[attr-defined]
         try:
-            with open(w, "wb", closefd=True) as f:
-                f.write(buf.getbuffer())
-            pid = forkserver.read_signed(sentinel)
+            # The data pipe's write end stays open until the server answers:
+            # where it ends without answering, the pipe tells whether a child
+            # may have read the data. (multiprocessing keeps a duplicate for
+            # the child's parent_process(); a producer watches its consumer
+            # itself, the owner's pidfd in _worker.py, so it is closed then:
+            # one descriptor less per producer against `ulimit -n`.)
+            try:
+                with open(w, "wb", closefd=False) as f:
+                    f.write(buf.getbuffer())
+                pid = forkserver.read_signed(sentinel)
+            except (BrokenPipeError, EOFError) as exc:
+                _server_gone(server, used, name, exc, data_pipe=w, nbytes=buf.getbuffer().nbytes)
+            finally:
+                os.close(w)
         except BaseException:
             finalizer()  # the sentinel is closed now, not at a collection (its number may be reused by then)
             raise
         self.sentinel, self.finalizer, self.pid = sentinel, finalizer, pid
+
+
+class _ServerGone(Exception):
+    """The fork server `pid` ended, or refused, before it started a child,
+    and no child of it can have that start's data: a new server may start
+    it (_ServerPopen._launch)."""
+
+    def __init__(self, pid: int | None) -> None:
+        super().__init__(pid)
+        self.pid = pid
+
+
+def _server_gone(
+    server: _ForkServer, pid: int | None, name: str, cause: BaseException, data_pipe: int | None = None,
+    nbytes: int = 0,
+) -> NoReturn:
+    """A start of child `name` through `server`'s process `pid` failed with
+    `cause`, a sign that it ended: _ServerGone once it has ended, where
+    no child can have the start's data. A ShmpipeError where the process
+    does not end, or where a child may have been forked and read the data
+    (the server died between its fork and its answer): starting it again
+    could make two producers of one."""
+    if not server.forget_if_ended(pid, SERVER_END_WAIT_S):
+        raise ShmpipeError(
+            f"shmpipe's fork server (pid {pid}) did not start {name} ({cause!r}) and is still running after "
+            f"{SERVER_END_WAIT_S} s"
+        ) from cause
+    if data_pipe is not None and not _unread_without_reader(data_pipe, nbytes):
+        raise ShmpipeError(
+            f"shmpipe's fork server (pid {pid}) ended while it started {name}, after it may have forked it "
+            f"({cause!r}); not started again, which could make two of it"
+        ) from cause
+    raise _ServerGone(pid) from cause
+
+
+def _unread_without_reader(fd: int, nbytes: int) -> bool:
+    """Whether the pipe whose write end is `fd` has no reader left (POLLERR)
+    and still holds all `nbytes` written: no process read the data, and
+    none can."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)  # POLLERR is always reported
+    events = poller.poll(200)  # the ended server's descriptors close as it exits: a moment
+    if not any(ev & select.POLLERR for _, ev in events):
+        return False
+    left = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, left)
+    return left[0] == nbytes
 
 
 class _SpawnPopen(popen_spawn_posix.Popen):

@@ -58,6 +58,26 @@ def test_a_producer_that_raises(ordered):
     assert all(gone(pid) for pid in pids), "the other producers must be stopped"
 
 
+@pytest.mark.parametrize("transport", ["shm", "queue"])
+def test_an_ordered_failure_goes_on_past_a_worker_whose_part_had_ended(transport):
+    # Worker 0 ends after two batches; worker 1 raises after five. Its five
+    # come in order after worker 0's part is over: the turn of a worker that
+    # ended is no gap (shm says FAULT for it once production stopped).
+    from shmpipe.testing.sources import Fixed
+
+    ended = Fixed([{"worker": 0, "seq": 0}, {"worker": 0, "seq": 1}])
+    pipe = shmpipe.from_iterators([ended, Raiser(5)], ordered=True, capacity=16, transport=transport, timeout=T)
+    seen = []
+    with pytest.raises(shmpipe.WorkerError):
+        with pipe:
+            for b in pipe:
+                seen.append((int(b["worker"]), int(b["seq"])))
+                if len(seen) == 1:
+                    time.sleep(1.0)  # both publish all they will; worker 1 raises
+    assert seen == [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert pipe.state_dict()["delivered"] == [2, 5]
+
+
 def test_a_producer_killed_by_a_signal_is_reported_within_a_second():
     # Worker 0 dies after 2 batches; worker 1 keeps the consumer busy, so the
     # death must be noticed without the consumer ever running dry.

@@ -271,6 +271,78 @@ def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced():
     assert _startup.server_pid() not in (None, old)
 
 
+#: A source whose module, preloaded by the fork server, makes the server die
+#: the first time it is about to answer with a child's pid: after the fork,
+#: the child reading its data meanwhile (the window an OOM kill could hit).
+DYING_SERVER = """
+import os, signal, sys, time
+
+if sys.argv and sys.argv[0] == "-c" and os.environ.get("KILL_MARKER"):  # in the fork server
+    import multiprocessing.forkserver as forkserver
+    answer = forkserver.write_signed
+
+    def dies_first(fd, n):
+        if not os.path.exists(os.environ["KILL_MARKER"]):
+            open(os.environ["KILL_MARKER"], "w").close()
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return answer(fd, n)
+
+    forkserver.write_signed = dies_first
+
+
+class Source:
+    def __init__(self, log):
+        self.log = log
+
+    def __call__(self):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        for seq in range(6):
+            time.sleep(0.05)
+            yield {"seq": seq}
+"""
+
+DYING_SERVER_SCRIPT = """
+import sys
+import shmpipe
+from dying_server import Source
+
+if __name__ == "__main__":
+    try:
+        with shmpipe.from_iterators([Source(sys.argv[1])] * 2, ordered=True, timeout=20) as pipe:
+            print("batches", len(list(pipe)))
+    except shmpipe.ShmpipeError as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_a_fork_server_killed_after_it_forked_a_producer_does_not_start_it_twice(tmp_path):
+    # The child may run (it read its data): starting it again from a new
+    # server would make two producers of one, sharing its control pipe (the
+    # pass stalled). A clear error instead, and the orphan ends with its
+    # consumer.
+    import time
+
+    (tmp_path / "dying_server.py").write_text(DYING_SERVER)
+    (tmp_path / "run.py").write_text(DYING_SERVER_SCRIPT)
+    log = tmp_path / "producers"
+    env = {**os.environ, "KILL_MARKER": str(tmp_path / "killed"), "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "run.py", str(log)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "killed").exists(), "the server did not reach its answer"
+    assert out.stdout.startswith("ShmpipeError"), out.stdout + out.stderr
+    assert "ended while it started shmpipe-producer-0" in out.stdout and "not started again" in out.stdout
+    pids = [int(p) for p in log.read_text().split()] if log.exists() else []
+    assert len(pids) <= 1, f"producer 0 started twice: {pids}"
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the orphaned producer outlived its consumer"
+
+
 #: Modules of the preload tests: each says in a file who imported it.
 PRELOAD_MODULES = {
     "recorded.py": """
