@@ -606,11 +606,16 @@ class _ServerPopen(popen_forkserver.Popen):
         """Has `server` fork child `name` and sends it `buf`; _ServerGone
         where the server ended (or refused) and no child of it can have the
         data, so that a new server may start it (see _server_gone)."""
+        # The server this start talks to. (connect_to_new_process runs
+        # ensure_running again, a no-op, and reads the address unlocked: a
+        # successor started by another thread in between would be blamed
+        # instead, a wrong message after a 2 s wait, never a second child.)
+        server.ensure_running()
+        used = server._forkserver_pid
         try:
             sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         except (ConnectionError, FileNotFoundError) as exc:  # the request reached no server
-            _server_gone(server, server._forkserver_pid, name, exc)
-        used = server._forkserver_pid  # the server this start talks to (ensure_running's, above)
+            _server_gone(server, used, name, exc)
         finalizer = util.Finalize(self, util.close_fds, (sentinel,))  # type: ignore[attr-defined]
         try:
             # The data pipe's write end stays open until the server answers:
@@ -619,12 +624,14 @@ class _ServerPopen(popen_forkserver.Popen):
             # the child's parent_process(); a producer watches its consumer
             # itself, the owner's pidfd in _worker.py, so it is closed then:
             # one descriptor less per producer against `ulimit -n`.)
+            written = 0  # what reached the pipe (a write past its 64 KiB waits for the child)
             try:
-                with open(w, "wb", closefd=False) as f:
-                    f.write(buf.getbuffer())
+                with buf.getbuffer() as data:
+                    while written < data.nbytes:
+                        written += os.write(w, data[written:])
                 pid = forkserver.read_signed(sentinel)
             except (BrokenPipeError, EOFError) as exc:
-                _server_gone(server, used, name, exc, data_pipe=w, nbytes=buf.getbuffer().nbytes)
+                _server_gone(server, used, name, exc, data_pipe=w, nbytes=written)
             finally:
                 os.close(w)
         except BaseException:
@@ -668,8 +675,8 @@ def _server_gone(
 
 def _unread_without_reader(fd: int, nbytes: int) -> bool:
     """Whether the pipe whose write end is `fd` has no reader left (POLLERR)
-    and still holds all `nbytes` written: no process read the data, and
-    none can."""
+    and still holds all `nbytes` written to it: no process read any of the
+    data, and none can."""
     poller = select.poll()
     poller.register(fd, select.POLLOUT)  # POLLERR is always reported
     events = poller.poll(200)  # the ended server's descriptors close as it exits: a moment
