@@ -232,11 +232,13 @@ def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
         assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
 
 
-def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced():
+@pytest.mark.parametrize("padding", [0, 200_000], ids=["small", "past-a-pipe"])
+def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced(padding):
     # Killed (by the OOM killer, say) after the start found it running: the
     # connection closes before it answers. The start waits for it to end,
     # and a new server starts the producer. (Stopped first, so that the
-    # start is surely inside its connection when the kill lands.)
+    # start is surely inside its connection when the kill lands.) A
+    # producer's data past a pipe's 64 KiB is only partly written then.
     import signal
     import threading
 
@@ -249,9 +251,12 @@ def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced():
     assert old is not None
     out: dict[str, object] = {}
 
+    dataset = Numbered(20)
+    dataset.padding = b"p" * padding  # travels with the dataset to each producer
+
     def run() -> None:
         try:
-            with shmpipe.from_dataset(Numbered(20), batch_size=4, num_workers=2, timeout=T) as again:
+            with shmpipe.from_dataset(dataset, batch_size=4, num_workers=2, timeout=T) as again:
                 out["ids"] = [i for b in again for i in b["i"].tolist()]
         except BaseException as exc:  # noqa: BLE001 - the test's to see
             out["error"] = exc
