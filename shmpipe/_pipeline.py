@@ -3,10 +3,11 @@
 The consumer (this process) iterates passes, asks the channel for the next
 batch in the order the user wants, enforces timeouts, and turns a
 producer's failure into an error once the batches published before it
-are delivered (ordered: those before the first one missing). What every stream does around that (passes, close,
-counting, the adapters) is BatchStream's (_stream.py); starting and
-watching the producers is the launcher's job (_launch.py, or the
-transport's own); moving batches is the transport's (transport.py).
+are delivered (ordered: those before the first one missing). What every
+stream does around that (passes, close, counting, the adapters) is
+BatchStream's (_stream.py); starting and watching the producers is the
+launcher's job (_launch.py, or the transport's own); moving batches is
+the transport's (transport.py).
 """
 
 from __future__ import annotations
@@ -556,10 +557,11 @@ class Pipeline(FrameworkStream):
         """Whether `worker` said its part of pass `pass_no` ended, after as
         many batches as were delivered (False where the launcher cannot tell)."""
         launcher = self._launcher
-        if not launcher.reports_ends:
-            return False
-        delivered = self._counters.per_worker[worker] - self._delivered_before[worker]
-        return launcher.reported_end(worker, pass_no) == delivered
+        return launcher.reports_ends and launcher.reported_end(worker, pass_no) == self._delivered_in_pass(worker)
+
+    def _delivered_in_pass(self, worker: int) -> int:
+        """Batches of `worker` delivered in the pass in progress."""
+        return self._counters.per_worker[worker] - self._delivered_before[worker]
 
     def _check_end(self, pass_no: int, workers: Iterable[int]) -> None:
         """The channel says these workers' parts of pass `pass_no` are over:
@@ -572,7 +574,7 @@ class Pipeline(FrameworkStream):
         if not launcher.reports_ends:
             return
         for worker in workers:
-            delivered = self._counters.per_worker[worker] - self._delivered_before[worker]
+            delivered = self._delivered_in_pass(worker)
             said = launcher.reported_end(worker, pass_no)
             if said != delivered:
                 told = "has not said its part is over" if said is None else f"says it published {said} batches"

@@ -163,10 +163,7 @@ class _ForkServer(forkserver.ForkServer):
                 pid, _ = os.waitpid(self._forkserver_pid, os.WNOHANG)  # type: ignore[has-type]
                 if not pid:
                     return  # still alive
-                os.close(self._forkserver_alive_fd)  # type: ignore[has-type]
-                self._forkserver_address = None
-                self._forkserver_alive_fd = None
-                self._forkserver_pid = None
+                self._forget()
             data = {k: v for k, v in spawn.get_preparation_data("ignore").items() if k in ("main_path", "sys_path")}
             with socket.socket(socket.AF_UNIX) as listener:
                 address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
@@ -218,13 +215,18 @@ class _ForkServer(forkserver.ForkServer):
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(0.005)
-            alive = self._forkserver_alive_fd
-            if alive is not None:
-                os.close(alive)
-            self._forkserver_address = None
-            self._forkserver_alive_fd = None
-            self._forkserver_pid = None
+            self._forget()
             return True
+
+    def _forget(self) -> None:
+        """Lets go of a server whose process ended (under self._lock): the
+        next ensure_running starts a new one."""
+        alive = self._forkserver_alive_fd
+        if alive is not None:
+            os.close(alive)
+        self._forkserver_address = None
+        self._forkserver_alive_fd = None  # type: ignore[assignment]
+        self._forkserver_pid = None  # type: ignore[assignment]
 
 
 #: The fork server that new producers fork from. A later pipeline whose
@@ -355,7 +357,7 @@ def start_server(objects: Sequence[Any]) -> bool:
     if server_pid() is not None or "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     _preload_with_the_server(objects)
-    _SERVER.ensure_running()
+    launch_server()
     return True
 
 
