@@ -641,7 +641,8 @@ def test_the_ddp_example_trains_under_torchrun(request):
     7 to each rank, 1 dropped; the ranks' weights stay identical."""
     pytest.importorskip("torch")
     out = _reports(request)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # (the ranks' stdout too: how far each got, where one aborts in torch)
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-2000:]}\nstderr:\n{out.stderr[-3000:]}"
     ranks = dict(re.findall(r"rank (\d): 21 batches in 3 epochs, .* weights checksum (\S+)", out.stdout))
     assert set(ranks) == {"0", "1"}, out.stdout
     assert ranks["0"] == ranks["1"]  # DDP kept the replicas in step
