@@ -13,7 +13,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ctrl_c_held_back"]
+__all__ = ["ctrl_c_held_back", "ctrl_c_pending"]
+
+#: The presses noted by each ctrl_c_held_back open in the main thread
+#: (ctrl_c_pending reads them).
+_HELD: list[list[int]] = []
 
 
 @contextlib.contextmanager
@@ -50,12 +54,24 @@ def ctrl_c_held_back() -> Iterator[None]:
         pressed.append(signum)
 
     old = signal.signal(signal.SIGINT, note)
+    _HELD.append(pressed)
     try:
         yield
     finally:
+        del _HELD[next(i for i, held in enumerate(_HELD) if held is pressed)]  # (remove() compares lists' items)
         # Code run in the block may have set a handler of its own: then it
         # stays, and decides what the noted press does.
         if signal.getsignal(signal.SIGINT) is note:
             signal.signal(signal.SIGINT, old)
         if pressed:
             signal.raise_signal(signal.SIGINT)
+
+
+def ctrl_c_pending() -> bool:
+    """In the main thread: whether a Ctrl-C waits to be raised, held back
+    by ctrl_c_held_back or blocked (a span that blocks SIGINT, or holds it
+    back, and then waits may end early for it: the press is raised after).
+    Elsewhere False: the main thread takes it."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    return any(_HELD) or signal.SIGINT in signal.sigpending()

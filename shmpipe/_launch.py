@@ -40,8 +40,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from shmpipe import _control, _startup
-from shmpipe._interrupts import ctrl_c_held_back
+from shmpipe import _control, _forkserver, _startup
+from shmpipe._interrupts import ctrl_c_held_back, ctrl_c_pending
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
@@ -118,8 +118,12 @@ class ProcessLauncher(Launcher):
         shipments: _startup.Shipments | None = None,
         *,
         may_start_in_background: bool = False,
+        timeout: float | None = None,
     ) -> None:
         self.transport = transport
+        #: How long a producer's start started from the caller's thread waits
+        #: for the fork server (the pipeline's timeout; _spawn)
+        self._timeout = timeout
         self.spec = spec
         self.channel: ConsumerEnd | None = None
         self.processes: list[BaseProcess] = []
@@ -172,7 +176,7 @@ class ProcessLauncher(Launcher):
                     # import torch, measured). Ctrl-C is held back as
                     # around prestart: it would leave a server half-made.
                     with ctrl_c_held_back(), _born_with_ctrl_c_blocked("forkserver"):
-                        _startup.launch_server()
+                        _forkserver.launch_server()
                 self._handle_owed = self.channel is not None
                 self._starter = threading.Thread(target=self._start_in_background, name="shmpipe-start", daemon=True)
                 self._starter.start()
@@ -198,7 +202,7 @@ class ProcessLauncher(Launcher):
         method = self.spec.mp_context.get_start_method()
         if method == "fork" or not all(isinstance(s, _startup.Shipped) for s in self._plan.sources):
             return False
-        return method == "spawn" or _startup.server_pid() is None
+        return method == "spawn" or _forkserver.server_pid() is None
 
     @property
     def starting(self) -> bool:
@@ -279,12 +283,35 @@ class ProcessLauncher(Launcher):
             name=f"shmpipe-producer-{worker}",
             daemon=True,
         )
+        # From the caller's thread within the pipeline's timeout; in the
+        # background without one (the trainer's next() waits for it within
+        # its own, and close() abandons it), so a slow start is not failed
+        # while the trainer does other things.
+        background = threading.current_thread() is self._starter
+        wait = _forkserver.StartWait(None if background else self._timeout, self._start_abandoned)
         try:
-            p.start()
+            with _forkserver.waiting(wait):
+                p.start()
+        except BaseException:
+            # A child the server forks after this start gave up (stopped,
+            # then continued) finds its control pipe closed, and ends.
+            parent_end.close()
+            raise
         finally:
             child_end.close()
         assert p.pid is not None  # started
         return p, parent_end
+
+    def _start_abandoned(self) -> str | None:
+        """Why a producer's start still waiting for the fork server gives up
+        (_forkserver.StartWait), or None: shutdown asked for no more starts,
+        or, in the main thread (whose SIGINT _born_with_ctrl_c_blocked keeps
+        pending meanwhile), a Ctrl-C was pressed."""
+        if self._stop_starting:
+            return "the pipeline was closed"
+        if ctrl_c_pending():
+            return "Ctrl-C was pressed"
+        return None
 
     can_restart = True
 

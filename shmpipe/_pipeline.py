@@ -174,6 +174,7 @@ class Pipeline(FrameworkStream):
                         self._spec,
                         options.shipments,
                         may_start_in_background=self._may_make_first_batches,
+                        timeout=options.timeout,
                     )
                 self._launcher = launcher
                 # The launcher, not this object, owns the processes and the

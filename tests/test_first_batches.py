@@ -23,7 +23,7 @@ import pytest
 from slow_start import SlowStart
 
 import shmpipe
-from shmpipe import _startup
+from shmpipe import _forkserver
 from shmpipe.testing.datasets import Augmented
 from shmpipe.testing.sources import Counter
 
@@ -36,15 +36,15 @@ def fresh_fork_server():
     """shmpipe's fork server as a fresh process has it: not started. The
     server of the tests before is set aside and back after; the new one
     is stopped (its clients' end of its pipe closed: it exits) and reaped."""
-    with _startup._SERVER_LOCK:
-        before = _startup._SERVER
-        fresh = _startup._SERVER = _startup._ForkServer()
-        fresh.set_forkserver_preload(list(_startup.SERVER_PRELOAD))
+    with _forkserver._SERVER_LOCK:
+        before = _forkserver._SERVER
+        fresh = _forkserver._SERVER = _forkserver._ForkServer()
+        fresh.set_forkserver_preload(list(_forkserver.SERVER_PRELOAD))
     try:
         yield fresh
     finally:
-        with _startup._SERVER_LOCK:
-            _startup._SERVER = before
+        with _forkserver._SERVER_LOCK:
+            _forkserver._SERVER = before
         pid, alive = fresh._forkserver_pid, fresh._forkserver_alive_fd
         if alive is not None:
             os.close(alive)
@@ -341,7 +341,7 @@ def test_a_start_that_fails_in_the_background_is_raised_by_next(fresh_fork_serve
 
 def test_from_iterators_starts_its_producers_in_the_constructor_as_before(fresh_fork_server):
     with shmpipe.from_iterators([Counter(3, shape=(4,))] * 2, timeout=T) as pipe:
-        assert not pipe._launcher.starting and _startup.server_pid() is not None
+        assert not pipe._launcher.starting and _forkserver.server_pid() is not None
         assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(2) for s in range(3)]
         assert "made_by_trainer" not in pipe.stats().extra
 

@@ -31,7 +31,7 @@ def test_the_producer_side_loads_none_of_the_trainers_side(tmp_path):
     runs on: it must not load the pipeline, groups, options or the registry
     (the package's names load their modules at their first use)."""
     code = (
-        "import sys; from shmpipe._startup import SERVER_PRELOAD; "
+        "import sys; from shmpipe._forkserver import SERVER_PRELOAD; "
         "[__import__(m) for m in SERVER_PRELOAD]; import shmpipe; shmpipe.reserve; shmpipe.get_worker_info; "
         "print([m for m in ('shmpipe._api', 'shmpipe._pipeline', 'shmpipe._group', 'shmpipe._options', "
         "'shmpipe.registry', 'importlib.metadata') if m in sys.modules])"

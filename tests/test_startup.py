@@ -210,143 +210,6 @@ def test_a_global_set_under_the_main_guard_travels_with_the_source(request):
     assert out.stdout.strip() == "[21, 21]"
 
 
-def parent_of(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
-def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
-    from shmpipe import _startup
-    from shmpipe.testing.sources import Counter
-
-    parents = set()
-    for _ in range(2):
-        with shmpipe.from_iterators([Counter(2)] * 2, start_method="forkserver", timeout=T) as pipe:
-            it = iter(pipe)
-            next(it)
-            parents |= {parent_of(pid) for pid in pipe.pids}
-            assert len(list(it)) == 3
-    server = _startup.server_pid()
-    assert parents == {server} and server != os.getpid()
-    with open(f"/proc/{server}/cmdline", "rb") as f:
-        assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
-
-
-@pytest.mark.parametrize("padding", [0, 200_000], ids=["small", "past-a-pipe"])
-def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced(padding):
-    # Killed (by the OOM killer, say) after the start found it running: the
-    # connection closes before it answers. The start waits for it to end,
-    # and a new server starts the producer. (Stopped first, so that the
-    # start is surely inside its connection when the kill lands.) A
-    # producer's data past a pipe's 64 KiB is only partly written then.
-    import signal
-    import threading
-
-    from shmpipe import _startup
-    from shmpipe.testing.datasets import Numbered
-
-    with shmpipe.from_dataset(Numbered(20), batch_size=4, num_workers=2, timeout=T) as pipe:
-        assert len(list(pipe)) == 5
-    old = _startup.server_pid()
-    assert old is not None
-    out: dict[str, object] = {}
-
-    dataset = Numbered(20)
-    dataset.padding = b"p" * padding  # travels with the dataset to each producer
-
-    def run() -> None:
-        try:
-            with shmpipe.from_dataset(dataset, batch_size=4, num_workers=2, timeout=T) as again:
-                out["ids"] = [i for b in again for i in b["i"].tolist()]
-        except BaseException as exc:  # noqa: BLE001 - the test's to see
-            out["error"] = exc
-
-    os.kill(old, signal.SIGSTOP)
-    try:
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join(0.5)
-        assert thread.is_alive(), "the start waits for the stopped server's answer"
-    finally:
-        os.kill(old, signal.SIGKILL)
-    thread.join(T)
-    assert not thread.is_alive()
-    assert out.get("error") is None, repr(out.get("error"))
-    assert out["ids"] == list(range(20))
-    assert _startup.server_pid() not in (None, old)
-
-
-#: A source whose module, preloaded by the fork server, makes the server die
-#: the first time it is about to answer with a child's pid: after the fork,
-#: the child reading its data meanwhile (the window an OOM kill could hit).
-DYING_SERVER = """
-import os, signal, sys, time
-
-if sys.argv and sys.argv[0] == "-c" and os.environ.get("KILL_MARKER"):  # in the fork server
-    import multiprocessing.forkserver as forkserver
-    answer = forkserver.write_signed
-
-    def dies_first(fd, n):
-        if not os.path.exists(os.environ["KILL_MARKER"]):
-            open(os.environ["KILL_MARKER"], "w").close()
-            time.sleep(0.3)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return answer(fd, n)
-
-    forkserver.write_signed = dies_first
-
-
-class Source:
-    def __init__(self, log):
-        self.log = log
-
-    def __call__(self):
-        with open(self.log, "a") as f:
-            f.write(f"{os.getpid()}\\n")
-        for seq in range(6):
-            time.sleep(0.05)
-            yield {"seq": seq}
-"""
-
-DYING_SERVER_SCRIPT = """
-import sys
-import shmpipe
-from dying_server import Source
-
-if __name__ == "__main__":
-    try:
-        with shmpipe.from_iterators([Source(sys.argv[1])] * 2, ordered=True, timeout=20) as pipe:
-            print("batches", len(list(pipe)))
-    except shmpipe.ShmpipeError as exc:
-        print(type(exc).__name__, exc)
-"""
-
-
-def test_a_fork_server_killed_after_it_forked_a_producer_does_not_start_it_twice(tmp_path):
-    # The child may run (it read its data): starting it again from a new
-    # server would make two producers of one, sharing its control pipe (the
-    # pass stalled). A clear error instead, and the orphan ends with its
-    # consumer.
-    import time
-
-    (tmp_path / "dying_server.py").write_text(DYING_SERVER)
-    (tmp_path / "run.py").write_text(DYING_SERVER_SCRIPT)
-    log = tmp_path / "producers"
-    env = {**os.environ, "KILL_MARKER": str(tmp_path / "killed"), "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "run.py", str(log)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert (tmp_path / "killed").exists(), "the server did not reach its answer"
-    assert out.stdout.startswith("ShmpipeError"), out.stdout + out.stderr
-    assert "ended while it started shmpipe-producer-0" in out.stdout and "not started again" in out.stdout
-    pids = [int(p) for p in log.read_text().split()] if log.exists() else []
-    assert len(pids) <= 1, f"producer 0 started twice: {pids}"
-    deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the orphaned producer outlived its consumer"
-
 
 #: Modules of the preload tests: each says in a file who imported it.
 PRELOAD_MODULES = {
@@ -408,7 +271,7 @@ LATE_MODULES = {
 LATE_SCRIPT = """
     import json, os, sys
     import shmpipe
-    from shmpipe import _startup
+    from shmpipe import _forkserver
 
     def parent(pid):
         with open(f"/proc/{pid}/stat") as f:
@@ -416,14 +279,14 @@ LATE_SCRIPT = """
 
     if __name__ == "__main__":
         shmpipe.prestart()  # at the top of the script, before the datasets' modules
-        first = _startup.server_pid()
+        first = _forkserver.server_pid()
         import light_ds, heavy_ds, heavy2_ds
         out = {"trainer": os.getpid(), "first": first}
         runs = (("light", light_ds), ("heavy", heavy_ds), ("heavy again", heavy_ds), ("heavy2", heavy2_ds))
         for name, module in runs:
             with shmpipe.from_iterators([module.Numbers(3)] * 2, timeout=60) as pipe:
                 got = sorted(int(b) for b in pipe)
-                out[name] = {"got": got, "server": _startup.server_pid(), "pids": pipe.pids,
+                out[name] = {"got": got, "server": _forkserver.server_pid(), "pids": pipe.pids,
                              "parents": sorted({parent(p) for p in pipe.pids})}
         print(json.dumps(out))
 """
@@ -460,8 +323,8 @@ PRELOAD_SCRIPT = """
         with pipe:
             got = sorted(tuple(int(v) for b in pipe for v in b["x" if kind == "dataset" else "y"].ravel()))
             random = [bool(b["random"].all()) for b in pipe] if kind == "dataset" else []
-        from shmpipe import _startup
-        print(json.dumps({"got": got, "random": random, "trainer": os.getpid(), "server": _startup.server_pid(),
+        from shmpipe import _forkserver
+        print(json.dumps({"got": got, "random": random, "trainer": os.getpid(), "server": _forkserver.server_pid(),
                           "producers": pipe.pids}))
 """
 
@@ -573,19 +436,19 @@ PRESTART_SCRIPT = textwrap.dedent(
     import json, os, sys
     import numpy as np
     import shmpipe
-    from shmpipe import _startup
+    from shmpipe import _forkserver
 
     def make_batches():
         yield np.arange(3)
 
     if __name__ == "__main__":
-        before = _startup.server_pid()
+        before = _forkserver.server_pid()
         shmpipe.prestart()
         # what a first pipeline imports in this process is here already
         ready = all(m in sys.modules for m in ("numpy.random", "shmpipe.transports.shm", "shmpipe._ring"))
-        server = _startup.server_pid()
+        server = _forkserver.server_pid()
         shmpipe.prestart()  # once only
-        again = _startup.server_pid()
+        again = _forkserver.server_pid()
         parents = set()
         for _ in range(2):
             with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:

@@ -325,8 +325,8 @@ def _measure(
 def _fork_server_running() -> bool:
     """Whether shmpipe's fork server runs in this process now (read where
     shmpipe keeps it; not imported here if no pipeline imported it yet)."""
-    startup = sys.modules.get("shmpipe._startup")
-    server_pid = getattr(startup, "server_pid", None)
+    server = sys.modules.get("shmpipe._forkserver")
+    server_pid = getattr(server, "server_pid", None)
     return server_pid is not None and server_pid() is not None
 
 

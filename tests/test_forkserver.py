@@ -1,0 +1,303 @@
+"""shmpipe's fork server (_forkserver): producers forked from it, a server
+killed or stopped while it starts one, and a start that gives up on it.
+Each server that a test stops, kills or makes misbehave is a fresh one: a
+script's own, in a process of its own, or one that replaces the suite's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import shmpipe
+
+T = 60  # seconds: no script of these tests may take longer
+
+
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
+    from shmpipe import _forkserver
+    from shmpipe.testing.sources import Counter
+
+    parents = set()
+    for _ in range(2):
+        with shmpipe.from_iterators([Counter(2)] * 2, start_method="forkserver", timeout=T) as pipe:
+            it = iter(pipe)
+            next(it)
+            parents |= {parent_of(pid) for pid in pipe.pids}
+            assert len(list(it)) == 3
+    server = _forkserver.server_pid()
+    assert parents == {server} and server != os.getpid()
+    with open(f"/proc/{server}/cmdline", "rb") as f:
+        assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
+
+
+@pytest.mark.parametrize("padding", [0, 200_000], ids=["small", "past-a-pipe"])
+def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced(padding):
+    # Killed (by the OOM killer, say) after the start found it running: the
+    # connection closes before it answers. The start waits for it to end,
+    # and a new server starts the producer. (Stopped first, so that the
+    # start is surely inside its connection when the kill lands.) A
+    # producer's data past a pipe's 64 KiB is only partly written then.
+    import signal
+    import threading
+
+    from shmpipe import _forkserver
+    from shmpipe.testing.datasets import Numbered
+
+    with shmpipe.from_dataset(Numbered(20), batch_size=4, num_workers=2, timeout=T) as pipe:
+        assert len(list(pipe)) == 5
+    old = _forkserver.server_pid()
+    assert old is not None
+    out: dict[str, object] = {}
+
+    dataset = Numbered(20)
+    dataset.padding = b"p" * padding  # travels with the dataset to each producer
+
+    def run() -> None:
+        try:
+            with shmpipe.from_dataset(dataset, batch_size=4, num_workers=2, timeout=T) as again:
+                out["ids"] = [i for b in again for i in b["i"].tolist()]
+        except BaseException as exc:  # noqa: BLE001 - the test's to see
+            out["error"] = exc
+
+    os.kill(old, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive(), "the start waits for the stopped server's answer"
+    finally:
+        os.kill(old, signal.SIGKILL)
+    thread.join(T)
+    assert not thread.is_alive()
+    assert out.get("error") is None, repr(out.get("error"))
+    assert out["ids"] == list(range(20))
+    assert _forkserver.server_pid() not in (None, old)
+
+
+#: A source whose module, preloaded by the fork server, makes the server die
+#: the first time it is about to answer with a child's pid: after the fork,
+#: the child reading its data meanwhile (the window an OOM kill could hit).
+DYING_SERVER = """
+import os, signal, sys, time
+
+if sys.argv and sys.argv[0] == "-c" and os.environ.get("KILL_MARKER"):  # in the fork server
+    import multiprocessing.forkserver as forkserver
+    answer = forkserver.write_signed
+
+    def dies_first(fd, n):
+        if not os.path.exists(os.environ["KILL_MARKER"]):
+            open(os.environ["KILL_MARKER"], "w").close()
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return answer(fd, n)
+
+    forkserver.write_signed = dies_first
+
+
+class Source:
+    def __init__(self, log):
+        self.log = log
+
+    def __call__(self):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        for seq in range(6):
+            time.sleep(0.05)
+            yield {"seq": seq}
+"""
+
+DYING_SERVER_SCRIPT = """
+import sys
+import shmpipe
+from dying_server import Source
+
+if __name__ == "__main__":
+    try:
+        with shmpipe.from_iterators([Source(sys.argv[1])] * 2, ordered=True, timeout=20) as pipe:
+            print("batches", len(list(pipe)))
+    except shmpipe.ShmpipeError as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_a_fork_server_killed_after_it_forked_a_producer_does_not_start_it_twice(tmp_path):
+    # The child may run (it read its data): starting it again from a new
+    # server would make two producers of one, sharing its control pipe (the
+    # pass stalled). A clear error instead, and the orphan ends with its
+    # consumer.
+    (tmp_path / "dying_server.py").write_text(DYING_SERVER)
+    (tmp_path / "run.py").write_text(DYING_SERVER_SCRIPT)
+    log = tmp_path / "producers"
+    env = {**os.environ, "KILL_MARKER": str(tmp_path / "killed"), "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "run.py", str(log)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "killed").exists(), "the server did not reach its answer"
+    assert out.stdout.startswith("ShmpipeError"), out.stdout + out.stderr
+    assert "ended while it started shmpipe-producer-0" in out.stdout and "not started again" in out.stdout
+    pids = [int(p) for p in log.read_text().split()] if log.exists() else []
+    assert len(pids) <= 1, f"producer 0 started twice: {pids}"
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the orphaned producer outlived its consumer"
+
+
+#: A dataset whose module, preloaded by a fresh fork server (a `python -c`
+#: process), stops the server as it imports it (as SIGSTOP, or Ctrl-Z of
+#: its process group, would stop it at any moment): the pipeline's start,
+#: in the background, waits for an answer that does not come.
+STOPPING_SERVER = """
+import os, signal, sys
+import numpy as np
+
+if sys.argv[:1] == ["-c"]:  # in the fork server, which preloads this module
+    fork = os.fork
+
+    def logged_fork():  # each child it forks, in a file
+        pid = fork()
+        if pid:
+            with open(os.environ["FORK_LOG"], "a") as f:
+                f.write(f"{pid}\\n")
+        return pid
+
+    os.fork = logged_fork
+    if os.environ.get("STOP_SERVER"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class Data:
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return {"i": np.array(i)}
+
+
+def source():
+    for i in range(3):
+        yield {"x": np.arange(4) + i}
+"""
+
+#: Each case prints one JSON line: what the pipeline raised, after how long,
+#: and what was left of the server's children once it was continued.
+STOPPING_SERVER_SCRIPT = """
+import json, os, signal, sys, threading, time
+import shmpipe
+from shmpipe import _forkserver
+from stopping_server import Data, source
+
+def forked():
+    try:
+        with open(os.environ["FORK_LOG"]) as f:
+            return f.read().split()
+    except FileNotFoundError:
+        return []
+
+def running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+if __name__ == "__main__":
+    # No collection closes what a start that gave up left open (its
+    # traceback's frames keep them): the start must close them itself.
+    import gc
+    gc.disable()
+    case = sys.argv[1]
+    out = {}
+    t = time.monotonic()
+    try:
+        if case == "dataset":  # stopped as it boots: the start in the background waits
+            os.environ["STOP_SERVER"] = "1"
+            pipe = shmpipe.from_dataset(Data(), batch_size=4, num_workers=2, timeout=2)
+            try:
+                out["batches"] = sum(1 for _ in pipe)
+            finally:
+                t_close = time.monotonic()
+                pipe.close()
+                out["close_s"] = time.monotonic() - t_close
+        else:  # a server running already, stopped: the constructor's start waits
+            with shmpipe.from_iterators([source], timeout=TIMEOUT) as pipe:
+                out["before"] = sum(1 for _ in pipe)
+            os.kill(_forkserver.server_pid(), signal.SIGSTOP)
+            if case == "ctrl-c":
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            shmpipe.from_iterators([source] * 2, timeout=2 if case == "iterators" else None)
+    except BaseException as exc:
+        out["raised"] = [type(exc).__name__, str(exc)]
+    out["after_s"] = time.monotonic() - t
+    server = _forkserver.server_pid()
+    before = len(forked())
+    try:
+        out["stopped"] = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+    finally:
+        os.kill(server, signal.SIGCONT)  # (stopped, it would hold this script's output open)
+    # It answers the start that gave up now: the child it forks finds its
+    # control pipe closed, and ends.
+    new, left = [], []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (left or not new):
+        time.sleep(0.02)
+        new = forked()[before:]
+        left = [pid for pid in new if running(int(pid))]
+    out["children_forked"], out["children_left"] = len(new), left
+    if case != "dataset":
+        with shmpipe.from_iterators([source] * 2, timeout=TIMEOUT) as pipe:
+            out["after_continue"] = sum(1 for _ in pipe)
+    print(json.dumps(out))
+""".replace("TIMEOUT", str(T))
+
+
+@pytest.mark.parametrize("case", ["iterators", "dataset", "ctrl-c"])
+def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
+    # The server's socket and pipes are buffered: a stopped server fails
+    # nothing, and the start waited for its answer forever (and the close()
+    # that waits for a start, and a Ctrl-C). Now: the pipeline's timeout
+    # (from_iterators: a PipelineTimeoutError from the constructor, saying
+    # the server is stopped), a close() at once (from_dataset: the trainer
+    # makes batches, then its next() times out), a Ctrl-C where there is no
+    # timeout. A child the server forks once continued ends by itself.
+    import json
+
+    (tmp_path / "stopping_server.py").write_text(STOPPING_SERVER)
+    (tmp_path / "run.py").write_text(STOPPING_SERVER_SCRIPT)
+    env = {
+        **os.environ, "FORK_LOG": str(tmp_path / "forked"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "run.py", case], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=T
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stopped"], f"the server was not stopped at the end: {out}"
+    name, message = out["raised"]
+    if case == "iterators":
+        assert name == "PipelineTimeoutError", out
+        assert "did not start shmpipe-producer-0 within the pipeline's timeout of 2.0 s: it is stopped" in message
+        assert 2.0 <= out["after_s"] < 2.0 + 10, out
+    elif case == "dataset":
+        assert name == "PipelineTimeoutError" and "still starting" in message, out
+        assert out["close_s"] < 5, f"close() waited for the stopped server: {out}"
+    else:
+        assert name == "KeyboardInterrupt", out
+        assert 1.0 <= out["after_s"] < 1.0 + 10, out
+    # The one start that gave up is answered once the server goes on; its
+    # child ends by itself.
+    assert out["children_forked"] == 1, out
+    assert out["children_left"] == [], f"a child of the server outlived the start that gave up: {out}"
+    if case != "dataset":
+        assert out["after_continue"] == 6, out  # the continued server starts the next pipeline's producers
