@@ -109,9 +109,10 @@ def from_iterators(
             ...), so deterministic sources give a deterministic stream.
         start_method: multiprocessing start method; default ``"forkserver"``
             (or ``"spawn"`` where there is no forkserver).
-        timeout: seconds the consumer waits for one batch, and for
-            shmpipe's fork server to start each producer, before
-            PipelineTimeoutError; None waits as long as producers live.
+        timeout: seconds the consumer waits for one batch (or, as a
+            producer starts, for shmpipe's fork server to be continued
+            where it is stopped) before PipelineTimeoutError; None waits as
+            long as producers live.
         slot_size: bytes per slot. Default: the first batch's size plus 25%,
             rounded up to a page. A batch larger than a slot raises
             BatchTooLargeError naming this option.

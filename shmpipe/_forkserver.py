@@ -240,52 +240,70 @@ def preload(modules: set[str], heavy_frameworks_of: Callable[[str], set[str]]) -
 
 
 class StartWait:
-    """How long a producer's start waits for the fork server: up to
-    `timeout` seconds (None: no limit) from the start's beginning, and not
-    once `abandoned()` gives a reason (the pipeline is closing, a Ctrl-C is
-    pending).
+    """How a producer's start waits for the fork server: not once
+    `abandoned()` gives a reason (the pipeline is closing, a Ctrl-C is
+    pending), nor once the server has been stopped for `timeout` seconds
+    (None: no limit). One per start.
 
-    A server answers in milliseconds once it has booted; a start waits
-    longer only while it boots (its preload: 0.2 s, seconds with a heavy
-    framework), or where it does not run at all: stopped (SIGSTOP, Ctrl-Z
-    of its process group, a debugger) or starved. A start's socket and
-    pipes are buffered, so nothing fails there: without a limit that start
-    waited forever, and so did the pipeline's close(), which waits for it,
-    and a Ctrl-C (blocked in the starting thread: _launch says why)."""
+    A server answers in milliseconds once it has booted, and a start waits
+    longer only while it boots: 0.2 s, or seconds where its preload brings
+    a heavy framework (that wait is not limited: a start with a per-batch
+    timeout of a second must not fail for a server importing torch). Or
+    where it does not run at all: stopped (SIGSTOP, Ctrl-Z of its process
+    group, a debugger). A start's socket and pipes are buffered, so nothing
+    fails there: unchecked, that start waited forever, and so did the
+    pipeline's close(), which waits for it, and a Ctrl-C (blocked in the
+    starting thread: _launch says why). A server that runs but never
+    answers (stuck in its preload) is still waited for, as long as the
+    start is not abandoned."""
 
-    #: How often a wait looks at `abandoned` (a ready descriptor ends it at once).
+    #: How often a wait looks at the server and at `abandoned` (a ready
+    #: descriptor ends it at once).
     SLICE_S = 0.1
 
     def __init__(self, timeout: float | None, abandoned: Callable[[], str | None]) -> None:
         self.timeout = timeout
         self.abandoned = abandoned
+        self._stopped_since: float | None = None  # when the server was first seen stopped, since it last ran
 
-    def until_ready(self, fd: int, events: int, deadline: float | None, pid: int | None, name: str) -> None:
-        """Waits until `fd` has one of `events` (or an error: the caller's
-        read or write then says which), by `deadline` (monotonic); a
-        PipelineTimeoutError after it, a PipelineClosedError once abandoned."""
+    def _check(self, pid: int | None, name: str) -> None:
+        """Between two slices: a PipelineClosedError once abandoned, a
+        PipelineTimeoutError once server `pid` has been stopped for the
+        timeout."""
+        why = self.abandoned()
+        if why is not None:
+            raise PipelineClosedError(f"{why} while shmpipe's fork server (pid {pid}) started {name}")
+        if self.timeout is None or pid is None:
+            return
+        if not process_stopped(pid):
+            self._stopped_since = None
+            return
+        now = time.monotonic()
+        if self._stopped_since is None:
+            self._stopped_since = now
+        elif now - self._stopped_since >= self.timeout:
+            raise PipelineTimeoutError(
+                f"shmpipe's fork server (pid {pid}) has been stopped (SIGSTOP, or Ctrl-Z of its process group) for "
+                f"the pipeline's timeout of {self.timeout} s while it started {name}: `kill -CONT {pid}` continues it"
+            )
+
+    def while_stopped(self, pid: int | None, name: str) -> None:
+        """Waits while server `pid` is stopped, before a start connects to
+        it: a connection to a stopped server waits in its listen backlog,
+        and once that is full (128 starts that gave up) connect() blocks."""
+        while pid is not None and process_stopped(pid):
+            self._check(pid, name)
+            time.sleep(self.SLICE_S)
+
+    def until_ready(self, fd: int, events: int, pid: int | None, name: str) -> None:
+        """Waits until `fd` has one of `events`, or an error (the caller's
+        read or write then says which), while server `pid` starts `name`."""
         poller = select.poll()
         poller.register(fd, events)
         while not poller.poll(int(self.SLICE_S * 1000)):
-            why = self.abandoned()
-            if why is not None:
-                raise PipelineClosedError(f"{why} while shmpipe's fork server (pid {pid}) started {name}")
-            if deadline is not None and time.monotonic() >= deadline:
-                state = (
-                    f"it is stopped (SIGSTOP, or Ctrl-Z of its process group): `kill -CONT {pid}` continues it"
-                    if pid is not None and process_stopped(pid)
-                    else "it runs, but did not answer: starved of CPU, or its preload (the modules of the "
-                    "pipeline's sources) is still importing"
-                )
-                raise PipelineTimeoutError(
-                    f"shmpipe's fork server (pid {pid}) did not start {name} within the pipeline's timeout of "
-                    f"{self.timeout} s: {state}"
-                )
+            self._check(pid, name)
 
 
-#: A start without a StartWait of its caller's (prestart's, a test's): no
-#: limit, never abandoned.
-_UNLIMITED = StartWait(None, lambda: None)
 _WAITS = threading.local()
 
 
@@ -351,14 +369,16 @@ class _ServerPopen(popen_forkserver.Popen):
         """Has `server` fork child `name` and sends it `buf`; _ServerGone
         where the server ended (or refused) and no child of it can have the
         data, so that a new server may start it (see _server_gone)."""
+        # (A start without a StartWait of its caller's, prestart's or a
+        # test's: no limit, never abandoned.)
+        wait: StartWait = getattr(_WAITS, "wait", None) or StartWait(None, lambda: None)
         # The server this start talks to. (connect_to_new_process runs
         # ensure_running again, a no-op, and reads the address unlocked: a
         # successor started by another thread in between would be blamed
         # instead, a wrong message after a 2 s wait, never a second child.)
-        wait: StartWait = getattr(_WAITS, "wait", None) or _UNLIMITED
-        deadline = None if wait.timeout is None else time.monotonic() + wait.timeout
         server.ensure_running()
         used = server._forkserver_pid
+        wait.while_stopped(used, name)
         try:
             sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         except (ConnectionError, FileNotFoundError) as exc:  # the request reached no server
@@ -375,16 +395,17 @@ class _ServerPopen(popen_forkserver.Popen):
             try:
                 # Both waits within `wait`; where it gives up, the descriptors
                 # close below: a child the server forks later reads a cut
-                # pickle and ends, or a whole one and finds its control
-                # pipe closed and ends (an orphan of a moment, never a
-                # second producer: this start is not retried).
+                # pickle and ends (printing the unpickling error), or a
+                # whole one and finds its control pipe closed and ends (an
+                # orphan of a moment, never a second producer: this start
+                # is not retried).
                 os.set_blocking(w, False)
                 with buf.getbuffer() as data:
                     while written < data.nbytes:
-                        wait.until_ready(w, select.POLLOUT, deadline, used, name)
+                        wait.until_ready(w, select.POLLOUT, used, name)
                         with contextlib.suppress(BlockingIOError):  # a reader took less than POLLOUT promised
                             written += os.write(w, data[written:])
-                wait.until_ready(sentinel, select.POLLIN, deadline, used, name)
+                wait.until_ready(sentinel, select.POLLIN, used, name)
                 pid = forkserver.read_signed(sentinel)
             except (BrokenPipeError, EOFError) as exc:
                 _server_gone(server, used, name, exc, data_pipe=w, nbytes=written)

@@ -15,9 +15,9 @@ from typing import Any
 
 __all__ = ["ctrl_c_held_back", "ctrl_c_pending"]
 
-#: The presses noted by each ctrl_c_held_back open in the main thread
-#: (ctrl_c_pending reads them).
-_HELD: list[list[int]] = []
+#: Each ctrl_c_held_back open in the main thread, outermost first: the
+#: presses it noted, and the handler it put aside (ctrl_c_pending reads them).
+_HELD: list[tuple[list[int], Any]] = []
 
 
 @contextlib.contextmanager
@@ -54,11 +54,11 @@ def ctrl_c_held_back() -> Iterator[None]:
         pressed.append(signum)
 
     old = signal.signal(signal.SIGINT, note)
-    _HELD.append(pressed)
+    _HELD.append((pressed, old))
     try:
         yield
     finally:
-        del _HELD[next(i for i, held in enumerate(_HELD) if held is pressed)]  # (remove() compares lists' items)
+        del _HELD[next(i for i, held in enumerate(_HELD) if held[0] is pressed)]  # (remove() compares the lists' items)
         # Code run in the block may have set a handler of its own: then it
         # stays, and decides what the noted press does.
         if signal.getsignal(signal.SIGINT) is note:
@@ -68,10 +68,15 @@ def ctrl_c_held_back() -> Iterator[None]:
 
 
 def ctrl_c_pending() -> bool:
-    """In the main thread: whether a Ctrl-C waits to be raised, held back
-    by ctrl_c_held_back or blocked (a span that blocks SIGINT, or holds it
-    back, and then waits may end early for it: the press is raised after).
-    Elsewhere False: the main thread takes it."""
+    """In the main thread: whether a Ctrl-C waits that will be a
+    KeyboardInterrupt, held back by ctrl_c_held_back or blocked: a span that
+    holds it back, or blocks SIGINT, and then waits may end early for it (the
+    press is raised after). Not where SIGINT is ignored, or handled by the
+    program's own handler (it decides what a press does, after the span, as
+    before); nor outside the main thread, which takes every press."""
     if threading.current_thread() is not threading.main_thread():
         return False
-    return any(_HELD) or signal.SIGINT in signal.sigpending()
+    handler = _HELD[0][1] if _HELD else signal.getsignal(signal.SIGINT)  # where a press ends up
+    if handler is not signal.default_int_handler:
+        return False
+    return any(pressed for pressed, _ in _HELD) or signal.SIGINT in signal.sigpending()

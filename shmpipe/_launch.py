@@ -283,10 +283,11 @@ class ProcessLauncher(Launcher):
             name=f"shmpipe-producer-{worker}",
             daemon=True,
         )
-        # From the caller's thread within the pipeline's timeout; in the
-        # background without one (the trainer's next() waits for it within
-        # its own, and close() abandons it), so a slow start is not failed
-        # while the trainer does other things.
+        # From the caller's thread, a server stopped for the pipeline's
+        # timeout fails the start; in the background nothing does (the
+        # trainer's next() waits for the start within its own timeout, and
+        # close() abandons it), so a start is not failed while the trainer
+        # does other things.
         background = threading.current_thread() is self._starter
         wait = _forkserver.StartWait(None if background else self._timeout, self._start_abandoned)
         try:
@@ -576,7 +577,7 @@ def _born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]
     need it anyway), and the caller calls what this yields after each
     start, which blocks SIGINT again.
 
-    shmpipe's own fork server (_startup) is started only in such a block.
+    shmpipe's own fork server (_forkserver) is started only in such a block.
     Left open: multiprocessing's forkserver, which starts a producer that
     imports the script (_startup's fallback), when other code started it
     earlier with SIGINT unblocked, forks producers that can take a press in

@@ -640,10 +640,9 @@ class Pipeline(FrameworkStream):
         slots still being written come back, what it published is still
         delivered, and a new process goes on after its last published
         batch, so the run's batches (and an ordered run's sequence) are
-        those a run without the death delivers. False (nothing done) when
-        no restart is left: `death` is then the pipeline's failure, with the
-        earlier restarts in a note. Called under the consumer lock (no
-        take runs meanwhile)."""
+        those a run without the death delivers. False when no restart is
+        left, or the replacement did not start: `death` is then the
+        pipeline's failure, saying so. Under the consumer lock."""
         if self._failure is not None or self._closed or not self._launcher.can_restart:
             return False
         if len(self._restarts) >= self.options.max_restarts:
@@ -654,8 +653,6 @@ class Pipeline(FrameworkStream):
                 death.message = str(death)
             return False
         worker = death.worker_id
-        self._restarts.append(str(death))
-        self._counters.restarts[worker] += 1
         pass_no = self._begun
         channel = self._launcher.channel
         # Its batches of that pass taken so far (a pass begun ahead: none).
@@ -663,7 +660,14 @@ class Pipeline(FrameworkStream):
         if self._ahead is None and pass_no == self._pass_no:
             delivered = self._counters.per_worker[worker] - self._delivered_before[worker]
         next_wseq, finished = (0, False) if channel is None else channel.reclaim(worker, pass_no, delivered)
-        pid = self._launcher.restart(worker)
+        try:
+            pid = self._launcher.restart(worker)
+        except Exception as exc:  # noqa: BLE001 - no replacement (a stopped fork server): the death stands
+            death.args = (f"{death}; its replacement did not start: {exc}",)
+            death.message, death.__cause__ = str(death), exc
+            return False
+        self._restarts.append(str(death))
+        self._counters.restarts[worker] += 1
         warnings.warn(
             f"{death}; replaced by pid {pid}, which goes on after its batch {next_wseq - 1} of this pass "
             f"(restart {len(self._restarts)} of max_restarts={self.options.max_restarts})",

@@ -153,18 +153,27 @@ def test_a_fork_server_killed_after_it_forked_a_producer_does_not_start_it_twice
     assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the orphaned producer outlived its consumer"
 
 
-#: A dataset whose module, preloaded by a fresh fork server (a `python -c`
-#: process), stops the server as it imports it (as SIGSTOP, or Ctrl-Z of
-#: its process group, would stop it at any moment): the pipeline's start,
-#: in the background, waits for an answer that does not come.
+#: The sources of the stopped-server tests. Their module, preloaded by each
+#: fork server (a `python -c` process), logs each child the server forks.
+#: It stops the server (as SIGSTOP, or Ctrl-Z of its process group, would
+#: stop it at any moment) as it imports it, with STOP_SERVER set (a start
+#: in the background then waits for an answer that does not come), or at
+#: its next fork once the file STOP_AT_FORK names exists (the start has
+#: connected, and waits in its write or its read). With SLOW_SERVER it
+#: makes the server's boot take that long (a preload that imports a heavy
+#: framework).
 STOPPING_SERVER = """
-import os, signal, sys
+import os, signal, sys, time
 import numpy as np
 
 if sys.argv[:1] == ["-c"]:  # in the fork server, which preloads this module
     fork = os.fork
 
-    def logged_fork():  # each child it forks, in a file
+    def logged_fork():
+        marker = os.environ.get("STOP_AT_FORK", "")
+        if os.path.exists(marker):
+            os.remove(marker)
+            os.kill(os.getpid(), signal.SIGSTOP)
         pid = fork()
         if pid:
             with open(os.environ["FORK_LOG"], "a") as f:
@@ -174,6 +183,7 @@ if sys.argv[:1] == ["-c"]:  # in the fork server, which preloads this module
     os.fork = logged_fork
     if os.environ.get("STOP_SERVER"):
         os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(float(os.environ.get("SLOW_SERVER", "0")))
 
 
 class Data:
@@ -184,18 +194,25 @@ class Data:
         return {"i": np.array(i)}
 
 
-def source():
-    for i in range(3):
-        yield {"x": np.arange(4) + i}
+class Source:
+    def __init__(self, padding=0, batches=3, pause=0.0):
+        self.padding = b"p" * padding  # travels with it: past a pipe's 64 KiB, the start's write waits for the child
+        self.batches, self.pause = batches, pause
+
+    def __call__(self):
+        for i in range(self.batches):
+            time.sleep(self.pause)
+            yield {"x": np.arange(4) + i}
 """
 
-#: Each case prints one JSON line: what the pipeline raised, after how long,
-#: and what was left of the server's children once it was continued.
+#: Each case prints one JSON line: what the pipeline raised, after how
+#: long, and what the server forked once it was continued, and whether
+#: those children ended.
 STOPPING_SERVER_SCRIPT = """
 import json, os, signal, sys, threading, time
 import shmpipe
 from shmpipe import _forkserver
-from stopping_server import Data, source
+from stopping_server import Data, Source
 
 def forked():
     try:
@@ -211,6 +228,29 @@ def running(pid):
     except FileNotFoundError:
         return False
 
+def warm_up():  # the server runs
+    with shmpipe.from_iterators([Source()], timeout=TIMEOUT) as pipe:
+        out["before"] = sum(1 for _ in pipe)
+
+def stop_at_next_fork():
+    open(os.environ["STOP_AT_FORK"], "w").close()
+
+def restart_case():
+    # a producer dies; the server stops as it forks its replacement
+    pipe = shmpipe.from_iterators([Source(batches=200, pause=0.02)] * 2, timeout=2, max_restarts=1)
+    it = iter(pipe)
+    next(it)
+    stop_at_next_fork()
+    os.kill(pipe.pids[0], signal.SIGKILL)
+    try:
+        for _ in it:
+            pass
+    finally:
+        out["restarts"] = list(pipe.stats().restarts)
+        t_close = time.monotonic()
+        pipe.close()
+        out["close_s"] = time.monotonic() - t_close
+
 if __name__ == "__main__":
     # No collection closes what a start that gave up left open (its
     # traceback's frames keep them): the start must close them itself.
@@ -218,6 +258,8 @@ if __name__ == "__main__":
     gc.disable()
     case = sys.argv[1]
     out = {}
+    if case not in ("dataset", "slow"):
+        warm_up()
     t = time.monotonic()
     try:
         if case == "dataset":  # stopped as it boots: the start in the background waits
@@ -229,13 +271,22 @@ if __name__ == "__main__":
                 t_close = time.monotonic()
                 pipe.close()
                 out["close_s"] = time.monotonic() - t_close
-        else:  # a server running already, stopped: the constructor's start waits
-            with shmpipe.from_iterators([source], timeout=TIMEOUT) as pipe:
-                out["before"] = sum(1 for _ in pipe)
-            os.kill(_forkserver.server_pid(), signal.SIGSTOP)
-            if case == "ctrl-c":
+        elif case == "restart":
+            restart_case()
+        else:
+            padding = 200_000 if case == "at-fork-past-a-pipe" else 0
+            if case.startswith("at-fork"):
+                stop_at_next_fork()  # the start connects, writes, then waits
+            elif case != "slow":
+                os.kill(_forkserver.server_pid(), signal.SIGSTOP)  # the start waits before it connects
+            if case in ("ctrl-c", "own-handler"):
+                if case == "own-handler":  # the program's own: it decides, after the start, as before
+                    signal.signal(signal.SIGINT, lambda *a: out.setdefault("handled", time.monotonic() - t))
+                    threading.Timer(2.0, os.kill, (_forkserver.server_pid(), signal.SIGCONT)).start()
                 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-            shmpipe.from_iterators([source] * 2, timeout=2 if case == "iterators" else None)
+            timeout = None if case in ("ctrl-c", "own-handler") else 1 if case == "slow" else 2
+            with shmpipe.from_iterators([Source(padding)] * 2, timeout=timeout) as pipe:
+                out["batches"] = sum(1 for _ in pipe)
     except BaseException as exc:
         out["raised"] = [type(exc).__name__, str(exc)]
     out["after_s"] = time.monotonic() - t
@@ -245,59 +296,87 @@ if __name__ == "__main__":
         out["stopped"] = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
     finally:
         os.kill(server, signal.SIGCONT)  # (stopped, it would hold this script's output open)
-    # It answers the start that gave up now: the child it forks finds its
-    # control pipe closed, and ends.
+    # It answers a start that gave up after it connected now: the child it
+    # forks reads a cut pickle, or finds its control pipe closed, and ends.
     new, left = [], []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (left or not new):
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
         time.sleep(0.02)
         new = forked()[before:]
         left = [pid for pid in new if running(int(pid))]
+        if new and not left:
+            break
     out["children_forked"], out["children_left"] = len(new), left
-    if case != "dataset":
-        with shmpipe.from_iterators([source] * 2, timeout=TIMEOUT) as pipe:
-            out["after_continue"] = sum(1 for _ in pipe)
+    with shmpipe.from_iterators([Source()] * 2, timeout=TIMEOUT) as pipe:
+        out["after_continue"] = sum(1 for _ in pipe)
     print(json.dumps(out))
 """.replace("TIMEOUT", str(T))
 
 
-@pytest.mark.parametrize("case", ["iterators", "dataset", "ctrl-c"])
-def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
-    # The server's socket and pipes are buffered: a stopped server fails
-    # nothing, and the start waited for its answer forever (and the close()
-    # that waits for a start, and a Ctrl-C). Now: the pipeline's timeout
-    # (from_iterators: a PipelineTimeoutError from the constructor, saying
-    # the server is stopped), a close() at once (from_dataset: the trainer
-    # makes batches, then its next() times out), a Ctrl-C where there is no
-    # timeout. A child the server forks once continued ends by itself.
+def _run_stopping_server(tmp_path, case, **env):
     import json
 
     (tmp_path / "stopping_server.py").write_text(STOPPING_SERVER)
     (tmp_path / "run.py").write_text(STOPPING_SERVER_SCRIPT)
     env = {
-        **os.environ, "FORK_LOG": str(tmp_path / "forked"),
+        **os.environ, **env, "FORK_LOG": str(tmp_path / "forked"), "STOP_AT_FORK": str(tmp_path / "stop-at-fork"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
     }
     proc = subprocess.run(
         [sys.executable, "run.py", case], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=T
     )
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.parametrize("case", ["stopped", "at-fork", "at-fork-past-a-pipe", "dataset", "ctrl-c", "restart"])
+def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
+    # The server's socket and pipes are buffered: a stopped server fails
+    # nothing, and the start waited for its answer forever (and the close()
+    # that waits for a start, and a Ctrl-C). Now: stopped for the pipeline's
+    # timeout, a start from the caller's thread fails, whether it waits to
+    # connect, to write (past a pipe's 64 KiB) or to read the answer
+    # (from_iterators: the constructor; a producer's replacement: the death
+    # stands, no restart counted); a start in the background is abandoned
+    # by close() at once (from_dataset: the trainer makes batches, then its
+    # next() times out); a Ctrl-C ends it where there is no timeout. What
+    # the server forks once it goes on ends by itself (a start that had
+    # connected: one child), and it starts the next pipeline.
+    out, stderr = _run_stopping_server(tmp_path, case)
     assert out["stopped"], f"the server was not stopped at the end: {out}"
     name, message = out["raised"]
-    if case == "iterators":
+    if case in ("stopped", "at-fork", "at-fork-past-a-pipe"):
         assert name == "PipelineTimeoutError", out
-        assert "did not start shmpipe-producer-0 within the pipeline's timeout of 2.0 s: it is stopped" in message
+        assert "has been stopped (SIGSTOP, or Ctrl-Z of its process group) for the pipeline's timeout of 2" in message
+        assert "kill -CONT" in message
         assert 2.0 <= out["after_s"] < 2.0 + 10, out
     elif case == "dataset":
         assert name == "PipelineTimeoutError" and "still starting" in message, out
         assert out["close_s"] < 5, f"close() waited for the stopped server: {out}"
-    else:
+    elif case == "ctrl-c":
         assert name == "KeyboardInterrupt", out
         assert 1.0 <= out["after_s"] < 1.0 + 10, out
-    # The one start that gave up is answered once the server goes on; its
-    # child ends by itself.
-    assert out["children_forked"] == 1, out
+    else:
+        assert name == "WorkerDiedError", out
+        assert "its replacement did not start" in message and "has been stopped" in message, out
+        assert out["restarts"] == [0, 0], out  # none counted: none replaced
+        assert out["close_s"] < 5, out
+    if case in ("stopped", "ctrl-c"):
+        assert out["children_forked"] == 0, out  # the start never connected
+    elif case != "dataset":  # (there, stopped before or after the start connected)
+        assert out["children_forked"] == 1, out
     assert out["children_left"] == [], f"a child of the server outlived the start that gave up: {out}"
-    if case != "dataset":
-        assert out["after_continue"] == 6, out  # the continued server starts the next pipeline's producers
+    assert out["after_continue"] == 6, out
+
+
+def test_a_start_waits_for_a_slow_fork_server_and_for_the_programs_own_ctrl_c_handler(tmp_path):
+    # Not given up: a server whose boot outlasts the timeout (a preload that
+    # imports torch), and a Ctrl-C that goes to the program's own handler
+    # (it decides what a press does, after the start, as before; the server
+    # continued after 2 s): the pipeline is made and runs.
+    out, _ = _run_stopping_server(tmp_path, "slow", SLOW_SERVER="3")
+    assert "raised" not in out and out["batches"] == 6, out
+    assert out["after_s"] >= 3, out
+    out, _ = _run_stopping_server(tmp_path, "own-handler")
+    assert "raised" not in out and out["batches"] == 6, out
+    assert 1.0 <= out["handled"] < out["after_s"], out
