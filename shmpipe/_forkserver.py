@@ -250,12 +250,18 @@ class StartWait:
     a heavy framework (that wait is not limited: a start with a per-batch
     timeout of a second must not fail for a server importing torch). Or
     where it does not run at all: stopped (SIGSTOP, Ctrl-Z of its process
-    group, a debugger). A start's socket and pipes are buffered, so nothing
-    fails there: unchecked, that start waited forever, and so did the
-    pipeline's close(), which waits for it, and a Ctrl-C (blocked in the
-    starting thread: _launch says why). A server that runs but never
-    answers (stuck in its preload) is still waited for, as long as the
-    start is not abandoned."""
+    group). A start's socket and pipes are buffered, so nothing fails
+    there: unchecked, that start waited forever, and so did the pipeline's
+    close(), which waits for it, and a Ctrl-C (blocked in the starting
+    thread: _launch says why). A server that runs but never answers (stuck
+    in its preload), or one a tracer holds (a debugger, strace: state "t",
+    which process_stopped leaves out), is still waited for, as long as the
+    start is not abandoned.
+
+    Python 3.12 and later use the standard library's ensure_running and
+    connect_to_new_process; 3.14's adds a blocking handshake with the
+    server before the descriptors go, which no slice bounds (not tried:
+    the project runs on 3.11)."""
 
     #: How often a wait looks at the server and at `abandoned` (a ready
     #: descriptor ends it at once).
@@ -264,7 +270,8 @@ class StartWait:
     def __init__(self, timeout: float | None, abandoned: Callable[[], str | None]) -> None:
         self.timeout = timeout
         self.abandoned = abandoned
-        self._stopped_since: float | None = None  # when the server was first seen stopped, since it last ran
+        #: (server pid, when it was first seen stopped since it last ran)
+        self._stopped: tuple[int, float] | None = None
 
     def _check(self, pid: int | None, name: str) -> None:
         """Between two slices: a PipelineClosedError once abandoned, a
@@ -276,12 +283,12 @@ class StartWait:
         if self.timeout is None or pid is None:
             return
         if not process_stopped(pid):
-            self._stopped_since = None
+            self._stopped = None
             return
         now = time.monotonic()
-        if self._stopped_since is None:
-            self._stopped_since = now
-        elif now - self._stopped_since >= self.timeout:
+        if self._stopped is None or self._stopped[0] != pid:  # (a retry's new server: a clock of its own)
+            self._stopped = (pid, now)
+        elif now - self._stopped[1] >= self.timeout:
             raise PipelineTimeoutError(
                 f"shmpipe's fork server (pid {pid}) has been stopped (SIGSTOP, or Ctrl-Z of its process group) for "
                 f"the pipeline's timeout of {self.timeout} s while it started {name}: `kill -CONT {pid}` continues it"

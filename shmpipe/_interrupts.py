@@ -16,8 +16,9 @@ from typing import Any
 __all__ = ["ctrl_c_held_back", "ctrl_c_pending"]
 
 #: Each ctrl_c_held_back open in the main thread, outermost first: the
-#: presses it noted, and the handler it put aside (ctrl_c_pending reads them).
-_HELD: list[tuple[list[int], Any]] = []
+#: presses it noted, the handler it put aside, and its own (ctrl_c_pending
+#: reads them).
+_HELD: list[tuple[list[int], Any, Any]] = []
 
 
 @contextlib.contextmanager
@@ -54,7 +55,7 @@ def ctrl_c_held_back() -> Iterator[None]:
         pressed.append(signum)
 
     old = signal.signal(signal.SIGINT, note)
-    _HELD.append((pressed, old))
+    _HELD.append((pressed, old, note))
     try:
         yield
     finally:
@@ -76,7 +77,14 @@ def ctrl_c_pending() -> bool:
     before); nor outside the main thread, which takes every press."""
     if threading.current_thread() is not threading.main_thread():
         return False
-    handler = _HELD[0][1] if _HELD else signal.getsignal(signal.SIGINT)  # where a press ends up
+    # Where a press ends up: each span's note hands it to the handler that
+    # span put aside, until one that is not a span's (code run in a span
+    # may have set its own, which then keeps the press).
+    handler = signal.getsignal(signal.SIGINT)
+    for _, put_aside, note in reversed(_HELD):
+        if handler is not note:
+            break
+        handler = put_aside
     if handler is not signal.default_int_handler:
         return False
-    return any(pressed for pressed, _ in _HELD) or signal.SIGINT in signal.sigpending()
+    return any(pressed for pressed, _, _ in _HELD) or signal.SIGINT in signal.sigpending()

@@ -543,7 +543,11 @@ class ProcessLauncher(Launcher):
     def leftovers(self) -> list[str]:
         """What is still running after shutdown (for tests): nothing, we hope."""
         self._start_ended()
-        return [f"producer process {p.pid}" for p in self.processes if p.exitcode is None]
+        return [
+            f"producer process {p.pid}"
+            for p, watch in zip(self.processes, self.watches, strict=True)
+            if p.exitcode is None and watch.alive()
+        ]
 
     def children(self) -> list[Any]:
         self._start_ended()
@@ -707,7 +711,10 @@ def _reap(processes: list[BaseProcess], watches: list[ProcessWatch]) -> None:
     for p, watch in zip(processes, watches, strict=True):
         _join(p, watch, deadline)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [(p, w) for p, w in zip(processes, watches, strict=True) if p.exitcode is None]
+        # (One whose pidfd says it ended is not signalled or waited for
+        # again: its exit code comes through the fork server, late where
+        # that is stopped.)
+        alive = [(p, w) for p, w in zip(processes, watches, strict=True) if p.exitcode is None and w.alive()]
         if not alive:
             break
         for _, watch in alive:

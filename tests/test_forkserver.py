@@ -299,7 +299,7 @@ if __name__ == "__main__":
     # It answers a start that gave up after it connected now: the child it
     # forks reads a cut pickle, or finds its control pipe closed, and ends.
     new, left = [], []
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + (3 if case in ("stopped", "ctrl-c") else 10)  # (those never connected)
     while time.monotonic() < deadline:
         time.sleep(0.02)
         new = forked()[before:]
@@ -360,7 +360,7 @@ def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
         assert name == "WorkerDiedError", out
         assert "its replacement did not start" in message and "has been stopped" in message, out
         assert out["restarts"] == [0, 0], out  # none counted: none replaced
-        assert out["close_s"] < 5, out
+        assert out["after_s"] < 2.0 + 10, out
     if case in ("stopped", "ctrl-c"):
         assert out["children_forked"] == 0, out  # the start never connected
     elif case != "dataset":  # (there, stopped before or after the start connected)
