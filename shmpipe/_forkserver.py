@@ -45,6 +45,7 @@ __all__ = [
     "launch_server",
     "preload",
     "server_pid",
+    "stopped_note",
     "waiting",
 ]
 
@@ -212,6 +213,20 @@ def server_pid() -> int | None:
     """The fork server's pid, once started (for tests and the doctor)."""
     return _SERVER._forkserver_pid
 
+
+
+def stopped_note() -> str:
+    """Where a fork server of this process (the current one, or a retired
+    one whose producers still run) is stopped: a sentence that says so and
+    how to continue it, for an error's message. Otherwise ""."""
+    for server in (_SERVER, *_RETIRED):
+        pid = server._forkserver_pid
+        if pid is not None and process_stopped(pid):
+            return (
+                f"shmpipe's fork server (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z of its process group), and with "
+                f"it the producers' starts and exit statuses: `kill -CONT {pid}` continues it"
+            )
+    return ""
 
 
 def preload(modules: set[str], heavy_frameworks_of: Callable[[str], set[str]]) -> None:

@@ -371,9 +371,12 @@ class ProcessLauncher(Launcher):
         _join(p, self.watches[worker], time.monotonic() + GRACE_S)
         failure = self.first_failure()  # an error it reported before it went comes first
         if failure is None:
-            failure = self._failure = WorkerDiedError(
-                worker, p.pid, None, reason="its control connection closed while it was still running"
-            )
+            if self.watches[worker].alive():
+                reason = "its control connection closed while it was still running"
+            else:  # ended; its exit status comes through the fork server (_forkserver), late
+                note = _forkserver.stopped_note()
+                reason = f"it ended, and its exit status did not come within {GRACE_S:g} s{': ' if note else ''}{note}"
+            failure = self._failure = WorkerDiedError(worker, p.pid, None, reason=reason)
         return failure
 
     @property
@@ -391,9 +394,18 @@ class ProcessLauncher(Launcher):
                     self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
                 )
                 self.channel = self.transport.open(spec)
+                # Every producer still there is told, also past one that is
+                # gone (whose death is raised after: the pipeline may replace
+                # it, and the replacement starts attached).
+                lost: BaseException | None = None
                 for worker in range(len(self.links)):
-                    self._send(worker, ("attach", self.channel.handle))
+                    try:
+                        self._send(worker, ("attach", self.channel.handle))
+                    except WorkerError as exc:
+                        lost = lost or exc
                 self.channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
+                if lost is not None:
+                    raise lost
         return self.channel
 
     def begin_pass(self, pass_no: int, work: Sequence[PassWork]) -> None:
@@ -539,6 +551,18 @@ class ProcessLauncher(Launcher):
             for link in self.links:
                 link.close()
         self.channel = None
+
+    def describe_stall(self) -> str:
+        """Producers that ended whose exit status has not come (it comes
+        through the fork server), and a stopped fork server. (No wait for a
+        start in the background: a snapshot of what it started so far.)"""
+        pairs = zip(list(self.processes), list(self.watches), strict=False)  # (the start may be appending)
+        ended = [p.pid for p, watch in pairs if p.exitcode is None and not watch.alive()]
+        notes = [f"producer process(es) {ended} ended, their exit status not reported yet"] if ended else []
+        stopped = _forkserver.stopped_note()
+        if stopped:
+            notes.append(stopped)
+        return "".join(f"; {note}" for note in notes)
 
     def leftovers(self) -> list[str]:
         """What is still running after shutdown (for tests): nothing, we hope."""

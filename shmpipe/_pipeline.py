@@ -51,6 +51,8 @@ HEALTH_CHECK_NS = 250_000_000
 #: After this long without a batch, a consumer that holds too many slots is
 #: told so (once per pass): the batch it waits for may never come.
 STALL_WARNING_NS = 10_000_000_000
+#: A timeout's message while the producers start in the background.
+_STARTING = ": the producers are still starting (shmpipe's fork server too)"
 
 
 class _PipelinePass(Pass):
@@ -68,16 +70,14 @@ class _PipelinePass(Pass):
     def __next__(self) -> Any:
         pipe = self.pipe
         take_ready = pipe._take_ready
-        # The fast path: one call to the channel takes the batch whose turn
-        # it is, if it is already there. Only once the pass has delivered a
-        # batch by the general path (which starts its clock and counts the
-        # first batch's time) and until it ends, while the pipeline is open,
-        # for the current pass (checked under the consumer lock, as _get
-        # does). take_ready itself declines (None, having taken nothing)
-        # when no batch is ready, the pass ended, a fault was reported or a
-        # look at the producers is due. Everything else (waiting, ends,
-        # failures, timeouts) is the general path's. This runs once per
-        # batch: no call here that is not needed.
+        # The fast path: one call to the channel takes the batch whose turn it is, if it
+        # is already there. Only once the pass has delivered a batch by the general path
+        # (which starts its clock and counts the first batch's time) and until it ends,
+        # while the pipeline is open, for the current pass (checked under the consumer
+        # lock, as _get does). take_ready itself declines (None, having taken nothing)
+        # when no batch is ready, the pass ended, a fault was reported or a look at the
+        # producers is due. Everything else (waiting, ends, failures, timeouts) is the
+        # general path's. This runs once per batch: no call here that is not needed.
         if take_ready is not None and self.delivered and not self.finished and not pipe._closed:
             turns = self.turns
             if turns is None:
@@ -440,16 +440,13 @@ class Pipeline(FrameworkStream):
         self._close_and_raise(failure)
 
     def _wait_for_start(self, t0: int) -> None:
-        """Waits for the producers' start in the background to end, within
-        the pipeline's timeout (counted from `t0`, when the batch was asked
-        for), and while it is open."""
+        """Waits for the producers' start in the background to end, while the
+        pipeline is open, within its timeout (from `t0`, the batch's ask)."""
         while self._launcher.starting:
             self._launcher.wait_for_start(POLL_S)
             if self._closed:
                 raise PipelineClosedError("the pipeline was closed while waiting for a batch")
-            self._raise_if_timed_out(
-                t0, time.perf_counter_ns(), lambda: ": the producers are still starting (shmpipe's fork server too)"
-            )
+            self._raise_if_timed_out(t0, time.perf_counter_ns(), lambda: _STARTING + self._launcher.describe_stall())
 
     def _hand_over(self, first: FirstBatches, dealt_from: int) -> None:
         """The producers get the pass, less its first `dealt_from` batches
@@ -532,15 +529,14 @@ class Pipeline(FrameworkStream):
                     self._check_end(it.pass_no, [turn[0]])
                 turns.retire()  # this worker's part is over, all of it delivered
             elif r is AGAIN or r is FAULT:
-                # Production stopped after a failure, and the batch whose turn
-                # it is was not published: the pass ends here, before it. So
-                # an ordered pass delivers a prefix of its sequence, even when
-                # it fails, and a resume from its state delivers the rest in
-                # the order an uninterrupted run would (what other workers
-                # published after the gap is made again then, never lost).
-                # Unless the worker's part ended before (all of it delivered):
-                # a channel may say FAULT for it once production stopped (shm
-                # checks the fault before the end), and its turns are over.
+                # Production stopped after a failure, and the batch whose turn it is was
+                # not published: the pass ends here, before it. So an ordered pass
+                # delivers a prefix of its sequence, even when it fails, and a resume
+                # from its state delivers the rest in the order an uninterrupted run
+                # would (what other workers published after the gap is made again then,
+                # never lost). Unless the worker's part ended before (all of it
+                # delivered): a channel may say FAULT for it once production stopped
+                # (shm checks the fault before the end), and its turns are over.
                 if r is FAULT:
                     self._learn_why_production_stopped()  # which failure (it sets one)
                 if self._part_delivered(it.pass_no, turn[0]):
@@ -594,12 +590,17 @@ class Pipeline(FrameworkStream):
         self._take_ready = channel.take_ready if fast and channel is not None else None
 
     def _wait_for_channel(self, t0: int) -> ConsumerEnd:
-        """No channel yet: wait until the launcher can open it (a transport
-        sized by its first batch waits for a producer to have one)."""
+        """No channel yet: until the launcher opens it (sized by a first batch)."""
         while self._channel is None:
             with self._consumer_lock:  # one thread opens it
                 if self._channel is None:
-                    self._set_channel(self._launcher.open_channel(POLL_S))
+                    try:
+                        opened = self._launcher.open_channel(POLL_S)
+                    except WorkerDiedError as death:  # gone before it was told: replaced, as at a pass's start
+                        if not self._replaced(death):
+                            raise
+                        opened = self._launcher.channel
+                    self._set_channel(opened)
             if self._channel is None:
                 self._keep_waiting(t0)
         return self._channel
@@ -636,13 +637,13 @@ class Pipeline(FrameworkStream):
                 self._close_and_raise(exc)
 
     def _replaced(self, death: WorkerDiedError) -> bool:
-        """Replaces the producer `death` names, if restarts are left: its
-        slots still being written come back, what it published is still
-        delivered, and a new process goes on after its last published
-        batch, so the run's batches (and an ordered run's sequence) are
-        those a run without the death delivers. False when no restart is
-        left, or the replacement did not start: `death` is then the
-        pipeline's failure, saying so. Under the consumer lock."""
+        """Replaces the producer `death` names, if restarts are left: its slots
+        being written come back, what it published is still delivered, and a
+        new process goes on after its last published batch, so the run (and
+        an ordered run's sequence) is what a run without the death delivers.
+        False when no restart is left, or the replacement did not start:
+        `death` is then the pipeline's failure, saying so. Under the
+        consumer lock."""
         if self._failure is not None or self._closed or not self._launcher.can_restart:
             return False
         if len(self._restarts) >= self.options.max_restarts:
@@ -720,7 +721,7 @@ class Pipeline(FrameworkStream):
 
     def _describe_wait(self) -> str:
         why = "no producer has delivered a first batch yet" if self._channel is None else self._channel.describe_wait()
-        return f": {why}" if why else ""
+        return (f": {why}" if why else "") + self._launcher.describe_stall()
 
     def _warn_if_held_up_by_consumer(self, waited_ns: int) -> None:
         """This process holds so many slots that the batch it waits for may

@@ -493,6 +493,11 @@ class Launcher(abc.ABC):
         the conformance suite asserts it is empty."""
         return []
 
+    def describe_stall(self) -> str:
+        """What the producers' side knows of a wait that found nothing, for
+        its timeout's message ("; " first), or "". Default: nothing."""
+        return ""
+
     #: Whether reported_end() knows what producers said when their part of
     #: a pass ended (shmpipe's own launcher: from their control connections).
     reports_ends: bool = False

@@ -352,6 +352,7 @@ def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
         assert 2.0 <= out["after_s"] < 2.0 + 10, out
     elif case == "dataset":
         assert name == "PipelineTimeoutError" and "still starting" in message, out
+        assert "fork server (pid" in message and "is stopped" in message and "kill -CONT" in message, out
         assert out["close_s"] < 5, f"close() waited for the stopped server: {out}"
     elif case == "ctrl-c":
         assert name == "KeyboardInterrupt", out
@@ -380,3 +381,71 @@ def test_a_start_waits_for_a_slow_fork_server_and_for_the_programs_own_ctrl_c_ha
     out, _ = _run_stopping_server(tmp_path, "own-handler")
     assert "raised" not in out and out["batches"] == 6, out
     assert 1.0 <= out["handled"] < out["after_s"], out
+
+
+#: A producer killed while the fork server is stopped, before the pipeline's
+#: first batch: its exit status waits in the server, so its death is found
+#: as the ring opens (the attach it no longer reads).
+DIED_BEFORE_ATTACH_SCRIPT = """
+import json, os, signal, sys, threading, time, warnings
+import numpy as np
+import shmpipe
+from shmpipe import _forkserver
+
+def source():
+    for i in range(20):
+        time.sleep(0.01)
+        yield {"x": np.full(4, i)}
+
+if __name__ == "__main__":
+    continue_after, timeout = float(sys.argv[1]), float(sys.argv[2])
+    with shmpipe.from_iterators([source], timeout=TIMEOUT) as pipe:
+        sum(1 for _ in pipe)  # the server runs
+    server = _forkserver.server_pid()
+    pipe = shmpipe.from_iterators([source] * 3, timeout=timeout, max_restarts=1)
+    os.kill(server, signal.SIGSTOP)
+    os.kill(pipe.pids[0], signal.SIGKILL)
+    goes_on = threading.Timer(continue_after, os.kill, (server, signal.SIGCONT))
+    goes_on.daemon = True
+    goes_on.start()
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out["got"] = sorted(int(b["x"][0]) for b in pipe)
+        except Exception as exc:
+            out["raised"] = [type(exc).__name__, str(exc)]
+    out["warnings"] = [str(w.message) for w in caught]
+    out["restarts"] = list(pipe.stats().restarts)
+    pipe.close()
+    os.kill(server, signal.SIGCONT)
+    print(json.dumps(out))
+""".replace("TIMEOUT", str(T))
+
+
+@pytest.mark.parametrize("continued", [True, False], ids=["continued", "still-stopped"])
+def test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_status_is_named(tmp_path, continued):
+    # Found dead as the ring opened, it was the pipeline's failure at once,
+    # whatever max_restarts said ("its control connection closed while it
+    # was still running"): now it is replaced there too, as at a pass's
+    # start. While the server stays stopped, the death says its exit status
+    # is late and why, and that its replacement did not start.
+    import json
+
+    (tmp_path / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
+    args = ["0.5", "10"] if continued else ["30", "2"]
+    proc = subprocess.run(
+        [sys.executable, "run.py", *args], cwd=tmp_path, capture_output=True, text=True, timeout=T
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if continued:
+        assert out.get("got") == sorted(list(range(20)) * 3), out
+        assert out["restarts"] == [1, 0, 0], out
+        assert any("replaced by pid" in w for w in out["warnings"]), out
+    else:
+        name, message = out["raised"]
+        assert name == "WorkerDiedError", out
+        assert "its exit status did not come within 1 s: shmpipe's fork server" in message, out
+        assert "is stopped" in message and "its replacement did not start" in message, out
+        assert out["restarts"] == [0, 0, 0], out
