@@ -27,6 +27,7 @@ from shmpipe._options import PipelineOptions
 from shmpipe._producer_context import PassWork
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
 from shmpipe._sources import DatasetSource
+from shmpipe._stalls import STALL_WARNING_NS, STARTING, describe_wait, warn_if_held_up_by_consumer
 from shmpipe._stream import POLL_S, Had, Pass
 from shmpipe._turns import Turns
 from shmpipe.errors import (
@@ -48,11 +49,6 @@ __all__ = ["Pipeline"]
 #: While batches keep coming, how often the consumer still checks that every
 #: producer is alive.
 HEALTH_CHECK_NS = 250_000_000
-#: After this long without a batch, a consumer that holds too many slots is
-#: told so (once per pass): the batch it waits for may never come.
-STALL_WARNING_NS = 10_000_000_000
-#: A timeout's message while the producers start in the background.
-_STARTING = ": the producers are still starting (shmpipe's fork server too)"
 
 
 class _PipelinePass(Pass):
@@ -146,11 +142,11 @@ class Pipeline(FrameworkStream):
         self._first: FirstBatches | None = None
         self._made_here = 0
         self._abandoned: list[int] = []  # passes begun while the producers started, never handed over
-        # A channel has one consumer. Threads may still meet here: a tf.data
-        # iterator's thread waiting for a batch of one pass while another
-        # iterator starts the next. So channel.get and begin_pass run one at
-        # a time, and a get is only made for the current pass: a get for an
-        # old pass would take, or throw away, batches of the new one.
+        # A channel has one consumer. Threads may still meet here: a tf.data iterator's
+        # thread waiting for a batch of one pass while another iterator starts the next.
+        # So channel.get and begin_pass run one at a time, and a get is only made for
+        # the current pass: a get for an old pass would take, or throw away, batches of
+        # the new one.
         self._consumer_lock = threading.Lock()
         self._failure: BaseException | None = None  # raised once published batches are out
         self._last_health_ns = self._counters.created_ns
@@ -446,7 +442,7 @@ class Pipeline(FrameworkStream):
             self._launcher.wait_for_start(POLL_S)
             if self._closed:
                 raise PipelineClosedError("the pipeline was closed while waiting for a batch")
-            self._raise_if_timed_out(t0, time.perf_counter_ns(), lambda: _STARTING + self._launcher.describe_stall())
+            self._raise_if_timed_out(t0, time.perf_counter_ns(), lambda: STARTING + self._launcher.describe_stall())
 
     def _hand_over(self, first: FirstBatches, dealt_from: int) -> None:
         """The producers get the pass, less its first `dealt_from` batches
@@ -594,24 +590,27 @@ class Pipeline(FrameworkStream):
         while self._channel is None:
             with self._consumer_lock:  # one thread opens it
                 if self._channel is None:
-                    try:
-                        opened = self._launcher.open_channel(POLL_S)
-                    except WorkerDiedError as death:  # gone before it was told: replaced, as at a pass's start
-                        if not self._replaced(death):
-                            raise
-                        opened = self._launcher.channel
-                    self._set_channel(opened)
+                    self._set_channel(self._open_channel())
             if self._channel is None:
                 self._keep_waiting(t0)
         return self._channel
 
+    def _open_channel(self) -> ConsumerEnd | None:
+        """The launcher's channel once open (a producer gone by then: replaced). Under the consumer lock."""
+        try:
+            return self._launcher.open_channel(POLL_S)
+        except WorkerDiedError as death:
+            if not self._replaced(death):
+                raise
+            return self._launcher.channel
+
     # -- failures, closing, timeouts: what decides whether to go on waiting ---
     #
-    # A producer's failure stops production at once, but the batches it and
-    # the others published before it are still delivered (an ordered pass:
-    # up to the first batch that is missing, _take_ordered); the failure is
-    # raised when nothing more is in flight. A close from another thread, a
-    # timeout, and a consumer that holds every slot end a wait too.
+    # A producer's failure stops production at once, but the batches it and the others
+    # published before it are still delivered (an ordered pass: up to the first batch
+    # that is missing, _take_ordered); the failure is raised when nothing more is in
+    # flight. A close from another thread, a timeout, and a consumer that holds every
+    # slot end a wait too.
 
     def _poll_producers(self, now: int) -> None:
         """Asks the launcher whether a producer failed or died; replaces one
@@ -715,34 +714,10 @@ class Pipeline(FrameworkStream):
             raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         now = time.perf_counter_ns()
         self._poll_producers(now)  # a failure is raised once all is delivered
-        if now - t0 >= STALL_WARNING_NS and self._stall_warned != self._pass_no:
-            self._warn_if_held_up_by_consumer(now - t0)
-        self._raise_if_timed_out(t0, now, self._describe_wait)
-
-    def _describe_wait(self) -> str:
-        why = "no producer has delivered a first batch yet" if self._channel is None else self._channel.describe_wait()
-        return (f": {why}" if why else "") + self._launcher.describe_stall()
-
-    def _warn_if_held_up_by_consumer(self, waited_ns: int) -> None:
-        """This process holds so many slots that the batch it waits for may
-        never come: say so once per pass (without a timeout it would wait
-        forever, silently, unless another thread lets go of batches)."""
-        channel = self._channel
-        if channel is None:
-            return
-        held = channel.held()
-        limit = self._spec.consumer_may_hold
-        if held is None or held <= limit:
-            return
-        self._stall_warned = self._pass_no
-        warnings.warn(
-            f"no batch for {waited_ns / 1e9:.0f} s, and this process holds {held} of the "
-            f"{self.capacity} slots (at most {limit} leave the producers room to deliver what "
-            f"it waits for): {channel.describe_wait()}. Unless another thread lets go of "
-            "batches this waits forever; pass timeout= to get an error instead.",
-            ShmpipeWarning,
-            stacklevel=7,  # the caller's next() or for loop
-        )
+        if now - t0 >= STALL_WARNING_NS and self._stall_warned != self._pass_no:  # once per pass
+            if warn_if_held_up_by_consumer(self._channel, self._spec.consumer_may_hold, self.capacity, now - t0):
+                self._stall_warned = self._pass_no
+        self._raise_if_timed_out(t0, now, lambda: describe_wait(self._channel, self._launcher))
 
     def _close_and_raise(self, exc: BaseException) -> NoReturn:
         """Stop everything, then raise."""
