@@ -66,14 +66,16 @@ class _PipelinePass(Pass):
     def __next__(self) -> Any:
         pipe = self.pipe
         take_ready = pipe._take_ready
-        # The fast path: one call to the channel takes the batch whose turn it is, if it
-        # is already there. Only once the pass has delivered a batch by the general path
-        # (which starts its clock and counts the first batch's time) and until it ends,
-        # while the pipeline is open, for the current pass (checked under the consumer
-        # lock, as _get does). take_ready itself declines (None, having taken nothing)
-        # when no batch is ready, the pass ended, a fault was reported or a look at the
-        # producers is due. Everything else (waiting, ends, failures, timeouts) is the
-        # general path's. This runs once per batch: no call here that is not needed.
+        # The fast path: one call to the channel takes the batch whose turn
+        # it is, if it is already there. Only once the pass has delivered a
+        # batch by the general path (which starts its clock and counts the
+        # first batch's time) and until it ends, while the pipeline is open,
+        # for the current pass (checked under the consumer lock, as _get
+        # does). take_ready itself declines (None, having taken nothing)
+        # when no batch is ready, the pass ended, a fault was reported or a
+        # look at the producers is due. Everything else (waiting, ends,
+        # failures, timeouts) is the general path's. This runs once per
+        # batch: no call here that is not needed.
         if take_ready is not None and self.delivered and not self.finished and not pipe._closed:
             turns = self.turns
             if turns is None:
@@ -142,11 +144,11 @@ class Pipeline(FrameworkStream):
         self._first: FirstBatches | None = None
         self._made_here = 0
         self._abandoned: list[int] = []  # passes begun while the producers started, never handed over
-        # A channel has one consumer. Threads may still meet here: a tf.data iterator's
-        # thread waiting for a batch of one pass while another iterator starts the next.
-        # So channel.get and begin_pass run one at a time, and a get is only made for
-        # the current pass: a get for an old pass would take, or throw away, batches of
-        # the new one.
+        # A channel has one consumer. Threads may still meet here: a tf.data
+        # iterator's thread waiting for a batch of one pass while another
+        # iterator starts the next. So channel.get and begin_pass run one at
+        # a time, and a get is only made for the current pass: a get for an
+        # old pass would take, or throw away, batches of the new one.
         self._consumer_lock = threading.Lock()
         self._failure: BaseException | None = None  # raised once published batches are out
         self._last_health_ns = self._counters.created_ns
@@ -525,14 +527,15 @@ class Pipeline(FrameworkStream):
                     self._check_end(it.pass_no, [turn[0]])
                 turns.retire()  # this worker's part is over, all of it delivered
             elif r is AGAIN or r is FAULT:
-                # Production stopped after a failure, and the batch whose turn it is was
-                # not published: the pass ends here, before it. So an ordered pass
-                # delivers a prefix of its sequence, even when it fails, and a resume
-                # from its state delivers the rest in the order an uninterrupted run
-                # would (what other workers published after the gap is made again then,
-                # never lost). Unless the worker's part ended before (all of it
-                # delivered): a channel may say FAULT for it once production stopped
-                # (shm checks the fault before the end), and its turns are over.
+                # Production stopped after a failure, and the batch whose turn
+                # it is was not published: the pass ends here, before it. So
+                # an ordered pass delivers a prefix of its sequence, even when
+                # it fails, and a resume from its state delivers the rest in
+                # the order an uninterrupted run would (what other workers
+                # published after the gap is made again then, never lost).
+                # Unless the worker's part ended before (all of it delivered):
+                # a channel may say FAULT for it once production stopped (shm
+                # checks the fault before the end), and its turns are over.
                 if r is FAULT:
                     self._learn_why_production_stopped()  # which failure (it sets one)
                 if self._part_delivered(it.pass_no, turn[0]):
@@ -606,11 +609,11 @@ class Pipeline(FrameworkStream):
 
     # -- failures, closing, timeouts: what decides whether to go on waiting ---
     #
-    # A producer's failure stops production at once, but the batches it and the others
-    # published before it are still delivered (an ordered pass: up to the first batch
-    # that is missing, _take_ordered); the failure is raised when nothing more is in
-    # flight. A close from another thread, a timeout, and a consumer that holds every
-    # slot end a wait too.
+    # A producer's failure stops production at once, but the batches it and
+    # the others published before it are still delivered (an ordered pass:
+    # up to the first batch that is missing, _take_ordered); the failure is
+    # raised when nothing more is in flight. A close from another thread, a
+    # timeout, and a consumer that holds every slot end a wait too.
 
     def _poll_producers(self, now: int) -> None:
         """Asks the launcher whether a producer failed or died; replaces one
