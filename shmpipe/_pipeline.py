@@ -671,8 +671,9 @@ class Pipeline(FrameworkStream):
             return False
         self._restarts.append(str(death))
         self._counters.restarts[worker] += 1
+        where = f"after its batch {next_wseq - 1}" if next_wseq else "from its first batch"
         warnings.warn(
-            f"{death}; replaced by pid {pid}, which goes on after its batch {next_wseq - 1} of this pass "
+            f"{death}; replaced by pid {pid}, which goes on {where} of this pass "
             f"(restart {len(self._restarts)} of max_restarts={self.options.max_restarts})",
             ShmpipeWarning,
             stacklevel=2,

@@ -463,7 +463,10 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def open_channel(self, wait: float) -> ConsumerEnd | None:
         """The channel, opening it if it is not open yet; None if it cannot
-        be opened within `wait` seconds (no first batch yet)."""
+        be opened within `wait` seconds (no first batch yet). A producer
+        found gone as it opens is raised (WorkerDiedError) once the others
+        are told, with the channel open: the pipeline may replace it
+        (restart, send_pass) and go on with ``channel``."""
 
     @abc.abstractmethod
     def begin_pass(self, pass_no: int, work: Sequence[PassWork]) -> None:
