@@ -352,7 +352,24 @@ class ProcessLauncher(Launcher):
         try:
             self.links[worker].send(message)
         except OSError:
-            raise self._lost(worker) from None
+            raise self._lost(worker, time.monotonic() + GRACE_S) from None
+
+    def _send_each(self, messages: Iterable[tuple[int, tuple[Any, ...]]]) -> BaseException | None:
+        """Each (worker, message) sent, also past a producer found gone
+        (the pipeline may replace it, and tells the replacement itself):
+        the first such death, to raise once the others are told, or None.
+        The deaths found share one GRACE_S for their exit statuses: N
+        producers gone at once wait 1 s, not N."""
+        deadline: float | None = None
+        lost: BaseException | None = None
+        for worker, message in messages:
+            try:
+                self.links[worker].send(message)
+            except OSError:
+                deadline = deadline or time.monotonic() + GRACE_S
+                failure = self._lost(worker, deadline)
+                lost = lost or failure
+        return lost
 
     def _send_quietly(self, message: tuple[Any, ...]) -> None:
         """`message` to every producer still there (stop: one that is gone
@@ -363,12 +380,12 @@ class ProcessLauncher(Launcher):
             except (OSError, ValueError):  # ValueError: a connection closed already
                 pass
 
-    def _lost(self, worker: int) -> BaseException:
+    def _lost(self, worker: int, deadline: float) -> BaseException:
         """Producer `worker`'s connection is closed: the failure to raise.
         It is ending, if it has not ended (its connection closes as it
-        exits): its exit code comes within GRACE_S."""
+        exits): its exit code is waited for until `deadline` (monotonic)."""
         p = self.processes[worker]
-        _join(p, self.watches[worker], time.monotonic() + GRACE_S)
+        _join(p, self.watches[worker], deadline)
         failure = self.first_failure()  # an error it reported before it went comes first
         if failure is None:
             if self.watches[worker].alive():
@@ -394,15 +411,8 @@ class ProcessLauncher(Launcher):
                     self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
                 )
                 self.channel = self.transport.open(spec)
-                # Every producer still there is told, also past one that is
-                # gone (whose death is raised after: the pipeline may replace
-                # it, and the replacement starts attached).
-                lost: BaseException | None = None
-                for worker in range(len(self.links)):
-                    try:
-                        self._send(worker, ("attach", self.channel.handle))
-                    except WorkerError as exc:
-                        lost = lost or exc
+                # A replacement of a producer found gone starts attached.
+                lost = self._send_each((worker, ("attach", self.channel.handle)) for worker in range(len(self.links)))
                 self.channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
                 if lost is not None:
                     raise lost
@@ -413,15 +423,8 @@ class ProcessLauncher(Launcher):
         self._pass_no = pass_no
         if self.channel is not None:
             self.channel.begin_pass(pass_no)
-        # Every producer still there is told, even after one is found gone
-        # (its death is raised after: a pipeline that replaces it sends the
-        # replacement its part with send_pass).
-        lost: BaseException | None = None
-        for worker, w in enumerate(work):
-            try:
-                self._send(worker, ("pass", w))
-            except WorkerError as exc:
-                lost = lost or exc
+        # A replacement of a producer found gone is sent its part with send_pass.
+        lost = self._send_each((worker, ("pass", w)) for worker, w in enumerate(work))
         if lost is not None:
             raise lost
 

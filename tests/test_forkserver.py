@@ -399,22 +399,26 @@ def source():
 
 if __name__ == "__main__":
     continue_after, timeout = float(sys.argv[1]), float(sys.argv[2])
+    producers, killed = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 3 else (3, 1)
     with shmpipe.from_iterators([source], timeout=TIMEOUT) as pipe:
         sum(1 for _ in pipe)  # the server runs
     server = _forkserver.server_pid()
-    pipe = shmpipe.from_iterators([source] * 3, timeout=timeout, max_restarts=1)
+    pipe = shmpipe.from_iterators([source] * producers, timeout=timeout, max_restarts=1)
     os.kill(server, signal.SIGSTOP)
-    os.kill(pipe.pids[0], signal.SIGKILL)
+    for pid in pipe.pids[:killed]:
+        os.kill(pid, signal.SIGKILL)
     goes_on = threading.Timer(continue_after, os.kill, (server, signal.SIGCONT))
     goes_on.daemon = True
     goes_on.start()
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        t0 = time.monotonic()
         try:
             out["got"] = sorted(int(b["x"][0]) for b in pipe)
         except Exception as exc:
             out["raised"] = [type(exc).__name__, str(exc)]
+        out["raised_after_s"] = time.monotonic() - t0
     out["warnings"] = [str(w.message) for w in caught]
     out["restarts"] = list(pipe.stats().restarts)
     pipe.close()
@@ -451,3 +455,25 @@ def test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_statu
         assert "its exit status did not come within 1 s: shmpipe's fork server" in message, out
         assert "is stopped" in message and "its replacement did not start" in message, out
         assert out["restarts"] == [0, 0, 0], out
+
+
+def test_producers_found_dead_together_as_the_ring_opens_wait_once_for_their_exit_statuses(tmp_path):
+    # Each death found as the ring opened waited GRACE_S (1 s) for its exit
+    # status, one after the other, under the consumer's lock: with the
+    # server stopped, 4 producers gone took 3 s longer to be reported than
+    # one (8.2 s against 5.1 s). Now they share one wait. Compared in one
+    # run: one gone of 3, then 4 gone of 5.
+    import json
+
+    (tmp_path / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
+    took = {}
+    for producers, killed in ((3, 1), (5, 4)):
+        proc = subprocess.run(
+            [sys.executable, "run.py", "30", "2", str(producers), str(killed)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=T,
+        )
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["raised"][0] == "WorkerDiedError" and "did not come within 1 s" in out["raised"][1], out
+        took[killed] = out["raised_after_s"]
+    assert took[4] < took[1] + 1.5, took
