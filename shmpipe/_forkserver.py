@@ -229,6 +229,15 @@ def stopped_note() -> str:
     return ""
 
 
+def status_held_back(p: BaseProcess) -> bool:
+    """Whether producer `p`'s exit status cannot come now: `p` is a child of
+    a fork server (the current one or a retired one) that is stopped. The
+    server reaps its children and sends each status; it does neither until
+    it is continued, so a wait for it would only be time lost."""
+    server_pid = getattr(getattr(p, "_popen", None), "server_pid", None)
+    return server_pid is not None and process_stopped(server_pid)
+
+
 def preload(modules: set[str], heavy_frameworks_of: Callable[[str], set[str]]) -> None:
     """The fork server imports `modules` too (a pipeline's sources' modules:
     _startup._preload_with_the_server says why). One not started yet (the
@@ -437,6 +446,7 @@ class _ServerPopen(popen_forkserver.Popen):
             finalizer()  # the sentinel is closed now, not at a collection (its number may be reused by then)
             raise
         self.sentinel, self.finalizer, self.pid = sentinel, finalizer, pid
+        self.server_pid = used  # its parent, which sends its exit status (status_held_back)
 
 
 class _ServerGone(Exception):

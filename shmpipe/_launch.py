@@ -322,11 +322,11 @@ class ProcessLauncher(Launcher):
         handle can be given again). Returns the new process's pid. The new
         producer runs nothing until it is sent a pass (send_pass)."""
         self._started()
-        old = self.processes[worker]
-        _join(old, self.watches[worker], time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
+        old, watch = self.processes[worker], self.watches[worker]
+        _join(old, watch, time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
         with self._reading:
             self.links[worker].close()  # a message it left half-sent goes with it
-        self.watches[worker].close()
+        watch.close()
         handle = self.channel.replacement_handle(worker) if self.channel is not None else None
         with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
             p, conn = self._spawn(worker, handle)
@@ -390,9 +390,10 @@ class ProcessLauncher(Launcher):
         if failure is None:
             if self.watches[worker].alive():
                 reason = "its control connection closed while it was still running"
-            else:  # ended; its exit status comes through the fork server (_forkserver), late
-                note = _forkserver.stopped_note()
-                reason = f"it ended, and its exit status did not come within {GRACE_S:g} s{': ' if note else ''}{note}"
+            elif _forkserver.status_held_back(p):  # ended; its exit status waits in the stopped fork server
+                reason = f"it ended, and its exit status has not come: {_forkserver.stopped_note()}"
+            else:  # ended; its exit status comes through the fork server, late
+                reason = f"it ended, and its exit status did not come within {GRACE_S:g} s"
             failure = self._failure = WorkerDiedError(worker, p.pid, None, reason=reason)
         return failure
 
@@ -702,24 +703,29 @@ def _wait_for_event(
 
 
 def _join(p: BaseProcess, watch: ProcessWatch, deadline: float) -> None:
-    """p.join() until `deadline` (monotonic), its end seen by its pidfd too."""
+    """p.join() until `deadline` (monotonic), its end seen by its pidfd too
+    (or by the watch, which keeps what it saw once its pidfd is closed)."""
     if watch.fileno() is not None:
         watch.wait(max(0.0, deadline - time.monotonic()))
-        if watch.alive() or p.exitcode is not None:
-            return  # still running at the deadline, or ended and reaped
-        _exit_code_soon(p, deadline)
-    else:
+    elif watch.alive():  # no pidfd (a zombie looks alive to kill(pid, 0)): the join tells its end
         p.join(max(0.0, deadline - time.monotonic()))
+        return
+    if watch.alive() or p.exitcode is not None:
+        return  # still running at the deadline, or ended and reaped
+    _exit_code_soon(p, deadline)
 
 
 def _exit_code_soon(p: BaseProcess, deadline: float) -> None:
     """`p` has ended (its pidfd says so) and its exit code is not known yet:
     under the forkserver, p's parent, which writes it to p's sentinel once
-    it has reaped p (a moment later). Waits for that, until `deadline`.
-    (Not for fork and spawn, where the exit code is known as soon as the
-    pidfd says the process ended: there a join waits on a sentinel that a
-    child of p may hold open.)"""
-    p.join(max(0.0, deadline - time.monotonic()))
+    it has reaped p (a moment later). Waits for that, until `deadline`;
+    not at all while that server is stopped: the status comes once it is
+    continued, and each wait (a death found, its restart, the shutdown)
+    would be GRACE_S lost. (Not for fork and spawn, where the exit code is
+    known as soon as the pidfd says the process ended: there a join waits
+    on a sentinel that a child of p may hold open.)"""
+    if not _forkserver.status_held_back(p):
+        p.join(max(0.0, deadline - time.monotonic()))
 
 
 def _reap(processes: list[BaseProcess], watches: list[ProcessWatch]) -> None:

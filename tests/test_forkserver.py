@@ -452,17 +452,18 @@ def test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_statu
     else:
         name, message = out["raised"]
         assert name == "WorkerDiedError", out
-        assert "its exit status did not come within 1 s: shmpipe's fork server" in message, out
+        assert "its exit status has not come: shmpipe's fork server" in message, out
         assert "is stopped" in message and "its replacement did not start" in message, out
         assert out["restarts"] == [0, 0, 0], out
 
 
-def test_producers_found_dead_together_as_the_ring_opens_wait_once_for_their_exit_statuses(tmp_path):
-    # Each death found as the ring opened waited GRACE_S (1 s) for its exit
-    # status, one after the other, under the consumer's lock: with the
-    # server stopped, 4 producers gone took 3 s longer to be reported than
-    # one (8.2 s against 5.1 s). Now they share one wait. Compared in one
-    # run: one gone of 3, then 4 gone of 5.
+def test_producers_found_dead_while_the_server_is_stopped_are_told_within_the_timeout(tmp_path):
+    # With the fork server stopped, a producer's exit status (which the
+    # server sends) cannot come: each death found as the ring opened waited
+    # GRACE_S (1 s) for it, one after the other; the restart waited for it
+    # again, and the shutdown a third time. One death was told 5.1 s after
+    # the first next() with timeout=2, four 8.2 s. Now none is waited for:
+    # the replacement's start, given up after the timeout, is the wait.
     import json
 
     (tmp_path / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
@@ -474,6 +475,6 @@ def test_producers_found_dead_together_as_the_ring_opens_wait_once_for_their_exi
         )
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert out["raised"][0] == "WorkerDiedError" and "did not come within 1 s" in out["raised"][1], out
+        assert out["raised"][0] == "WorkerDiedError" and "exit status has not come" in out["raised"][1], out
         took[killed] = out["raised_after_s"]
-    assert took[4] < took[1] + 1.5, took
+    assert took[1] < 2 + 1.5 and took[4] < 2 + 1.5, took
