@@ -20,6 +20,7 @@ import array
 import contextlib
 import fcntl
 import io
+import multiprocessing.process
 import os
 import select
 import socket
@@ -236,6 +237,17 @@ def status_held_back(p: BaseProcess) -> bool:
     it is continued, so a wait for it would only be time lost."""
     server_pid = getattr(getattr(p, "_popen", None), "server_pid", None)
     return server_pid is not None and process_stopped(server_pid)
+
+
+def let_go(p: BaseProcess) -> None:
+    """Producer `p` has ended and its exit status waits in its stopped fork
+    server (status_held_back): `p` is taken off multiprocessing's children,
+    each of which the interpreter's exit joins without a limit
+    (multiprocessing.util._exit_function): the program would not end until
+    the server is continued. The server, its parent, reaps it; `p.exitcode`
+    still reads its status once sent, and its sentinel closes with `p`."""
+    children: set[BaseProcess] = getattr(multiprocessing.process, "_children", set())
+    children.discard(p)
 
 
 def preload(modules: set[str], heavy_frameworks_of: Callable[[str], set[str]]) -> None:

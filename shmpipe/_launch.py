@@ -724,7 +724,9 @@ def _exit_code_soon(p: BaseProcess, deadline: float) -> None:
     would be GRACE_S lost. (Not for fork and spawn, where the exit code is
     known as soon as the pidfd says the process ended: there a join waits
     on a sentinel that a child of p may hold open.)"""
-    if not _forkserver.status_held_back(p):
+    if _forkserver.status_held_back(p):
+        _forkserver.let_go(p)  # or the interpreter's exit would wait for the server
+    else:
         p.join(max(0.0, deadline - time.monotonic()))
 
 

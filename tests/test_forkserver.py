@@ -422,8 +422,9 @@ if __name__ == "__main__":
     out["warnings"] = [str(w.message) for w in caught]
     out["restarts"] = list(pipe.stats().restarts)
     pipe.close()
-    os.kill(server, signal.SIGCONT)
-    print(json.dumps(out))
+    if sys.argv[5:] != ["leave-stopped"]:
+        os.kill(server, signal.SIGCONT)
+    print(json.dumps(out), flush=True)
 """.replace("TIMEOUT", str(T))
 
 
@@ -478,3 +479,31 @@ def test_producers_found_dead_while_the_server_is_stopped_are_told_within_the_ti
         assert out["raised"][0] == "WorkerDiedError" and "exit status has not come" in out["raised"][1], out
         took[killed] = out["raised_after_s"]
     assert took[1] < 2 + 1.5 and took[4] < 2 + 1.5, took
+
+
+def test_a_program_whose_fork_server_stays_stopped_still_exits(tmp_path):
+    # The interpreter's exit joins each of multiprocessing's children without
+    # a limit (multiprocessing.util._exit_function): a producer whose exit
+    # status waited in the stopped fork server held the program's end until
+    # the server was continued, for ever if it never was (faulthandler: the
+    # exit blocked in popen_forkserver's poll). Producers in that state are
+    # now let go (the server, their parent, reaps them once continued).
+    from conftest import end_group
+
+    (tmp_path / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
+    # Into a file: the stopped server holds the program's stdout as well.
+    with open(tmp_path / "out.txt", "w+") as output:
+        proc = subprocess.Popen(
+            [sys.executable, "run.py", "600", "2", "3", "1", "leave-stopped"],
+            cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            end_group(proc, grace=2)  # the stopped server (which cannot end by itself), and whatever else is left
+        output.seek(0)
+        out = output.read()
+    assert rc == 0, f"the program did not end within 30 s (exit status {rc}); it printed {out!r}"
+    assert '"raised": ["WorkerDiedError"' in out, out
