@@ -20,6 +20,7 @@ import array
 import contextlib
 import fcntl
 import io
+import multiprocessing.connection
 import multiprocessing.process
 import os
 import select
@@ -34,7 +35,7 @@ from multiprocessing.context import set_spawning_popen
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
-from shmpipe._process import process_stopped
+from shmpipe._process import ProcessWatch, process_start_time, process_stopped
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError
 
 __all__ = [
@@ -239,6 +240,13 @@ def status_held_back(p: BaseProcess) -> bool:
     return server_pid is not None and process_stopped(server_pid)
 
 
+def status_lost(p: BaseProcess) -> bool:
+    """Whether producer `p`'s fork server ended before it sent p's exit
+    status (_ServerPopen.wait): p's exit code, once it has ended, is not
+    its own."""
+    return bool(getattr(getattr(p, "_popen", None), "status_lost", False))
+
+
 def let_go(p: BaseProcess) -> None:
     """Producer `p` has ended and its exit status waits in its stopped fork
     server (status_held_back): `p` is taken off multiprocessing's children,
@@ -387,7 +395,54 @@ def _pickled_for_child(popen: Any, process_obj: BaseProcess) -> io.BytesIO:
 
 class _ServerPopen(popen_forkserver.Popen):
     """A child of shmpipe's fork server (popen_forkserver.Popen._launch with
-    the preparation data and the server changed)."""
+    the preparation data and the server changed), whose exit status is
+    never made up (poll, wait)."""
+
+    #: The server ended before it sent this child's exit status (killed, by
+    #: the OOM killer say): its status, once it has ended, is 255 for
+    #: multiprocessing's sake, and not its own.
+    status_lost = False
+    started: int | None = None  # the child's start time (process_start_time), to know it again
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        return self.wait(0 if flag == os.WNOHANG else None)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The child's exit status, or None if it still runs after `timeout`
+        seconds (None: as long as it takes). multiprocessing's poll says
+        255 at once where the server has ended without sending the status,
+        though the child, reparented, runs on: a pass of live producers was
+        failed as dead, or with max_restarts, replaced while they still
+        wrote (duplicated batches, CorruptChannelError). Here the child's
+        own end is waited for then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not multiprocessing.connection.wait([self.sentinel], left):
+                return None
+            self._sentinel_ready()
+        return self.returncode
+
+    def _sentinel_ready(self) -> None:
+        """The sentinel reads: the status the server sent, or the child's
+        end (its pidfd, past the server's), or the server's end without the
+        status; then, where the child still runs, its pidfd takes the
+        sentinel's number: every wait on the sentinel (multiprocessing's, the
+        launcher's) wakes at the child's end, and the finalizer closes it."""
+        if self.status_lost:
+            self.returncode = 255  # the child's pidfd: it has ended
+            return
+        try:
+            self.returncode = forkserver.read_signed(self.sentinel)
+            return
+        except (OSError, EOFError):
+            self.status_lost = True
+        with ProcessWatch(self.pid, self.started) as child:
+            fd = child.fileno()
+            if fd is None or not child.alive():
+                self.returncode = 255  # ended already (or no pidfd to watch it by)
+                return
+            os.dup2(fd, self.sentinel, inheritable=False)
 
     def _launch(self, process_obj: BaseProcess) -> None:
         buf = _pickled_for_child(self, process_obj)
@@ -458,6 +513,7 @@ class _ServerPopen(popen_forkserver.Popen):
             finalizer()  # the sentinel is closed now, not at a collection (its number may be reused by then)
             raise
         self.sentinel, self.finalizer, self.pid = sentinel, finalizer, pid
+        self.started = process_start_time(pid)
         self.server_pid = used  # its parent, which sends its exit status (status_held_back)
 
 

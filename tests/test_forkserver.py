@@ -507,3 +507,43 @@ def test_a_program_whose_fork_server_stays_stopped_still_exits(tmp_path):
         out = output.read()
     assert rc == 0, f"the program did not end within 30 s (exit status {rc}); it printed {out!r}"
     assert '"raised": ["WorkerDiedError"' in out, out
+
+
+@pytest.mark.parametrize("max_restarts", [0, 2])
+def test_producers_that_outlive_their_fork_server_are_not_taken_for_dead(max_restarts):
+    # The server sends each child's exit status. Killed (the OOM killer's
+    # pick, say), it left multiprocessing's poll saying 255 at once for
+    # producers that ran on: the next pass failed with a WorkerDiedError
+    # ('exit code 255') or, with max_restarts, replaced live producers that
+    # still wrote (48 batches where 24 were due, then CorruptChannelError).
+    # Now each one's own end is waited for; one that then dies is told as
+    # such, its status gone with the server, and is replaced by a new one.
+    import signal
+    import warnings
+
+    from shmpipe import _forkserver
+    from shmpipe._process import ProcessWatch
+    from shmpipe.testing.sources import Counter
+
+    def seen(pipe):
+        return sorted((int(b["worker"]), int(b["seq"])) for b in pipe)
+
+    with shmpipe.from_iterators([Counter(12, delay=0.005)] * 2, timeout=T, max_restarts=max_restarts) as pipe:
+        every = seen(pipe)
+        assert len(every) == 24
+        server = _forkserver.server_pid()
+        with ProcessWatch(server) as watch:
+            os.kill(server, signal.SIGKILL)
+            assert watch.wait(10)
+        assert seen(pipe) == every  # the producers ran on
+        assert list(pipe.stats().restarts) == [0, 0]
+        os.kill(pipe.pids[0], signal.SIGKILL)
+        if max_restarts == 0:
+            with pytest.raises(shmpipe.WorkerDiedError, match="its exit status went with the server"):
+                seen(pipe)
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert seen(pipe) == every  # from a new server
+            assert any("its exit status went with the server" in str(w.message) for w in caught)
+            assert list(pipe.stats().restarts) == [1, 0]
