@@ -457,12 +457,20 @@ def _checked_device(jax: Any, device: Any) -> Any:
     platform, _, index = device.partition(":")
     try:
         local = jax.local_devices(backend=platform)
-        return local[int(index or 0)]
-    except (RuntimeError, ValueError, IndexError) as exc:
-        raise ShmpipeValueError(
-            f"to_jax(device={device!r}): JAX {jax.__version__} has no such device here "
-            f"(its devices: {', '.join(str(d) for d in jax.local_devices())}): {exc}"
-        ) from None
+        why = ""
+    except (RuntimeError, ValueError) as exc:  # no such backend: JAX says which it has
+        local, why = [], f": {exc}"
+    number = int(index) if index.isdigit() else None if index else 0
+    if number is not None and number < len(local):
+        return local[number]
+    if local and number is None:
+        why = f": {index!r} is not a device number"
+    elif local:
+        why = f": it has {len(local)} {platform} device{'s' if len(local) > 1 else ''} here, numbered from 0"
+    raise ShmpipeValueError(
+        f"to_jax(device={device!r}): JAX {jax.__version__} has no such device here "
+        f"(its devices: {', '.join(str(d) for d in jax.local_devices())}){why}"
+    )
 
 
 def _warn_about_copies(host: Any, out: Any) -> None:

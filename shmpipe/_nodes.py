@@ -118,8 +118,10 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     if num_nodes == 1:
         return _the_only_node(node_rank, ranks_per_node, "num_nodes=1")
     env_nodes, env_nodes_says = _nodes_from_environment()
+    nodes_said = f"num_nodes={num_nodes}"  # what the messages below call it: given, or read
     if num_nodes is None:
         num_nodes = env_nodes if env_nodes is not None else 1
+        nodes_said = f"{num_nodes} nodes ({env_nodes_says.partition(':')[0]} in the environment)"
     elif env_nodes is not None and num_nodes != env_nodes:
         raise ShmpipeValueError(
             f"num_nodes={num_nodes} disagrees with the environment ({env_nodes_says}): pass the launcher's "
@@ -135,7 +137,8 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     if node_rank is None:
         if env_rank is None:
             raise ShmpipeValueError(
-                f"num_nodes={num_nodes} needs node_rank= (this node's index, 0 to {num_nodes - 1}), or GROUP_RANK "
+                f"{nodes_said} {'need' if nodes_said[0].isdigit() else 'needs'} node_rank= (this node's index, "
+                f"0 to {num_nodes - 1}), or GROUP_RANK "
                 "or NODE_RANK in the environment (torchrun sets GROUP_RANK; under Slurm, SLURM_NODEID)"
             )
         if not 0 <= env_rank < num_nodes:
@@ -155,7 +158,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
         if local is not None and local > 1:
             raise ShmpipeValueError(
                 f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset: with "
-                f"num_nodes={num_nodes} they must share the node's pipeline (group=...), or each would read "
+                f"{nodes_said} they must share the node's pipeline (group=...), or each would read "
                 "the node's whole share"
             )
     return NodeLayout(num_nodes, node_rank, ranks_per_node)

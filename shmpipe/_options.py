@@ -212,6 +212,14 @@ def _check_picklable(sources: list[Source], runs: list[Source], method: str) -> 
                 "file) and import it from there, or pass start_method='fork' (not safe "
                 "once TensorFlow or CUDA have started threads)."
             )
+        name = _startup.bound_only_under_the_guard(s, main_file) if main_file and module == "__main__" else None
+        if name is not None:
+            raise ShmpipeTypeError(
+                f"source {i} ({s!r}) needs the script in its producer ({why_not[id(s)]}), and the script "
+                f"{main_file!r} defines {name} only under `if __name__ == \"__main__\":`, which a {method!r} "
+                "producer process, importing the script, does not run: define it at the script's top level, "
+                "above the guard, or in a module of its own"
+            )
         try:
             ForkingPickler.dumps(s)
         except Exception as exc:

@@ -38,6 +38,7 @@ from shmpipe.errors import (
     ShmpipeWarning,
     WorkerDiedError,
     WorkerError,
+    users_stacklevel,
 )
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
 
@@ -676,7 +677,7 @@ class Pipeline(FrameworkStream):
             f"{death}; replaced by pid {pid}, which goes on {where} of this pass "
             f"(restart {len(self._restarts)} of max_restarts={self.options.max_restarts})",
             ShmpipeWarning,
-            stacklevel=2,
+            stacklevel=users_stacklevel(),
         )
         if pass_no >= 0 and not finished:
             self._launcher.send_pass(worker, self._schedule.resumed(worker, next_wseq))

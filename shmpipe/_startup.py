@@ -50,7 +50,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from shmpipe import _byvalue, _forkserver
-from shmpipe.errors import ShmpipeWarning
+from shmpipe.errors import ShmpipeWarning, users_stacklevel
 
 __all__ = [
     "HEAVY_FRAMEWORKS",
@@ -177,6 +177,52 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Sh
             out.imports_script.append(item)
     _warn_if_heavy(out.imports_script, sources)
     return out
+
+
+def bound_only_under_the_guard(obj: Any, script: str) -> str | None:
+    """The name by which `obj` (a function or class of the script, or an
+    instance of such a class) is found in the script, where the script binds
+    that name only under ``if __name__ == "__main__":``. A producer that
+    imports the script (as __mp_main__) does not run that block, and would
+    not find it: an AttributeError in each producer, and a death. None
+    where the name is bound elsewhere, or the script cannot be read."""
+    import ast  # here: only a source that needs the script gets this far
+
+    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    name = qualname.split(".")[0]
+    try:
+        with open(script, "rb") as f:
+            tree = ast.parse(f.read(), script)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+    def main_guard(test: ast.expr) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = [test.left, *test.comparators]
+        return any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides) and any(
+            isinstance(x, ast.Constant) and x.value == "__main__" for x in sides
+        )
+
+    # Every name the module binds as it is imported: all its statements but
+    # the guards' bodies (their else runs), not looking into function or
+    # class bodies. (More names than it binds, where a comprehension's are
+    # counted, only makes this refuse less.)
+    bound: set[str] = set()
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and main_guard(node.test):
+            todo.extend(node.orelse)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update(alias.asname or alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return None if name in bound else name
 
 
 def start_server(objects: Sequence[Any]) -> bool:
@@ -345,19 +391,5 @@ def _warn_if_heavy(imports_script: list[str | None], sources: Sequence[Any]) -> 
         "pays the script's imports (seconds, hundreds of MiB). Define what the source uses inside it, or in "
         "a module of its own that does not import the framework.",
         ShmpipeWarning,
-        stacklevel=_first_caller_outside_shmpipe(),
+        stacklevel=users_stacklevel(),
     )
-
-
-def _first_caller_outside_shmpipe() -> int:
-    """warnings.warn's stacklevel, in its caller, of the first frame that is
-    not shmpipe's: the user's line that made the pipeline, however many of
-    shmpipe's calls lie between."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "shmpipe":
-        frame = frame.f_back
-        level += 1
-    return level
-
-

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno as _errno
 import signal as _signal
+import sys as _sys
 import warnings
 from typing import Any
 
@@ -114,6 +115,18 @@ class CorruptChannelError(ShmpipeValueError):
     Never anything but this error (or a clear one of its kin): bytes from
     another process are untrusted. Formerly CorruptSegmentError, which
     stays as a deprecated alias."""
+
+
+def users_stacklevel() -> int:
+    """warnings.warn's stacklevel, in its caller, of the first frame that is
+    not shmpipe's: the user's line (that made the pipeline, or asked for
+    the batch), however many of shmpipe's calls lie between."""
+    frame = _sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "shmpipe":
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 _DEPRECATED = {"CorruptSegmentError": ("CorruptChannelError", CorruptChannelError)}

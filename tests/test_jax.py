@@ -206,9 +206,13 @@ def test_a_prefetch_below_one_is_refused(prefetch):
 def test_a_device_or_sharding_jax_cannot_use_is_refused_before_any_batch_is_taken():
     cpu = jax.local_devices(backend="cpu")[0]
     with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
-        for device in ("bogus", "cpu:99", "gpu"):
-            with pytest.raises(shmpipe.ShmpipeValueError, match=r"to_jax\(device=.*JAX .* has no such device"):
+        for device in ("bogus", "cpu:99", "cpu:x", "gpu"):
+            with pytest.raises(shmpipe.ShmpipeValueError, match=r"to_jax\(device=.*JAX .* has no such device") as e:
                 pipe.to_jax(device=device)
+            assert "out of range" not in str(e.value)  # not Python's IndexError, but what it has
+        n = len(jax.local_devices(backend="cpu"))
+        with pytest.raises(shmpipe.ShmpipeValueError, match=f"it has {n} cpu devices? here, numbered from 0"):
+            pipe.to_jax(device="cpu:99")
         with pytest.raises(shmpipe.ShmpipeTypeError, match="jax.Device"):
             pipe.to_jax(device=3)
         with pytest.raises(shmpipe.ShmpipeTypeError, match=r"sharding=.*jax.sharding.Sharding"):

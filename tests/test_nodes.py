@@ -266,6 +266,9 @@ ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
         ({}, dict(num_nodes=2, node_rank="1"), "node_rank must be an int"),
         ({}, dict(num_nodes=1, node_rank=1), "node_rank must be 0 with num_nodes=1"),
         ({}, dict(num_nodes=2), r"num_nodes=2 needs node_rank= .*GROUP_RANK or NODE_RANK"),
+        # num_nodes not given: the message says where 2 nodes came from
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, dict(),
+         r"^2 nodes \(WORLD_SIZE=2, LOCAL_WORLD_SIZE=1 in the environment\) need node_rank="),
         ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2"}, dict(num_nodes=2), r"num_nodes=2 disagrees .*4 nodes.*num_nodes=1"),
         ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"}, dict(), "not a multiple of LOCAL_WORLD_SIZE"),
         ({"WORLD_SIZE": "0", "LOCAL_WORLD_SIZE": "0"}, dict(), "must both be positive"),

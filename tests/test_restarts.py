@@ -71,6 +71,8 @@ def test_random_sigkills_lose_and_repeat_nothing(kind, ordered):
         assert sorted(got) == sorted(reference)  # the same batches, each as often
     assert 1 <= sum(restarts) == len(replaced) <= 4
     assert all("worker" in str(w.message) and "pid" in str(w.message) for w in replaced)
+    # at the line of the loop that asked for the batch, not inside shmpipe
+    assert all(w.filename == __file__ for w in replaced), {w.filename for w in replaced}
 
 
 @pytest.mark.parametrize("how", ["kill", "exit"])

@@ -210,6 +210,78 @@ def test_a_global_set_under_the_main_guard_travels_with_the_source(request):
     assert out.stdout.strip() == "[21, 21]"
 
 
+GUARDED_SOURCE_SCRIPT = """
+import threading
+import numpy as np
+import shmpipe
+
+if __name__ == "__main__":
+    lock = threading.Lock()
+
+    def make_batches():
+        with lock:  # a lock: it cannot travel by value, so the producer would import the script
+            yield {"x": np.arange(3)}
+
+    try:
+        shmpipe.from_iterators([make_batches], timeout=60)
+    except shmpipe.ShmpipeTypeError as exc:
+        print("refused:", exc)
+"""
+
+
+def test_a_source_that_needs_the_script_but_is_defined_under_its_guard_is_refused(tmp_path):
+    # The producer imports the script without running the guard's body, so
+    # it did not find the source: multiprocessing's AttributeError traceback
+    # in the producer, then 'worker 0 exited early with exit code 1' naming
+    # neither the source nor the fix. Now refused before any process starts.
+    (tmp_path / "train.py").write_text(GUARDED_SOURCE_SCRIPT)
+    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=T)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused: source 0 (<function make_batches"), out.stdout
+    assert "defines make_batches only under `if __name__ == \"__main__\":`" in out.stdout, out.stdout
+    assert "cannot pickle '_thread.lock' object" in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr, out.stderr  # no producer started, so none printed one
+
+
+def test_which_names_a_script_binds_only_under_its_guard(tmp_path):
+    from shmpipe._startup import bound_only_under_the_guard
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os.path as osp, json
+        from functools import partial as P
+        try:
+            import missing
+        except ImportError:
+            FALLBACK = 1
+        for i in range(2):
+            LOOPED = i
+        def top(): pass
+        class Top: pass
+        if "__main__" == __name__:
+            def guarded(): pass
+            class Guarded: pass
+            top = 2
+        else:
+            def imported_only(): pass
+        if __name__ == "__main__":
+            def also_guarded(): pass
+    """))
+
+    def named(name, qualname=None):
+        return type(name, (), {"__qualname__": qualname or name})  # a class of that name: its own qualname
+
+    for bound in ("top", "Top", "osp", "json", "P", "missing", "FALLBACK", "LOOPED", "imported_only"):
+        assert bound_only_under_the_guard(named(bound), str(script)) is None, bound
+    for guarded in ("guarded", "Guarded", "also_guarded"):
+        assert bound_only_under_the_guard(named(guarded), str(script)) == guarded
+    assert bound_only_under_the_guard(named("Guarded")(), str(script)) == "Guarded"  # an instance: its class
+    assert bound_only_under_the_guard(named("Top", "Top.method"), str(script)) is None
+    assert bound_only_under_the_guard(named("guarded"), str(tmp_path / "gone.py")) is None  # unreadable: not refused
+    (tmp_path / "bad.py").write_text("def (:\n")
+    assert bound_only_under_the_guard(named("guarded"), str(tmp_path / "bad.py")) is None
+
+
 
 #: Modules of the preload tests: each says in a file who imported it.
 PRELOAD_MODULES = {
