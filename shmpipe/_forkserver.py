@@ -24,6 +24,7 @@ import multiprocessing.connection
 import multiprocessing.process
 import os
 import select
+import signal
 import socket
 import sys
 import termios
@@ -240,11 +241,22 @@ def status_held_back(p: BaseProcess) -> bool:
     return server_pid is not None and process_stopped(server_pid)
 
 
-def status_lost(p: BaseProcess) -> bool:
-    """Whether producer `p`'s fork server ended before it sent p's exit
-    status (_ServerPopen.wait): p's exit code, once it has ended, is not
-    its own."""
-    return bool(getattr(getattr(p, "_popen", None), "status_lost", False))
+def status_lost(p: BaseProcess) -> str | None:
+    """Where producer `p`'s fork server ended before it sent p's exit
+    status (_ServerPopen.wait), and p's exit code (255) is not its own:
+    what p's death says of it. Otherwise None."""
+    popen = getattr(p, "_popen", None)
+    if not getattr(popen, "status_lost", False):
+        return None
+    if getattr(popen, "taken_for_ended", False):
+        return (
+            "shmpipe's fork server, its parent, had ended (killed?), and this kernel has no pidfds (Linux < 5.3) "
+            "to see its own end by: it was ended (SIGKILL) with it"
+        )
+    return (
+        "it ended after shmpipe's fork server, its parent, had ended (killed?): its exit status went with the "
+        "server; a signal or the OOM killer may have ended both (dmesg tells)"
+    )
 
 
 def let_go(p: BaseProcess) -> None:
@@ -402,6 +414,9 @@ class _ServerPopen(popen_forkserver.Popen):
     #: the OOM killer say): its status, once it has ended, is 255 for
     #: multiprocessing's sake, and not its own.
     status_lost = False
+    #: And this kernel has no pidfds (Linux < 5.3): the child's end could
+    #: not be seen later, and it was ended (SIGKILL) with the server.
+    taken_for_ended = False
     started: int | None = None  # the child's start time (process_start_time), to know it again
 
     def poll(self, flag: int = os.WNOHANG) -> int | None:
@@ -414,37 +429,61 @@ class _ServerPopen(popen_forkserver.Popen):
         though the child, reparented, runs on: a pass of live producers was
         failed as dead, or with max_restarts, replaced while they still
         wrote (duplicated batches, CorruptChannelError). Here the child's
-        own end is waited for then."""
+        own end is waited for then.
+
+        Any thread may poll (multiprocessing's _cleanup polls every child
+        at each start): the sentinel is read under a lock, once; a thread
+        woken by what another has read already finds the status set, or
+        the sentinel changed, and waits again."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not multiprocessing.connection.wait([self.sentinel], left):
                 return None
-            self._sentinel_ready()
+            with self._status_lock:
+                if self.returncode is None:
+                    self._sentinel_ready()
         return self.returncode
 
     def _sentinel_ready(self) -> None:
-        """The sentinel reads: the status the server sent, or the child's
-        end (its pidfd, past the server's), or the server's end without the
-        status; then, where the child still runs, its pidfd takes the
-        sentinel's number: every wait on the sentinel (multiprocessing's, the
-        launcher's) wakes at the child's end, and the finalizer closes it."""
+        """The sentinel reads (under _status_lock, no status yet): the status
+        the server sent, or the child's end (its pidfd, past the server's),
+        or the server's end without the status; then, where the child still
+        runs, its pidfd takes the sentinel's number: every wait on the
+        sentinel (multiprocessing's, the launcher's) wakes at the child's
+        end, and the finalizer closes it."""
         if self.status_lost:
-            self.returncode = 255  # the child's pidfd: it has ended
+            # The child's pidfd, which another thread's wait may have
+            # answered for the pipe it replaced: ended only if it says so.
+            if multiprocessing.connection.wait([self.sentinel], 0):
+                self.returncode = 255
             return
         try:
             self.returncode = forkserver.read_signed(self.sentinel)
             return
         except (OSError, EOFError):
             self.status_lost = True
+        if self.started is None:  # ended before its start time was read: gone
+            self.returncode = 255
+            return
         with ProcessWatch(self.pid, self.started) as child:
             fd = child.fileno()
-            if fd is None or not child.alive():
-                self.returncode = 255  # ended already (or no pidfd to watch it by)
+            if fd is not None and child.alive():
+                os.dup2(fd, self.sentinel, inheritable=False)
                 return
-            os.dup2(fd, self.sentinel, inheritable=False)
+            if fd is None and child.alive():
+                # No pidfd to see its end by (Linux < 5.3): its status is
+                # made true instead. It ran a moment ago (its start time
+                # says so, and a live process keeps its pid), and it is
+                # ended now, so that no producer runs on beside one started
+                # in its place.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                self.taken_for_ended = True
+            self.returncode = 255
 
     def _launch(self, process_obj: BaseProcess) -> None:
+        self._status_lock = threading.Lock()
         buf = _pickled_for_child(self, process_obj)
         server, name = _SERVER, process_obj.name
         try:

@@ -460,7 +460,7 @@ def _checked_device(jax: Any, device: Any) -> Any:
         why = ""
     except (RuntimeError, ValueError) as exc:  # no such backend: JAX says which it has
         local, why = [], f": {exc}"
-    number = int(index) if index.isdigit() else None if index else 0
+    number = int(index) if index.isascii() and index.isdigit() else None if index else 0
     if number is not None and number < len(local):
         return local[number]
     if local and number is None:

@@ -454,10 +454,9 @@ class ProcessLauncher(Launcher):
 
     def _died(self, worker: int, code: int) -> WorkerDiedError:
         p = self.processes[worker]
-        if _forkserver.status_lost(p):
-            return WorkerDiedError(worker, p.pid, None, reason=(
-                "it ended after shmpipe's fork server, its parent, had ended (killed?): its exit status went with "
-                "the server; a signal or the OOM killer may have ended both (dmesg tells)"))
+        lost = _forkserver.status_lost(p)
+        if lost is not None:
+            return WorkerDiedError(worker, p.pid, None, reason=lost)
         if code == BOOTSTRAP_EXIT_CODE and self.spec.mp_context.get_start_method() != "fork":
             return WorkerDiedError(worker, p.pid, code, reason=_unguarded_script())
         return WorkerDiedError(worker, p.pid, code)

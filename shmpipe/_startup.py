@@ -39,8 +39,10 @@ source, and chooses what the server imports beforehand.
 from __future__ import annotations
 
 import dis
+import functools
 import importlib.util
 import multiprocessing
+import os
 import sys
 import types
 import warnings
@@ -180,16 +182,46 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Sh
 
 
 def bound_only_under_the_guard(obj: Any, script: str) -> str | None:
-    """The name by which `obj` (a function or class of the script, or an
-    instance of such a class) is found in the script, where the script binds
-    that name only under ``if __name__ == "__main__":``. A producer that
-    imports the script (as __mp_main__) does not run that block, and would
-    not find it: an AttributeError in each producer, and a death. None
-    where the name is bound elsewhere, or the script cannot be read."""
+    """The name by which `obj` (a function or class of the script, an
+    instance of such a class, or a method bound to one) is found in the
+    script, where the script binds that name under ``if __name__ ==
+    "__main__":`` and nowhere else: a producer that imports the script (as
+    __mp_main__) does not run that block, and would not find it (an
+    AttributeError in each producer, then a death). None where the name is
+    bound outside the guard, or not seen bound at all (exec, a global
+    statement, type(): left to pickling to say), or the script cannot be
+    read."""
+    names = [getattr(obj, "__qualname__", None) or type(obj).__qualname__]
+    owner = getattr(obj, "__self__", None)  # a bound method pickles its instance, and so its class
+    if owner is not None and getattr(type(owner), "__module__", None) in _byvalue.MAIN_NAMES:
+        names.append(type(owner).__qualname__)
+    bindings = _script_bindings(script)
+    if bindings is None:
+        return None
+    on_import, under_guard = bindings
+    for name in (qualname.split(".")[0] for qualname in names):
+        if name in under_guard and name not in on_import:
+            return name
+    return None
+
+
+def _script_bindings(script: str) -> tuple[frozenset[str], frozenset[str]] | None:
+    """The names `script` binds at its top level when imported, and those
+    it binds in the bodies of its ``if __name__ == "__main__":`` blocks
+    (not looking into function or class bodies; a comprehension's names
+    count, which only makes bound_only_under_the_guard refuse less). None
+    where it cannot be read. Cached by the file's size and time."""
+    try:
+        st = os.stat(script)
+    except OSError:
+        return None
+    return _bindings_of(script, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _bindings_of(script: str, size: int, mtime_ns: int) -> tuple[frozenset[str], frozenset[str]] | None:
     import ast  # here: only a source that needs the script gets this far
 
-    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
-    name = qualname.split(".")[0]
     try:
         with open(script, "rb") as f:
             tree = ast.parse(f.read(), script)
@@ -204,25 +236,22 @@ def bound_only_under_the_guard(obj: Any, script: str) -> str | None:
             isinstance(x, ast.Constant) and x.value == "__main__" for x in sides
         )
 
-    # Every name the module binds as it is imported: all its statements but
-    # the guards' bodies (their else runs), not looking into function or
-    # class bodies. (More names than it binds, where a comprehension's are
-    # counted, only makes this refuse less.)
-    bound: set[str] = set()
-    todo: list[ast.AST] = list(tree.body)
+    found: tuple[set[str], set[str]] = (set(), set())  # on import, under a guard
+    todo: list[tuple[ast.AST, int]] = [(node, 0) for node in tree.body]
     while todo:
-        node = todo.pop()
+        node, guarded = todo.pop()
         if isinstance(node, ast.If) and main_guard(node.test):
-            todo.extend(node.orelse)
+            todo.extend((child, 1) for child in node.body)
+            todo.extend((child, guarded) for child in node.orelse)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound.add(node.name)
+            found[guarded].add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound.update(alias.asname or alias.name.split(".")[0] for alias in node.names)
+            found[guarded].update(alias.asname or alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bound.add(node.id)
+            found[guarded].add(node.id)
         else:
-            todo.extend(ast.iter_child_nodes(node))
-    return None if name in bound else name
+            todo.extend((child, guarded) for child in ast.iter_child_nodes(node))
+    return frozenset(found[0]), frozenset(found[1])
 
 
 def start_server(objects: Sequence[Any]) -> bool:

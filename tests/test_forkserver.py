@@ -547,3 +547,49 @@ def test_producers_that_outlive_their_fork_server_are_not_taken_for_dead(max_res
                 assert seen(pipe) == every  # from a new server
             assert any("its exit status went with the server" in str(w.message) for w in caught)
             assert list(pipe.stats().restarts) == [1, 0]
+
+
+def test_a_child_of_a_killed_server_polled_from_two_threads_is_not_taken_for_dead():
+    # multiprocessing polls every child from whichever thread starts a
+    # process (_cleanup). With the server killed, one poll swapped the
+    # child's pidfd in while another, woken by the pipe's end, set 255 for
+    # a child that ran on (helper 26: 9 of 10 trials); with the server
+    # alive, the second read could overwrite a real status with 255.
+    import signal
+    import threading
+
+    from shmpipe import _forkserver
+    from shmpipe._process import ProcessWatch
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # threads trade places often: the window opens
+    try:
+        for _ in range(5):
+            p = _forkserver.ServerProcess(target=time.sleep, args=(60,), daemon=True)
+            p.start()
+            server = p._popen.server_pid
+            stop = threading.Event()
+            seen: list[int] = []
+
+            def poll(p=p, stop=stop, seen=seen):
+                while not stop.is_set() and p.exitcode is None:
+                    pass
+                if p.exitcode is not None:
+                    seen.append(p.exitcode)
+
+            threads = [threading.Thread(target=poll) for _ in range(3)]
+            for t in threads:
+                t.start()
+            with ProcessWatch(server) as watch:
+                os.kill(server, signal.SIGKILL)
+                assert watch.wait(10)
+            time.sleep(0.2)  # every poller has seen the server's end
+            stop.set()
+            for t in threads:
+                t.join(10)
+            assert seen == [] and p.exitcode is None and p.is_alive(), seen
+            os.kill(p.pid, signal.SIGKILL)  # its own end is seen now, its status lost with the server
+            p.join(10)
+            assert p.exitcode == 255 and _forkserver.status_lost(p) is not None
+    finally:
+        sys.setswitchinterval(switch)

@@ -276,6 +276,16 @@ def test_which_names_a_script_binds_only_under_its_guard(tmp_path):
     for guarded in ("guarded", "Guarded", "also_guarded"):
         assert bound_only_under_the_guard(named(guarded), str(script)) == guarded
     assert bound_only_under_the_guard(named("Guarded")(), str(script)) == "Guarded"  # an instance: its class
+    # Not seen bound anywhere (exec, a global statement in a function,
+    # type(), a lambda): not refused, pickling says what it says.
+    for unseen in ("made_by_exec", "<lambda>"):
+        assert bound_only_under_the_guard(named(unseen), str(script)) is None, unseen
+    # A method of the script's top level, bound to an instance of a class
+    # of the guard's: the instance's class is what the producer lacks.
+    top_method = type("Top", (), {"__qualname__": "Top", "__module__": "__main__", "run": lambda self: None})
+    guarded_sub = type("Guarded", (top_method,), {"__qualname__": "Guarded", "__module__": "__main__"})
+    assert bound_only_under_the_guard(guarded_sub().run, str(script)) == "Guarded"
+    assert bound_only_under_the_guard(top_method().run, str(script)) is None
     assert bound_only_under_the_guard(named("Top", "Top.method"), str(script)) is None
     assert bound_only_under_the_guard(named("guarded"), str(tmp_path / "gone.py")) is None  # unreadable: not refused
     (tmp_path / "bad.py").write_text("def (:\n")
