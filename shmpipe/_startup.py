@@ -184,25 +184,29 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Sh
 def bound_only_under_the_guard(obj: Any, script: str) -> str | None:
     """The name by which `obj` (a function or class of the script, an
     instance of such a class, or a method bound to one) is found in the
-    script, where the script binds that name under ``if __name__ ==
-    "__main__":`` and nowhere else: a producer that imports the script (as
-    __mp_main__) does not run that block, and would not find it (an
-    AttributeError in each producer, then a death). None where the name is
-    bound outside the guard, or not seen bound at all (exec, a global
-    statement, type(): left to pickling to say), or the script cannot be
-    read."""
-    names = [getattr(obj, "__qualname__", None) or type(obj).__qualname__]
+    script, or a global its code reads, where the script binds that name
+    under ``if __name__ == "__main__":`` and nowhere else: a producer that
+    imports the script (as __mp_main__) does not run that block, and would
+    not find it (an AttributeError or a NameError in each producer, then a
+    death). None where every such name is bound outside the guard, or not
+    seen bound at all (exec, a global statement, type(), a builtin: left to
+    pickling, or to the producer, to say), or the script cannot be read."""
+    names = [(getattr(obj, "__qualname__", None) or type(obj).__qualname__).split(".")[0]]
     owner = getattr(obj, "__self__", None)  # a bound method pickles its instance, and so its class
     if owner is not None and getattr(type(owner), "__module__", None) in _byvalue.MAIN_NAMES:
-        names.append(type(owner).__qualname__)
+        names.append(type(owner).__qualname__.split(".")[0])
+    # And the globals the code it runs reads, which the producer looks up
+    # in the script it imported.
+    runs = getattr(obj, "__func__", obj)
+    if not isinstance(runs, types.FunctionType):
+        runs = type(obj).__dict__.get("__call__")  # an instance's own class's __call__
+    if isinstance(runs, types.FunctionType) and runs.__module__ in _byvalue.MAIN_NAMES:
+        names.extend(sorted(_byvalue.global_names(runs.__code__)))
     bindings = _script_bindings(script)
     if bindings is None:
         return None
     on_import, under_guard = bindings
-    for name in (qualname.split(".")[0] for qualname in names):
-        if name in under_guard and name not in on_import:
-            return name
-    return None
+    return next((name for name in names if name in under_guard and name not in on_import), None)
 
 
 def _script_bindings(script: str) -> tuple[frozenset[str], frozenset[str]] | None:

@@ -286,6 +286,12 @@ def test_which_names_a_script_binds_only_under_its_guard(tmp_path):
     guarded_sub = type("Guarded", (top_method,), {"__qualname__": "Guarded", "__module__": "__main__"})
     assert bound_only_under_the_guard(guarded_sub().run, str(script)) == "Guarded"
     assert bound_only_under_the_guard(top_method().run, str(script)) is None
+    # The globals the code reads: one bound only under the guard (the lock
+    # the source takes, say) is missing in the producer as well.
+    scope = {"__name__": "__main__"}
+    exec("def uses_guarded():\n    return guarded, top, len\ndef uses_top():\n    return top, osp, len\n", scope)
+    assert bound_only_under_the_guard(scope["uses_guarded"], str(script)) == "guarded"
+    assert bound_only_under_the_guard(scope["uses_top"], str(script)) is None
     assert bound_only_under_the_guard(named("Top", "Top.method"), str(script)) is None
     assert bound_only_under_the_guard(named("guarded"), str(tmp_path / "gone.py")) is None  # unreadable: not refused
     (tmp_path / "bad.py").write_text("def (:\n")
