@@ -375,6 +375,15 @@ class BatchStream(abc.ABC):
             self._trainer_position = position
         return position
 
+    def _adapter_caught_up(self, position: TrainerPosition) -> None:
+        """The trainer has had every batch an adapter took ahead of it with
+        `position`, and the adapter takes no more ahead (to_tf_dataset's
+        peek, once tf.data has taken the peeked batches): the stream's own
+        count is the trainer's again."""
+        with self._position_lock:
+            if self._trainer_position is position:
+                self._trainer_position = None
+
     def _states_needed_behind(self, ahead: int) -> None:
         """A state may now be made `ahead` batches behind those taken: what
         the stream keeps to make one must reach that far back."""

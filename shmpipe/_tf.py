@@ -25,13 +25,14 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shmpipe._codec import aligned_empty
-from shmpipe._stream import BatchStream
+from shmpipe._stream import BatchStream, Pass, TrainerPosition
 from shmpipe._tree import all_strings, leaves_with_paths, map_leaves_with_paths
 from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
 
@@ -164,13 +165,13 @@ class _Feeder:
     runs a new pass of the pipeline (the first may start with batches that
     were peeked to infer the signature)."""
 
-    def __init__(self, pipe: BatchStream, signature: Any, peeked: tuple[Iterator[Any], list[Any]] | None) -> None:
+    def __init__(self, pipe: BatchStream, signature: Any, peeked: _Peeked | None) -> None:
         self.pipe = pipe
         # The most slots TensorFlow may hold with the producers still sure
         # to deliver the batch it waits for (see ChannelSpec.consumer_may_hold).
         self.limit = pipe.consumer_may_hold
         self.check = _check_leaf(signature)
-        self.peeked = peeked  # (iterator, [batches]) of a pass already started
+        self.peeked = peeked  # the batches of a pass already started, taken to infer the signature
         self.warned = False
         self.copying = False  # TensorFlow held every slot and did not let go
         # A wait of RELEASE_WAIT_S ended with TensorFlow still holding too
@@ -183,12 +184,12 @@ class _Feeder:
 
     def __call__(self) -> _FeederPass:
         self.waited_in_vain = False
-        if self.peeked is not None:
-            it, first = self.peeked
-            self.peeked = None
-        else:
-            it, first = iter(self.pipe), []
-        return _FeederPass(self, it, first)
+        peeked, self.peeked = self.peeked, None
+        if peeked is None:
+            it = iter(self.pipe)
+            assert isinstance(it, Pass)  # what a stream's iter() makes
+            peeked = _Peeked(it, [], None)
+        return _FeederPass(self, peeked)
 
     def _prepare(self, batch: Any) -> Any:
         if self._tensorflow_holds_too_many_slots():
@@ -279,16 +280,35 @@ class _FeederPass:
     TensorFlow must give its slot back at once, or the last free slot would
     stay held."""
 
-    __slots__ = ("feeder", "it", "first")
+    __slots__ = ("feeder", "pass_")
 
-    def __init__(self, feeder: _Feeder, it: Iterator[Any], first: list[Any]) -> None:
-        self.feeder, self.it, self.first = feeder, it, first
+    def __init__(self, feeder: _Feeder, pass_: _Peeked) -> None:
+        self.feeder, self.pass_ = feeder, pass_
 
     def __iter__(self) -> _FeederPass:
         return self
 
     def __next__(self) -> Any:
-        return self.feeder._prepare(self.first.pop(0) if self.first else next(self.it))
+        pass_ = self.pass_
+        if not pass_.first:
+            return self.feeder._prepare(next(pass_.it))
+        batch = pass_.first.pop(0)
+        if pass_.position is not None:
+            pass_.position.had_one()  # tf.data has it: handed out, as every batch it takes
+            if not pass_.first:
+                self.feeder.pipe._adapter_caught_up(pass_.position)
+        return self.feeder._prepare(batch)
+
+
+@dataclass
+class _Peeked:
+    """A pass begun by to_tf_dataset, and the batches it took of it to
+    infer the signature: tf.data is given those first. `position`: where
+    the trainer stands meanwhile (it has had none of them)."""
+
+    it: Pass
+    first: list[Any]
+    position: TrainerPosition | None
 
 
 def _check_leaf(signature: Any) -> Callable[[Any, str], Any]:
@@ -333,11 +353,23 @@ def to_tf_dataset(
         # tells which dimensions vary. Those batches are yielded first.
         k = peek if peek is not None else max(1, min(pipe.num_workers, pipe.consumer_may_hold, 4))
         it = iter(pipe)
-        first = []
-        for batch in it:
+        assert isinstance(it, Pass)  # what a stream's iter() makes (its last_worker is read)
+        # The trainer has had none of them: until tf.data has taken them,
+        # the stream's state_dict() counts from this position (a run resumed
+        # from a state made meanwhile lost the peeked batches).
+        position = pipe._position_for_adapter(ahead=k)
+        first: list[Any] = []
+        while len(first) < k:
+            noted = pipe._note_taking(position)
+            try:
+                batch = next(it)
+            except BaseException as exc:
+                position.not_taken(noted)
+                if isinstance(exc, StopIteration):
+                    break
+                raise
+            position.took(noted, it.last_worker)
             first.append(batch)
-            if len(first) == k:
-                break
         if not first:
             raise ShmpipeValueError(
                 "the sources produced no batch, so there is nothing to infer the dataset's "
@@ -349,7 +381,7 @@ def to_tf_dataset(
             # dataset's partial batch): the batch axis is unknown, as with
             # tf.data's batch(drop_remainder=False).
             output_signature = _first_axis_unknown(output_signature)
-        peeked = (it, first)
+        peeked = _Peeked(it, first, position)
     ds = tf.data.Dataset.from_generator(_Feeder(pipe, output_signature, peeked), output_signature=output_signature)
     if batches_per_pass is not None:
         if not isinstance(batches_per_pass, int) or batches_per_pass < 1:
