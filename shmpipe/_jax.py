@@ -564,18 +564,11 @@ class _Feeder:
                 assert self.it is not None
                 self.collect()  # what the trainer dropped goes back before the wait
                 position = self.position
-                noted = None if position is None else self.stream._note_taking(position)
                 try:
-                    host = next(self.it)
-                except BaseException as exc:
-                    if position is not None and noted is not None:
-                        position.not_taken(noted)
-                    if isinstance(exc, StopIteration):
-                        self.ready.put(_END)
-                        return
-                    raise
-                if position is not None and noted is not None:
-                    position.took(noted, self.it.last_worker)
+                    host = next(self.it) if position is None else self.stream._take_ahead(self.it, position)
+                except StopIteration:
+                    self.ready.put(_END)
+                    return
                 if self.stop.is_set():
                     return  # abandoned while it waited: the batch goes back unread
                 out = self.convert(host)

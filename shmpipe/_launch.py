@@ -349,10 +349,9 @@ class ProcessLauncher(Launcher):
         connection closed: BrokenPipeError, ConnectionResetError) is the
         pipeline's failure, raised: the WorkerDiedError that names it (or
         the error it reported before it went)."""
-        try:
-            self.links[worker].send(message)
-        except OSError:
-            raise self._lost(worker, time.monotonic() + GRACE_S) from None
+        lost = self._send_each([(worker, message)])
+        if lost is not None:
+            raise lost
 
     def _send_each(self, messages: Iterable[tuple[int, tuple[Any, ...]]]) -> BaseException | None:
         """Each (worker, message) sent, also past a producer found gone

@@ -393,6 +393,18 @@ class BatchStream(abc.ABC):
         with position.lock:
             return position.taking(self._next_turn())
 
+    def _take_ahead(self, it: Pass, position: TrainerPosition) -> Any:
+        """The next batch of pass `it`, taken by an adapter ahead of the
+        trainer and noted in `position` (StopIteration at the pass's end)."""
+        noted = self._note_taking(position)
+        try:
+            batch = next(it)
+        except BaseException:
+            position.not_taken(noted)
+            raise
+        position.took(noted, it.last_worker)
+        return batch
+
     def _check_usable(self) -> None:
         if self._closed:
             self._raise_closed()

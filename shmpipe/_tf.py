@@ -360,16 +360,10 @@ def to_tf_dataset(
         position = pipe._position_for_adapter(ahead=k)
         first: list[Any] = []
         while len(first) < k:
-            noted = pipe._note_taking(position)
             try:
-                batch = next(it)
-            except BaseException as exc:
-                position.not_taken(noted)
-                if isinstance(exc, StopIteration):
-                    break
-                raise
-            position.took(noted, it.last_worker)
-            first.append(batch)
+                first.append(pipe._take_ahead(it, position))
+            except StopIteration:
+                break
         if not first:
             raise ShmpipeValueError(
                 "the sources produced no batch, so there is nothing to infer the dataset's "
