@@ -142,6 +142,7 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         adapter = cfg.get("adapter")
         for p in range(cfg["passes"]):
             got: list[list[int]] = []
+            result["pass_so_far"] = got  # what the pass delivered, also when it ends in an error
             if adapter == "torch":
                 import torch
 
@@ -172,6 +173,10 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                         time.sleep(20)
                         os._exit(0)
                     result["child_pid"] = child
+                if cfg.get("pause_at") == [p, len(got)]:
+                    # Long enough for rank 0 to deal the rest of the pass
+                    # (and the other ranks to take theirs)
+                    time.sleep(cfg.get("pause_s", 1.5))
                 if cfg.get("kill_at") == [p, len(got)]:
                     result["killed_at"] = time.time()
                     print(json.dumps(result), flush=True)
@@ -183,6 +188,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                         # moment: none of it may land in the slot kept here.
                         time.sleep(1.0)
                     break
+                if cfg.get("break_at") == [p, len(got)]:
+                    break  # leaves the pass early; the next one begins
                 if cfg.get("step_s"):
                     time.sleep(cfg["step_s"])
             result["passes"].append(got)

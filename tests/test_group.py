@@ -310,6 +310,57 @@ def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back
     assert _wait_gone(reports[0]["pids"]) == []
 
 
+def _paused_then(n: int, then: str, passes: int = 1) -> Any:
+    """2 sources of 6 batches: 12 a pass, 12 / n per rank. Rank 1 pauses at
+    its first batch of pass 0 while rank 0 deals the rest of it and the
+    others take theirs, then does `then` at its second batch."""
+    configs = _configs(n, sources=2, per_source=6, passes=passes)
+    configs[1]["pause_at"] = [0, 1]
+    configs[1][then] = [0, 2]
+    return configs
+
+
+@runs(lambda: _paused_then(3, "kill_at"))
+def test_a_rank_killed_in_the_last_pass_after_its_deal_fails_the_others(request):
+    """The others had every batch of theirs, and the pass's end, before the
+    death: a pass ends only when every rank is past it, so they hear of the
+    batches lost with it (they ended as if nothing had happened)."""
+    reports = _reports(request)
+    victim = reports[1]
+    assert victim["returncode"] == -signal.SIGKILL
+    for r in (reports[0], reports[2]):
+        assert r["error"] is not None and r["error"][0] == "RankDiedError", r
+        assert "rank 1" in r["error"][1]
+        assert len(r["pass_so_far"]) == 4, r  # all of theirs: the deal was over before the death
+        assert r["error_at"] - victim["killed_at"] < 5.0, (r["error_at"] - victim["killed_at"])
+        _assert_clean(r)
+    assert reports[0]["held_by_rank"]["1"] == 0
+    assert _wait_gone(reports[0]["pids"]) == []
+
+
+@runs(lambda: _paused_then(2, "close_at"))
+def test_a_rank_closing_after_its_deal_lets_the_others_end_the_pass(request):
+    """Leaving once the pass is dealt is a rank's choice, not a death: the
+    others' pass ends normally."""
+    reports = _reports(request)
+    assert reports[1]["error"] is None and [len(p) for p in reports[1]["passes"]] == [2], reports[1]
+    assert reports[0]["error"] is None and [len(p) for p in reports[0]["passes"]] == [6], reports[0]
+    for r in reports:
+        _assert_clean(r)
+
+
+@runs(lambda: _paused_then(2, "break_at", passes=2))
+def test_a_rank_leaving_a_pass_early_for_the_next_lets_the_others_end_it(request):
+    """A rank that began pass 1 is past pass 0 (its unread batches of pass
+    0 go back to the ring): rank 0 ends pass 0, and pass 1 is whole."""
+    reports = _reports(request)
+    for r in reports:
+        assert r["error"] is None, r
+        _assert_clean(r)
+    assert [len(p) for p in reports[0]["passes"]] == [6, 6]
+    assert [len(p) for p in reports[1]["passes"]] == [2, 6]
+
+
 @runs(lambda child: _one_killed(child, 0))
 @pytest.mark.parametrize("child", [False, True], ids=["alone", "with-a-child-holding-its-sockets"])
 def test_rank_0_killed_fails_the_others_and_its_producers_exit(child, request):
@@ -537,7 +588,7 @@ def _unsealed_ring() -> tuple[dict[str, Any], int]:
     "what",
     [
         "not json", "nested", "batch fields", "batch before ring", "ring not a dict", "ring bad geometry",
-        "end fields", "end nested", "error worker fields", "error died fields", "error args not list",
+        "end fields", "end nested", "complete fields", "complete nested", "error worker fields", "error died fields", "error args not list",
         "unknown kind", "unsealed ring called posix",
     ],
 )
@@ -562,6 +613,10 @@ def test_a_rank_turns_any_malformed_message_from_rank_0_into_a_shmpipe_error(wha
         message = ["end", 0, "x"]
     elif what == "end nested":
         message = ["end", 0, [1]]
+    elif what == "complete fields":
+        message = ["complete", "0"]
+    elif what == "complete nested":
+        message = ["complete", [[0]]]
     elif what == "error worker fields":
         message = ["error", "worker", [1, 2, 3, 4, 5]]
     elif what == "error died fields":

@@ -37,8 +37,11 @@ until the rank says "release" (when the last array of the batch is gone in
 that rank), or until the rank's connection ends.
 
 Passes. A client's ``iter()`` says "begin p"; the dispatcher starts pass p
-only when every rank has begun it (a barrier), and ends it with "end p" to
-every rank.
+only when every rank has begun it (a barrier), and ends its deal with "end
+p" to every rank. A rank that read "end p" says "taken p"; its pass ends
+(StopIteration) only on rank 0's "complete p", sent once every rank took
+the pass whole, began a later one or left after its deal: so a rank that
+dies with batches of the pass fails the others, in the last pass too.
 
 Faults. A rank's connection ending without "bye" (or its process ending,
 seen by a pidfd: a child it forked keeps the socket open), or "bye" in the

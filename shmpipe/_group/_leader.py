@@ -173,6 +173,12 @@ class Leader:
         self.watched: dict[int, tuple[_Watched | None, Any]] = {}  # fd -> (what, its object)
         self._watch(listener.fileno(), _Watched.LISTENER, listener)
         self.begun = [-1] * self.n  # the last pass each rank began
+        #: The last pass each rank took whole (it read the pass's "end"), and
+        #: the last pass every rank is past ("complete" sent): a rank's pass
+        #: ends only then, so a rank that dies holding batches of the pass
+        #: fails the others even when it was the group's last pass.
+        self.taken = [-1] * self.n
+        self.completed = -1
         self.ready = False
         self.failure: list[Any] | None = None  # the "error" message sent to every rank
         self.stopping = threading.Event()
@@ -438,8 +444,14 @@ class Leader:
             with self.lock:
                 self.begun[link.rank] = message[1]
                 self.lock.notify_all()
+            self._complete_passes()  # a rank that left a pass early for the next is past it
+        elif kind == "taken" and len(message) == 2 and type(message[1]) is int:
+            with self.lock:
+                self.taken[link.rank] = max(self.taken[link.rank], message[1])
+            self._complete_passes()
         elif kind == "bye":
             self._said_bye(link)
+            self._complete_passes()  # a rank that left after a pass's deal waits for nothing
         else:
             self.fail(
                 RankDiedError(
@@ -566,6 +578,35 @@ class Leader:
             links = [link for link in self.links.values() if link.state is LinkState.LIVE]
         for link in links:
             _wire.send_quietly(link.sock, ["end", pass_no, dropped])
+        self._complete_passes()  # every rank may have left it early for the next
+
+    def _complete_passes(self) -> None:
+        """Tells every rank the passes every rank is now past: a rank's
+        pass ends (StopIteration) only on this word, so the batches a rank
+        dies with are never lost in silence, in the group's last pass too
+        (the next pass's barrier would catch a death in any other). A rank
+        is past pass p once it took the whole pass (it read "end p"), began
+        a later one, or left the group after p was dealt (said bye: its
+        choice; a death fails the group instead). Service and dispatch
+        threads."""
+        with self.lock:
+            dealt = len(self.dropped_per_pass)  # passes dealt whole ("end" sent)
+            pass_no = self.completed
+            while pass_no + 1 < dealt and self.failure is None and self._all_past(pass_no + 1):
+                pass_no += 1
+            if pass_no == self.completed:
+                return
+            self.completed = pass_no
+            links = [link for link in self.links.values() if link.state is LinkState.LIVE]
+        for link in links:
+            _wire.send_quietly(link.sock, ["complete", pass_no])
+
+    def _all_past(self, pass_no: int) -> bool:
+        """Every rank is past `pass_no` (see _complete_passes); the lock held."""
+        return all(
+            link.state is not LinkState.LIVE or self.taken[rank] >= pass_no or self.begun[rank] > pass_no
+            for rank, link in self.links.items()
+        )
 
     def _all_began(self, pass_no: int) -> bool:
         """Every rank began `pass_no` (a rank that left between passes makes

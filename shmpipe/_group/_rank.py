@@ -162,6 +162,7 @@ class RankPipeline(FrameworkStream):
         self._reader: RankReader | None = None
         self._failure: ShmpipeError | None = None
         self._dropped: list[int] = []
+        self._taken_pass = -1  # the last pass whose "end" this rank read (it waits for "complete")
         # The pipeline's schedule (rank 0's leader runs it), and what this
         # rank keeps to know where the group stands from its own count (a
         # dataset's batches as one sequence; None: from_iterators, whose
@@ -366,7 +367,16 @@ class RankPipeline(FrameworkStream):
                 continue
             if self._leader_gone_unpolled(self._conn):
                 self._fail(RankDiedError(f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died", 0))
-            self._raise_if_timed_out(t0, time.perf_counter_ns(), lambda: f" (rank {self.rank} of group {self.group!r})")
+            self._raise_if_timed_out(t0, time.perf_counter_ns(), functools.partial(self._waiting_for, it.pass_no))
+
+    def _waiting_for(self, pass_no: int) -> str:
+        """What a wait of pass `pass_no` that timed out waited for."""
+        if self._taken_pass == pass_no:
+            return (
+                f" (rank {self.rank} of group {self.group!r} took its batches of pass {pass_no} and waits "
+                "for the other ranks to take theirs: one is slow or stuck)"
+            )
+        return f" (rank {self.rank} of group {self.group!r})"
 
     def _take_message(self, events: list[tuple[int, int]], it: Pass) -> Any:
         """The message poll announced, handled: (batch, nbytes, worker),
@@ -419,13 +429,23 @@ class RankPipeline(FrameworkStream):
             self._reader = transport.rank_reader(message[1], taken)  # closes `taken`
             return _NOTHING
         if kind == "end" and len(message) == 3:
+            # Every batch of the pass dealt to this rank was read: say so,
+            # and end the pass when rank 0 says every rank is past it
+            # ("complete"), so that a rank dying with batches of this pass
+            # is this rank's error, not a quiet loss (_leader._complete_passes).
             _, pass_no, dropped = message
             _wire.expect(pass_no, int)
             _wire.expect(dropped, int)
-            if pass_no != it.pass_no:
+            if pass_no != it.pass_no or self._taken_pass == pass_no:
                 return _NOTHING
             self._dropped.append(dropped)
-            return _END
+            self._taken_pass = pass_no
+            self._conn.send(["taken", pass_no])  # if rank 0 is gone, its end is read next
+            return _NOTHING
+        if kind == "complete" and len(message) == 2:
+            _wire.expect(message[1], int)
+            # a later pass's word covers this one; an earlier one is stale
+            return _END if self._taken_pass == it.pass_no <= message[1] else _NOTHING
         if kind == "error":
             raise _wire.error_from(message)
         raise GroupError(f"group {self.group!r}: unexpected message from rank 0: {message!r:.80}")

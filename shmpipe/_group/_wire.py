@@ -11,11 +11,12 @@ namespace has no permissions.
 
 Messages (rank -> rank 0): ``["hello", rank, fingerprint, pid, launch]``
 (launch: null, or ``{"proof": 64 hex digits, "restart": int or null}``),
-``["begin", pass]``, ``["release", token]``, ``["bye"]``.
+``["begin", pass]``, ``["taken", pass]`` (it read the pass's "end"),
+``["release", token]``, ``["bye"]``.
 (rank 0 -> rank): ``["ready", seed]`` (the pipeline's seed), ``["ring", share]`` + the ring's
 descriptor, ``["batch", pass, token, record, worker, nbytes]`` (+ a
 descriptor for a batch larger than a slot), ``["end", pass, dropped]``,
-``["error", kind, args]``.
+``["complete", pass]`` (every rank is past that pass), ``["error", kind, args]``.
 
 Everything read here is untrusted: a malformed message is a GroupError,
 never a TypeError from deep inside, and an error message builds only
