@@ -649,8 +649,10 @@ class _AheadPass:
             raise StopIteration
         feeder = self.feeder
         feeder.collect()  # the slots of arrays the trainer dropped go back while it waits
-        item = feeder.take(self.thread)
         position = feeder.position
+        if position is not None:
+            position.asking()
+        item = feeder.take(self.thread)
         if type(item) is tuple:
             if position is not None:
                 position.had_one()

@@ -125,7 +125,7 @@ class TrainerPosition:
     then the stream's own.
     """
 
-    __slots__ = ("_ahead", "_delivered", "_finished", "_made_here", "lock", "pass_no")
+    __slots__ = ("_ahead", "_asking", "_delivered", "_finished", "_made_here", "lock", "pass_no")
 
     def __init__(self, pass_no: int) -> None:
         self.lock = threading.Lock()
@@ -137,6 +137,8 @@ class TrainerPosition:
         #: The batches taken ahead, oldest first: [whose turn it was before
         #: the take, the worker it came from (None while being taken)].
         self._ahead: deque[list[int | None]] = deque()
+        #: The trainer asked for a batch it has not been given yet.
+        self._asking = False
 
     # -- the adapter's thread -------------------------------------------------
 
@@ -159,9 +161,15 @@ class TrainerPosition:
 
     # -- the trainer's side ---------------------------------------------------
 
+    def asking(self) -> None:
+        """The trainer asks for its next batch (or the pass's end)."""
+        with self.lock:
+            self._asking = True
+
     def had_one(self) -> None:
         """The trainer was given the oldest batch taken ahead."""
         with self.lock:
+            self._asking = False
             worker = self._ahead.popleft()[1]
             assert worker is not None  # noted (took) before it was queued for the trainer
             if worker < 0:
@@ -173,6 +181,12 @@ class TrainerPosition:
         """The trainer was given the pass's end."""
         with self.lock:
             self._finished = True
+
+    def waits_past_its_batches(self) -> bool:
+        """The trainer has had every batch taken ahead and asks for more:
+        the stream's end of the pass is now the trainer's too (a group's
+        rank says so to rank 0). Call under ``lock``."""
+        return self._asking and all(worker is None for _, worker in self._ahead)
 
     def had(self) -> Had:
         """What the trainer has had; call under ``lock``."""

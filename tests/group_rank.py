@@ -89,6 +89,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         array of the batch outlives the check in a local."""
         if adapter == "tf":
             b = {k: v.numpy() for k, v in b.items()}
+        elif adapter == "jax-ahead":
+            b = {k: np.asarray(v) for k, v in b.items()}
         w, s = int(b["worker"]), int(b["seq"])
         if "x" in b:
             x = b["x"]
@@ -149,7 +151,13 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                 batches = pipe.to_torch()
             elif adapter == "tf" and p == 0:
                 ds = pipe.to_tf_dataset()
-            for b in batches if adapter == "torch" else ds if adapter == "tf" else pipe:
+            elif adapter == "jax-ahead":
+                # Batches put ahead of the trainer from to_jax's thread (as
+                # on an accelerator), here on the CPU.
+                from shmpipe._jax import JaxBatches
+
+                batches = JaxBatches(pipe, prefetch=2, ahead=True)
+            for b in batches if adapter in ("torch", "jax-ahead") else ds if adapter == "tf" else pipe:
                 w, s = check(b)
                 got.append([w, s])
                 if cfg.get("keep_first") and kept is None:
@@ -173,10 +181,19 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                         time.sleep(20)
                         os._exit(0)
                     result["child_pid"] = child
-                if cfg.get("pause_at") == [p, len(got)]:
-                    # Long enough for rank 0 to deal the rest of the pass
-                    # (and the other ranks to take theirs)
-                    time.sleep(cfg.get("pause_s", 1.5))
+                if cfg.get("touch_at") == [p, len(got)]:
+                    _touch(cfg["touch_file"])
+                if cfg.get("wait_at") == [p, len(got)]:
+                    # Until the others had their share of the pass (so rank
+                    # 0 has dealt it whole), and a moment for its "end".
+                    for path in cfg["wait_files"]:
+                        _wait_for(path)
+                    time.sleep(cfg.get("wait_s", 0.3))
+                if cfg.get("send_at") == [p, len(got)]:
+                    # A message rank 0 must refuse (a broken rank's)
+                    pipe._conn.send(cfg["message"])
+                if cfg.get("raise_at") == [p, len(got)]:
+                    raise RuntimeError("the trainer's own error")
                 if cfg.get("kill_at") == [p, len(got)]:
                     result["killed_at"] = time.time()
                     print(json.dumps(result), flush=True)
@@ -206,6 +223,8 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         result["error"] = [type(exc).__name__, str(exc)]
         if pipe is not None and pipe._leader is not None:
             result["held_by_rank"] = {str(r): len(link.held) for r, link in pipe._leader.links.items()}
+    except RuntimeError as exc:  # raise_at: the trainer's own error, out of its loop
+        result["error"] = [type(exc).__name__, str(exc)]
     finally:
         if pipe is not None:
             pipe.close()

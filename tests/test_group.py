@@ -310,17 +310,25 @@ def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back
     assert _wait_gone(reports[0]["pids"]) == []
 
 
-def _paused_then(n: int, then: str, passes: int = 1) -> Any:
-    """2 sources of 6 batches: 12 a pass, 12 / n per rank. Rank 1 pauses at
-    its first batch of pass 0 while rank 0 deals the rest of it and the
-    others take theirs, then does `then` at its second batch."""
-    configs = _configs(n, sources=2, per_source=6, passes=passes)
-    configs[1]["pause_at"] = [0, 1]
-    configs[1][then] = [0, 2]
-    return configs
+def _after_the_deal(n: int, then: str, at: int = 2, passes: int = 1, **extra: Any) -> Callable[[], Any]:
+    """2 sources of 6 batches: 12 a pass, 12 / n per rank. Rank 1 waits at
+    its first batch of pass 0 until every other rank has had its share of
+    the pass (so rank 0 has dealt it whole; each touches a file then), and
+    does `then` at its batch `at`."""
+
+    def run() -> list[dict[str, Any]]:
+        with tempfile.TemporaryDirectory() as tmp:
+            configs = _configs(n, sources=2, per_source=6, passes=passes, **extra)
+            others = [r for r in range(n) if r != 1]
+            for r in others:
+                configs[r] |= {"touch_at": [0, 12 // n], "touch_file": os.path.join(tmp, f"rank-{r}")}
+            configs[1] |= {"wait_at": [0, 1], "wait_files": [configs[r]["touch_file"] for r in others], then: [0, at]}
+            return _run_ranks(configs)
+
+    return run
 
 
-@runs(lambda: _paused_then(3, "kill_at"))
+@runs(lambda: _after_the_deal(3, "kill_at"))
 def test_a_rank_killed_in_the_last_pass_after_its_deal_fails_the_others(request):
     """The others had every batch of theirs, and the pass's end, before the
     death: a pass ends only when every rank is past it, so they hear of the
@@ -334,22 +342,99 @@ def test_a_rank_killed_in_the_last_pass_after_its_deal_fails_the_others(request)
         assert len(r["pass_so_far"]) == 4, r  # all of theirs: the deal was over before the death
         assert r["error_at"] - victim["killed_at"] < 5.0, (r["error_at"] - victim["killed_at"])
         _assert_clean(r)
-    assert reports[0]["held_by_rank"]["1"] == 0
     assert _wait_gone(reports[0]["pids"]) == []
 
 
-@runs(lambda: _paused_then(2, "close_at"))
-def test_a_rank_closing_after_its_deal_lets_the_others_end_the_pass(request):
-    """Leaving once the pass is dealt is a rank's choice, not a death: the
-    others' pass ends normally."""
+@runs(lambda: _after_the_deal(2, "kill_at", at=6, adapter="jax-ahead", step_s=0.2), needs="jax", seconds=10)
+def test_a_rank_killed_in_its_last_step_while_to_jax_read_ahead_fails_the_others(request):
+    """to_jax's thread (as on an accelerator) read rank 1's share and the
+    pass's end one step (0.2 s) ahead of its trainer, which dies in the step
+    of its last batch, before it asks for more: as in a loop over the
+    pipeline itself, that batch was not trained on, and rank 0 hears of the
+    death (it heard nothing: the thread had said the pass was taken)."""
+    pytest.importorskip("jax")
     reports = _reports(request)
-    assert reports[1]["error"] is None and [len(p) for p in reports[1]["passes"]] == [2], reports[1]
+    assert reports[1]["returncode"] == -signal.SIGKILL, reports[1]
+    assert reports[0]["error"] is not None and reports[0]["error"][0] == "RankDiedError", reports[0]
+    assert len(reports[0]["pass_so_far"]) == 6
+    _assert_clean(reports[0])
+
+
+@pytest.mark.parametrize(
+    "how", ["close_at", "raise_at"], ids=["close", "an-exception-out-of-the-loop"]
+)
+@runs(lambda how: _after_the_deal(2, how))
+def test_a_rank_leaving_the_last_pass_with_batches_untaken_fails_the_others(how, request):
+    """Rank 1 closes (or its trainer raises out of the loop, and its
+    pipeline closes) after its 2nd of 6 batches: a close in the middle of
+    the pass, though rank 0 had dealt it whole; rank 0 hears which batches."""
+    reports = _reports(request)
+    assert reports[1]["error"] == (["RuntimeError", "the trainer's own error"] if how == "raise_at" else None)
+    assert reports[0]["error"] is not None and reports[0]["error"][0] == "RankDiedError", reports[0]
+    assert "with 4 of its 6 batches of pass 0 not taken" in reports[0]["error"][1]
+    for r in reports:
+        _assert_clean(r)
+
+
+@runs(lambda: _after_the_deal(2, "close_at", at=6))
+def test_a_rank_closing_at_its_share_without_asking_for_the_end_lets_the_others_end_the_pass(request):
+    """Rank 1 stops at exactly its share (islice, steps_per_epoch) and
+    closes without reading the pass's end: it took the whole pass, so
+    rank 0's pass ends normally."""
+    reports = _reports(request)
+    assert reports[1]["error"] is None and [len(p) for p in reports[1]["passes"]] == [6], reports[1]
     assert reports[0]["error"] is None and [len(p) for p in reports[0]["passes"]] == [6], reports[0]
     for r in reports:
         _assert_clean(r)
 
 
-@runs(lambda: _paused_then(2, "break_at", passes=2))
+def _rank_0_closing_first() -> list[dict[str, Any]]:
+    """Rank 0 stops at its share (6) and closes once rank 1 had its first
+    batch (the deal is whole by then); rank 1 takes its six slowly."""
+    with tempfile.TemporaryDirectory() as tmp:
+        started = os.path.join(tmp, "rank-1-started")
+        configs = _configs(2, sources=2, per_source=6, passes=1)
+        configs[1] |= {"step_s": 0.2, "touch_at": [0, 1], "touch_file": started}
+        configs[0] |= {"wait_at": [0, 6], "wait_files": [started], "close_at": [0, 6]}
+        return _run_ranks(configs)
+
+
+@runs(lambda: _rank_0_closing_first)
+def test_rank_0_closing_first_at_its_share_waits_for_the_others_to_end_the_pass(request):
+    """Only rank 0 can tell the others their pass is complete: its close
+    waits for them (up to group_timeout) instead of failing them."""
+    reports = _reports(request)
+    for r in reports:
+        assert r["error"] is None and [len(p) for p in r["passes"]] == [6], r
+        _assert_clean(r)
+
+
+def _rank_1_sending(message: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """Rank 1 sends rank 0 `message` at its first batch of a long pass."""
+    configs = _configs(2, sources=2, per_source=50, passes=1, step_s=0.01)
+    configs[1] |= {"send_at": [0, 1], "message": list(message)}
+    return configs
+
+
+@pytest.mark.parametrize(
+    "message",
+    [("taken", 10**30), ("taken", 0), ("taken", "0"), ("bye", 0), ("bye", "0", 1)],
+    ids=["taken-a-later-pass", "taken-while-dealt", "taken-not-an-int", "bye-short", "bye-not-ints"],
+)
+@runs(lambda message: _rank_1_sending(message))
+def test_rank_0_refuses_a_malformed_taken_or_bye(message, request):
+    """A "taken" of a pass not dealt whole would end passes whose batches
+    the rank never had: a malformed message, which fails the group (never
+    a TypeError in rank 0's threads, never a pass ended early)."""
+    reports = _reports(request)
+    assert reports[0]["error"] is not None and reports[0]["error"][0] == "RankDiedError", reports[0]
+    assert "sent a malformed message" in reports[0]["error"][1]
+    assert len(reports[0]["pass_so_far"]) < 50
+    for r in reports:
+        _assert_clean(r)
+
+
+@runs(lambda: _after_the_deal(2, "break_at", passes=2))
 def test_a_rank_leaving_a_pass_early_for_the_next_lets_the_others_end_it(request):
     """A rank that began pass 1 is past pass 0 (its unread batches of pass
     0 go back to the ring): rank 0 ends pass 0, and pass 1 is whole."""
@@ -639,7 +724,7 @@ def test_a_rank_turns_any_malformed_message_from_rank_0_into_a_shmpipe_error(wha
         assert "malformed" in str(error)
     if what == "unsealed ring called posix":
         assert isinstance(error, shmpipe.CorruptChannelError) and "backing" in str(error)
-    assert json.loads(heard[-1]) == ["bye"]  # it left the group
+    assert json.loads(heard[-1])[0] == "bye"  # it left the group
 
 
 # -- frameworks --------------------------------------------------------------------

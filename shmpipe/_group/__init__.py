@@ -38,14 +38,18 @@ that rank), or until the rank's connection ends.
 
 Passes. A client's ``iter()`` says "begin p"; the dispatcher starts pass p
 only when every rank has begun it (a barrier), and ends its deal with "end
-p" to every rank. A rank that read "end p" says "taken p"; its pass ends
-(StopIteration) only on rank 0's "complete p", sent once every rank took
-the pass whole, began a later one or left after its deal: so a rank that
-dies with batches of the pass fails the others, in the last pass too.
+p" to every rank. A rank that read "end p", its trainer asking past its
+last batch, says "taken p"; its pass ends (StopIteration) only on rank 0's
+"complete p", sent once every rank took the pass whole, began a later one,
+or closed having had all it was dealt of it: so a rank that dies or leaves
+with batches of the pass fails the others, in the last pass too. Rank 0's
+close waits for the others to end a pass dealt whole (up to group_timeout):
+no one else can tell them it is complete.
 
 Faults. A rank's connection ending without "bye" (or its process ending,
 seen by a pidfd: a child it forked keeps the socket open), or "bye" in the
-middle of a pass, fails the group: rank 0 stops the pipeline, then releases
+middle of a pass (while it is dealt, or with batches of it not had), fails
+the group: rank 0 stops the pipeline, then releases
 what that rank held, and sends every other rank a RankDiedError. Rank 0 dying
 ends every connection: the others raise RankDiedError, and the producers
 exit by their own watchdog (their consumer died). A producer's failure

@@ -111,7 +111,7 @@ class _Watched(enum.Enum):
 class _Link:
     """The leader's end of one rank's connection."""
 
-    __slots__ = ("dealt", "held", "pid", "rank", "sock", "state", "watch")
+    __slots__ = ("dealt", "dealt_in_pass", "held", "pid", "rank", "sock", "state", "watch")
 
     def __init__(self, sock: socket.socket, rank: int, pid: int, watch: ProcessWatch) -> None:
         self.sock = sock
@@ -125,6 +125,8 @@ class _Link:
         #: root holds the slot, so dropping it frees the slot.
         self.held: dict[int, SharedBatch] = {}
         self.dealt = 0
+        #: (pass, batches of it dealt to this rank): of the pass dealt last
+        self.dealt_in_pass = (-1, 0)
 
 
 class Leader:
@@ -445,13 +447,11 @@ class Leader:
                 self.begun[link.rank] = message[1]
                 self.lock.notify_all()
             self._complete_passes()  # a rank that left a pass early for the next is past it
-        elif kind == "taken" and len(message) == 2 and type(message[1]) is int:
-            with self.lock:
-                self.taken[link.rank] = max(self.taken[link.rank], message[1])
+        elif kind == "taken" and len(message) == 2 and self._takes(link.rank, message[1]):
             self._complete_passes()
-        elif kind == "bye":
-            self._said_bye(link)
-            self._complete_passes()  # a rank that left after a pass's deal waits for nothing
+        elif kind == "bye" and len(message) == 3 and type(message[1]) is type(message[2]) is int:
+            self._said_bye(link, message[1], message[2])
+            self._complete_passes()  # a rank that left having had its batches waits for nothing
         else:
             self.fail(
                 RankDiedError(
@@ -462,19 +462,44 @@ class Leader:
             )
             self._connection_ended(link)
 
-    def _said_bye(self, link: _Link) -> None:
+    def _takes(self, rank: int, pass_no: Any) -> bool:
+        """A rank's "taken": of the pass it began, once that was dealt whole
+        (False: a malformed message, which fails the group: a "taken" of a
+        later pass would end passes whose batches the rank never read)."""
+        with self.lock:
+            if type(pass_no) is not int or pass_no != self.begun[rank] or pass_no >= len(self.dropped_per_pass):
+                return False
+            self.taken[rank] = pass_no
+        return True
+
+    def _said_bye(self, link: _Link, pass_no: int, had: int) -> None:
+        """The rank closed its pipeline in pass `pass_no`, its trainer having
+        had `had` batches of it. Leaving in the middle of a pass fails the
+        group (the others could not stay in step): while rank 0 deals it, or
+        after, with batches of it the trainer never had (a break, an
+        exception out of the loop: a close in the middle, not at the end)."""
         with self.lock:
             link.state = LinkState.LEFT
             mid_pass = self.in_pass
+            dealt_pass, dealt = link.dealt_in_pass
+            begun = self.begun[link.rank]
+            missed = dealt - had if dealt_pass == begun == pass_no and self.taken[link.rank] < pass_no else 0
             self.lock.notify_all()
+        # (a bye whose pass is not the one begun: a close from another thread
+        # racing the begin of the next pass, which then cannot start in step)
         if mid_pass is not None:
-            self.fail(
-                RankDiedError(
-                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} closed its pipeline in the "
-                    f"middle of pass {mid_pass}; the other ranks cannot stay in step",
-                    link.rank,
-                )
+            why = f"closed its pipeline in the middle of pass {mid_pass}"
+        elif missed > 0:
+            why = f"closed its pipeline with {missed} of its {dealt} batches of pass {pass_no} not taken"
+        else:
+            return
+        self.fail(
+            RankDiedError(
+                f"rank {link.rank} (pid {link.pid}) of group {self.group!r} {why}; the other ranks cannot stay "
+                "in step",
+                link.rank,
             )
+        )
 
     def _connection_ended(self, link: _Link) -> None:
         """`link`'s connection ended, or its process did: what the rank held
@@ -597,6 +622,7 @@ class Leader:
             if pass_no == self.completed:
                 return
             self.completed = pass_no
+            self.lock.notify_all()  # a close waiting for it (_let_the_ranks_end_the_pass)
             links = [link for link in self.links.values() if link.state is LinkState.LIVE]
         for link in links:
             _wire.send_quietly(link.sock, ["complete", pass_no])
@@ -609,15 +635,18 @@ class Leader:
         )
 
     def _all_began(self, pass_no: int) -> bool:
-        """Every rank began `pass_no` (a rank that left between passes makes
-        the next one impossible: that is a failure, not a wait)."""
-        for rank, link in self.links.items():
-            if link.state is not LinkState.LIVE:
-                raise RankDiedError(
-                    f"rank {rank} (pid {link.pid}) of group {self.group!r} closed its pipeline, so pass "
-                    f"{pass_no} cannot start in step",
-                    rank,
-                )
+        """Every rank began `pass_no`. A rank that left between passes makes
+        the next one impossible: a failure, once a rank begins it (until
+        then the others may still be ending the pass before, which rank 0
+        leaving at its share does not fail: _let_the_ranks_end_the_pass)."""
+        if any(link.state is LinkState.LIVE and self.begun[rank] >= pass_no for rank, link in self.links.items()):
+            for rank, link in self.links.items():
+                if link.state is not LinkState.LIVE:
+                    raise RankDiedError(
+                        f"rank {rank} (pid {link.pid}) of group {self.group!r} closed its pipeline, so pass "
+                        f"{pass_no} cannot start in step",
+                        rank,
+                    )
         return all(b >= pass_no for b in self.begun)
 
     def _share_ring(self) -> None:
@@ -655,6 +684,8 @@ class Leader:
                 return
             link.held[token] = batch  # before the send: a release may come at once
             link.dealt += 1
+            last_pass, in_pass = link.dealt_in_pass
+            link.dealt_in_pass = (pass_no, in_pass + 1 if last_pass == pass_no else 1)
         # A failed send means the rank is gone: its end is read by the
         # service thread, which releases what it held.
         message = ["batch", pass_no, token, list(batch.record), worker, nbytes]
@@ -663,6 +694,28 @@ class Leader:
     # -- the end --------------------------------------------------------------
 
     def close(self) -> None:
+        try:
+            self._let_the_ranks_end_the_pass()
+        finally:
+            self._close()
+
+    def _let_the_ranks_end_the_pass(self) -> None:
+        """Rank 0 closing after it had its share of a pass dealt whole: the
+        others may still be taking theirs, and only this leader can tell them
+        the pass is complete. It waits for them (up to group_timeout), so a
+        rank 0 that stops at its share (islice) and closes first fails
+        nobody; a failure, or a pass still being dealt, waits for nothing."""
+        deadline = time.monotonic() + self.group_options.timeout
+        with self.lock:
+            while (
+                self.failure is None
+                and self.in_pass is None
+                and self.completed < len(self.dropped_per_pass) - 1
+                and time.monotonic() < deadline
+            ):
+                self.lock.wait(POLL_S)
+
+    def _close(self) -> None:
         self.stopping.set()
         self.pipe.close()  # the producers stop before any slot is freed below
         for thread in (self.service, self.dispatch):

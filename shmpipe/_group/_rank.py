@@ -27,12 +27,13 @@ from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
 from shmpipe._process import ProcessWatch
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
-from shmpipe._stats import GroupStats
-from shmpipe._stream import POLL_S, Had, Pass
+from shmpipe._stats import Counters, GroupStats
+from shmpipe._stream import POLL_S, Had, Pass, TrainerPosition
 from shmpipe.errors import (
     GroupError,
     GroupStartError,
     PipelineClosedError,
+    PipelineTimeoutError,
     RankDiedError,
     ShmpipeError,
     ShmpipeValueError,
@@ -81,10 +82,11 @@ class _Connection:
     reentrant because a batch can be freed by the garbage collector in this
     very thread, inside the locked span."""
 
-    __slots__ = ("closing", "held", "leader", "lock", "sock")
+    __slots__ = ("closing", "held", "leader", "lock", "progress", "sock")
 
-    def __init__(self, sock: socket.socket, leader: ProcessWatch | None) -> None:
+    def __init__(self, sock: socket.socket, leader: ProcessWatch | None, progress: _Progress) -> None:
         self.sock = sock
+        self.progress = progress
         #: Rank 0's process (None in rank 0 itself): its end is seen by its
         #: pidfd too, since a child it forked may hold its socket open.
         self.leader = leader
@@ -116,12 +118,59 @@ class _Connection:
             if self.closing:
                 return
             self.closing = True
-        self.send(["bye"])
+        self.send(self.progress.farewell())
         if self.leader is not None:
             self.leader.close()
         with self.lock:
             if self.held == 0:
                 self.sock.close()
+
+
+class _Progress:
+    """How far this rank's trainer is in its pass: what its "bye" tells rank
+    0 (shared by the rank and its connection, whose bye the pipeline's
+    finaliser may send after the rank object is gone), and whether the
+    trainer is at the pass's end (when it says "taken").
+
+    The trainer's count is the stream's own, or where an adapter takes
+    batches ahead of the trainer (to_jax's thread) that adapter's
+    TrainerPosition: a batch waiting in its buffer was not had. Batches
+    tf.data has taken count as had, as they do in a state_dict()."""
+
+    __slots__ = ("counters", "pass_no", "position", "taken_before")
+
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self.pass_no = -1
+        self.taken_before = 0  # batches the stream delivered before the pass in progress
+        self.position: TrainerPosition | None = None
+
+    def began(self, pass_no: int) -> None:
+        self.pass_no = pass_no
+        self.taken_before = self.counters.batches
+        self.position = None
+
+    def trainer_had(self) -> int:
+        """Batches of the pass in progress the trainer has had."""
+        position = self.position
+        if position is not None and position.pass_no == self.pass_no:
+            with position.lock:
+                return position.had().total()
+        return self.counters.batches - self.taken_before
+
+    def trainer_at_end(self) -> bool:
+        """The trainer asks past the last batch it was given: the stream's
+        end of the pass is the trainer's."""
+        position = self.position
+        if position is None or position.pass_no != self.pass_no:
+            return True
+        with position.lock:
+            return position.waits_past_its_batches()
+
+    def farewell(self) -> list[Any]:
+        """The rank's "bye": its pass and the batches of it its trainer had
+        (rank 0 compares them with those it dealt the rank)."""
+        return ["bye", self.pass_no, self.trainer_had()]
 
 
 @dataclass(frozen=True)
@@ -162,7 +211,11 @@ class RankPipeline(FrameworkStream):
         self._reader: RankReader | None = None
         self._failure: ShmpipeError | None = None
         self._dropped: list[int] = []
-        self._taken_pass = -1  # the last pass whose "end" this rank read (it waits for "complete")
+        #: The last pass whose "end" this rank read, and the last it said
+        #: "taken" of (the trainer at its end too): it waits for "complete".
+        self._end_read = -1
+        self._taken_said = -1
+        self._progress = _Progress(self._counters)
         # The pipeline's schedule (rank 0's leader runs it), and what this
         # rank keeps to know where the group stands from its own count (a
         # dataset's batches as one sequence; None: from_iterators, whose
@@ -172,7 +225,6 @@ class RankPipeline(FrameworkStream):
         self._batches = schedule.fingerprint()
         self._batch_sizes_vary = schedule.batch_sizes_vary(self.rank)
         self._position = schedule.one_reader() if isinstance(schedule, DatasetSchedule) else None
-        self._taken_before = 0  # batches this rank took before the pass in progress
         # One reader of rank 0's socket at a time (a poll object refuses two
         # threads), and no new pass while a take of the old one runs: the
         # thread of to_jax's pass left at a break may still be in _take when
@@ -212,7 +264,7 @@ class RankPipeline(FrameworkStream):
             leader_fd = leader.fileno() if leader is not None else None
             if leader_fd is not None:
                 self._poller.register(leader_fd, select.POLLIN)
-            conn = _Connection(sock, leader)
+            conn = _Connection(sock, leader, self._progress)
             _wire.send(sock, _wire.hello(self.rank, _wire.fingerprint(options, group, self._batches), group))
             # Rank 0 reports missing ranks at its deadline; a little later
             # here, so its message (which names them) comes first.
@@ -291,7 +343,7 @@ class RankPipeline(FrameworkStream):
         finished = self._finished_pass == self._pass_no if had is None else had.finished
         if finished:
             return position.state(Progress([0], None, finished=True))
-        taken = self._counters.batches - self._taken_before if had is None else had.total()
+        taken = self._counters.batches - self._progress.taken_before if had is None else had.total()
         return position.state_after_rounds(taken)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -329,11 +381,21 @@ class RankPipeline(FrameworkStream):
             if self._position is not None:
                 self._position.begin(self._pass_no + 1)  # where it raises (the sampler), no pass was begun
             self._pass_no += 1
-            self._taken_before = self._counters.batches
+            self._progress.began(self._pass_no)
             sent = self._conn.send(["begin", self._pass_no])
         if not sent:
             self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
         return self._pass_no
+
+    def _position_for_adapter(self, ahead: int) -> TrainerPosition:
+        position = super()._position_for_adapter(ahead)
+        self._progress.position = position  # what "taken" and "bye" count from
+        return position
+
+    def _adapter_caught_up(self, position: TrainerPosition) -> None:
+        super()._adapter_caught_up(position)
+        if self._progress.position is position:
+            self._progress.position = None
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -355,6 +417,7 @@ class RankPipeline(FrameworkStream):
                         "this iterator belongs to an earlier pass; iterating the pipeline again "
                         "started a new one (while this one waited for a batch)"
                     )
+                self._say_taken_at_the_end(it.pass_no)
                 events = self._poller.poll(int(POLL_S * 1000))  # a Ctrl-C here is the user's to have
                 if self._closed:  # by another thread (or a hook)
                     self._check_usable()
@@ -367,16 +430,27 @@ class RankPipeline(FrameworkStream):
                 continue
             if self._leader_gone_unpolled(self._conn):
                 self._fail(RankDiedError(f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died", 0))
-            self._raise_if_timed_out(t0, time.perf_counter_ns(), functools.partial(self._waiting_for, it.pass_no))
+            self._raise_if_timed_out(t0, time.perf_counter_ns(), lambda: f" (rank {self.rank} of group {self.group!r})")
 
-    def _waiting_for(self, pass_no: int) -> str:
-        """What a wait of pass `pass_no` that timed out waited for."""
-        if self._taken_pass == pass_no:
-            return (
-                f" (rank {self.rank} of group {self.group!r} took its batches of pass {pass_no} and waits "
-                "for the other ranks to take theirs: one is slow or stuck)"
-            )
-        return f" (rank {self.rank} of group {self.group!r})"
+    def _say_taken_at_the_end(self, pass_no: int) -> None:
+        """Says "taken" once the pass's end was read and the trainer is at
+        it too (at once, unless an adapter's thread read the end ahead of
+        the trainer: then when the trainer has had every batch before it,
+        within a poll). Under the consumer lock."""
+        if self._end_read == pass_no != self._taken_said and self._progress.trainer_at_end():
+            self._taken_said = pass_no
+            self._conn.send(["taken", pass_no])  # if rank 0 is gone, its end is read next
+
+    def _raise_if_timed_out(self, t0: int, now: int, why: Callable[[], str]) -> None:
+        timeout = self.options.timeout
+        if self._end_read != self._pass_no or timeout is None or now - t0 < timeout * 1e9:
+            super()._raise_if_timed_out(t0, now, why)
+            return
+        raise PipelineTimeoutError(
+            f"the end of pass {self._pass_no} did not come within {timeout:g} s: rank {self.rank} of group "
+            f"{self.group!r} has had its batches of the pass and waits for every other rank to end it too "
+            "(leave its loop over the pass, begin the next pass, or close); one of them is slow or stuck"
+        )
 
     def _take_message(self, events: list[tuple[int, int]], it: Pass) -> Any:
         """The message poll announced, handled: (batch, nbytes, worker),
@@ -429,23 +503,24 @@ class RankPipeline(FrameworkStream):
             self._reader = transport.rank_reader(message[1], taken)  # closes `taken`
             return _NOTHING
         if kind == "end" and len(message) == 3:
-            # Every batch of the pass dealt to this rank was read: say so,
-            # and end the pass when rank 0 says every rank is past it
-            # ("complete"), so that a rank dying with batches of this pass
-            # is this rank's error, not a quiet loss (_leader._complete_passes).
+            # Every batch of the pass dealt to this rank was read: it says
+            # "taken" once its trainer is at the end too, and the pass ends
+            # when rank 0 says every rank is past it ("complete"), so that a
+            # rank dying with batches of this pass is this rank's error, not
+            # a quiet loss (_leader._complete_passes).
             _, pass_no, dropped = message
             _wire.expect(pass_no, int)
             _wire.expect(dropped, int)
-            if pass_no != it.pass_no or self._taken_pass == pass_no:
+            if pass_no != it.pass_no or self._end_read == pass_no:
                 return _NOTHING
             self._dropped.append(dropped)
-            self._taken_pass = pass_no
-            self._conn.send(["taken", pass_no])  # if rank 0 is gone, its end is read next
+            self._end_read = pass_no
+            self._say_taken_at_the_end(pass_no)
             return _NOTHING
         if kind == "complete" and len(message) == 2:
             _wire.expect(message[1], int)
             # a later pass's word covers this one; an earlier one is stale
-            return _END if self._taken_pass == it.pass_no <= message[1] else _NOTHING
+            return _END if self._taken_said == it.pass_no <= message[1] else _NOTHING
         if kind == "error":
             raise _wire.error_from(message)
         raise GroupError(f"group {self.group!r}: unexpected message from rank 0: {message!r:.80}")

@@ -11,8 +11,10 @@ namespace has no permissions.
 
 Messages (rank -> rank 0): ``["hello", rank, fingerprint, pid, launch]``
 (launch: null, or ``{"proof": 64 hex digits, "restart": int or null}``),
-``["begin", pass]``, ``["taken", pass]`` (it read the pass's "end"),
-``["release", token]``, ``["bye"]``.
+``["begin", pass]``, ``["taken", pass]`` (it read the pass's "end", and
+its trainer asks past its last batch), ``["release", token]``,
+``["bye", pass, had]`` (the pass it is in, and how many batches of it its
+trainer had).
 (rank 0 -> rank): ``["ready", seed]`` (the pipeline's seed), ``["ring", share]`` + the ring's
 descriptor, ``["batch", pass, token, record, worker, nbytes]`` (+ a
 descriptor for a batch larger than a slot), ``["end", pass, dropped]``,
