@@ -636,7 +636,7 @@ class _AheadPass:
         # the pass just begun: iter(pipe)). The thread takes at most
         # `prefetch` + 1 batches the trainer has not had: one permit each,
         # given back as next() takes the batch, before it counts it.
-        position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1)
+        position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1, sees_asks=True)
         self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe, position)
         self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
         self.thread.start()

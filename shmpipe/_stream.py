@@ -125,12 +125,19 @@ class TrainerPosition:
     then the stream's own.
     """
 
-    __slots__ = ("_ahead", "_asking", "_delivered", "_finished", "_made_here", "lock", "pass_no")
+    __slots__ = ("_ahead", "_asking", "_delivered", "_finished", "_had", "_made_here", "lock", "pass_no", "sees_asks")
 
-    def __init__(self, pass_no: int) -> None:
+    def __init__(self, pass_no: int, sees_asks: bool = False) -> None:
         self.lock = threading.Lock()
         #: The pass it counts: once another began, it counts nothing of it.
         self.pass_no = pass_no
+        #: Whether the trainer's side says when it asks (``asking``: to_jax's
+        #: pass does); where it does not (tf.data), a batch is had as the
+        #: trainer's side takes it.
+        self.sees_asks = sees_asks
+        #: Batches the trainer has had (the total of the two counts below,
+        #: kept for the reads without the lock)
+        self._had = 0
         self._made_here = 0
         self._delivered: dict[int, int] = {}
         self._finished = False
@@ -170,6 +177,7 @@ class TrainerPosition:
         """The trainer was given the oldest batch taken ahead."""
         with self.lock:
             self._asking = False
+            self._had += 1
             worker = self._ahead.popleft()[1]
             assert worker is not None  # noted (took) before it was queued for the trainer
             if worker < 0:
@@ -182,11 +190,27 @@ class TrainerPosition:
         with self.lock:
             self._finished = True
 
+    # -- reads without the lock (a group's rank makes them under its own
+    # consumer lock, which a state_dict() takes inside this one) ------------
+
+    def had_count(self) -> int:
+        """Batches the trainer has had (one int read: no lock needed)."""
+        return self._had
+
     def waits_past_its_batches(self) -> bool:
         """The trainer has had every batch taken ahead and asks for more:
         the stream's end of the pass is now the trainer's too (a group's
-        rank says so to rank 0). Call under ``lock``."""
-        return self._asking and all(worker is None for _, worker in self._ahead)
+        rank says so to rank 0). Made in the adapter's thread, the only one
+        that adds to the batches taken ahead, without the lock: first the
+        batches still ahead (a snapshot: list() of a deque is one step under
+        the GIL), then whether the trainer asks. Both only fall on the
+        trainer's side, and had_one clears the ask as it takes a batch, so an
+        ask seen after an empty snapshot is an ask past the last batch."""
+        if not self.sees_asks:
+            return True
+        if any(worker is not None for _, worker in list(self._ahead)):
+            return False
+        return self._asking
 
     def had(self) -> Had:
         """What the trainer has had; call under ``lock``."""
@@ -375,16 +399,17 @@ class BatchStream(abc.ABC):
             with position.lock:
                 return self._state(position.had())
 
-    def _position_for_adapter(self, ahead: int) -> TrainerPosition:
+    def _position_for_adapter(self, ahead: int, sees_asks: bool = False) -> TrainerPosition:
         """For an adapter that takes the batches of the pass just begun
         ahead of the trainer (to_jax's thread), at most `ahead` of them
         before the trainer has them: the position it keeps, which
         ``state_dict()`` answers from until the next pass begins. Made
         before the adapter takes any batch, under the lock a state is made
         under: a state made from another thread meanwhile is the pass's
-        start, never a count of batches the trainer has not had."""
+        start, never a count of batches the trainer has not had.
+        `sees_asks`: the adapter tells when the trainer asks (asking())."""
         self._states_needed_behind(ahead)
-        position = TrainerPosition(self._pass_no)
+        position = TrainerPosition(self._pass_no, sees_asks)
         with self._position_lock:
             self._trainer_position = position
         return position

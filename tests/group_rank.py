@@ -52,15 +52,31 @@ def _wait_for(path: str, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def _touch_when_dealt(leader: Any, path: str, timeout: float = 60.0) -> None:
+    """Touches `path` once rank 0's leader has dealt pass 0 whole (its
+    "end" sent), from a thread (bounded by `timeout`)."""
+    import threading
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while not leader.dropped_per_pass and time.monotonic() < deadline:
+            time.sleep(0.005)
+        _touch(path)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _rank_main(cfg: dict[str, Any]) -> None:
     import gc
+    import warnings
 
     import numpy as np
 
     from shmpipe.testing.memory import ring_descriptors
     from shmpipe.testing.sources import Counter, Raiser, Shapes, crc_of, fill_pattern, payload_for
 
-    result: dict[str, Any] = {"rank": cfg["rank"], "passes": [], "error": None, "big": 0, "pids": []}
+    result: dict[str, Any] = {"rank": cfg["rank"], "passes": [], "error": None, "big": 0, "pids": [], "warnings": []}
+    warnings.showwarning = lambda message, category, *_, **__: result["warnings"].append(f"{category.__name__}: {message}")
     n = cfg["sources"]
     if cfg.get("high_fds"):
         # Every descriptor the group opens from here on is >= 1024, where
@@ -82,7 +98,7 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         # The first batch sizes the slot; later ones are up to 4x larger.
         sources = [Shapes([(1024 * (1 + (i % 4)),) for i in range(cfg["per_source"])])] * n
     else:
-        sources = [Counter(cfg["per_source"], (64,))] * n
+        sources = [Counter(cfg.get("per_source", 0), (64,))] * n
 
     def check(b: Any) -> tuple[int, int]:
         """Checks one batch; returns (worker, seq). A function, so that no
@@ -91,6 +107,9 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             b = {k: v.numpy() for k, v in b.items()}
         elif adapter == "jax-ahead":
             b = {k: np.asarray(v) for k, v in b.items()}
+        if "i" in b:  # a dataset's batch (cfg "samples"): its first and last sample
+            assert np.array_equal(b["x"], np.repeat(b["i"][:, None].astype(np.float32), 8, axis=1))
+            return int(b["i"][0]), int(b["i"][-1])
         w, s = int(b["worker"]), int(b["seq"])
         if "x" in b:
             x = b["x"]
@@ -130,17 +149,26 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             from shmpipe.transports.shm import ShmTransport
 
             transport = ShmTransport(backing="posix")
-        pipe = shmpipe.from_iterators(
-            sources,
-            transport=transport,
-            ordered=cfg.get("ordered", False),
-            timeout=60,
-            group=cfg["group"],
-            rank=cfg["rank"],
-            num_ranks=cfg["num_ranks"],
-            group_timeout=cfg.get("group_timeout", 30),
-        )
+        if cfg.get("samples"):  # a dataset's batches (of 2), in order: a group that can save its state
+            samples = [{"x": np.full((8,), i, np.float32), "i": i} for i in range(cfg["samples"])]
+            pipe = shmpipe.from_dataset(
+                samples, batch_size=2, num_workers=n, ordered=True, timeout=cfg.get("timeout", 60),
+                group=cfg["group"], rank=cfg["rank"], num_ranks=cfg["num_ranks"], group_timeout=30,
+            )
+        else:
+            pipe = shmpipe.from_iterators(
+                sources,
+                transport=transport,
+                ordered=cfg.get("ordered", False),
+                timeout=cfg.get("timeout", 60),
+                group=cfg["group"],
+                rank=cfg["rank"],
+                num_ranks=cfg["num_ranks"],
+                group_timeout=cfg.get("group_timeout", 30),
+            )
         result["pids"] = pipe.pids
+        if cfg.get("dealt_file") and pipe._leader is not None:
+            _touch_when_dealt(pipe._leader, cfg["dealt_file"])
         adapter = cfg.get("adapter")
         for p in range(cfg["passes"]):
             got: list[list[int]] = []
@@ -181,14 +209,10 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                         time.sleep(20)
                         os._exit(0)
                     result["child_pid"] = child
-                if cfg.get("touch_at") == [p, len(got)]:
-                    _touch(cfg["touch_file"])
                 if cfg.get("wait_at") == [p, len(got)]:
-                    # Until the others had their share of the pass (so rank
-                    # 0 has dealt it whole), and a moment for its "end".
-                    for path in cfg["wait_files"]:
-                        _wait_for(path)
-                    time.sleep(cfg.get("wait_s", 0.3))
+                    _wait_for(cfg["wait_file"])  # dealt_file: rank 0 dealt the pass whole
+                for _ in range(cfg.get("states_each_step", 0)):
+                    pipe.state_dict()  # as a checkpoint each step would (from to_jax's thread's side too)
                 if cfg.get("send_at") == [p, len(got)]:
                     # A message rank 0 must refuse (a broken rank's)
                     pipe._conn.send(cfg["message"])
@@ -199,7 +223,9 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                     print(json.dumps(result), flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if cfg.get("close_at") == [p, len(got)]:
+                    t0 = time.monotonic()
                     pipe.close()
+                    result["close_s"] = time.monotonic() - t0
                     if kept is not None:
                         # Rank 0 fails the group, its producers write on for a
                         # moment: none of it may land in the slot kept here.
@@ -210,6 +236,11 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                 if cfg.get("step_s"):
                     time.sleep(cfg["step_s"])
             result["passes"].append(got)
+            if cfg.get("state_after_pass"):
+                time.sleep(0.5)  # to_jax's thread reads the pass's end meanwhile
+                result.setdefault("states", []).append(pipe.state_dict())
+            if cfg.get("wait_file_after_pass"):  # as a collective after the loop would
+                _wait_for(cfg["wait_file_after_pass"], timeout=cfg.get("wait_s", 60.0))
             if kept is not None:
                 result["kept_intact"] = bool(np.array_equal(kept[2], payload_for(kept[0], kept[1], (64,))))
                 kept = None
@@ -226,8 +257,10 @@ def _rank_main(cfg: dict[str, Any]) -> None:
     except RuntimeError as exc:  # raise_at: the trainer's own error, out of its loop
         result["error"] = [type(exc).__name__, str(exc)]
     finally:
-        if pipe is not None:
+        if pipe is not None and not pipe.closed:
+            t0 = time.monotonic()
             pipe.close()
+            result["close_s"] = time.monotonic() - t0
         if cfg.get("touch_when_done"):
             _touch(cfg["touch_when_done"])
     pipe = batches = ds = kept = None

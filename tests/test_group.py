@@ -312,17 +312,15 @@ def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back
 
 def _after_the_deal(n: int, then: str, at: int = 2, passes: int = 1, **extra: Any) -> Callable[[], Any]:
     """2 sources of 6 batches: 12 a pass, 12 / n per rank. Rank 1 waits at
-    its first batch of pass 0 until every other rank has had its share of
-    the pass (so rank 0 has dealt it whole; each touches a file then), and
-    does `then` at its batch `at`."""
+    its first batch of pass 0 until rank 0 has dealt the pass whole (a file
+    rank 0 touches then), and does `then` at its batch `at`."""
 
     def run() -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as tmp:
+            dealt = os.path.join(tmp, "dealt")
             configs = _configs(n, sources=2, per_source=6, passes=passes, **extra)
-            others = [r for r in range(n) if r != 1]
-            for r in others:
-                configs[r] |= {"touch_at": [0, 12 // n], "touch_file": os.path.join(tmp, f"rank-{r}")}
-            configs[1] |= {"wait_at": [0, 1], "wait_files": [configs[r]["touch_file"] for r in others], then: [0, at]}
+            configs[0] |= {"dealt_file": dealt}
+            configs[1] |= {"wait_at": [0, 1], "wait_file": dealt, then: [0, at]}
             return _run_ranks(configs)
 
     return run
@@ -389,13 +387,13 @@ def test_a_rank_closing_at_its_share_without_asking_for_the_end_lets_the_others_
 
 
 def _rank_0_closing_first() -> list[dict[str, Any]]:
-    """Rank 0 stops at its share (6) and closes once rank 1 had its first
-    batch (the deal is whole by then); rank 1 takes its six slowly."""
+    """Rank 0 stops at its share (6) and closes once it has dealt the pass
+    whole; rank 1 takes its six slowly."""
     with tempfile.TemporaryDirectory() as tmp:
-        started = os.path.join(tmp, "rank-1-started")
+        dealt = os.path.join(tmp, "dealt")
         configs = _configs(2, sources=2, per_source=6, passes=1)
-        configs[1] |= {"step_s": 0.2, "touch_at": [0, 1], "touch_file": started}
-        configs[0] |= {"wait_at": [0, 6], "wait_files": [started], "close_at": [0, 6]}
+        configs[1] |= {"step_s": 0.2}
+        configs[0] |= {"dealt_file": dealt, "wait_at": [0, 6], "wait_file": dealt, "close_at": [0, 6]}
         return _run_ranks(configs)
 
 
@@ -430,6 +428,77 @@ def test_rank_0_refuses_a_malformed_taken_or_bye(message, request):
     assert reports[0]["error"] is not None and reports[0]["error"][0] == "RankDiedError", reports[0]
     assert "sent a malformed message" in reports[0]["error"][1]
     assert len(reports[0]["pass_so_far"]) < 50
+    for r in reports:
+        _assert_clean(r)
+
+
+@runs(lambda: [
+    {**cfg, **({"adapter": "jax-ahead", "break_at": [0, 6], "state_after_pass": True} if cfg["rank"] == 1
+               else {"step_s": 0.1})}
+    for cfg in _configs(2, sources=2, samples=24, passes=2)
+], needs="jax", seconds=8)
+def test_a_state_made_while_to_jax_read_the_end_ahead_of_the_trainer_does_not_deadlock(request):
+    """Rank 1's trainer stops at its share (6, as islice would) while
+    to_jax's thread has read the pass's end and waits for the trainer to
+    ask past it (rank 0, a little slower, has not ended the pass either);
+    a state_dict() then (a checkpoint at the epoch's end) took the two
+    locks in the other order and hung both ranks for ever."""
+    pytest.importorskip("jax")
+    reports = _reports(request)
+    for r in reports:
+        assert r["error"] is None and [len(p) for p in r["passes"]] == [6, 6], r
+        _assert_clean(r)
+    # made as the trainer had its share of pass 0: the group's epoch 0 is out
+    assert [(s["epoch"], s["done_below"]) for s in reports[1]["states"]] == [(1, 0), (2, 0)]
+    for p in range(2):
+        assert sorted(b for r in reports for b in r["passes"][p]) == [[2 * k, 2 * k + 1] for k in range(12)]
+
+
+@runs(lambda: _configs(2, sources=2, samples=4, passes=1, adapter="tf"), needs="tensorflow", seconds=12)
+def test_to_tf_dataset_in_ranks_whose_share_is_smaller_than_its_peek(request):
+    """One batch per rank, and to_tf_dataset() peeks two to infer the
+    signature: it read the pass's end in the peek, and waited there for
+    ever (no tf.data trainer asks while it is being made)."""
+    pytest.importorskip("tensorflow")
+    reports = _reports(request)
+    for r in reports:
+        assert r["returncode"] == 0 and r["error"] is None and [len(p) for p in r["passes"]] == [1], r
+    assert sorted(b for r in reports for b in r["passes"][0]) == [[0, 1], [2, 3]]
+
+
+@runs(lambda: _configs(2, sources=2, samples=12, passes=1, adapter="jax-ahead", timeout=1.0, step_s=0.6),
+      needs="jax", seconds=8)
+def test_to_jax_ahead_of_slow_steps_is_no_timeout_at_the_pass_end(request):
+    """to_jax's thread reads the end two steps (1.2 s) before its trainer
+    asks past its last batch: the wait for the other ranks begins only
+    then, so timeout=1.0 is not hit in a group whose ranks are in step."""
+    pytest.importorskip("jax")
+    reports = _reports(request)
+    for r in reports:
+        assert r["error"] is None and [len(p) for p in r["passes"]] == [3], r
+        _assert_clean(r)
+
+
+def _rank_0_waited_for_by_rank_1() -> list[dict[str, Any]]:
+    """Rank 1 stops at its share and waits for rank 0 to close before it
+    does (as a collective after the loop would); rank 0 closes first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dealt, closed = os.path.join(tmp, "dealt"), os.path.join(tmp, "closed")
+        configs = _configs(2, sources=2, per_source=6, passes=1, group_timeout=5)
+        configs[0] |= {"dealt_file": dealt, "wait_at": [0, 6], "wait_file": dealt, "close_at": [0, 6],
+                       "touch_when_done": closed}
+        configs[1] |= {"break_at": [0, 6], "wait_file_after_pass": closed}
+        return _run_ranks(configs)
+
+
+@runs(lambda: _rank_0_waited_for_by_rank_1, seconds=8)
+def test_rank_0_closing_while_a_rank_waits_for_it_gives_up_and_warns(request):
+    """Rank 0's close waits for rank 1 to end the pass, which waits for
+    rank 0: after group_timeout (5 s) rank 0 closes anyway, and says why."""
+    reports = _reports(request)
+    assert reports[0]["error"] is None and reports[1]["error"] is None, reports
+    assert reports[0]["close_s"] >= 4.5, reports[0]
+    assert any("closed after waiting 5 s for rank(s) 1 to end pass 0" in w for w in reports[0]["warnings"]), reports[0]
     for r in reports:
         _assert_clean(r)
 

@@ -18,6 +18,7 @@ import select
 import socket
 import threading
 import time
+import warnings
 from typing import Any
 
 from shmpipe._group import _wire
@@ -28,7 +29,14 @@ from shmpipe._process import ProcessWatch
 from shmpipe._schedule import Schedule
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S
-from shmpipe.errors import GroupError, GroupLaunchError, GroupStartError, RankDiedError
+from shmpipe.errors import (
+    GroupError,
+    GroupLaunchError,
+    GroupStartError,
+    RankDiedError,
+    ShmpipeWarning,
+    users_stacklevel,
+)
 from shmpipe.transport import ConsumerEnd, SharedBatch, SharingConsumerEnd
 
 __all__ = ["DealingPipeline", "Leader"]
@@ -40,6 +48,10 @@ HELLO_TIMEOUT_S = 5.0
 #: Connections waiting to say hello, at most (beyond the ranks to come): a
 #: new one beyond it closes the oldest.
 MAX_PENDING = 16
+#: How long rank 0's close waits, at most, for the other ranks to end a
+#: pass (less if group_timeout is less): a rank that stopped at its share
+#: and waits in a collective for rank 0 would otherwise hold it for ever.
+CLOSE_WAIT_S = 60.0
 
 
 def _describe_launch(proof: str | None, restart: int | None) -> str:
@@ -702,18 +714,36 @@ class Leader:
     def _let_the_ranks_end_the_pass(self) -> None:
         """Rank 0 closing after it had its share of a pass dealt whole: the
         others may still be taking theirs, and only this leader can tell them
-        the pass is complete. It waits for them (up to group_timeout), so a
-        rank 0 that stops at its share (islice) and closes first fails
-        nobody; a failure, or a pass still being dealt, waits for nothing."""
-        deadline = time.monotonic() + self.group_options.timeout
+        the pass is complete. It waits for them (up to group_timeout, at most
+        CLOSE_WAIT_S), so a rank 0 that stops at its share (islice) and
+        closes first fails nobody; a failure, or a pass still being dealt,
+        waits for nothing, nor does a close from the leader's own threads
+        (the service thread is the one that would read the ranks' words)."""
+        if threading.current_thread() in (self.service, self.dispatch):
+            return
+        waited = min(self.group_options.timeout, CLOSE_WAIT_S)
+        deadline = time.monotonic() + waited
         with self.lock:
-            while (
-                self.failure is None
-                and self.in_pass is None
-                and self.completed < len(self.dropped_per_pass) - 1
-                and time.monotonic() < deadline
-            ):
+            while self.failure is None and self.in_pass is None and self.completed < len(self.dropped_per_pass) - 1:
+                if time.monotonic() >= deadline:
+                    pass_no = self.completed + 1
+                    behind = [
+                        rank
+                        for rank, link in self.links.items()
+                        if link.state is LinkState.LIVE and self.taken[rank] < pass_no and self.begun[rank] <= pass_no
+                    ]
+                    break
                 self.lock.wait(POLL_S)
+            else:
+                return
+        warnings.warn(
+            f"rank 0 of group {self.group!r} closed after waiting {waited:g} s for rank(s) "
+            f"{', '.join(map(str, behind))} to end pass {pass_no}: they get RankDiedError (close rank 0 last, "
+            "after every rank has ended the pass; a rank that stops at its share and then waits for rank 0 "
+            "should close first)",
+            ShmpipeWarning,
+            stacklevel=users_stacklevel(),
+        )
 
     def _close(self) -> None:
         self.stopping.set()

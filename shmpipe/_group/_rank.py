@@ -150,22 +150,22 @@ class _Progress:
         self.taken_before = self.counters.batches
         self.position = None
 
+    # Neither read below takes the position's lock: both are made under the
+    # rank's consumer lock (a failure's close sends the farewell there),
+    # which a state_dict() takes inside the position's lock.
+
     def trainer_had(self) -> int:
         """Batches of the pass in progress the trainer has had."""
         position = self.position
         if position is not None and position.pass_no == self.pass_no:
-            with position.lock:
-                return position.had().total()
+            return position.had_count()
         return self.counters.batches - self.taken_before
 
     def trainer_at_end(self) -> bool:
         """The trainer asks past the last batch it was given: the stream's
         end of the pass is the trainer's."""
         position = self.position
-        if position is None or position.pass_no != self.pass_no:
-            return True
-        with position.lock:
-            return position.waits_past_its_batches()
+        return position is None or position.pass_no != self.pass_no or position.waits_past_its_batches()
 
     def farewell(self) -> list[Any]:
         """The rank's "bye": its pass and the batches of it its trainer had
@@ -215,6 +215,7 @@ class RankPipeline(FrameworkStream):
         #: "taken" of (the trainer at its end too): it waits for "complete".
         self._end_read = -1
         self._taken_said = -1
+        self._taken_at_ns = 0  # when it said "taken" last (the wait for "complete" begins)
         self._progress = _Progress(self._counters)
         # The pipeline's schedule (rank 0's leader runs it), and what this
         # rank keeps to know where the group stands from its own count (a
@@ -265,7 +266,14 @@ class RankPipeline(FrameworkStream):
             if leader_fd is not None:
                 self._poller.register(leader_fd, select.POLLIN)
             conn = _Connection(sock, leader, self._progress)
-            _wire.send(sock, _wire.hello(self.rank, _wire.fingerprint(options, group, self._batches), group))
+            try:
+                _wire.send(sock, _wire.hello(self.rank, _wire.fingerprint(options, group, self._batches), group))
+            except OSError as exc:  # ECONNRESET, EPIPE: not a ShmpipeError of ours to let through raw
+                raise GroupStartError(
+                    f"group {self.group!r}: the process listening as rank 0 (pid {self._leader_pid}) closed the "
+                    f"connection as this rank said hello ({exc.strerror or exc}): a group of the same name "
+                    "ending (an earlier run's), or rank 0 failing"
+                ) from None
             # Rank 0 reports missing ranks at its deadline; a little later
             # here, so its message (which names them) comes first.
             self._wait_ready(conn, deadline + 5.0)
@@ -387,8 +395,8 @@ class RankPipeline(FrameworkStream):
             self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
         return self._pass_no
 
-    def _position_for_adapter(self, ahead: int) -> TrainerPosition:
-        position = super()._position_for_adapter(ahead)
+    def _position_for_adapter(self, ahead: int, sees_asks: bool = False) -> TrainerPosition:
+        position = super()._position_for_adapter(ahead, sees_asks)
         self._progress.position = position  # what "taken" and "bye" count from
         return position
 
@@ -439,12 +447,18 @@ class RankPipeline(FrameworkStream):
         within a poll). Under the consumer lock."""
         if self._end_read == pass_no != self._taken_said and self._progress.trainer_at_end():
             self._taken_said = pass_no
+            self._taken_at_ns = time.perf_counter_ns()
             self._conn.send(["taken", pass_no])  # if rank 0 is gone, its end is read next
 
     def _raise_if_timed_out(self, t0: int, now: int, why: Callable[[], str]) -> None:
-        timeout = self.options.timeout
-        if self._end_read != self._pass_no or timeout is None or now - t0 < timeout * 1e9:
+        if self._end_read != self._pass_no:
             super()._raise_if_timed_out(t0, now, why)
+            return
+        # At the pass's end: the wait for the other ranks begins with
+        # "taken" (before it, an adapter's thread waits for its own trainer
+        # to have the batches it read ahead, which is no stall).
+        timeout = self.options.timeout
+        if self._taken_said != self._pass_no or timeout is None or now - max(t0, self._taken_at_ns) < timeout * 1e9:
             return
         raise PipelineTimeoutError(
             f"the end of pass {self._pass_no} did not come within {timeout:g} s: rank {self.rank} of group "
