@@ -252,8 +252,6 @@ def _rank_main(cfg: dict[str, Any]) -> None:
     except shmpipe.ShmpipeError as exc:
         result["error_at"] = time.time()
         result["error"] = [type(exc).__name__, str(exc)]
-        if pipe is not None and pipe._leader is not None:
-            result["held_by_rank"] = {str(r): len(link.held) for r, link in pipe._leader.links.items()}
     except RuntimeError as exc:  # raise_at: the trainer's own error, out of its loop
         result["error"] = [type(exc).__name__, str(exc)]
     finally:

@@ -294,9 +294,10 @@ def _one_killed(child: bool, victim: int) -> Any:
 
 @runs(lambda child: _one_killed(child, 1))
 @pytest.mark.parametrize("child", [False, True], ids=["alone", "with-a-child-holding-its-socket"])
-def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back(child, request):
+def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_nothing_is_left(child, request):
     """With a child it forked keeping its end of the socket open for 20 s
-    after it dies, its death is seen by its pidfd, not by the socket's end."""
+    after it dies, its death is seen by its pidfd, not by the socket's end.
+    The survivors let go of the ring, and the producers exit."""
     reports = _reports(request)
     victim = reports[1]
     assert victim["returncode"] == -signal.SIGKILL
@@ -305,8 +306,6 @@ def test_a_rank_killed_mid_pass_fails_the_others_quickly_and_its_slots_come_back
         assert "rank 1" in r["error"][1]
         assert r["error_at"] - victim["killed_at"] < 5.0, (r["error_at"] - victim["killed_at"])
         _assert_clean(r)
-    # Rank 0 released what rank 1 held as soon as its connection ended.
-    assert reports[0]["held_by_rank"]["1"] == 0
     assert _wait_gone(reports[0]["pids"]) == []
 
 
