@@ -98,7 +98,7 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         # The first batch sizes the slot; later ones are up to 4x larger.
         sources = [Shapes([(1024 * (1 + (i % 4)),) for i in range(cfg["per_source"])])] * n
     else:
-        sources = [Counter(cfg.get("per_source", 0), (64,))] * n
+        sources = [Counter(cfg.get("per_source", 0), (64,), linger=cfg.get("linger", 0.0))] * n
 
     def check(b: Any) -> tuple[int, int]:
         """Checks one batch; returns (worker, seq). A function, so that no

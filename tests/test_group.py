@@ -368,7 +368,7 @@ def test_a_rank_leaving_the_last_pass_with_batches_untaken_fails_the_others(how,
     reports = _reports(request)
     assert reports[1]["error"] == (["RuntimeError", "the trainer's own error"] if how == "raise_at" else None)
     assert reports[0]["error"] is not None and reports[0]["error"][0] == "RankDiedError", reports[0]
-    assert "with 4 of its 6 batches of pass 0 not taken" in reports[0]["error"][1]
+    assert "in the middle of pass 0, 4 of the 6 batches dealt to it not taken" in reports[0]["error"][1]
     for r in reports:
         _assert_clean(r)
 
@@ -382,6 +382,22 @@ def test_a_rank_closing_at_its_share_without_asking_for_the_end_lets_the_others_
     assert reports[1]["error"] is None and [len(p) for p in reports[1]["passes"]] == [6], reports[1]
     assert reports[0]["error"] is None and [len(p) for p in reports[0]["passes"]] == [6], reports[0]
     for r in reports:
+        _assert_clean(r)
+
+
+@pytest.mark.parametrize("who", [0, 1])
+@runs(lambda who: [
+    {**cfg, **({"close_at": [0, 6]} if cfg["rank"] == who else {})}
+    for cfg in _configs(2, sources=2, per_source=6, passes=1, linger=0.4)
+], seconds=4)
+def test_a_rank_closing_at_its_share_before_the_deal_ends_fails_nobody(who, request):
+    """The sources end their pass 0.4 s after their last batch: a rank that
+    closes at its share (6) meanwhile had every batch it was dealt, and no
+    more come (it was taken for one closing in the middle of the pass).
+    Rank 0's close waits for the deal's end (up to 1 s) and the others'."""
+    reports = _reports(request)
+    for r in reports:
+        assert r["error"] is None and [len(p) for p in r["passes"]] == [6], r
         _assert_clean(r)
 
 

@@ -48,8 +48,8 @@ no one else can tell them it is complete.
 
 Faults. A rank's connection ending without "bye" (or its process ending,
 seen by a pidfd: a child it forked keeps the socket open), or "bye" in the
-middle of a pass (while it is dealt, or with batches of it not had), fails
-the group: rank 0 stops the pipeline, then releases
+middle of a pass (with batches of it not had, or a batch dealt to it
+after), fails the group: rank 0 stops the pipeline, then releases
 what that rank held, and sends every other rank a RankDiedError. Rank 0 dying
 ends every connection: the others raise RankDiedError, and the producers
 exit by their own watchdog (their consumer died). A producer's failure

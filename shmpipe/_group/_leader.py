@@ -52,6 +52,10 @@ MAX_PENDING = 16
 #: pass (less if group_timeout is less): a rank that stopped at its share
 #: and waits in a collective for rank 0 would otherwise hold it for ever.
 CLOSE_WAIT_S = 60.0
+#: How long rank 0's close waits for the end of a pass still being dealt
+#: (it comes with the producers' last batches: rank 0 at its share before
+#: it is no close in the middle of the pass).
+DEAL_END_WAIT_S = 1.0
 
 
 def _describe_launch(proof: str | None, restart: int | None) -> str:
@@ -487,28 +491,27 @@ class Leader:
     def _said_bye(self, link: _Link, pass_no: int, had: int) -> None:
         """The rank closed its pipeline in pass `pass_no`, its trainer having
         had `had` batches of it. Leaving in the middle of a pass fails the
-        group (the others could not stay in step): while rank 0 deals it, or
-        after, with batches of it the trainer never had (a break, an
-        exception out of the loop: a close in the middle, not at the end)."""
+        group (the others could not stay in step): with batches dealt to it
+        its trainer never had (a break, an exception out of the loop), or
+        while the pass is still dealt, once another batch is dealt to it
+        (_deal_one). A rank that had all it was dealt, at its share (islice)
+        before the deal's end came from the producers, fails nobody."""
         with self.lock:
             link.state = LinkState.LEFT
-            mid_pass = self.in_pass
             dealt_pass, dealt = link.dealt_in_pass
             begun = self.begun[link.rank]
             missed = dealt - had if dealt_pass == begun == pass_no and self.taken[link.rank] < pass_no else 0
             self.lock.notify_all()
         # (a bye whose pass is not the one begun: a close from another thread
         # racing the begin of the next pass, which then cannot start in step)
-        if mid_pass is not None:
-            why = f"closed its pipeline in the middle of pass {mid_pass}"
-        elif missed > 0:
-            why = f"closed its pipeline with {missed} of its {dealt} batches of pass {pass_no} not taken"
-        else:
-            return
+        if missed > 0:
+            self._left_mid_pass(link, pass_no, f", {missed} of the {dealt} batches dealt to it not taken")
+
+    def _left_mid_pass(self, link: _Link, pass_no: int, detail: str) -> None:
         self.fail(
             RankDiedError(
-                f"rank {link.rank} (pid {link.pid}) of group {self.group!r} {why}; the other ranks cannot stay "
-                "in step",
+                f"rank {link.rank} (pid {link.pid}) of group {self.group!r} closed its pipeline in the middle of "
+                f"pass {pass_no}{detail}; the other ranks cannot stay in step",
                 link.rank,
             )
         )
@@ -692,12 +695,17 @@ class Leader:
     def _deal_one(self, link: _Link, pass_no: int, batch: SharedBatch, worker: int, nbytes: int) -> None:
         token = next(self.tokens)
         with self.lock:
-            if link.state is not LinkState.LIVE:
-                return
-            link.held[token] = batch  # before the send: a release may come at once
-            link.dealt += 1
-            last_pass, in_pass = link.dealt_in_pass
-            link.dealt_in_pass = (pass_no, in_pass + 1 if last_pass == pass_no else 1)
+            left = link.state is not LinkState.LIVE
+            if not left:
+                link.held[token] = batch  # before the send: a release may come at once
+                link.dealt += 1
+                last_pass, in_pass = link.dealt_in_pass
+                link.dealt_in_pass = (pass_no, in_pass + 1 if last_pass == pass_no else 1)
+        if left:
+            # It closed in this pass (a death has failed the group already):
+            # this batch, and its place in the round, cannot be had.
+            self._left_mid_pass(link, pass_no, ": a batch of it was dealt to it after it closed")
+            return
         # A failed send means the rank is gone: its end is read by the
         # service thread, which releases what it held.
         message = ["batch", pass_no, token, list(batch.record), worker, nbytes]
@@ -712,30 +720,50 @@ class Leader:
             self._close()
 
     def _let_the_ranks_end_the_pass(self) -> None:
-        """Rank 0 closing after it had its share of a pass dealt whole: the
-        others may still be taking theirs, and only this leader can tell them
-        the pass is complete. It waits for them (up to group_timeout, at most
-        CLOSE_WAIT_S), so a rank 0 that stops at its share (islice) and
-        closes first fails nobody; a failure, or a pass still being dealt,
-        waits for nothing, nor does a close from the leader's own threads
-        (the service thread is the one that would read the ranks' words)."""
+        """Rank 0 closing after it had its share of a pass: the others may
+        still be taking theirs, and only this leader can tell them the pass
+        is complete. It waits for them (up to group_timeout, at most
+        CLOSE_WAIT_S, then warns), so a rank 0 that stops at its share
+        (islice) and closes first fails nobody. Where the deal's end has not
+        come from the producers yet, it waits DEAL_END_WAIT_S for it (it
+        comes with their last batches), then fails the group: rank 0 closed
+        in the middle of the pass (a close from another thread, producers
+        that stall). A failure ends the wait; a close from the leader's own
+        threads does not wait (the service thread reads the ranks' words)."""
         if threading.current_thread() in (self.service, self.dispatch):
             return
+        now = time.monotonic()
         waited = min(self.group_options.timeout, CLOSE_WAIT_S)
-        deadline = time.monotonic() + waited
+        deadline, deal_deadline = now + waited, now + DEAL_END_WAIT_S
         with self.lock:
-            while self.failure is None and self.in_pass is None and self.completed < len(self.dropped_per_pass) - 1:
-                if time.monotonic() >= deadline:
-                    pass_no = self.completed + 1
-                    behind = [
-                        rank
-                        for rank, link in self.links.items()
-                        if link.state is LinkState.LIVE and self.taken[rank] < pass_no and self.begun[rank] <= pass_no
-                    ]
+            while self.failure is None and (
+                self.in_pass is not None or self.completed < len(self.dropped_per_pass) - 1
+            ):
+                now = time.monotonic()
+                if self.in_pass is not None and now >= deal_deadline:
+                    mid_pass = self.in_pass
                     break
+                if now >= deadline:
+                    self._warn_closing_before(self.completed + 1, waited)
+                    return
                 self.lock.wait(POLL_S)
             else:
                 return
+        self.fail(
+            RankDiedError(
+                f"rank 0 (pid {os.getpid()}) of group {self.group!r} closed its pipeline in the middle of pass "
+                f"{mid_pass}; the other ranks cannot stay in step",
+                0,
+            )
+        )
+
+    def _warn_closing_before(self, pass_no: int, waited: float) -> None:
+        """Rank 0 closes though ranks have not ended `pass_no` (the lock held)."""
+        behind = [
+            rank
+            for rank, link in self.links.items()
+            if link.state is LinkState.LIVE and self.taken[rank] < pass_no and self.begun[rank] <= pass_no
+        ]
         warnings.warn(
             f"rank 0 of group {self.group!r} closed after waiting {waited:g} s for rank(s) "
             f"{', '.join(map(str, behind))} to end pass {pass_no}: they get RankDiedError (close rank 0 last, "

@@ -12,6 +12,7 @@ import functools
 import os
 import select
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -94,7 +95,13 @@ class _Connection:
         self.held = 0
         self.closing = False
 
-    def send(self, message: list[Any]) -> bool:
+    def send(self, message: list[Any], _finalizing: Callable[[], bool] = sys.is_finalizing) -> bool:
+        # A batch's last array, and with it its release, may go while the
+        # interpreter exits, after the modules' globals were set to None
+        # (hence `_finalizing` bound here): nothing is sent then; rank 0
+        # frees what this rank held as its connection ends.
+        if _finalizing():
+            return False
         return self.sock.fileno() >= 0 and _wire.send_quietly(self.sock, message)
 
     def releaser(self, token: int) -> Callable[[], None]:

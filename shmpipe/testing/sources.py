@@ -63,10 +63,14 @@ def payload_for(worker: int, seq: int, shape: tuple[int, ...], dtype: Any = np.f
 
 class Counter:
     """Yields n batches {"worker", "seq", "data", "checksum"}; data depends
-    only on (worker, seq), so the consumer can check every byte."""
+    only on (worker, seq), so the consumer can check every byte. `delay`
+    seconds before each batch; `linger` seconds after the last one, before
+    the source ends (its end of pass comes late)."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] = (16,), dtype: Any = np.float32, delay: float = 0.0) -> None:
-        self.n, self.shape, self.dtype, self.delay = n, tuple(shape), np.dtype(dtype), delay
+    def __init__(
+        self, n: int, shape: tuple[int, ...] = (16,), dtype: Any = np.float32, delay: float = 0.0, linger: float = 0.0
+    ) -> None:
+        self.n, self.shape, self.dtype, self.delay, self.linger = n, tuple(shape), np.dtype(dtype), delay, linger
 
     def __call__(self) -> Iterator[dict[str, Any]]:
         worker = _worker_info().id
@@ -75,6 +79,8 @@ class Counter:
                 time.sleep(self.delay)
             data = payload_for(worker, seq, self.shape, self.dtype)
             yield {"worker": worker, "seq": seq, "data": data, "checksum": float(data.astype(np.float64).sum())}
+        if self.linger:
+            time.sleep(self.linger)
 
 
 class Fixed:
