@@ -58,35 +58,6 @@ CLOSE_WAIT_S = 60.0
 DEAL_END_WAIT_S = 1.0
 
 
-def _describe_launch(proof: str | None, restart: int | None) -> str:
-    """A launch as a message shows it: its tag, never its proof or id."""
-    if proof is None:
-        text = "no launch id (neither run_id= nor torchrun's environment)"
-    else:
-        text = f"launch {_wire.launch_tag(proof)}"
-    return text if restart is None else f"{text}, restart {restart}"
-
-
-def _differences(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
-    """The fields of two fingerprints that differ, as "name: theirs vs
-    ours" (a schedule's part, "batches", field by field); clipped, since
-    a rank's hello is another process's text."""
-    pairs = []
-    for key in sorted(set(theirs) | set(ours), key=str):
-        a, b = theirs.get(key), ours.get(key)
-        if a == b:
-            continue
-        if key == "batches" and isinstance(a, dict) and isinstance(b, dict):
-            pairs += [
-                f"{k}: {a.get(k)!r:.60} vs {b.get(k)!r:.60}"
-                for k in sorted(set(a) | set(b), key=str)
-                if a.get(k) != b.get(k)
-            ]
-        else:
-            pairs.append(f"{key!s:.40}: {a!r:.60} vs {b!r:.60}")
-    return "; ".join(pairs[:8]) + (f"; and {len(pairs) - 8} more" if len(pairs) > 8 else "")
-
-
 class DealingPipeline(Pipeline):
     """Rank 0's pipeline of a group: the channel's batches come undecoded
     (SharedBatch objects: each rank decodes its own in its own mapping), so
@@ -393,8 +364,8 @@ class Leader:
         launch = self.group_options.launch
         return (
             f"group {self.group!r} is of another launch than this process (rank {hello.rank}, pid {pid}): "
-            f"it presented {_describe_launch(hello.proof, hello.restart)}, the group's is "
-            f"{_describe_launch(self.proof, self.restart)}"
+            f"it presented {_wire.describe_launch(hello.proof, hello.restart)}, the group's is "
+            f"{_wire.describe_launch(self.proof, self.restart)}"
             + (f" (from {launch.source})" if launch is not None else "")
             + ". A rank left over from another run or an earlier restart, or a second job given the same "
             "group name? The group goes on without it; give each job its own group name, or the same "
@@ -414,7 +385,7 @@ class Leader:
             what = "from_dataset" if ours["batches"].get("kind") == "from_dataset" else "from_iterators"
             return (
                 f"rank {rank} (pid {pid}) calls {what} with other arguments than rank 0: "
-                f"{_differences(hello.fingerprint, ours)}"
+                f"{_wire.fingerprint_differences(hello.fingerprint, ours)}"
             )
         return None
 

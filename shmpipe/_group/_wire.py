@@ -62,11 +62,13 @@ __all__ = [
     "MALFORMED",
     "MAX_ERROR_BYTES",
     "Hello",
+    "describe_launch",
     "encode",
     "error_from",
     "error_message",
     "expect",
     "fingerprint",
+    "fingerprint_differences",
     "hello",
     "launch_proof",
     "launch_tag",
@@ -274,6 +276,35 @@ def fingerprint(options: PipelineOptions, group: GroupOptions, batches: dict[str
         "capacity": options.capacity,
         "batches": batches,
     }
+
+
+def describe_launch(proof: str | None, restart: int | None) -> str:
+    """A launch as a message shows it: its tag, never its proof or id."""
+    if proof is None:
+        text = "no launch id (neither run_id= nor torchrun's environment)"
+    else:
+        text = f"launch {launch_tag(proof)}"
+    return text if restart is None else f"{text}, restart {restart}"
+
+
+def fingerprint_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    """The fields of two fingerprints that differ, as "name: theirs vs
+    ours" (a schedule's part, "batches", field by field); clipped, since
+    a rank's hello is another process's text."""
+    pairs = []
+    for key in sorted(set(theirs) | set(ours), key=str):
+        a, b = theirs.get(key), ours.get(key)
+        if a == b:
+            continue
+        if key == "batches" and isinstance(a, dict) and isinstance(b, dict):
+            pairs += [
+                f"{k}: {a.get(k)!r:.60} vs {b.get(k)!r:.60}"
+                for k in sorted(set(a) | set(b), key=str)
+                if a.get(k) != b.get(k)
+            ]
+        else:
+            pairs.append(f"{key!s:.40}: {a!r:.60} vs {b!r:.60}")
+    return "; ".join(pairs[:8]) + (f"; and {len(pairs) - 8} more" if len(pairs) > 8 else "")
 
 
 # -- errors ---------------------------------------------------------------------
