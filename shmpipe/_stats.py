@@ -227,8 +227,15 @@ class Counters:
         #: pass's clock and the first batch's time are already set), after
         #: `wait_ns` of taking it. Compiled (_tally.pyx says why), with
         #: this module's layout.
-        # (Imported here: `import shmpipe` loads no compiled module.)
-        from shmpipe._tally import ReadyCounter
+        # (Imported here: `import shmpipe` loads no compiled module. A
+        # Ctrl-C is held back over it: Cython's init of the module calls
+        # Python code, ABCMeta.register, inside a bare `except: pass`,
+        # which swallowed a press landing there: 1 in 600 presses during a
+        # start, helper 33.)
+        from shmpipe._interrupts import ctrl_c_held_back
+
+        with ctrl_c_held_back():
+            from shmpipe._tally import ReadyCounter
 
         self.delivered_ready: Callable[[int, int, int], None] = ReadyCounter(
             self.tally,
