@@ -6,6 +6,7 @@ for one). Real signals, in a Python of its own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -123,7 +124,13 @@ except KeyboardInterrupt:
 """
 
 
-def test_a_press_while_the_first_pipeline_loads_its_compiled_counters_is_not_swallowed():
-    proc = subprocess.run([sys.executable, "-c", PRESS_IN_TALLY_INIT], capture_output=True, text=True, timeout=120)
+def test_a_press_while_the_first_pipeline_loads_its_compiled_counters_is_not_swallowed(tmp_path):
+    # In a folder of its own, with this process's sys.path: from the
+    # repository's root, `python -c` would import the source tree, whose
+    # extensions are built elsewhere (an installed package's)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PRESS_IN_TALLY_INIT], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
     assert proc.stdout.split() == ["interrupted", "[True]"], (proc.stdout, proc.stderr[-2000:])
     assert proc.returncode == 0, proc.stderr[-2000:]
