@@ -34,6 +34,7 @@ Batches and the end of a pass travel through the transport's channel.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -278,6 +279,16 @@ def producer_main(
     handle: Any,
 ) -> None:
     """Entry point of a producer process."""
+    # Whatever this process holds now it inherited (fork: the trainer's
+    # heap, torch's too; forkserver: the server's preloaded modules) or made
+    # to boot (spawn), and keeps to its end. Frozen, CPython's cyclic
+    # collector never walks it here: a full collection would write to every
+    # inherited object's header, copying each page the fork shares, and the
+    # first one was often owed already (a process that just imported torch
+    # is a few thousand allocations from one; measured with start method
+    # fork: 0.2 s to the first batch, 0.13 s with this). Only cyclic garbage
+    # already made is never collected. (gc.freeze is O(1): list splicing.)
+    gc.freeze()
     # Ctrl-C reaches the whole process group; the consumer decides what
     # happens (it stops us), so producers ignore it and print nothing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -60,6 +60,28 @@ def test_start_methods(start_method):
     assert got == [(w, s) for w in range(2) for s in range(5)]
 
 
+class CollectorReport:
+    """One batch: how many objects this producer's cyclic collector froze
+    and how many it still walks."""
+
+    def __call__(self):
+        yield {"frozen": gc.get_freeze_count(), "walked": len(gc.get_objects())}
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+def test_a_producer_freezes_what_it_started_with_so_its_collector_never_walks_the_inherited_heap(start_method):
+    # Inherited objects walked by a full collection are written to (their
+    # header), each shared page copied: with fork, the trainer's whole heap.
+    # A list keeps this process's heap well above a booted interpreter's.
+    ballast = [[i] for i in range(50_000)]
+    with shmpipe.from_iterators([CollectorReport()], start_method=start_method, timeout=T) as pipe:
+        (b,) = list(pipe)
+    assert b["frozen"] > 0 and b["walked"] < b["frozen"]
+    if start_method == "fork":  # the trainer's objects (the ballast too) are among the frozen
+        assert b["frozen"] > len(ballast)
+    del ballast
+
+
 def test_round_trip_matrix_through_producers():
     # (Imported here: producers of this module's sources import the module,
     # and shmpipe.testing.batches imports ml_dtypes, 0.85 s, where installed.)
