@@ -232,7 +232,7 @@ def stopped_note() -> str:
     return ""
 
 
-def status_held_back(p: BaseProcess) -> bool:
+def status_held_back(p: object) -> bool:
     """Whether producer `p`'s exit status cannot come now: `p` is a child of
     a fork server (the current one or a retired one) that is stopped. The
     server reaps its children and sends each status; it does neither until
@@ -241,7 +241,7 @@ def status_held_back(p: BaseProcess) -> bool:
     return server_pid is not None and process_stopped(server_pid)
 
 
-def status_lost(p: BaseProcess) -> str | None:
+def status_lost(p: object) -> str | None:
     """Where producer `p`'s fork server ended before it sent p's exit
     status (_ServerPopen.wait), and p's exit code (255) is not its own:
     what p's death says of it. Otherwise None."""
@@ -259,14 +259,14 @@ def status_lost(p: BaseProcess) -> str | None:
     )
 
 
-def let_go(p: BaseProcess) -> None:
+def let_go(p: object) -> None:
     """Producer `p` has ended and its exit status waits in its stopped fork
     server (status_held_back): `p` is taken off multiprocessing's children,
     each of which the interpreter's exit joins without a limit
     (multiprocessing.util._exit_function): the program would not end until
     the server is continued. The server, its parent, reaps it; `p.exitcode`
     still reads its status once sent, and its sentinel closes with `p`."""
-    children: set[BaseProcess] = getattr(multiprocessing.process, "_children", set())
+    children: set[object] = getattr(multiprocessing.process, "_children", set())
     children.discard(p)
 
 

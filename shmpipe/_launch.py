@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 from shmpipe import _control, _forkserver, _startup
 from shmpipe._interrupts import ctrl_c_held_back, ctrl_c_pending
@@ -126,7 +126,7 @@ class ProcessLauncher(Launcher):
         self._timeout = timeout
         self.spec = spec
         self.channel: ConsumerEnd | None = None
-        self.processes: list[BaseProcess] = []
+        self.processes: list[_Producer] = []
         self.watches: list[ProcessWatch] = []  # one per process, in the same order
         #: The consumer's end of each producer's control connection: what
         #: it is sent, and what it says, read without blocking.
@@ -553,6 +553,7 @@ class ProcessLauncher(Launcher):
         _reap(self.processes, self.watches)
         for watch in self.watches:
             watch.close()
+        self.processes[:] = [p if p.exitcode is None else _Ended(p) for p in self.processes]
         with self._reading:  # not under a read in another thread (each is short: nothing blocks)
             for link in self.links:
                 link.close()
@@ -584,7 +585,42 @@ class ProcessLauncher(Launcher):
         return list(self.processes)
 
 
-def _pid(p: BaseProcess) -> int:
+class _Producer(Protocol):
+    """A producer's multiprocessing process, or an _Ended one."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class _Ended:
+    """What a shut-down launcher keeps of a producer that ended: its pid and
+    exit code. Its multiprocessing process is let go, off multiprocessing's
+    children too (kept to the next start there), so that its descriptors
+    (its sentinel; with fork, a pipe more) close now, not when the closed
+    pipeline is collected: a job that keeps closed pipelines holds none.
+    (A thread that read the process before still has it, open.)"""
+
+    __slots__ = ("pid", "exitcode")
+
+    def __init__(self, p: _Producer) -> None:
+        self.pid, self.exitcode = p.pid, p.exitcode
+        children: set[Any] = getattr(multiprocessing.process, "_children", set())
+        children.discard(p)
+
+    @property
+    def sentinel(self) -> int:
+        raise ValueError(f"producer process {self.pid} was shut down: it has no sentinel")
+
+    def join(self, timeout: float | None = None) -> None:
+        """Ended and reaped already."""
+
+
+def _pid(p: _Producer) -> int:
     pid = p.pid
     assert pid is not None  # a started process has one
     return pid
@@ -679,7 +715,7 @@ def _refuse_while_bootstrapping() -> None:
 
 
 def _wait_for_event(
-    processes: Sequence[BaseProcess], watches: Sequence[ProcessWatch], readable: Sequence[Any], timeout: float
+    processes: Sequence[_Producer], watches: Sequence[ProcessWatch], readable: Sequence[Any], timeout: float
 ) -> None:
     """Waits up to `timeout` seconds for bytes on one of `readable` (objects
     with a fileno()) or the end of one of `processes` (returns at once if
@@ -687,8 +723,10 @@ def _wait_for_event(
     while it runs, its pidfd."""
     deadline = time.monotonic() + timeout
     waiting: list[Any] = [*readable]
-    pidfds: dict[int, BaseProcess] = {}
+    pidfds: dict[int, _Producer] = {}
     for p, watch in zip(processes, watches, strict=True):
+        if isinstance(p, _Ended):
+            return  # (in a thread that read the list as shutdown let go of them)
         waiting.append(p.sentinel)
         fd = watch.fileno()
         if fd is None:
@@ -704,7 +742,7 @@ def _wait_for_event(
             _exit_code_soon(p, deadline)
 
 
-def _join(p: BaseProcess, watch: ProcessWatch, deadline: float) -> None:
+def _join(p: _Producer, watch: ProcessWatch, deadline: float) -> None:
     """p.join() until `deadline` (monotonic), its end seen by its pidfd too
     (or by the watch, which keeps what it saw once its pidfd is closed)."""
     if watch.fileno() is not None:
@@ -717,7 +755,7 @@ def _join(p: BaseProcess, watch: ProcessWatch, deadline: float) -> None:
     _exit_code_soon(p, deadline)
 
 
-def _exit_code_soon(p: BaseProcess, deadline: float) -> None:
+def _exit_code_soon(p: _Producer, deadline: float) -> None:
     """`p` has ended (its pidfd says so) and its exit code is not known yet:
     under the forkserver, p's parent, which writes it to p's sentinel once
     it has reaped p (a moment later). Waits for that, until `deadline`;
@@ -732,7 +770,7 @@ def _exit_code_soon(p: BaseProcess, deadline: float) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
 
 
-def _reap(processes: list[BaseProcess], watches: list[ProcessWatch]) -> None:
+def _reap(processes: list[_Producer], watches: list[ProcessWatch]) -> None:
     """Gives the processes GRACE_S to exit, then SIGTERMs those still
     running and gives them GRACE_S, then SIGKILLs the rest and waits GRACE_S.
     A process stopped by a signal (SIGSTOP, Ctrl-Z) can neither exit nor act
