@@ -553,7 +553,7 @@ class ProcessLauncher(Launcher):
         _reap(self.processes, self.watches)
         for watch in self.watches:
             watch.close()
-        self.processes[:] = [p if p.exitcode is None else _Ended(p) for p in self.processes]
+        self.processes = [p if p.exitcode is None else _Ended(p) for p in self.processes]  # (a new list: see _Ended)
         with self._reading:  # not under a read in another thread (each is short: nothing blocks)
             for link in self.links:
                 link.close()
@@ -603,7 +603,7 @@ class _Ended:
     children too (kept to the next start there), so that its descriptors
     (its sentinel; with fork, a pipe more) close now, not when the closed
     pipeline is collected: a job that keeps closed pipelines holds none.
-    (A thread that read the process before still has it, open.)"""
+    (A wait in another thread keeps the old list, its sentinels open.)"""
 
     __slots__ = ("pid", "exitcode")
 

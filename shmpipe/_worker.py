@@ -287,7 +287,8 @@ def producer_main(
     # first one was often owed already (a process that just imported torch
     # is a few thousand allocations from one; measured with start method
     # fork: 0.2 s to the first batch, 0.13 s with this). Only cyclic garbage
-    # already made is never collected. (gc.freeze is O(1): list splicing.)
+    # already made is never collected. (gc.freeze is O(1) on CPython's
+    # default build: it splices lists; a free-threaded build walks them.)
     gc.freeze()
     # Ctrl-C reaches the whole process group; the consumer decides what
     # happens (it stops us), so producers ignore it and print nothing.

@@ -228,6 +228,18 @@ def running(pid):
     except FileNotFoundError:
         return False
 
+def stop(pid):
+    # SIGSTOP takes effect once the kernel next runs the process, a moment
+    # after kill() returns on a busy machine: until then /proc says it runs,
+    # and a start connects and writes (seen: 1 of 10 runs, a child forked).
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.001)
+
 def warm_up():  # the server runs
     with shmpipe.from_iterators([Source()], timeout=TIMEOUT) as pipe:
         out["before"] = sum(1 for _ in pipe)
@@ -278,7 +290,7 @@ if __name__ == "__main__":
             if case.startswith("at-fork"):
                 stop_at_next_fork()  # the start connects, writes, then waits
             elif case != "slow":
-                os.kill(_forkserver.server_pid(), signal.SIGSTOP)  # the start waits before it connects
+                stop(_forkserver.server_pid())  # the start waits before it connects
             if case in ("ctrl-c", "own-handler"):
                 if case == "own-handler":  # the program's own: it decides, after the start, as before
                     signal.signal(signal.SIGINT, lambda *a: out.setdefault("handled", time.monotonic() - t))

@@ -9,17 +9,12 @@ Each case is a fresh interpreter whose limit (soft and hard, as ``ulimit
 
 from __future__ import annotations
 
-import multiprocessing.process
-import os
 import resource
 import subprocess
 import sys
 import textwrap
 
 import pytest
-
-import shmpipe
-from shmpipe.testing.sources import Counter
 
 SCRIPT = textwrap.dedent(
     """
@@ -73,30 +68,50 @@ def test_a_pipeline_that_cannot_fit_is_refused_before_any_producer_starts(tmp_pa
     assert f"the hard limit is {limit}" in message and "or start fewer producers" in message
 
 
-def _descriptors() -> set[tuple[int, str]]:
-    """This process's open descriptors and what each names (less the one
-    that lists them)."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            found.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
-        except OSError:  # the listing's own, closed by now
-            pass
-    return found
+KEPT = textwrap.dedent(
+    """
+    import json, multiprocessing.process, os, sys
+    import shmpipe
+    from shmpipe.testing.sources import Counter
 
+    def descriptors():
+        found = set()
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                found.add((int(name), os.readlink(f"/proc/self/fd/{name}")))
+            except OSError:  # the listing's own, closed by now
+                pass
+        return found
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
-def test_a_closed_pipeline_holds_no_descriptor_while_it_is_kept(start_method):
-    # multiprocessing keeps a sentinel per process (with fork, a pipe more)
-    # until the process object goes: a job that keeps its closed pipelines
-    # (a list of the epochs' loaders) would run out of descriptors.
-    def one_pipeline() -> shmpipe.Pipeline:
-        with shmpipe.from_iterators([Counter(3, (64,))] * 2, start_method=start_method, timeout=60) as pipe:
+    def one_pipeline():
+        with shmpipe.from_iterators([Counter(3, (64,))] * 2, start_method=sys.argv[1], timeout=60) as pipe:
             assert sum(1 for _ in pipe) == 6
         return pipe
 
-    kept = [one_pipeline()]  # the first starts what serves the process's life (fork server, resource tracker)
-    before = _descriptors()
-    kept += [one_pipeline() for _ in range(3)]
-    assert _descriptors() - before == set()
-    assert not set(multiprocessing.process._children) & {p for pipe in kept for p in pipe._launcher.children()}
+    if __name__ == "__main__":
+        kept = [one_pipeline()]  # starts what serves the process's life (fork server, resource tracker)
+        before = descriptors()
+        kept += [one_pipeline() for _ in range(3)]
+        ours = {id(p) for pipe in kept for p in pipe._launcher.children()}
+        print(json.dumps({
+            "new": sorted(descriptors() - before),
+            "children_kept": sum(id(p) in ours for p in multiprocessing.process._children),
+        }))
+    """
+)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_a_closed_pipeline_holds_no_descriptor_while_it_is_kept(tmp_path, start_method):
+    # multiprocessing keeps a sentinel per process (with fork, a pipe more)
+    # until the process object goes: a job that keeps its closed pipelines
+    # (a list of the epochs' loaders) would run out of descriptors. (In a
+    # fresh interpreter: the suite's own process opens files meanwhile.)
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", KEPT, start_method], capture_output=True, text=True, timeout=120, cwd=str(tmp_path)
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"new": [], "children_kept": 0}, got

@@ -76,7 +76,9 @@ def test_a_producer_freezes_what_it_started_with_so_its_collector_never_walks_th
     ballast = [[i] for i in range(50_000)]
     with shmpipe.from_iterators([CollectorReport()], start_method=start_method, timeout=T) as pipe:
         (b,) = list(pipe)
-    assert b["frozen"] > 0 and b["walked"] < b["frozen"]
+    assert b["frozen"] > 0
+    if start_method != "spawn":  # forked: the heap it inherited is most of what it holds
+        assert b["walked"] < b["frozen"]
     if start_method == "fork":  # the trainer's objects (the ballast too) are among the frozen
         assert b["frozen"] > len(ballast)
     del ballast
