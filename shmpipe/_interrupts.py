@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ctrl_c_held_back", "ctrl_c_pending"]
+__all__ = ["born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
 
 #: Each ctrl_c_held_back open in the main thread, outermost first: the
 #: presses it noted, the handler it put aside, and its own (ctrl_c_pending
@@ -88,3 +88,46 @@ def ctrl_c_pending() -> bool:
     if handler is not signal.default_int_handler:
         return False
     return any(pressed for pressed, _, _ in _HELD) or signal.SIGINT in signal.sigpending()
+
+
+@contextlib.contextmanager
+def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
+    """Processes started in the block are born with SIGINT blocked.
+
+    Ctrl-C reaches every process of the terminal's process group, and a
+    producer that takes it while it boots prints a KeyboardInterrupt
+    traceback. A child is forked (or forked and exec'd, for spawn and the
+    forkserver) with the forking thread's signal mask, and exec keeps the
+    mask, so a producer -- and a forkserver started now, and so its children
+    later -- born with SIGINT blocked keeps a press pending until
+    producer_main ignores SIGINT (which discards a pending one) and unblocks
+    it. Meanwhile this thread holds presses pending too (or another thread
+    takes them: NumPy's BLAS threads block nothing); at the end of the block
+    the mask comes back and a pending press is handled as usual (under
+    ctrl_c_held_back: noted, and raised at the end of that).
+
+    multiprocessing's resource tracker unblocks SIGINT in this thread each
+    time it starts itself. It is started first (spawn and the forkserver
+    need it anyway), and the caller calls what this yields after each
+    start, which blocks SIGINT again.
+
+    shmpipe's own fork server (_forkserver) is started only in such a block
+    (_launch).
+    Left open: multiprocessing's forkserver, which starts a producer that
+    imports the script (_startup's fallback), when other code started it
+    earlier with SIGINT unblocked, forks producers that can take a press in
+    the moment between their birth and producer_main.
+    """
+    if start_method in ("spawn", "forkserver"):
+        from multiprocessing import resource_tracker  # (here: `import shmpipe` starts nothing of multiprocessing)
+
+        resource_tracker.ensure_running()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def block_again() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    try:
+        yield block_again
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)

@@ -25,7 +25,6 @@ code, read as before through multiprocessing, says how it ended.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing.connection
 import multiprocessing.process
@@ -34,18 +33,17 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from multiprocessing import resource_tracker
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from shmpipe import _control, _forkserver, _startup
-from shmpipe._interrupts import ctrl_c_held_back, ctrl_c_pending
+from shmpipe._interrupts import born_with_ctrl_c_blocked, ctrl_c_held_back, ctrl_c_pending
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
-from shmpipe.errors import CorruptChannelError, DescriptorLimitError, WorkerDiedError, WorkerError
+from shmpipe.errors import CorruptChannelError, DescriptorLimitError, PipelineClosedError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
 
 __all__ = ["GRACE_S", "ProcessLauncher", "prestart"]
@@ -132,6 +130,10 @@ class ProcessLauncher(Launcher):
         #: it is sent, and what it says, read without blocking.
         self.links: list[_control.ProducerLink] = []
         self._reading = threading.Lock()  # one thread at a time takes apart what arrived
+        #: Held by a producer's replacement, and by shutdown as it marks the
+        #: launcher down: a replacement started in another thread as the
+        #: pipeline closes is either refused or reaped with the rest.
+        self._replacing = threading.RLock()
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
         #: per worker: (pass, batches) of the last "done" it sent
@@ -175,7 +177,7 @@ class ProcessLauncher(Launcher):
                     # collection that fell meanwhile (up to 0.1 s after
                     # import torch, measured). Ctrl-C is held back as
                     # around prestart: it would leave a server half-made.
-                    with ctrl_c_held_back(), _born_with_ctrl_c_blocked("forkserver"):
+                    with ctrl_c_held_back(), born_with_ctrl_c_blocked("forkserver"):
                         _forkserver.launch_server()
                 self._handle_owed = self.channel is not None
                 self._starter = threading.Thread(target=self._start_in_background, name="shmpipe-start", daemon=True)
@@ -254,9 +256,9 @@ class ProcessLauncher(Launcher):
         # A channel opened before the producers goes with their arguments: some
         # handles (multiprocessing queues) can only travel that way.
         handle = self.channel.handle if self.channel is not None else None
-        # (In a thread of its own, _born_with_ctrl_c_blocked blocks SIGINT in
+        # (In a thread of its own, born_with_ctrl_c_blocked blocks SIGINT in
         # that thread only: its children are still born with it blocked.)
-        with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
+        with born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()) as block_again:
             for worker in range(len(self.sources)):
                 if self._stop_starting:  # shutdown is waiting: no more (what was started is stopped there)
                     break
@@ -270,7 +272,7 @@ class ProcessLauncher(Launcher):
 
     def _spawn(self, worker: int, handle: Any) -> tuple[BaseProcess, Connection]:
         """Starts producer `worker`'s process (SIGINT blocked: the caller
-        is in _born_with_ctrl_c_blocked); returns it and the consumer's end
+        is in born_with_ctrl_c_blocked); returns it and the consumer's end
         of its control connection."""
         owner_pid, owner_start = owner_identity()
         parent_end, child_end = self.spec.mp_context.Pipe(duplex=True)
@@ -306,7 +308,7 @@ class ProcessLauncher(Launcher):
     def _start_abandoned(self) -> str | None:
         """Why a producer's start still waiting for the fork server gives up
         (_forkserver.StartWait), or None: shutdown asked for no more starts,
-        or, in the main thread (whose SIGINT _born_with_ctrl_c_blocked keeps
+        or, in the main thread (whose SIGINT born_with_ctrl_c_blocked keeps
         pending meanwhile), a Ctrl-C was pressed."""
         if self._stop_starting:
             return "the pipeline was closed"
@@ -322,21 +324,24 @@ class ProcessLauncher(Launcher):
         handle can be given again). Returns the new process's pid. The new
         producer runs nothing until it is sent a pass (send_pass)."""
         self._started()
-        old, watch = self.processes[worker], self.watches[worker]
-        _join(old, watch, time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
-        with self._reading:
-            self.links[worker].close()  # a message it left half-sent goes with it
-        watch.close()
-        handle = self.channel.replacement_handle(worker) if self.channel is not None else None
-        with _born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
-            p, conn = self._spawn(worker, handle)
-        self.processes[worker] = p
-        self.watches[worker] = ProcessWatch(_pid(p))
-        with self._reading:
-            self.links[worker] = _control.ProducerLink(conn, f"worker {worker} (pid {p.pid})")
-        if isinstance(self._failure, WorkerDiedError) and self._failure.worker_id == worker:
-            self._failure = None  # that death is dealt with
-        return _pid(p)
+        with self._replacing:
+            if self._down:  # closed from another thread since the death was seen
+                raise PipelineClosedError(f"the pipeline was closed: producer {worker} is not replaced")
+            old, watch = self.processes[worker], self.watches[worker]
+            _join(old, watch, time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
+            with self._reading:
+                self.links[worker].close()  # a message it left half-sent goes with it
+            watch.close()
+            handle = self.channel.replacement_handle(worker) if self.channel is not None else None
+            with born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
+                p, conn = self._spawn(worker, handle)
+            self.processes[worker] = p
+            self.watches[worker] = ProcessWatch(_pid(p))
+            with self._reading:
+                self.links[worker] = _control.ProducerLink(conn, f"worker {worker} (pid {p.pid})")
+            if isinstance(self._failure, WorkerDiedError) and self._failure.worker_id == worker:
+                self._failure = None  # that death is dealt with
+            return _pid(p)
 
     def send_pass(self, worker: int, work: PassWork) -> None:
         """Pass `work.pass_no`, already begun, for producer `worker` alone (a
@@ -538,9 +543,10 @@ class ProcessLauncher(Launcher):
     def _shutdown(self) -> None:
         if self._down:
             return
-        self._stop_starting = True
+        self._stop_starting = True  # (first: a replacement waiting for the fork server gives up)
         self._start_ended()  # what it started is stopped below with the rest
-        self._down = True
+        with self._replacing:  # after a replacement being started: it is reaped with the rest
+            self._down = True
         channel = self.channel
         if channel is not None:
             channel.close()  # producers waiting for room return at once
@@ -626,53 +632,13 @@ def _pid(p: _Producer) -> int:
     return pid
 
 
-@contextlib.contextmanager
-def _born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
-    """Processes started in the block are born with SIGINT blocked.
-
-    Ctrl-C reaches every process of the terminal's process group, and a
-    producer that takes it while it boots prints a KeyboardInterrupt
-    traceback. A child is forked (or forked and exec'd, for spawn and the
-    forkserver) with the forking thread's signal mask, and exec keeps the
-    mask, so a producer -- and a forkserver started now, and so its children
-    later -- born with SIGINT blocked keeps a press pending until
-    producer_main ignores SIGINT (which discards a pending one) and unblocks
-    it. Meanwhile this thread holds presses pending too (or another thread
-    takes them: NumPy's BLAS threads block nothing); at the end of the block
-    the mask comes back and a pending press is handled as usual (under
-    ctrl_c_held_back: noted, and raised at the end of that).
-
-    multiprocessing's resource tracker unblocks SIGINT in this thread each
-    time it starts itself. It is started first (spawn and the forkserver
-    need it anyway), and the caller calls what this yields after each
-    start, which blocks SIGINT again.
-
-    shmpipe's own fork server (_forkserver) is started only in such a block.
-    Left open: multiprocessing's forkserver, which starts a producer that
-    imports the script (_startup's fallback), when other code started it
-    earlier with SIGINT unblocked, forks producers that can take a press in
-    the moment between their birth and producer_main.
-    """
-    if start_method in ("spawn", "forkserver"):
-        resource_tracker.ensure_running()
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
-    def block_again() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
-    try:
-        yield block_again
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-
 def prestart(objects: Sequence[Any]) -> None:
     """shmpipe.prestart(): the fork server started now, in the background,
     preloading what `objects` are made of (_startup.start_server); and what
     a first pipeline imports in this process, imported now."""
     # Born with SIGINT blocked, as when a pipeline starts it: so are the
-    # producers it forks (_born_with_ctrl_c_blocked says why).
-    with _born_with_ctrl_c_blocked("forkserver"):
+    # producers it forks (born_with_ctrl_c_blocked says why).
+    with born_with_ctrl_c_blocked("forkserver"):
         _startup.start_server(objects)
     # Meanwhile, what a first pipeline imports in this process: the default
     # transport's modules, and numpy.random, which draws the producers'

@@ -119,6 +119,28 @@ def test_past_max_restarts_the_death_is_the_error_with_the_history(tmp_path):
                 pass
 
 
+def test_a_producer_is_not_replaced_once_its_pipeline_closed():
+    # A close() from another thread lands between the consumer's finding a
+    # death and its replacing the producer: the launcher, down, refuses the
+    # replacement (a replacement already starting is waited for by the
+    # shutdown and reaped with the rest), so no producer outlives close().
+    pipe = shmpipe.from_iterators([Raiser(after=1 << 40)] * 2, timeout=T, max_restarts=1)
+    launcher = pipe._launcher
+    try:
+        it = iter(pipe)
+        next(it)
+        os.kill(pipe.pids[0], signal.SIGKILL)
+        pipe.close()
+        with pytest.raises(shmpipe.PipelineClosedError, match="producer 0 is not replaced"):
+            launcher.restart(0)
+        assert pipe.leftovers() == []
+    finally:
+        for p in launcher.processes:  # (before the guard, the replacement ran on: ended here)
+            if p.exitcode is None:
+                p.kill()
+                p.join(T)
+
+
 def test_a_source_that_raises_is_not_restarted():
     with shmpipe.from_iterators([Raiser(2)] * 2, timeout=T, max_restarts=3) as pipe:
         with pytest.raises(shmpipe.WorkerError, match="ValueError"):
