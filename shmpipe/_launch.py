@@ -130,10 +130,11 @@ class ProcessLauncher(Launcher):
         #: it is sent, and what it says, read without blocking.
         self.links: list[_control.ProducerLink] = []
         self._reading = threading.Lock()  # one thread at a time takes apart what arrived
-        #: Held by a producer's replacement, and by shutdown as it marks the
-        #: launcher down: a replacement started in another thread as the
-        #: pipeline closes is either refused or reaped with the rest.
-        self._replacing = threading.RLock()
+        #: Held while the launcher adds to what shutdown stops (a producer's
+        #: replacement, the channel a first batch sized), and by shutdown as
+        #: it marks the launcher down: what another thread adds as the
+        #: pipeline closes is either refused or stopped with the rest.
+        self._adding = threading.RLock()
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
         #: per worker: (pass, batches) of the last "done" it sent
@@ -324,7 +325,7 @@ class ProcessLauncher(Launcher):
         handle can be given again). Returns the new process's pid. The new
         producer runs nothing until it is sent a pass (send_pass)."""
         self._started()
-        with self._replacing:
+        with self._adding:
             if self._down:  # closed from another thread since the death was seen
                 raise PipelineClosedError(f"the pipeline was closed: producer {worker} is not replaced")
             old, watch = self.processes[worker], self.watches[worker]
@@ -388,6 +389,8 @@ class ProcessLauncher(Launcher):
         """Producer `worker`'s connection is closed: the failure to raise.
         It is ending, if it has not ended (its connection closes as it
         exits): its exit code is waited for until `deadline` (monotonic)."""
+        if self._down:  # its link was closed by a close() in another thread, not by its end
+            return PipelineClosedError("the pipeline was closed")
         p = self.processes[worker]
         _join(p, self.watches[worker], deadline)
         failure = self.first_failure()  # an error it reported before it went comes first
@@ -415,10 +418,13 @@ class ProcessLauncher(Launcher):
                 spec = dataclasses.replace(
                     self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
                 )
-                self.channel = self.transport.open(spec)
-                # A replacement of a producer found gone starts attached.
-                lost = self._send_each((worker, ("attach", self.channel.handle)) for worker in range(len(self.links)))
-                self.channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
+                with self._adding:  # (a close() in another thread meanwhile destroys it after, or finds none)
+                    if self._down:
+                        raise PipelineClosedError("the pipeline was closed")
+                    self.channel = channel = self.transport.open(spec)
+                    # A replacement of a producer found gone starts attached.
+                    lost = self._send_each((worker, ("attach", channel.handle)) for worker in range(len(self.links)))
+                    channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
                 if lost is not None:
                     raise lost
         return self.channel
@@ -545,7 +551,7 @@ class ProcessLauncher(Launcher):
             return
         self._stop_starting = True  # (first: a replacement waiting for the fork server gives up)
         self._start_ended()  # what it started is stopped below with the rest
-        with self._replacing:  # after a replacement being started: it is reaped with the rest
+        with self._adding:  # after what is being added: it is stopped with the rest
             self._down = True
         channel = self.channel
         if channel is not None:

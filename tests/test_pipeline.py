@@ -535,6 +535,36 @@ def test_close_from_another_thread_wakes_the_waiting_consumer(transport):
     assert len(errors) == 1 and isinstance(errors[0], shmpipe.PipelineClosedError), errors
 
 
+def test_what_a_consumer_does_after_a_close_from_another_thread_is_refused_as_closed():
+    # The consumer's thread may be between a look at the pipeline and an
+    # act on its producers when close() lands in another: the launcher,
+    # down, opens no channel (it would outlive the close, never destroyed)
+    # and takes a link that close() shut for no producer's death.
+    from shmpipe.testing.processes import wait_until
+
+    pipe = shmpipe.from_iterators([Counter(3, (64,))] * 2, timeout=T)
+    launcher = pipe._launcher
+    try:
+        iter(pipe)  # the pass begins: each producer makes a batch and asks for a channel sized for it
+
+        def asked():
+            launcher._read_messages()
+            return launcher._need is not None
+
+        assert wait_until(asked, T)
+        pipe.close()
+        with pytest.raises(shmpipe.PipelineClosedError):
+            launcher.open_channel(0.0)
+        assert launcher.channel is None  # (before: one opened after the close, never destroyed)
+        with pytest.raises(shmpipe.PipelineClosedError):
+            launcher._send(0, ("stop",))  # (before: WorkerDiedError, "it ended, and its exit status did not come")
+    finally:
+        orphan = launcher.channel
+        if orphan is not None:
+            orphan.close()
+            orphan.destroy()
+
+
 def test_a_source_from_an_interactive_session_runs_unless_it_needs_the_session(tmp_path):
     import subprocess
     import sys
