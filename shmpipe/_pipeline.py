@@ -666,6 +666,8 @@ class Pipeline(FrameworkStream):
         next_wseq, finished = (0, False) if channel is None else channel.reclaim(worker, pass_no, delivered)
         try:
             pid = self._launcher.restart(worker)
+        except PipelineClosedError:
+            raise  # closed from another thread since the look above: what a wait sees of a close()
         except Exception as exc:  # noqa: BLE001 - no replacement (a stopped fork server): the death stands
             death.args = (f"{death}; its replacement did not start: {exc}",)
             death.message, death.__cause__ = str(death), exc
