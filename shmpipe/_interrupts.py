@@ -1,8 +1,12 @@
-"""Ctrl-C held back over spans that must not be cut in the middle.
+"""Ctrl-C held back over spans that must not be cut in the middle, and a
+teardown a signal handler asks for inside such a span put off to its end.
 
 Python raises KeyboardInterrupt between any two bytecodes of the main
 thread, so a span that receives or starts something and then records it
 where clean-up finds it can be cut between the two, and the thing leaks.
+Any other signal's handler runs there too, and one that closes a pipeline
+(a SIGTERM handler that closes the loader before it exits) runs inside
+whatever that thread was doing with the pipeline.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
+__all__ = ["TeardownAfterSpans", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
 
 #: Each ctrl_c_held_back open in the main thread, outermost first: the
 #: presses it noted, the handler it put aside, and its own (ctrl_c_pending
@@ -131,3 +135,51 @@ def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
         yield block_again
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+class TeardownAfterSpans:
+    """Spans of an object's work that its teardown must not run inside,
+    and the teardown owed to the end of the span that a signal handler
+    interrupted.
+
+    Python runs a signal handler in the main thread between two bytecodes,
+    so a handler that closes a pipeline can run while that very thread is
+    in a span that holds one of the pipeline's locks and is adding to it.
+    Torn down there, the teardown waits for that thread's own lock (a plain
+    Lock: for ever), or takes apart what the span goes on to use and then
+    records (a producer it is starting, a channel it is opening), which
+    outlives the close. So in a span, ``defer(teardown)`` owes the teardown
+    to this thread's outermost span, run as that ends, returning or raising
+    (a handler that raises SystemExit unwinds through it): a close() from a
+    handler returns at once and is done a moment later, what the span made
+    torn down with the rest. Other threads are not spans of this one: a
+    teardown in another thread waits for the lock, as before.
+    """
+
+    def __init__(self) -> None:
+        self._thread = threading.local()  # per thread: how deep in spans, and the teardown it owes
+
+    @contextlib.contextmanager
+    def holding(self, lock: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        """A span: `lock` held. The depth counts from before the lock is
+        asked for (a handler may run while this thread waits for it), so
+        no bytecode of the span has the lock held and the depth not."""
+        depth = getattr(self._thread, "depth", 0)
+        self._thread.depth = depth + 1
+        try:
+            with lock:
+                yield
+        finally:
+            self._thread.depth = depth
+            owed = getattr(self._thread, "owed", None)
+            if depth == 0 and owed is not None:
+                self._thread.owed = None
+                owed()
+
+    def defer(self, teardown: Callable[[], None]) -> bool:
+        """Whether this thread is in a span (a handler interrupted it): then
+        `teardown` is owed to the span's end. False: tear down now."""
+        if not getattr(self._thread, "depth", 0):
+            return False
+        self._thread.owed = teardown
+        return True

@@ -39,7 +39,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from shmpipe import _control, _forkserver, _startup
-from shmpipe._interrupts import born_with_ctrl_c_blocked, ctrl_c_held_back, ctrl_c_pending
+from shmpipe._interrupts import TeardownAfterSpans, born_with_ctrl_c_blocked, ctrl_c_held_back, ctrl_c_pending
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
@@ -135,6 +135,10 @@ class ProcessLauncher(Launcher):
         #: it marks the launcher down: what another thread adds as the
         #: pipeline closes is either refused or stopped with the rest.
         self._adding = threading.RLock()
+        #: Each hold of _adding or _reading outside shutdown is a span: a close()
+        #: from a signal handler that interrupts the holding thread there is put
+        #: off to the span's end (it would wait for its own thread's lock)
+        self._spans = TeardownAfterSpans()
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
         #: per worker: (pass, batches) of the last "done" it sent
@@ -325,9 +329,10 @@ class ProcessLauncher(Launcher):
         handle can be given again). Returns the new process's pid. The new
         producer runs nothing until it is sent a pass (send_pass)."""
         self._started()
-        with self._adding:
+        closed = PipelineClosedError(f"the pipeline was closed: producer {worker} is not replaced")
+        with self._spans.holding(self._adding):
             if self._down:  # closed from another thread since the death was seen
-                raise PipelineClosedError(f"the pipeline was closed: producer {worker} is not replaced")
+                raise closed
             old, watch = self.processes[worker], self.watches[worker]
             _join(old, watch, time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
             with self._reading:
@@ -336,13 +341,16 @@ class ProcessLauncher(Launcher):
             handle = self.channel.replacement_handle(worker) if self.channel is not None else None
             with born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
                 p, conn = self._spawn(worker, handle)
-            self.processes[worker] = p
-            self.watches[worker] = ProcessWatch(_pid(p))
-            with self._reading:
-                self.links[worker] = _control.ProducerLink(conn, f"worker {worker} (pid {p.pid})")
+                # Recorded before the block's end raises a press held pending
+                self.processes[worker] = p
+                self.watches[worker] = ProcessWatch(_pid(p))
+                with self._reading:
+                    self.links[worker] = _control.ProducerLink(conn, f"worker {worker} (pid {p.pid})")
             if isinstance(self._failure, WorkerDiedError) and self._failure.worker_id == worker:
                 self._failure = None  # that death is dealt with
-            return _pid(p)
+        if self._down:  # a signal handler's close() in the span: the replacement was stopped as it ended
+            raise closed
+        return _pid(p)
 
     def send_pass(self, worker: int, work: PassWork) -> None:
         """Pass `work.pass_no`, already begun, for producer `worker` alone (a
@@ -418,13 +426,15 @@ class ProcessLauncher(Launcher):
                 spec = dataclasses.replace(
                     self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
                 )
-                with self._adding:  # (a close() in another thread meanwhile destroys it after, or finds none)
+                with self._spans.holding(self._adding):  # (a close() meanwhile destroys it after, or finds none)
                     if self._down:
                         raise PipelineClosedError("the pipeline was closed")
                     self.channel = channel = self.transport.open(spec)
                     # A replacement of a producer found gone starts attached.
                     lost = self._send_each((worker, ("attach", channel.handle)) for worker in range(len(self.links)))
                     channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
+                if self._down:  # closed by a signal handler in the span: destroyed as it ended
+                    raise PipelineClosedError("the pipeline was closed")
                 if lost is not None:
                     raise lost
         return self.channel
@@ -474,7 +484,7 @@ class ProcessLauncher(Launcher):
     def _read_messages(self) -> None:
         """Takes what every producer has sent so far, without blocking (a
         message not whole yet waits in its link)."""
-        with self._reading:
+        with self._spans.holding(self._reading):
             for worker, link in enumerate(self.links):
                 try:
                     messages = link.read()
@@ -543,13 +553,15 @@ class ProcessLauncher(Launcher):
         # (waiting for a start in the background is the longest part)
         # would never run again (its finalizer has run), and would leave
         # the channel's memory and processes behind.
+        self._stop_starting = True  # (first: a replacement waiting for the fork server gives up)
+        if self._spans.defer(self.shutdown):  # a signal handler's, in this thread's span: done as it ends
+            return
         with ctrl_c_held_back():
             self._shutdown()
 
     def _shutdown(self) -> None:
         if self._down:
             return
-        self._stop_starting = True  # (first: a replacement waiting for the fork server gives up)
         self._start_ended()  # what it started is stopped below with the rest
         with self._adding:  # after what is being added: it is stopped with the rest
             self._down = True

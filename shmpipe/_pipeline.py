@@ -645,9 +645,11 @@ class Pipeline(FrameworkStream):
         new process goes on after its last published batch, so the run (and
         an ordered run's sequence) is what a run without the death delivers.
         False when no restart is left, or the replacement did not start:
-        `death` is then the pipeline's failure, saying so. Under the
-        consumer lock."""
-        if self._failure is not None or self._closed or not self._launcher.can_restart:
+        `death` is then the pipeline's failure, saying so. PipelineClosedError
+        once the pipeline is closed. Under the consumer lock."""
+        if self._closed:  # from another thread since the death was found: what a wait sees of a close()
+            raise PipelineClosedError("the pipeline was closed: the producer that died is not replaced")
+        if self._failure is not None or not self._launcher.can_restart:
             return False
         if len(self._restarts) >= self.options.max_restarts:
             if self._restarts:
