@@ -434,15 +434,26 @@ class _ServerPopen(popen_forkserver.Popen):
         Any thread may poll (multiprocessing's _cleanup polls every child
         at each start): the sentinel is read under a lock, once; a thread
         woken by what another has read already finds the status set, or
-        the sentinel changed, and waits again."""
+        the sentinel changed, and waits again.
+
+        A signal handler that runs in a thread while it reads (one that
+        closes a pipeline, whose shutdown asks every producer's status)
+        is answered None, not known yet: it would wait for its own
+        thread's lock for ever, and the read it interrupted gets the status."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not multiprocessing.connection.wait([self.sentinel], left):
                 return None
-            with self._status_lock:
-                if self.returncode is None:
-                    self._sentinel_ready()
+            if getattr(self._reader, "reading", False):
+                return None
+            self._reader.reading = True  # (from before the lock is asked for, to after it is let go)
+            try:
+                with self._status_lock:
+                    if self.returncode is None:
+                        self._sentinel_ready()
+            finally:
+                self._reader.reading = False
         return self.returncode
 
     def _sentinel_ready(self) -> None:
@@ -484,6 +495,7 @@ class _ServerPopen(popen_forkserver.Popen):
 
     def _launch(self, process_obj: BaseProcess) -> None:
         self._status_lock = threading.Lock()
+        self._reader = threading.local()  # whether this thread is reading the status (wait)
         buf = _pickled_for_child(self, process_obj)
         server, name = _SERVER, process_obj.name
         try:

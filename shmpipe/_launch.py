@@ -331,13 +331,17 @@ class ProcessLauncher(Launcher):
         self._started()
         closed = PipelineClosedError(f"the pipeline was closed: producer {worker} is not replaced")
         with self._spans.holding(self._adding):
-            if self._down:  # closed from another thread since the death was seen
+            # Closed since the death was seen, or being closed: by another
+            # thread, or by a signal handler whose close waits for this span
+            if self._down or self._stop_starting:
                 raise closed
             old, watch = self.processes[worker], self.watches[worker]
             _join(old, watch, time.monotonic() + GRACE_S)  # reaped: its pid is not ours any more
             with self._reading:
                 self.links[worker].close()  # a message it left half-sent goes with it
             watch.close()
+            if self._stop_starting:  # (as the join waited)
+                raise closed
             handle = self.channel.replacement_handle(worker) if self.channel is not None else None
             with born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
                 p, conn = self._spawn(worker, handle)
@@ -427,7 +431,7 @@ class ProcessLauncher(Launcher):
                     self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
                 )
                 with self._spans.holding(self._adding):  # (a close() meanwhile destroys it after, or finds none)
-                    if self._down:
+                    if self._down or self._stop_starting:  # (as restart)
                         raise PipelineClosedError("the pipeline was closed")
                     self.channel = channel = self.transport.open(spec)
                     # A replacement of a producer found gone starts attached.

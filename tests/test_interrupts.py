@@ -141,7 +141,8 @@ def test_a_press_while_the_first_pipeline_loads_its_compiled_counters_is_not_swa
 #: close() from a signal handler that runs in the consumer's own thread
 #: while it is inside the launcher: replacing a dead producer (restart,
 #: under the launcher's lock), reading the producers' messages (a plain
-#: lock), opening the channel a first batch sized; or a Ctrl-C pressed as
+#: lock), reading a dead producer's exit status from the fork server (its
+#: popen's lock), opening the channel a first batch sized; or a Ctrl-C pressed as
 #: the replacement starts. A sys.setprofile hook raises the real signal at
 #: that very call, so the handler lands in the window every time.
 HANDLER_IN_THE_LAUNCHER = """
@@ -175,6 +176,8 @@ where = {
     "ctrl-c in restart": (signal.SIGINT, _launch.ProcessLauncher._spawn, _launch.ProcessLauncher.restart),
     "replaced": (None, _pipeline.Pipeline._replaced, _pipeline.Pipeline._poll_producers),
     "read": (signal.SIGUSR1, _control.ProducerLink.read, _launch.ProcessLauncher._read_messages),
+    # as a producer's exit status is read from the fork server, under its lock
+    "status": (signal.SIGUSR1, _forkserver._ServerPopen._sentinel_ready, _forkserver._ServerPopen.wait),
     "open_channel": (signal.SIGUSR1, ShmTransport.open, _launch.ProcessLauncher.open_channel),
 }
 signum, target, caller = (w if w is None or isinstance(w, int) else w.__code__ for w in where[case])
@@ -207,7 +210,7 @@ try:
         it = iter(pipe)
         if case != "open_channel":
             next(it)
-        if case in ("restart", "ctrl-c in restart", "replaced"):
+        if case in ("restart", "ctrl-c in restart", "replaced", "status"):
             os.kill(pipe.pids[0], signal.SIGKILL)
         sys.setprofile(fire)
         deadline = time.monotonic() + 20
@@ -240,14 +243,16 @@ for pid in left:
 @pytest.mark.parametrize(
     ("case", "method"),
     [("restart", "fork"), ("restart", "forkserver"), ("ctrl-c in restart", "fork"), ("replaced", "forkserver"),
-     ("read", "fork"), ("open_channel", "fork")],
+     ("read", "fork"), ("status", "forkserver"), ("open_channel", "fork")],
 )
 def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_does_not_hang(case, method, tmp_path):
     """On the code before the close was put off to the end of the span the
     handler interrupted: with fork, restart left the replacement running
     and a Ctrl-C there left it running unrecorded; the read waited for its
     own lock for ever; the channel opened after the close stayed in
-    /dev/shm (each failed 2 of 2). With forkserver the replacement's start
+    /dev/shm (each failed 2 of 2); the read of a producer's exit status
+    from the fork server waited for its own lock for ever too (helper 37;
+    timed out 1 of 1). With forkserver the replacement's start
     could send the server descriptors the close had closed, and kill it
     (helper 36's repro; this case passed there 1 of 2). The close from
     another thread as the consumer finds a death was a WorkerDiedError in
