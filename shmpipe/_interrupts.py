@@ -159,22 +159,34 @@ class TeardownAfterSpans:
     def __init__(self) -> None:
         self._thread = threading.local()  # per thread: how deep in spans, and the teardown it owes
 
+    def enter(self) -> int:
+        """A span begins in this thread; returns what to give leave(), which
+        must follow in a ``finally`` (a span on a hot path: no generator)."""
+        depth = getattr(self._thread, "depth", 0)
+        self._thread.depth = depth + 1
+        return depth
+
+    def leave(self, depth: int) -> None:
+        """The span enter() began (it returned `depth`) ends: at the
+        outermost, the teardown a handler owed it runs."""
+        thread = self._thread
+        thread.depth = depth
+        owed = getattr(thread, "owed", None) if depth == 0 else None
+        if owed is not None:
+            thread.owed = None
+            owed()
+
     @contextlib.contextmanager
     def holding(self, lock: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
         """A span: `lock` held. The depth counts from before the lock is
         asked for (a handler may run while this thread waits for it), so
         no bytecode of the span has the lock held and the depth not."""
-        depth = getattr(self._thread, "depth", 0)
-        self._thread.depth = depth + 1
+        depth = self.enter()
         try:
             with lock:
                 yield
         finally:
-            self._thread.depth = depth
-            owed = getattr(self._thread, "owed", None)
-            if depth == 0 and owed is not None:
-                self._thread.owed = None
-                owed()
+            self.leave(depth)
 
     def defer(self, teardown: Callable[[], None]) -> bool:
         """Whether this thread is in a span (a handler interrupted it): then

@@ -578,14 +578,18 @@ class ProcessLauncher(Launcher):
                 channel.destroy()  # shared names go now; live arrays keep their memory
             except OSError:
                 pass
-        _reap(self.processes, self.watches)
-        for watch in self.watches:
-            watch.close()
-        self.processes = [p if p.exitcode is None else _Ended(p) for p in self.processes]  # (a new list: see _Ended)
-        with self._reading:  # not under a read in another thread (each is short: nothing blocks)
-            for link in self.links:
-                link.close()
-        self.channel = None
+        for p in self.processes[len(self.watches) :]:  # a start cut short (a handler's exception) before its watch
+            self.watches.append(ProcessWatch(_pid(p)))
+        try:
+            _reap(self.processes, self.watches)
+        finally:  # also where a signal handler's exception cuts the reap short: the links' close ends the rest
+            for watch in self.watches:
+                watch.close()
+            self.processes = [p if p.exitcode is None else _Ended(p) for p in self.processes]  # (new list: _Ended)
+            with self._reading:  # not under a read in another thread (each is short: nothing blocks)
+                for link in self.links:
+                    link.close()
+            self.channel = None
 
     def describe_stall(self) -> str:
         """Producers that ended whose exit status has not come (it comes

@@ -729,7 +729,10 @@ class Pipeline(FrameworkStream):
         self._raise_if_timed_out(t0, now, lambda: describe_wait(self._channel, self._launcher))
 
     def _close_and_raise(self, exc: BaseException) -> NoReturn:
-        """Stop everything, then raise."""
+        """Stop everything, then raise; PipelineClosedError where a close()
+        came first (a signal handler's, as this very take found `exc`)."""
+        if self._closed:
+            raise PipelineClosedError("the pipeline was closed") from exc
         self.close()
         raise exc
 

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
+from shmpipe._interrupts import TeardownAfterSpans
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, PipelineStats
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeValueError
@@ -250,6 +251,13 @@ class BatchStream(abc.ABC):
         #: their first axis (from_dataset's partial last batch): to_tf_dataset
         #: then leaves that axis unknown instead of inferring it.
         self._batch_sizes_vary = False
+        #: A pass's start and each take are spans: a close() from a signal
+        #: handler that interrupts one (in the consumer's thread) marks the
+        #: stream closed at once, and what it owns goes as the span ends,
+        #: not from under the code it interrupted (that went on to read
+        #: producers' links and pidfds already closed, and raised a false
+        #: CorruptChannelError, ValueError or IndexError)
+        self._spans = TeardownAfterSpans()
 
     def _own(self, shutdown: Callable[[], None]) -> None:
         """From now on close() (or the stream's collection, if it is
@@ -300,7 +308,7 @@ class BatchStream(abc.ABC):
         if not self._closed:
             self._before_close()
         self._closed = True
-        if self._finalizer is not None:
+        if self._finalizer is not None and not self._spans.defer(self._finalizer):
             self._finalizer()
 
     def _before_close(self) -> None:
@@ -333,12 +341,16 @@ class BatchStream(abc.ABC):
     # -- iteration ------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        self._check_usable()
-        pass_no = self._begin_pass()
-        with self._position_lock:
-            self._trainer_position = None  # the new pass's batches are taken by whoever iterates it
-        self._counters.pass_started()
-        return self._new_pass(pass_no)
+        depth = self._spans.enter()
+        try:
+            self._check_usable()
+            pass_no = self._begin_pass()
+            with self._position_lock:
+                self._trainer_position = None  # the new pass's batches are taken by whoever iterates it
+            self._counters.pass_started()
+            return self._new_pass(pass_no)
+        finally:
+            self._spans.leave(depth)
 
     @abc.abstractmethod
     def _begin_pass(self) -> int:
@@ -349,7 +361,14 @@ class BatchStream(abc.ABC):
 
     def _next(self, it: Pass) -> Any:
         """The next batch of pass `it`: the checks, the clock and the
-        counting around the subclass's _take."""
+        counting around the subclass's _take; a span (_spans)."""
+        depth = self._spans.enter()
+        try:
+            return self._next_in_span(it)
+        finally:
+            self._spans.leave(depth)
+
+    def _next_in_span(self, it: Pass) -> Any:
         if it.finished:
             raise StopIteration
         self._check_usable()

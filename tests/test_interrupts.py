@@ -146,9 +146,9 @@ def test_a_press_while_the_first_pipeline_loads_its_compiled_counters_is_not_swa
 #: the replacement starts. A sys.setprofile hook raises the real signal at
 #: that very call, so the handler lands in the window every time.
 HANDLER_IN_THE_LAUNCHER = """
-import json, os, signal, sys, threading, time, warnings
+import contextlib, json, os, signal, sys, threading, time, warnings
 import shmpipe
-from shmpipe import _control, _forkserver, _launch, _pipeline
+from shmpipe import _control, _forkserver, _launch, _pipeline, _process
 from shmpipe.testing.sources import Counter, Raiser
 from shmpipe.transports.shm import ShmTransport
 
@@ -178,6 +178,10 @@ where = {
     "read": (signal.SIGUSR1, _control.ProducerLink.read, _launch.ProcessLauncher._read_messages),
     # as a producer's exit status is read from the fork server, under its lock
     "status": (signal.SIGUSR1, _forkserver._ServerPopen._sentinel_ready, _forkserver._ServerPopen.wait),
+    # outside the launcher: as the consumer checks a pass's end with the producers
+    "end of pass": (signal.SIGUSR1, _pipeline.Pipeline._check_end, _pipeline.Pipeline._take_any),
+    # a handler that raises (sys.exit) as a producer's start is recorded, while the pipeline is made
+    "exit in start": (signal.SIGUSR1, _process.ProcessWatch.__init__, _launch.ProcessLauncher._start),
     "open_channel": (signal.SIGUSR1, ShmTransport.open, _launch.ProcessLauncher.open_channel),
 }
 signum, target, caller = (w if w is None or isinstance(w, int) else w.__code__ for w in where[case])
@@ -196,19 +200,36 @@ def fire(frame, event, arg):
             signal.raise_signal(signum)
 
 shm_before, children_before = set(os.listdir("/dev/shm")), children()
-if case == "open_channel":  # sized by its first batch; named, so a leak would show in /dev/shm
+pipe = None
+
+def handler(*args):
+    if pipe is not None:
+        pipe.close()
+    if case == "exit in start":
+        sys.exit(3)
+
+signal.signal(signal.SIGUSR1, handler)
+error = None
+if case == "exit in start":
+    sys.setprofile(fire)
+    try:
+        shmpipe.from_iterators([Counter(3, (64,))] * 2, timeout=30, start_method=method)
+    except BaseException as exc:
+        error = exc
+    sys.setprofile(None)
+elif case in ("open_channel", "end of pass"):  # sized by its first batch; named, so a leak would show in /dev/shm
     pipe = shmpipe.from_iterators([Counter(3, (64,))] * 2, timeout=30, start_method=method,
-                                  transport=ShmTransport(backing="posix"))
+                                  transport=ShmTransport(backing="posix") if case == "open_channel" else "shm")
 else:
     pipe = shmpipe.from_iterators([Raiser(after=1 << 40)] * 2, timeout=30, max_restarts=1, start_method=method)
 server = _forkserver.server_pid()  # (forkserver: the server the replacement starts from)
 signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.signal(signal.SIGUSR1, lambda *a: pipe.close())
-error = None
 try:
-    with pipe:
+    with pipe or contextlib.nullcontext():
+        if pipe is None:
+            raise error
         it = iter(pipe)
-        if case != "open_channel":
+        if case not in ("open_channel", "end of pass"):
             next(it)
         if case in ("restart", "ctrl-c in restart", "replaced", "status"):
             os.kill(pipe.pids[0], signal.SIGKILL)
@@ -230,7 +251,7 @@ while children() - children_before and time.monotonic() < deadline:
     time.sleep(0.05)
 left = children() - children_before
 print(json.dumps({
-    "fired": bool(fired), "error": type(error).__name__, "leftovers": pipe.leftovers(),
+    "fired": bool(fired), "error": type(error).__name__, "leftovers": pipe.leftovers() if pipe else [],
     "children": [open(f"/proc/{pid}/cmdline").read().replace(chr(0), " ")[:60] for pid in left],
     "server kept": server == _forkserver.server_pid() and (server is None or server in children()),
     "shm": sorted(set(os.listdir("/dev/shm")) - shm_before),
@@ -243,7 +264,8 @@ for pid in left:
 @pytest.mark.parametrize(
     ("case", "method"),
     [("restart", "fork"), ("restart", "forkserver"), ("ctrl-c in restart", "fork"), ("replaced", "forkserver"),
-     ("read", "fork"), ("status", "forkserver"), ("open_channel", "fork")],
+     ("read", "fork"), ("status", "forkserver"), ("open_channel", "fork"), ("end of pass", "spawn"),
+     ("exit in start", "fork")],
 )
 def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_does_not_hang(case, method, tmp_path):
     """On the code before the close was put off to the end of the span the
@@ -252,7 +274,10 @@ def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_do
     own lock for ever; the channel opened after the close stayed in
     /dev/shm (each failed 2 of 2); the read of a producer's exit status
     from the fork server waited for its own lock for ever too (helper 37;
-    timed out 1 of 1). With forkserver the replacement's start
+    timed out 1 of 1); at a pass's end the consumer read the producers'
+    ends on links the close had shut (CorruptChannelError), and an exit
+    from a handler as a start was recorded became a ValueError from the
+    clean-up (helper 38; each failed 1 of 1 on 68af848). With forkserver the replacement's start
     could send the server descriptors the close had closed, and kill it
     (helper 36's repro; this case passed there 1 of 2). The close from
     another thread as the consumer finds a death was a WorkerDiedError in
@@ -265,5 +290,7 @@ def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_do
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
-    expected = "KeyboardInterrupt" if case.startswith("ctrl-c") else "PipelineClosedError"
+    # (the pass whose end was being checked ended: its end, not an error)
+    ends = {"ctrl-c in restart": "KeyboardInterrupt", "exit in start": "SystemExit", "end of pass": "StopIteration"}
+    expected = ends.get(case, "PipelineClosedError")
     assert got == {"fired": True, "error": expected, "leftovers": [], "children": [], "shm": [], "server kept": True}, got
