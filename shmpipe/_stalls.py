@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 
-from shmpipe.errors import ShmpipeWarning
+from shmpipe.errors import ShmpipeWarning, users_stacklevel
 from shmpipe.transport import ConsumerEnd, Launcher
 
 __all__ = ["STALL_WARNING_NS", "STARTING", "describe_wait", "warn_if_held_up_by_consumer"]
@@ -39,6 +39,6 @@ def warn_if_held_up_by_consumer(channel: ConsumerEnd | None, limit: int, capacit
         f"it waits for): {channel.describe_wait()}. Unless another thread lets go of "
         "batches this waits forever; pass timeout= to get an error instead.",
         ShmpipeWarning,
-        stacklevel=7,  # the caller's next() or for loop
+        stacklevel=users_stacklevel(),  # the caller's next() or for loop
     )
     return True
