@@ -188,6 +188,11 @@ class TeardownAfterSpans:
         finally:
             self.leave(depth)
 
+    def inside(self) -> bool:
+        """Whether this thread is in a span (in a signal handler: whether it
+        interrupted one)."""
+        return getattr(self._thread, "depth", 0) > 0
+
     def defer(self, teardown: Callable[[], None]) -> bool:
         """Whether this thread is in a span (a handler interrupted it): then
         `teardown` is owed to the span's end. False: tear down now."""

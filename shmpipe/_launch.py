@@ -25,6 +25,7 @@ code, read as before through multiprocessing, says how it ended.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing.connection
 import multiprocessing.process
@@ -569,20 +570,26 @@ class ProcessLauncher(Launcher):
         self._start_ended()  # what it started is stopped below with the rest
         with self._adding:  # after what is being added: it is stopped with the rest
             self._down = True
+        # Each part in a finally: an exception from a signal handler (its own
+        # close(), then sys.exit()) cuts the part it lands in, not the rest.
         channel = self.channel
-        if channel is not None:
-            channel.close()  # producers waiting for room return at once
-        self._send_quietly(("stop",))
-        if channel is not None:
-            try:
-                channel.destroy()  # shared names go now; live arrays keep their memory
-            except OSError:
-                pass
-        for p in self.processes[len(self.watches) :]:  # a start cut short (a handler's exception) before its watch
-            self.watches.append(ProcessWatch(_pid(p)))
         try:
+            if channel is not None:
+                channel.close()  # producers waiting for room return at once
+            self._send_quietly(("stop",))
+        finally:
+            self._stop_the_rest(channel)
+
+    def _stop_the_rest(self, channel: ConsumerEnd | None) -> None:
+        """_shutdown's second part: the channel's names, the producers, their watches and links."""
+        try:
+            if channel is not None:
+                with contextlib.suppress(OSError):
+                    channel.destroy()  # shared names go now; live arrays keep their memory
+            for p in self.processes[len(self.watches) :]:  # a start cut (by a handler's exception) before its watch
+                self.watches.append(ProcessWatch(_pid(p)))
             _reap(self.processes, self.watches)
-        finally:  # also where a signal handler's exception cuts the reap short: the links' close ends the rest
+        finally:  # (where the reap is cut short, the links' close ends the producers)
             for watch in self.watches:
                 watch.close()
             self.processes = [p if p.exitcode is None else _Ended(p) for p in self.processes]  # (new list: _Ended)

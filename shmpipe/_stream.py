@@ -29,7 +29,7 @@ from typing import Any, NoReturn, TypeVar
 from shmpipe._interrupts import TeardownAfterSpans
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, PipelineStats
-from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeValueError
+from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError, ShmpipeValueError
 from shmpipe.transport import Transport
 
 __all__ = ["POLL_S", "BatchStream", "Had", "Pass", "TrainerPosition"]
@@ -411,6 +411,15 @@ class BatchStream(abc.ABC):
     def _state_of_the_trainer(self) -> dict[str, Any]:
         """What ``state_dict()`` returns: the stream's state as of the
         batches the trainer has had."""
+        if self._spans.inside():
+            # A signal handler's, run by this thread in its own take or pass
+            # start: the consumer lock a state is made under may be this
+            # thread's own (a wait for ever), and the take's count half-made.
+            raise ShmpipeError(
+                "state_dict() was called from a signal handler that interrupted this pipeline's own next() or "
+                "iter() in the same thread; note the request in the handler and take the state in the loop, "
+                "between steps (docs/long-runs.md, 'Preempted: SIGTERM')"
+            )
         with self._position_lock:
             position = self._trainer_position
             if position is None:

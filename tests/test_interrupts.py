@@ -182,6 +182,8 @@ where = {
     "end of pass": (signal.SIGUSR1, _pipeline.Pipeline._check_end, _pipeline.Pipeline._take_any),
     # a handler that raises (sys.exit) as a producer's start is recorded, while the pipeline is made
     "exit in start": (signal.SIGUSR1, _process.ProcessWatch.__init__, _launch.ProcessLauncher._start),
+    # ... as the last close() tells the producers to stop
+    "exit in stop": (signal.SIGUSR1, _control.ProducerLink.send, _launch.ProcessLauncher._send_quietly),
     "open_channel": (signal.SIGUSR1, ShmTransport.open, _launch.ProcessLauncher.open_channel),
 }
 signum, target, caller = (w if w is None or isinstance(w, int) else w.__code__ for w in where[case])
@@ -205,7 +207,7 @@ pipe = None
 def handler(*args):
     if pipe is not None:
         pipe.close()
-    if case == "exit in start":
+    if case.startswith("exit"):
         sys.exit(3)
 
 signal.signal(signal.SIGUSR1, handler)
@@ -217,7 +219,7 @@ if case == "exit in start":
     except BaseException as exc:
         error = exc
     sys.setprofile(None)
-elif case in ("open_channel", "end of pass"):  # sized by its first batch; named, so a leak would show in /dev/shm
+elif case in ("open_channel", "end of pass", "exit in stop"):  # sized by its first batch; named, so a leak would show in /dev/shm
     pipe = shmpipe.from_iterators([Counter(3, (64,))] * 2, timeout=30, start_method=method,
                                   transport=ShmTransport(backing="posix") if case == "open_channel" else "shm")
 else:
@@ -229,7 +231,7 @@ try:
         if pipe is None:
             raise error
         it = iter(pipe)
-        if case not in ("open_channel", "end of pass"):
+        if case not in ("open_channel", "end of pass", "exit in stop"):
             next(it)
         if case in ("restart", "ctrl-c in restart", "replaced", "status"):
             os.kill(pipe.pids[0], signal.SIGKILL)
@@ -265,7 +267,7 @@ for pid in left:
     ("case", "method"),
     [("restart", "fork"), ("restart", "forkserver"), ("ctrl-c in restart", "fork"), ("replaced", "forkserver"),
      ("read", "fork"), ("status", "forkserver"), ("open_channel", "fork"), ("end of pass", "spawn"),
-     ("exit in start", "fork")],
+     ("exit in start", "fork"), ("exit in stop", "fork")],
 )
 def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_does_not_hang(case, method, tmp_path):
     """On the code before the close was put off to the end of the span the
@@ -277,7 +279,9 @@ def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_do
     timed out 1 of 1); at a pass's end the consumer read the producers'
     ends on links the close had shut (CorruptChannelError), and an exit
     from a handler as a start was recorded became a ValueError from the
-    clean-up (helper 38; each failed 1 of 1 on 68af848). With forkserver the replacement's start
+    clean-up (helper 38; each failed 1 of 1 on 68af848); an exit as the
+    last close told the producers to stop skipped the rest of the
+    shutdown, and the producers ran on (failed 1 of 1 on 2c11c0e). With forkserver the replacement's start
     could send the server descriptors the close had closed, and kill it
     (helper 36's repro; this case passed there 1 of 2). The close from
     another thread as the consumer finds a death was a WorkerDiedError in
@@ -291,6 +295,58 @@ def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_do
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     # (the pass whose end was being checked ended: its end, not an error)
-    ends = {"ctrl-c in restart": "KeyboardInterrupt", "exit in start": "SystemExit", "end of pass": "StopIteration"}
+    ends = {"ctrl-c in restart": "KeyboardInterrupt", "end of pass": "StopIteration"}
+    ends.update(dict.fromkeys(("exit in start", "exit in stop"), "SystemExit"))
     expected = ends.get(case, "PipelineClosedError")
     assert got == {"fired": True, "error": expected, "leftovers": [], "children": [], "shm": [], "server kept": True}, got
+    assert "ResourceWarning" not in proc.stderr, proc.stderr[-3000:]  # (a link left to the collector)
+
+
+#: A SIGTERM handler that saves the state while the loop waits for a
+#: batch: the handler runs inside the take, which holds the consumer lock a
+#: state is made under.
+STATE_IN_A_HANDLER = """
+import os, signal, sys, threading, time
+import numpy as np
+import shmpipe
+
+class Slow:  # the loop waits for every batch
+    def __len__(self):
+        return 400
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return np.full(4, i)
+
+with shmpipe.from_dataset(Slow(), batch_size=4, num_workers=2, seed=0, timeout=30, start_method="fork") as pipe:
+    asked, sent = [], 0
+
+    def on_sigterm(signum, frame):
+        try:
+            asked.append(pipe.state_dict())
+        except shmpipe.ShmpipeError as exc:
+            asked.append(str(exc))
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    it = iter(pipe)
+    next(it)
+    deadline = time.monotonic() + 20
+    # (a signal that lands between two takes, in this loop, gets the state: another is sent)
+    while not any(isinstance(a, str) for a in asked) and time.monotonic() < deadline:
+        if len(asked) == sent:
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            sent += 1
+        next(it)
+    next(it)  # the pipeline goes on
+    print(asked[-1])
+"""
+
+
+def test_a_state_asked_by_a_signal_handler_inside_a_take_is_a_clear_error_not_a_wait_for_ever(tmp_path):
+    """On 2c11c0e the handler waited for its own thread's consumer lock:
+    the process hung (3 of 3)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", STATE_IN_A_HANDLER], capture_output=True, text=True, timeout=90, cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "state_dict() was called from a signal handler that interrupted this pipeline's own next()" in proc.stdout
