@@ -346,9 +346,9 @@ class ProcessLauncher(Launcher):
             handle = self.channel.replacement_handle(worker) if self.channel is not None else None
             with born_with_ctrl_c_blocked(self.spec.mp_context.get_start_method()):
                 p, conn = self._spawn(worker, handle)
-                # Recorded before the block's end raises a press held pending
-                self.processes[worker] = p
-                self.watches[worker] = ProcessWatch(_pid(p))
+                # Recorded before the block's end raises a press held pending;
+                # one statement: no signal handler runs between the two stores
+                self.processes[worker], self.watches[worker] = p, ProcessWatch(_pid(p))
                 with self._reading:
                     self.links[worker] = _control.ProducerLink(conn, f"worker {worker} (pid {p.pid})")
             if isinstance(self._failure, WorkerDiedError) and self._failure.worker_id == worker:
@@ -553,12 +553,13 @@ class ProcessLauncher(Launcher):
         self._start_ended()
         self._send_quietly(("stop",))
 
+    def closing(self) -> None:
+        self._stop_starting = True  # a replacement waiting for the fork server gives up
+
     def shutdown(self) -> None:
-        # A Ctrl-C is held back to the end: a shutdown cut in the middle
-        # (waiting for a start in the background is the longest part)
-        # would never run again (its finalizer has run), and would leave
-        # the channel's memory and processes behind.
-        self._stop_starting = True  # (first: a replacement waiting for the fork server gives up)
+        # A Ctrl-C is held back to the end: a shutdown cut in the middle would
+        # never run again (its finalizer has run), leaving memory and processes.
+        self.closing()  # (first)
         if self._spans.defer(self.shutdown):  # a signal handler's, in this thread's span: done as it ends
             return
         with ctrl_c_held_back():

@@ -87,15 +87,19 @@ class _PipelinePass(Pass):
                     return pipe._next(self)
                 worker, wseq = turn
             pass_no = self.pass_no
-            with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
-                got = take_ready(pass_no, worker, wseq, pipe._health_due_ns) if pass_no == pipe._pass_no else None
-            if got is not None:
-                if turns is not None:
-                    turns.took()
-                batch, nbytes, worker, wait_ns = got
-                self.count_ready(wait_ns, nbytes, worker)
-                self.last_worker = worker
-                return batch
+            depth = pipe._spans.enter()  # a span, as _next's
+            try:
+                with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
+                    got = take_ready(pass_no, worker, wseq, pipe._health_due_ns) if pass_no == pipe._pass_no else None
+                if got is not None:
+                    if turns is not None:
+                        turns.took()
+                    batch, nbytes, worker, wait_ns = got
+                    self.count_ready(wait_ns, nbytes, worker)
+                    self.last_worker = worker
+                    return batch
+            finally:
+                pipe._spans.leave(depth)
         return pipe._next(self)
 
 
@@ -210,6 +214,7 @@ class Pipeline(FrameworkStream):
 
     def _before_close(self) -> None:
         self._blocked_s = self._producer_blocked()
+        self._launcher.closing()  # (its shutdown may be put off: _spans)
 
     def leftovers(self) -> list[str]:
         """After close(): whatever of this pipeline still runs (processes,
@@ -731,7 +736,7 @@ class Pipeline(FrameworkStream):
     def _close_and_raise(self, exc: BaseException) -> NoReturn:
         """Stop everything, then raise; PipelineClosedError where a close()
         came first (a signal handler's, as this very take found `exc`)."""
-        if self._closed:
+        if self._close_asked:
             raise PipelineClosedError("the pipeline was closed") from exc
         self.close()
         raise exc

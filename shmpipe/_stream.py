@@ -9,7 +9,8 @@ adapters (shmpipe/_torch.py, shmpipe/_tf.py), which are typed against this
 base and read only what it declares. Where the next batch comes from is
 each subclass's ``_take``; everything around it is here.
 
-Below this module: the options, the counters and the errors. Above it: the
+Below this module: the options, the counters, the errors and _interrupts
+(a close() from a signal handler put off to the end of a take). Above it: the
 two shapes of stream, the adapters (which import this module, never the
 shapes), and shmpipe/_api.py, which makes streams.
 """
@@ -232,6 +233,7 @@ class BatchStream(abc.ABC):
     def __init__(self, options: PipelineOptions) -> None:
         self.options = options
         self._closed = True  # until the subclass is made
+        self._close_asked = False  # whether close() was called (it may be put off: _spans)
         self._pass_no = -1  # the pass in progress; -1: none began
         self._finished_pass = -1  # the pass delivered to its end last
         self._counters = Counters(options.num_workers)
@@ -307,7 +309,7 @@ class BatchStream(abc.ABC):
             return  # a forked child's copy: the stream is its parent's to close
         if not self._closed:
             self._before_close()
-        self._closed = True
+        self._closed = self._close_asked = True
         if self._finalizer is not None and not self._spans.defer(self._finalizer):
             self._finalizer()
 
@@ -412,20 +414,24 @@ class BatchStream(abc.ABC):
         """What ``state_dict()`` returns: the stream's state as of the
         batches the trainer has had."""
         if self._spans.inside():
-            # A signal handler's, run by this thread in its own take or pass
-            # start: the consumer lock a state is made under may be this
+            # A signal handler's, run by this thread in its own take, pass
+            # start or state: the lock a state is made under may be this
             # thread's own (a wait for ever), and the take's count half-made.
             raise ShmpipeError(
-                "state_dict() was called from a signal handler that interrupted this pipeline's own next() or "
-                "iter() in the same thread; note the request in the handler and take the state in the loop, "
-                "between steps (docs/long-runs.md, 'Preempted: SIGTERM')"
+                "state_dict() was called from a signal handler that interrupted this pipeline's own next(), "
+                "iter() or state_dict() in the same thread; note the request in the handler and take the state "
+                "in the loop, between steps (docs/long-runs.md, 'Preempted: SIGTERM')"
             )
-        with self._position_lock:
-            position = self._trainer_position
-            if position is None:
-                return self._state()
-            with position.lock:
-                return self._state(position.had())
+        depth = self._spans.enter()
+        try:
+            with self._position_lock:
+                position = self._trainer_position
+                if position is None:
+                    return self._state()
+                with position.lock:
+                    return self._state(position.had())
+        finally:
+            self._spans.leave(depth)
 
     def _position_for_adapter(self, ahead: int, sees_asks: bool = False) -> TrainerPosition:
         """For an adapter that takes the batches of the pass just begun

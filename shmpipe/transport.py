@@ -482,6 +482,11 @@ class Launcher(abc.ABC):
         """A producer failed: the others should stop producing (what is in
         flight is still delivered, then the error raised)."""
 
+    def closing(self) -> None:
+        """The pipeline is closing and shutdown() comes later (a signal
+        handler's close() put off to the end of the take it interrupted):
+        a start waiting meanwhile (for a new process) gives up now."""
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stops the producers, joins them and destroys the channel.
