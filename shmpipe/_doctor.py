@@ -136,8 +136,8 @@ def _limit(value: int) -> str:
 def producers_allowed(soft: int) -> int | None:
     """How many producers one shm pipeline (the fork server's) may start in a
     fresh process under a limit of `soft` open files (None: no limit): what
-    the pipeline's own check (_launch.check_descriptor_room) allows."""
-    from shmpipe._launch import FDS_PER_PRODUCER, FDS_TO_START, open_descriptors
+    the pipeline's own check (_descriptors.check_descriptor_room) allows."""
+    from shmpipe._descriptors import FDS_PER_PRODUCER, FDS_TO_START, open_descriptors
 
     if soft == resource.RLIM_INFINITY:
         return None
