@@ -196,7 +196,7 @@ class TeardownAfterSpans:
     def defer(self, teardown: Callable[[], None]) -> bool:
         """Whether this thread is in a span (a handler interrupted it): then
         `teardown` is owed to the span's end. False: tear down now."""
-        if not getattr(self._thread, "depth", 0):
+        if not self.inside():
             return False
         self._thread.owed = teardown
         return True
