@@ -7,8 +7,9 @@ with Pillow, randomly cropped and flipped, and normalised, in the producer
 processes of shmpipe.from_dataset, which collate the samples straight into
 the shared-memory ring. pipe.to_jax(sharding=...) hands the training loop
 each batch as jax.Arrays split along the batch axis over the devices
-(NamedSharding(mesh, P("data"))), put there ahead of the step by a
-background thread. The parameters are replicated on every device, and
+(NamedSharding(mesh, P("data"))): on the CPU backend each shard is a view
+of the ring's memory (no copy); on accelerators a background thread puts
+batches there ahead of the step. The parameters are replicated on every device, and
 jax.jit partitions the step: each device computes the gradient of its share
 of the batch, and XLA sums them (data parallelism without a line of
 communication code).

@@ -142,6 +142,8 @@ def __getattr__(name: str) -> Any:
     """A public name, its module imported at its first use (and the name kept
     here, so this runs once per name); or a deprecated name (shmpipe.errors
     says which), with a DeprecationWarning."""
+    if name in _COMPILED:
+        return _compiled(name)
     module = _WHERE.get(name)
     if module is None:
         from shmpipe.errors import deprecated
@@ -162,6 +164,39 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+#: The modules the install compiles (setup.py): the ring, the codec, the tallies.
+_COMPILED = ("_codec", "_ring", "_tally")
+
+
+def _compiled(name: str) -> Any:
+    """``from shmpipe import _ring``, as the package's modules import the
+    compiled core. Python asks this module for the name before it imports
+    the submodule (so it is imported here), and where the import fails it
+    would only say "cannot import name '_ring'": the usual cause is a
+    clone's source tree, without the built extension, found before the
+    installed package (Python puts the script's folder, or the current one
+    with ``-c``, first on sys.path). Says so, and what to do."""
+    import importlib
+    import os
+
+    full = f"{__name__}.{name}"
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as exc:
+        if exc.name != full:
+            raise
+        here = os.path.dirname(os.path.abspath(__file__))
+        if os.path.exists(os.path.join(here, name + ".pyx")):
+            why = (
+                f"this shmpipe is a source tree ({here}), found on sys.path before the installed package "
+                "(Python puts the script's folder, or the current one, first): run Python from another "
+                "folder, or build the extension in this tree with `pip install -e .`"
+            )
+        else:
+            why = f"this installation ({here}) lacks it: reinstall shmpipe (pip install --force-reinstall shmpipe)"
+        raise ImportError(f"shmpipe's compiled core, {full}, is not built: {why}", name=full) from None
 
 
 def __dir__() -> list[str]:
@@ -219,6 +254,9 @@ def signature_of(*batches: Any) -> Any:
     """A tf.data ``output_signature`` for batches like these: their
     structure, dtypes and shapes, with None for each dimension that differs
     between them (imports TensorFlow)."""
+    from shmpipe._frameworks import require_framework
+
+    require_framework("tensorflow", "shmpipe.signature_of()")
     from shmpipe._tf import signature_of as _signature_of
 
     return _signature_of(*batches)

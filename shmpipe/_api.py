@@ -18,7 +18,7 @@ from shmpipe._options import PipelineOptions, Source, check_options, is_int
 from shmpipe._pipeline import Pipeline
 from shmpipe._schedule import DatasetSchedule
 from shmpipe._sources import DatasetSource, IteratorSource
-from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, out_of_range
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import Transport
 
@@ -355,6 +355,11 @@ def from_dataset(
             ``GROUP_RANK`` (torchrun's) or ``NODE_RANK``; required with
             ``num_nodes > 1`` where neither is set.
     """
+    if isinstance(dataset, type):  # (a class has the methods, as functions of its instances)
+        raise ShmpipeTypeError(
+            f"dataset must be a dataset object, got the class {dataset.__qualname__} itself: make one, "
+            f"{dataset.__qualname__}(...), and pass that"
+        )
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ShmpipeTypeError(
             f"dataset must have __len__ and __getitem__ (a map-style dataset), got {type(dataset).__name__}; "
@@ -364,9 +369,10 @@ def from_dataset(
     if num_workers is None:
         num_workers = default_num_workers()
     if not is_int(num_workers) or num_workers < 1:
-        raise ShmpipeValueError(
+        raise out_of_range(
             f"num_workers must be a positive int (producer processes), got {num_workers!r}; shmpipe has no "
-            "in-process mode (num_workers=0): iterate the dataset directly for that"
+            "in-process mode (num_workers=0): iterate the dataset directly for that",
+            num_workers,
         )
     _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
     if collate_fn is not None and not callable(collate_fn):
@@ -433,7 +439,7 @@ def _check_sampling(
         _check_iterable(batch_sampler, "batch_sampler")
         return
     if not is_int(batch_size) or batch_size < 1:
-        raise ShmpipeValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise out_of_range(f"batch_size must be a positive int, got {batch_size!r}", batch_size)
     if sampler is not None:
         if shuffle:
             raise ShmpipeValueError("sampler gives the order: it excludes shuffle=True")

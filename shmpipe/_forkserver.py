@@ -37,7 +37,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
 from shmpipe._process import ProcessWatch, process_start_time, process_stopped
-from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError
+from shmpipe.errors import PipelineTimeoutError, ShmpipeError
 
 __all__ = [
     "SERVER_END_WAIT_S",
@@ -297,9 +297,10 @@ def preload(modules: set[str], heavy_frameworks_of: Callable[[str], set[str]]) -
 
 class StartWait:
     """How a producer's start waits for the fork server: not once
-    `abandoned()` gives a reason (the pipeline is closing, a Ctrl-C is
-    pending), nor once the server has been stopped for `timeout` seconds
-    (None: no limit). One per start.
+    `abandoned(what)` gives the error to end the wait with (the pipeline is
+    closing, a Ctrl-C is pending; `what` says which start it ended), nor
+    once the server has been stopped for `timeout` seconds (None: no
+    limit). One per start.
 
     A server answers in milliseconds once it has booted, and a start waits
     longer only while it boots: 0.2 s, or seconds where its preload brings
@@ -323,19 +324,19 @@ class StartWait:
     #: descriptor ends it at once).
     SLICE_S = 0.1
 
-    def __init__(self, timeout: float | None, abandoned: Callable[[], str | None]) -> None:
+    def __init__(self, timeout: float | None, abandoned: Callable[[str], BaseException | None]) -> None:
         self.timeout = timeout
         self.abandoned = abandoned
         #: (server pid, when it was first seen stopped since it last ran)
         self._stopped: tuple[int, float] | None = None
 
     def _check(self, pid: int | None, name: str) -> None:
-        """Between two slices: a PipelineClosedError once abandoned, a
-        PipelineTimeoutError once server `pid` has been stopped for the
+        """Between two slices: the error `abandoned` gives once it gives one,
+        a PipelineTimeoutError once server `pid` has been stopped for the
         timeout."""
-        why = self.abandoned()
-        if why is not None:
-            raise PipelineClosedError(f"{why} while shmpipe's fork server (pid {pid}) started {name}")
+        error = self.abandoned(f"while shmpipe's fork server (pid {pid}) started {name}")
+        if error is not None:
+            raise error
         if self.timeout is None or pid is None:
             return
         if not process_stopped(pid):
@@ -520,7 +521,7 @@ class _ServerPopen(popen_forkserver.Popen):
         data, so that a new server may start it (see _server_gone)."""
         # (A start without a StartWait of its caller's, prestart's or a
         # test's: no limit, never abandoned.)
-        wait: StartWait = getattr(_WAITS, "wait", None) or StartWait(None, lambda: None)
+        wait: StartWait = getattr(_WAITS, "wait", None) or StartWait(None, lambda what: None)
         # The server this start talks to. (connect_to_new_process runs
         # ensure_running again, a no-op, and reads the address unlocked: a
         # successor started by another thread in between would be blamed

@@ -10,6 +10,7 @@ is called.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from shmpipe._stream import BatchStream
@@ -21,7 +22,26 @@ if TYPE_CHECKING:  # the frameworks stay optional: never imported at run time he
     from shmpipe._jax import JaxBatches
     from shmpipe._torch import TorchBatches
 
-__all__ = ["FrameworkStream"]
+__all__ = ["FrameworkStream", "require_framework"]
+
+#: What to install for each framework a method needs: torch from PyPI is a
+#: CUDA build of several GB, so the CPU wheel's index is named too.
+_INSTALL = {
+    "torch": "pip install torch (without a GPU, the CPU build: pip install torch --index-url "
+             "https://download.pytorch.org/whl/cpu)",
+    "jax": 'pip install "shmpipe[jax]" (jax[cpu] without an accelerator; jax[cuda12] for NVIDIA GPUs)',
+    "tensorflow": 'pip install "shmpipe[tensorflow]" (tensorflow-cpu; tensorflow[and-cuda] for NVIDIA GPUs)',
+}
+
+
+def require_framework(module: str, method: str) -> None:
+    """Raises a ModuleNotFoundError that says what to install where `method`
+    needs `module` (torch, jax, tensorflow) and it is not installed here,
+    before anything of the adapter is imported."""
+    if importlib.util.find_spec(module) is None:
+        raise ModuleNotFoundError(
+            f"{method} needs {module}, which is not installed here: {_INSTALL[module]}", name=module
+        )
 
 
 class FrameworkStream(BatchStream):
@@ -46,6 +66,7 @@ class FrameworkStream(BatchStream):
         the dataset then has a known length (Keras 3 warns at the end of
         every epoch of a dataset of unknown length). See docs/tensorflow.md.
         """
+        require_framework("tensorflow", "to_tf_dataset()")
         from shmpipe._tf import to_tf_dataset
 
         return to_tf_dataset(self, output_signature, device=device, batches_per_pass=batches_per_pass)
@@ -65,6 +86,7 @@ class FrameworkStream(BatchStream):
         new pass. In a rank of a group, ``device=f"cuda:{rank}"``,
         typically. See docs/gpu.md.
         """
+        require_framework("torch", "to_torch()")
         from shmpipe._torch import TorchBatches
 
         return TorchBatches(self, device=device, pin_memory=pin_memory, non_blocking=non_blocking)
@@ -111,6 +133,7 @@ class FrameworkStream(BatchStream):
 
         See docs/jax.md.
         """
+        require_framework("jax", "to_jax()")
         from shmpipe._jax import JaxBatches
 
         return JaxBatches(self, sharding=sharding, prefetch=prefetch, device=device)

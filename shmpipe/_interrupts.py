@@ -17,12 +17,21 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["TeardownAfterSpans", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
+from shmpipe.errors import PipelineClosedError
+
+__all__ = ["TeardownAfterSpans", "WaitEndedByCtrlC", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
 
 #: Each ctrl_c_held_back open in the main thread, outermost first: the
 #: presses it noted, the handler it put aside, and its own (ctrl_c_pending
 #: reads them).
 _HELD: list[tuple[list[int], Any, Any]] = []
+
+
+class WaitEndedByCtrlC(PipelineClosedError):
+    """A wait inside a ctrl_c_held_back span that gave up for the press the
+    span holds back (ctrl_c_pending). The span's end raises that press, a
+    KeyboardInterrupt that stands for this error too: it is printed alone,
+    without this one as its context (one traceback for one press)."""
 
 
 @contextlib.contextmanager
@@ -60,8 +69,12 @@ def ctrl_c_held_back() -> Iterator[None]:
 
     old = signal.signal(signal.SIGINT, note)
     _HELD.append((pressed, old, note))
+    ended_by_the_press = False
     try:
         yield
+    except WaitEndedByCtrlC:
+        ended_by_the_press = True
+        raise
     finally:
         del _HELD[next(i for i, held in enumerate(_HELD) if held[0] is pressed)]  # (remove() compares the lists' items)
         # Code run in the block may have set a handler of its own: then it
@@ -69,7 +82,15 @@ def ctrl_c_held_back() -> Iterator[None]:
         if signal.getsignal(signal.SIGINT) is note:
             signal.signal(signal.SIGINT, old)
         if pressed:
-            signal.raise_signal(signal.SIGINT)
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except BaseException as interrupt:
+                # Raised here, the press has the block's error as its
+                # context; where that error is only the press ending a wait,
+                # the two would be one traceback about the same Ctrl-C twice.
+                if ended_by_the_press:
+                    interrupt.__suppress_context__ = True
+                raise
 
 
 def ctrl_c_pending() -> bool:

@@ -89,7 +89,7 @@ import numpy as np
 
 from shmpipe._stream import POLL_S, BatchStream, Pass, TrainerPosition
 from shmpipe._tree import leaves_with_paths, map_leaves, map_leaves_with_paths
-from shmpipe.errors import BatchTypeError, ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning
+from shmpipe.errors import BatchTypeError, ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning, out_of_range
 
 if TYPE_CHECKING:
     import jax
@@ -125,7 +125,9 @@ class JaxBatches:
         import jax
 
         if type(prefetch) is not int or prefetch < 1:
-            raise ShmpipeValueError(f"to_jax(prefetch={prefetch!r}): prefetch must be an int >= 1 (batches put ahead)")
+            raise out_of_range(
+                f"to_jax(prefetch={prefetch!r}): prefetch must be an int >= 1 (batches put ahead)", prefetch
+            )
         self.pipe = pipe
         self.prefetch = prefetch
         self.target = _Target(jax, sharding, device)

@@ -41,7 +41,13 @@ from typing import Any, Protocol
 
 from shmpipe import _control, _forkserver, _startup
 from shmpipe._descriptors import check_descriptor_room
-from shmpipe._interrupts import TeardownAfterSpans, born_with_ctrl_c_blocked, ctrl_c_held_back, ctrl_c_pending
+from shmpipe._interrupts import (
+    TeardownAfterSpans,
+    WaitEndedByCtrlC,
+    born_with_ctrl_c_blocked,
+    ctrl_c_held_back,
+    ctrl_c_pending,
+)
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
 from shmpipe._worker import producer_main
@@ -266,15 +272,16 @@ class ProcessLauncher(Launcher):
         assert p.pid is not None  # started
         return p, parent_end
 
-    def _start_abandoned(self) -> str | None:
-        """Why a producer's start still waiting for the fork server gives up
-        (_forkserver.StartWait), or None: shutdown asked for no more starts,
-        or, in the main thread (whose SIGINT born_with_ctrl_c_blocked keeps
-        pending meanwhile), a Ctrl-C was pressed."""
+    def _start_abandoned(self, what: str) -> BaseException | None:
+        """The error a producer's start still waiting for the fork server
+        gives up with (_forkserver.StartWait; `what` names the start), or
+        None: shutdown asked for no more starts, or, in the main thread
+        (whose SIGINT born_with_ctrl_c_blocked keeps pending meanwhile), a
+        Ctrl-C was pressed."""
         if self._stop_starting:
-            return "the pipeline was closed"
+            return PipelineClosedError(f"the pipeline was closed {what}")
         if ctrl_c_pending():
-            return "Ctrl-C was pressed"
+            return WaitEndedByCtrlC(f"Ctrl-C was pressed {what}")
         return None
 
     can_restart = True

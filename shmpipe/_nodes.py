@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shmpipe._options import is_int
-from shmpipe.errors import ShmpipeValueError
+from shmpipe.errors import ShmpipeValueError, out_of_range
 
 __all__ = ["ONE_NODE", "NodeLayout", "check_nodes", "check_sampler_for_nodes"]
 
@@ -114,7 +114,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     environment is read only for what was not given, and to check a
     ``num_nodes`` or ``node_rank`` given against it."""
     if num_nodes is not None and (not is_int(num_nodes) or num_nodes < 1):
-        raise ShmpipeValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+        raise out_of_range(f"num_nodes must be a positive int, got {num_nodes!r}", num_nodes)
     if num_nodes == 1:
         return _the_only_node(node_rank, ranks_per_node, "num_nodes=1")
     env_nodes, env_nodes_says = _nodes_from_environment()
@@ -132,7 +132,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
         _refuse_a_lone_node_rank(env_nodes_says)  # node_rank=0 given or not
         return layout
     if node_rank is not None and not is_int(node_rank):
-        raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}")
+        raise out_of_range(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}", node_rank)
     env_rank, env_rank_name = _node_rank_from_environment()
     if node_rank is None:
         if env_rank is None:
@@ -168,7 +168,7 @@ def _the_only_node(node_rank: int | None, ranks_per_node: int, why: str) -> Node
     """The layout of one node, where `node_rank` is None or 0 (an int: not
     False, not 0.0)."""
     if node_rank is not None and not (is_int(node_rank) and node_rank == 0):
-        raise ShmpipeValueError(f"node_rank must be 0 with {why}, got {node_rank!r}")
+        raise out_of_range(f"node_rank must be 0 with {why}, got {node_rank!r}", node_rank)
     return NodeLayout(1, 0, ranks_per_node)
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmpipe._startup import default_start_method
-from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, out_of_range
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import ChannelSpec, Transport
 
@@ -107,23 +107,30 @@ def check_options(
     if capacity is None:
         capacity = 2 * n + 2 if default_capacity is None else default_capacity(n, bool(ordered))
     if not is_int(capacity) or capacity < 1:
-        raise ShmpipeValueError(f"capacity must be a positive int, got {capacity!r}")
+        raise out_of_range(f"capacity must be a positive int, got {capacity!r}", capacity)
     if ordered and capacity < n + 1:
         raise ShmpipeValueError(
             f"ordered=True with {n} workers needs capacity >= {n + 1} (one slot per worker "
             f"plus one for the batch you hold), got {capacity}"
         )
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ShmpipeValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if capacity < 2 and resolved.capabilities.zero_copy_reads:
+        raise ShmpipeValueError(
+            f"the {resolved.name!r} transport needs capacity >= 2, got {capacity}: its batches are views of its "
+            "slots, each held until you let go of it, and a for loop still holds its batch as it takes the next"
+        )
+    if timeout is not None and not (is_number(timeout) and timeout > 0):
+        raise out_of_range(
+            f"timeout must be a positive number of seconds or None, got {timeout!r}", timeout, number=True
+        )
     if slot_size is not None and (not is_int(slot_size) or slot_size <= 0):
-        raise ShmpipeValueError(f"slot_size must be a positive int (bytes), got {slot_size!r}")
+        raise out_of_range(f"slot_size must be a positive int (bytes), got {slot_size!r}", slot_size)
     seed_given = seed is not None
     if seed is None:
         seed = secrets.randbits(63)
     elif not is_int(seed) or seed < 0:
-        raise ShmpipeValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        raise out_of_range(f"seed must be a non-negative int or None, got {seed!r}", seed)
     if not is_int(max_restarts) or max_restarts < 0:
-        raise ShmpipeValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
+        raise out_of_range(f"max_restarts must be a non-negative int, got {max_restarts!r}", max_restarts)
     if max_restarts and not resolved.capabilities.restarts_producers:
         raise ShmpipeValueError(
             f"the {resolved.name!r} transport cannot replace a producer that dies (max_restarts={max_restarts}); "
@@ -156,6 +163,10 @@ def check_options(
 
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_sources(sources: Any) -> list[Source]:

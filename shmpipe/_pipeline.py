@@ -433,10 +433,7 @@ class Pipeline(FrameworkStream):
             except ShmpipeError as exc:  # shmpipe's own (the default collate's BatchTypeError): as from a producer
                 failure: BaseException = exc
             except Exception as exc:  # noqa: BLE001 - the dataset's error, raised as a producer's would be
-                failure = WorkerError(
-                    -1, os.getpid(), _qualified_name(type(exc)), f"{exc} (fetched in the trainer itself, while the "
-                    "producers started)", "",
-                )
+                failure = WorkerError(-1, os.getpid(), _qualified_name(type(exc)), str(exc), "")
                 failure.__cause__ = exc
             else:
                 self._made_here = first.made
@@ -738,6 +735,7 @@ class Pipeline(FrameworkStream):
         came first (a signal handler's, as this very take found `exc`)."""
         if self._close_asked:
             raise PipelineClosedError("the pipeline was closed") from exc
+        self._stopped_by = exc
         self.close()
         raise exc
 

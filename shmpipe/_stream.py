@@ -244,6 +244,9 @@ class BatchStream(abc.ABC):
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._owner_pid = os.getpid()
         self._forked_from: int | None = None  # set in a child forked from the owner
+        #: the error that stopped the pipeline (a producer's), for what a use
+        #: after it says
+        self._stopped_by: BaseException | None = None
         #: The pass's batches that the trainer has had, where an adapter
         #: takes them ahead of it (_position_for_adapter); None: all it took.
         self._trainer_position: TrainerPosition | None = None
@@ -487,6 +490,11 @@ class BatchStream(abc.ABC):
             raise PipelineClosedError(
                 f"this pipeline belongs to process {self._forked_from}; a process forked from it cannot use "
                 "it (its batches and slots are the parent's): make a pipeline of its own in the child"
+            )
+        if self._stopped_by is not None:
+            first_line = str(self._stopped_by).partition("\n")[0]
+            raise PipelineClosedError(
+                f"this pipeline is closed: it stopped at {type(self._stopped_by).__name__}: {first_line}"
             )
         raise PipelineClosedError("this pipeline is closed")
 

@@ -34,7 +34,7 @@ import numpy as np
 from shmpipe._codec import aligned_empty
 from shmpipe._stream import BatchStream, Pass, TrainerPosition
 from shmpipe._tree import all_strings, leaves_with_paths, map_leaves_with_paths
-from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning
+from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning, out_of_range
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -378,8 +378,8 @@ def to_tf_dataset(
         peeked = _Peeked(it, first, position)
     ds = tf.data.Dataset.from_generator(_Feeder(pipe, output_signature, peeked), output_signature=output_signature)
     if batches_per_pass is not None:
-        if not isinstance(batches_per_pass, int) or batches_per_pass < 1:
-            raise ShmpipeValueError(f"batches_per_pass must be a positive int, got {batches_per_pass!r}")
+        if type(batches_per_pass) is not int or batches_per_pass < 1:
+            raise out_of_range(f"batches_per_pass must be a positive int, got {batches_per_pass!r}", batches_per_pass)
         # A known length: Keras then knows an epoch's steps (and does not warn
         # "Your input ran out of data" at the end of each one).
         ds = ds.apply(tf.data.experimental.assert_cardinality(batches_per_pass))

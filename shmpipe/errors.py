@@ -71,6 +71,17 @@ class ShmpipeValueError(ShmpipeError, ValueError):
     """An argument with a value shmpipe cannot use."""
 
 
+def out_of_range(message: str, value: object, *, number: bool = False) -> ShmpipeError:
+    """The error for an argument that `message` says must be an int (with
+    `number`: a real number) in some range: a ShmpipeTypeError where `value`
+    is not one at all (a str, a float for an int, a bool), as Python and
+    NumPy answer a wrong type; a ShmpipeValueError where it is one, out of
+    range."""
+    kinds = (int, float) if number else (int,)
+    right_type = isinstance(value, kinds) and not isinstance(value, bool)
+    return ShmpipeValueError(message) if right_type else ShmpipeTypeError(message)
+
+
 class BatchTypeError(ShmpipeTypeError):
     """A batch holds a value shmpipe cannot carry.
 
@@ -270,7 +281,13 @@ class WorkerError(ShmpipeError, RuntimeError):
         message: str,
         remote_traceback: str,
     ) -> None:
-        text = f"worker {worker_id} (pid {pid}) raised {exc_type}: {message}"
+        if worker_id >= 0:
+            who = f"worker {worker_id} (pid {pid})"
+        elif pid is not None:
+            who = f"the trainer (pid {pid}), fetching a first batch itself while the producers started,"
+        else:
+            who = "a producer"
+        text = f"{who} raised {exc_type}: {message}"
         if remote_traceback:
             text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
         super().__init__(text)

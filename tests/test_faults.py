@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SharedJobs, assert_round_robin_prefix, concurrently, end_group, ignoring_sigint
+from conftest import SharedJobs, assert_round_robin_prefix, concurrently, end_group, group_members, ignoring_sigint
 
 import shmpipe
 from shmpipe import _launch, _process, _ring, _segments
@@ -56,6 +56,10 @@ def test_a_producer_that_raises(ordered):
         assert [s for w, s in seen if w == 1] == [0, 1, 2]
     assert pipe.closed
     assert all(gone(pid) for pid in pids), "the other producers must be stopped"
+    # A use after it says what stopped it, not only that it is closed.
+    with pytest.raises(shmpipe.PipelineClosedError, match=r"closed: it stopped at WorkerError: worker 1 \(pid \d+\) "
+                       "raised builtins.ValueError: boom from the source$"):
+        iter(pipe)
 
 
 @pytest.mark.parametrize("transport", ["shm", "queue"])
@@ -356,6 +360,69 @@ def test_one_ctrl_c_while_the_producers_start_is_never_lost(tmp_path, start_meth
             )
         finally:
             end_group(proc)  # a failed run too: nothing of it is left running
+
+
+#: A source whose module takes 3 s to import in shmpipe's fork server (a
+#: ``python -c`` process, which imports the sources' modules before it forks
+#: a producer): from_iterators waits that long for its producers' start.
+SLOW_SERVER_SOURCE = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+
+    if sys.argv[:1] == ["-c"]:
+        time.sleep(3.0)
+
+    def batches():
+        for i in range(10**6):
+            yield {"i": np.full((4,), i)}
+    """
+)
+
+PRESSED_WHILE_THE_SERVER_STARTS = textwrap.dedent(
+    """
+    import signal
+    import shmpipe
+    from slow_server_source import batches
+
+    if __name__ == "__main__":
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (nohup, CI runners: see CONSUMER)
+        print("starting", flush=True)
+        with shmpipe.from_iterators([batches] * 2, timeout=30) as pipe:
+            print("started", flush=True)
+            for b in pipe:
+                pass
+    """
+)
+
+
+def test_a_ctrl_c_that_ends_the_wait_for_the_fork_server_is_one_traceback(tmp_path):
+    # The press ends from_iterators' wait for a fork server still booting
+    # (_launch._start_abandoned): the program ends with one traceback, the
+    # KeyboardInterrupt, as docs/troubleshooting.md says, and leaves nothing.
+    # Before: a PipelineClosedError ("Ctrl-C was pressed while ...") and,
+    # "during handling" of it, the KeyboardInterrupt held back until then.
+    (tmp_path / "slow_server_source.py").write_text(SLOW_SERVER_SOURCE)
+    script = tmp_path / "pressed.py"
+    script.write_text(PRESSED_WHILE_THE_SERVER_STARTS)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "starting"
+        time.sleep(1.0)  # shmpipe's imports done, the server importing the source's module
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        out, err = proc.communicate(timeout=60)
+        assert "started" not in out, "the press came too late to end the wait: " + out
+        assert proc.returncode == -signal.SIGINT, (proc.returncode, err[-3000:])
+        assert err.count("Traceback") == 1 and "During handling" not in err, err[-4000:]
+        assert err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
+        mine = f"shmpipe-{proc.pid}-"
+        assert wait_until(lambda: not [n for n in os.listdir("/dev/shm") if n.startswith(mine)], 5.0)
+        assert wait_until(lambda: not group_members(proc.pid), 10.0), "a process of the script outlived it"
+    finally:
+        end_group(proc)
 
 
 @runs_with_others(lambda tmp_path, **params: _ctrl_c_in_the_consumer(tmp_path, **params))

@@ -293,7 +293,10 @@ def test_bad_node_arguments_are_refused(monkeypatch, env, kw, match):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(shmpipe.ShmpipeValueError, match=match):
+    # A node argument that is no int at all (a str, a bool, a float) is a
+    # TypeError; an int out of range, or a layout that does not hold, a ValueError.
+    wrong_type = any(k in ("num_nodes", "node_rank") and type(v) is not int for k, v in kw.items())
+    with pytest.raises(shmpipe.ShmpipeTypeError if wrong_type else shmpipe.ShmpipeValueError, match=match):
         shmpipe.from_dataset(Numbered(N), num_workers=1, **arguments() | kw)
 
 

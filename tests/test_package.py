@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import shmpipe
 
@@ -119,3 +124,28 @@ def test_every_python_module_stays_under_800_lines():
     assert len(modules) > 40
     long = {str(p.relative_to(root)): n for p in modules if (n := len(p.read_text().splitlines())) > 800}
     assert not long, long
+
+
+@pytest.mark.parametrize("tree", ["a clone's source tree", "an install without its extension"])
+def test_a_package_without_its_compiled_core_says_why(tmp_path, tree):
+    # A script run from a clone's root imports the clone's shmpipe/ (its
+    # folder comes first on sys.path), which has no built extension: the
+    # error says so and what to do, not only "cannot import name '_ring'".
+    # -S: no site-packages' .pth files, so an editable install's finder does
+    # not answer for the tree either (the tree is what Python finds).
+    source = Path(__file__).resolve().parent.parent / "shmpipe"
+    skip = ["*.so", "*.c", "__pycache__"] + (["*.pyx", "*.pxd"] if tree.startswith("an install") else [])
+    shutil.copytree(source, tmp_path / "shmpipe", ignore=shutil.ignore_patterns(*skip))
+    site = [p for p in sys.path if p.endswith("site-packages")]  # NumPy's, for the package's own imports
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", "import shmpipe; print(shmpipe.__file__, flush=True); from shmpipe import _ring"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(site)},
+    )
+    assert out.stdout.strip() == str(tmp_path / "shmpipe" / "__init__.py"), out.stdout + out.stderr  # the tree, indeed
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: shmpipe's compiled core, shmpipe._ring, is not built: "), out.stderr
+    if tree.startswith("a clone"):
+        assert f"this shmpipe is a source tree ({tmp_path / 'shmpipe'})" in last and "pip install -e ." in last
+    else:
+        assert "reinstall shmpipe" in last

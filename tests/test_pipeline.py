@@ -6,6 +6,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import sys
 import time
 
 import numpy as np
@@ -459,7 +460,14 @@ def test_unpicklable_source_is_a_clear_error():
     "kwargs, error, words",
     [
         (dict(capacity=0), ValueError, "capacity"),
-        (dict(capacity=2.5), ValueError, "capacity"),
+        # a wrong type is a TypeError, a number out of range a ValueError
+        (dict(capacity=2.5), TypeError, "capacity"),
+        (dict(capacity="8"), TypeError, "capacity must be a positive int"),
+        (dict(timeout="5"), TypeError, "timeout"),
+        (dict(seed="a"), TypeError, "seed"),
+        (dict(max_restarts=1.0), TypeError, "max_restarts"),
+        # a batch held in a loop's variable holds its slot: one slot is none for the producers
+        (dict(capacity=1), ValueError, "'shm' transport needs capacity >= 2, got 1"),
         (dict(ordered=True, capacity=2), ValueError, "capacity >= 3"),
         (dict(transport="carrier-pigeon"), ValueError, "known transports: arrow, example-pipe, queue, ray, shm"),
         (dict(timeout=-1), ValueError, "timeout"),
@@ -475,6 +483,25 @@ def test_bad_arguments(kwargs, error, words):
         shmpipe.from_iterators([Counter(1)] * 2, **kwargs)
     assert isinstance(info.value, shmpipe.ShmpipeError)
     assert multiprocessing.active_children() == [], "refused only after producers started"
+
+
+@pytest.mark.parametrize(
+    "method, module, words",
+    [
+        ("to_torch", "torch", "download.pytorch.org/whl/cpu"),
+        ("to_jax", "jax", 'pip install "shmpipe[jax]"'),
+        ("to_tf_dataset", "tensorflow", 'pip install "shmpipe[tensorflow]"'),
+    ],
+)
+def test_a_framework_that_is_not_installed_is_named_with_what_to_install(monkeypatch, method, module, words):
+    # As where it is not installed: Python's own way to make an import fail
+    # (None in sys.modules), which importlib.util.find_spec reports too.
+    monkeypatch.setitem(sys.modules, module, None)
+    with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
+        with pytest.raises(ModuleNotFoundError, match=rf"{method}\(\) needs {module}, which is not installed") as info:
+            getattr(pipe, method)()
+        assert info.value.name == module and words in str(info.value)
+        assert [b["seq"] for b in pipe] == [0, 1, 2]  # the pipeline is still whole
 
 
 @pytest.mark.parametrize(

@@ -361,6 +361,11 @@ def test_from_datasets_arguments_follow_the_dataloaders_rules():
             shmpipe.from_dataset(ds, **kwargs)
     with pytest.raises(shmpipe.ShmpipeTypeError, match="__len__ and __getitem__"):
         shmpipe.from_dataset(iter([1, 2]))
+    with pytest.raises(shmpipe.ShmpipeTypeError, match=r"got the class Numbered itself: make one, Numbered\(\.\.\.\)"):
+        shmpipe.from_dataset(Numbered)
+    for kwargs in (dict(batch_size="4"), dict(num_workers=2.0)):  # a wrong type: a TypeError, as Python's own
+        with pytest.raises(shmpipe.ShmpipeTypeError, match="must be a positive int"):
+            shmpipe.from_dataset(ds, **kwargs)
 
 
 def test_a_sampler_index_outside_the_dataset_is_an_error():

@@ -19,7 +19,7 @@ if __name__ == "__main__":
 
     model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Flatten(), keras.layers.Dense(10)])
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(dataset, epochs=2, verbose=0)
+    history = model.fit(dataset, epochs=2, verbose=0, shuffle=False)  # (a dataset: Keras does not shuffle it)
 
     images, checksum = 0, 0.0
     for image, label in dataset:  # one more pass, to show what the model was fed

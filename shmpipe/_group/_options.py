@@ -13,8 +13,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shmpipe._options import PipelineOptions, is_int
-from shmpipe.errors import ShmpipeValueError
+from shmpipe._options import PipelineOptions, is_int, is_number
+from shmpipe.errors import ShmpipeValueError, out_of_range
 from shmpipe.transport import ChannelSpec, ServesRanks, Transport
 
 __all__ = ["GroupOptions", "Launch", "check_capacity", "check_group", "default_capacity", "group_capacity"]
@@ -176,11 +176,13 @@ def check_group(
             "environment (torchrun sets them)"
         )
     if not is_int(num_ranks) or num_ranks < 1:
-        raise ShmpipeValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        raise out_of_range(f"num_ranks must be a positive int, got {num_ranks!r}", num_ranks)
     if not is_int(rank) or not 0 <= rank < num_ranks:
-        raise ShmpipeValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
-    if not (isinstance(group_timeout, (int, float)) and group_timeout > 0):
-        raise ShmpipeValueError(f"group_timeout must be a positive number of seconds, got {group_timeout!r}")
+        raise out_of_range(f"rank must be an int in [0, {num_ranks}), got {rank!r}", rank)
+    if not (is_number(group_timeout) and group_timeout > 0):
+        raise out_of_range(
+            f"group_timeout must be a positive number of seconds, got {group_timeout!r}", group_timeout, number=True
+        )
     if not transport.capabilities.serves_ranks:
         raise ShmpipeValueError(
             f"the {transport.name!r} transport cannot feed several ranks from one pipeline "
