@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -402,3 +403,72 @@ def test_states_asked_by_many_signal_handlers_during_fast_takes_never_wait_for_e
     assert proc.returncode == 0, proc.stderr[-3000:]
     answered, refused = map(int, proc.stdout.split())
     assert answered > 0 and refused > 0, proc.stdout  # (the signals coalesce: fewer than 300 handlers run)
+
+
+#: One rank of a group of two whose SIGTERM handler closes its pipeline:
+#: in rank 0 the signal lands as the take handles its third message from
+#: the leader (a batch: the reader exists), after the message was received.
+RANK_CLOSED_BY_A_HANDLER = """
+import json, signal, sys, time
+import shmpipe
+from shmpipe._group._rank import RankPipeline
+from shmpipe.testing.sources import Counter
+
+group, rank = sys.argv[1], int(sys.argv[2])
+pipe = shmpipe.from_iterators([Counter(40, (64,))] * 2, group=group, rank=rank, num_ranks=2, timeout=30,
+                              group_timeout=60)
+signal.signal(signal.SIGTERM, lambda *args: pipe.close())
+handle, take_message = RankPipeline._handle.__code__, RankPipeline._take_message.__code__
+calls = []
+
+def fire(frame, event, arg):
+    if event == "call" and frame.f_code is handle and frame.f_back.f_code is take_message:
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)
+
+if rank == 0:
+    sys.setprofile(fire)
+error, batches = None, 0
+try:
+    for _ in range(2):
+        for batch in pipe:
+            batches += 1
+            time.sleep(0.002)
+except Exception as exc:
+    error = exc
+sys.setprofile(None)
+pipe.close()
+print(json.dumps({"error": type(error).__name__, "message": str(error)[:200], "batches": batches,
+                  "fired": len(calls) >= 3 if rank == 0 else None}))
+"""
+
+
+def test_a_rank_closed_by_its_signal_handler_inside_a_take_ends_in_pipeline_closed_error(tmp_path):
+    """The handler's close() closed the rank's reader under the take it
+    interrupted, and the take failed the group with a CorruptChannelError
+    ("a batch came after the ring was closed in this rank"), kept for any
+    later use (helper 40: 3 of 3 on ab8cf08). Now close() came first: a
+    PipelineClosedError, and the other rank is told the rank left mid-pass."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    group = f"handler-{os.getpid()}"
+    shm_before = set(os.listdir("/dev/shm"))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK_CLOSED_BY_A_HANDLER, group, str(rank)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env, start_new_session=True)
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    got = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+    assert got[0]["fired"] and got[0]["error"] == "PipelineClosedError", got[0]
+    assert got[1]["error"] == "RankDiedError" and "rank 0" in got[1]["message"], got[1]
+    assert "ResourceWarning" not in outs[0][1] + outs[1][1]
+    assert set(os.listdir("/dev/shm")) - shm_before == set()

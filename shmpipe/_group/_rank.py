@@ -419,7 +419,12 @@ class RankPipeline(FrameworkStream):
 
     def _fail(self, exc: ShmpipeError) -> NoReturn:
         """The group failed: this rank lets go of the group (the batches it
-        holds stay valid) and raises `exc`, now and on any later use."""
+        holds stay valid) and raises `exc`, now and on any later use. Where
+        close() came first (a signal handler's, inside this very take, which
+        closed the reader under it: _before_close), the take ends in the
+        PipelineClosedError that close() promises, and nothing failed."""
+        if self._close_asked:
+            raise PipelineClosedError("the pipeline was closed") from exc
         self._failure = exc
         self.close()
         raise exc
