@@ -72,6 +72,23 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of the whole line
 
 
+#: The kernel's flag on a task that has begun to exit (PF_EXITING,
+#: include/linux/sched.h), in field 9 of /proc/<pid>/stat.
+_PF_EXITING = 0x4
+
+
+def process_ending(pid: int, start: int) -> bool:
+    """Whether process (pid, start) has ended or has begun to: gone, a
+    zombie, its pid another process's now, or exiting. A process that
+    dies closes its descriptors (a peer reads the end of its pipe) before
+    it becomes a zombie (its pidfd readable, wait() answered): from the
+    start of its exit, the kernel marks it exiting."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X") or int(fields[19]) != start:
+        return True
+    return bool(int(fields[6]) & _PF_EXITING)  # field 9: the task's flags
+
+
 def process_stopped(pid: int) -> bool:
     """Whether `pid` is stopped by a signal (SIGSTOP, SIGTSTP): it runs
     nothing, not even a handler of SIGTERM, until it is continued. Not a

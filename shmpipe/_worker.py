@@ -45,12 +45,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from shmpipe import _batch, _control, _producer_context, _startup
-from shmpipe._process import ProcessWatch
+from shmpipe._process import ProcessWatch, process_ending
 from shmpipe._spec import new_arrays
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
 from shmpipe.transport import Cancelled, Closed, ProducerControl, ProducerEnd, Transport
 
 __all__ = ["producer_main"]
+
+
+class ConsumerGone(Closed):
+    """The producer's control pipe closed under it: the consumer died, or is
+    closing without a word (a close sends "stop" first)."""
 
 
 class _Producer(ProducerControl):
@@ -83,7 +88,7 @@ class _Producer(ProducerControl):
         try:
             msg: tuple[Any, ...] = _control.recv(self.conn)
         except (EOFError, OSError):
-            raise Closed("the consumer is gone") from None
+            raise ConsumerGone("the consumer is gone") from None
         return msg
 
     def attach(self, handle: Any) -> None:
@@ -107,14 +112,14 @@ class _Producer(ProducerControl):
                 if msg[0] == "pass":
                     raise Cancelled(f"pass {msg[1].pass_no} started")
         except (EOFError, OSError):
-            raise Closed("the consumer is gone") from None
+            raise ConsumerGone("the consumer is gone") from None
 
     def _wait_for_channel(self, nbytes: int) -> ProducerEnd:
         """Asks the consumer for a channel sized for a first batch of nbytes."""
         try:
             _control.tell(self.conn, _control.need_channel(nbytes))
         except OSError:
-            raise Closed("the consumer is gone") from None
+            raise ConsumerGone("the consumer is gone") from None
         while self.end is None:
             msg = self._recv()
             if msg[0] == "attach":
@@ -195,7 +200,7 @@ class _Producer(ProducerControl):
         try:
             _control.tell(self.conn, _control.pass_done(self.pass_no, wseq))
         except OSError:
-            raise Closed("the consumer is gone") from None
+            raise ConsumerGone("the consumer is gone") from None
         end.end_pass()
 
     def _tell_state(self, wseq: int, state: Any) -> None:
@@ -215,7 +220,7 @@ class _Producer(ProducerControl):
         try:
             _control.tell(self.conn, message)
         except OSError:
-            raise Closed("the consumer is gone") from None
+            raise ConsumerGone("the consumer is gone") from None
 
     def report(self, exc: BaseException) -> None:
         """Sends the error to the consumer, then waits to be stopped."""
@@ -306,6 +311,16 @@ def producer_main(
         # A source shipped without the script (_startup) is loaded here, so
         # that what it imports, or fails to, is reported as its error.
         producer.run(_startup.unpack(source))
+    except ConsumerGone:
+        # Where the consumer died, it cannot remove what it owned (a named
+        # segment): the watchdog does that as the consumer's pidfd says it
+        # ended, but a dying process closes its descriptors first, so this
+        # thread, reading the end of the pipe, would end the process before
+        # the watchdog woke (a group's producers wait here between passes;
+        # seen by helper 41: 9 of 10 segments left). Dying, not only dead, is
+        # enough: it removes nothing any more.
+        if process_ending(owner_pid, owner_start):
+            producer.orphaned()
     except Closed:
         pass
     except Exception as exc:  # the source (or attaching) failed: tell the consumer

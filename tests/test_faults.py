@@ -322,6 +322,58 @@ def test_consumer_killed_with_sigkill(request, start_method):
     _ran(request)
 
 
+#: One rank of a group of two, its ring in a named segment: it takes a
+#: batch, says so, and waits to be killed.
+KILLED_RANK = textwrap.dedent(
+    """
+    import sys, time
+    import shmpipe
+    from shmpipe.testing.datasets import Numbered
+    from shmpipe.transports.shm import ShmTransport
+
+    group, rank = sys.argv[1], int(sys.argv[2])
+    # (a pass that fits the ring: the producer has made it whole and waits for the next one)
+    pipe = shmpipe.from_dataset(Numbered(16, shape=(16,)), batch_size=4, num_workers=1, seed=1, timeout=30,
+                                transport=ShmTransport(backing="posix"), group=group, rank=rank, num_ranks=2,
+                                group_timeout=60)
+    next(iter(pipe))
+    print("took one", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_a_group_whose_ranks_are_killed_leaves_no_named_segment(tmp_path):
+    # Every rank SIGKILLed (a preemption that kills the trainers): the
+    # producers, waiting for the next pass, read the end of their control
+    # pipe before their watchdog sees rank 0 gone, and ended the process
+    # without removing rank 0's named segment (helper 41: 9 of 10; this
+    # test left it 3 of 3 on 00b3fed). They remove it now.
+    script = tmp_path / "rank.py"
+    script.write_text(KILLED_RANK)
+    group = f"killed-{os.getpid()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script), group, str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env, start_new_session=True)
+             for rank in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "took one", end_group(p)[1]
+        mine = f"shmpipe-{procs[0].pid}-"
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(mine)], "rank 0's ring is not a named segment"
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
+        assert wait_until(lambda: not group_members(procs[0].pid), 10.0), "rank 0's producers outlived it"
+        assert wait_until(lambda: not [n for n in os.listdir("/dev/shm") if n.startswith(mine)], 5.0), (
+            "rank 0's segment was left in /dev/shm"
+        )
+    finally:
+        for p in procs:
+            end_group(p, remove_segments=True)
+
+
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
 def test_one_ctrl_c_while_the_producers_start_is_never_lost(tmp_path, start_method):
     # One press, at a random moment of the first 120 ms of from_iterators
