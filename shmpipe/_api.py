@@ -397,11 +397,13 @@ def from_dataset(
     )
     layout = check_nodes(num_nodes, node_rank, grouped.num_ranks if grouped is not None else 1, grouped is not None)
     check_sampler_for_nodes(layout, sampler, batch_sampler)
-    if layout.num_nodes > 1 and shuffle and not options.seed_given:
+    if layout.num_nodes > 1 and not options.seed_given:
         raise ShmpipeValueError(
             f"a job of {layout.num_nodes} nodes needs seed= (the same on every node): each node draws the "
-            "epoch's shuffle itself, and nodes that drew different ones would read some samples twice and "
-            "others never"
+            + ("epoch's shuffle itself, and nodes that drew different ones would read some samples twice and "
+               "others never" if shuffle else
+               "producers' seeds from it, and every rank's state_dict() at the same step must be the job's one "
+               "position (nodes that each drew a seed would hold different ones)")
         )
     schedule = DatasetSchedule(
         num_workers,

@@ -285,7 +285,9 @@ ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
         ({"GROUP_RANK": "3"}, dict(node_rank=0), r"GROUP_RANK=3 says this is node 3"),
         ({}, dict(num_nodes=1, node_rank=False), "node_rank must be 0 with num_nodes=1"),
         ({}, dict(node_rank=0.0), "node_rank must be 0 with one node"),
-        ({}, dict(num_nodes=2, node_rank=0, seed=None), "needs seed="),
+        ({}, dict(num_nodes=2, node_rank=0, seed=None), "needs seed=.*read some samples twice"),
+        # without shuffle too: each node's state would hold a seed of its own (helper 41)
+        ({}, dict(num_nodes=2, node_rank=0, seed=None, shuffle=False), "needs seed=.*every rank's state_dict"),
     ],
 )
 def test_bad_node_arguments_are_refused(monkeypatch, env, kw, match):
