@@ -573,9 +573,13 @@ class DatasetSchedule(Schedule):
 
     def _after_rounds(self, epoch: int, rounds: int) -> dict[str, Any]:
         taken = rounds * self.layout.world
-        if len(self._left) - taken < self.layout.world:
+        if rounds and len(self._left) - taken < self.layout.world:
             # Its last round is out: a resumed run begins the next epoch, not
-            # this one's remainder (dropped, as it would have been).
+            # this one's remainder (dropped, as it would have been). Before
+            # any round (a pass begun, nothing of it out: just after a load,
+            # fewer than a round left for this layout), the position is where
+            # the pass began, as a rank of a group that has begun none says:
+            # another layout may still deal that remainder.
             return self._fresh(epoch + 1)
         done = self._done.copy()
         done[self._left[:taken]] = True
