@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from shmpipe._frameworks import FrameworkStream
 from shmpipe._interrupts import ctrl_c_held_back
@@ -729,15 +729,6 @@ class Pipeline(FrameworkStream):
             if warn_if_held_up_by_consumer(self._channel, self._spec.consumer_may_hold, self.capacity, now - t0):
                 self._stall_warned = self._pass_no
         self._raise_if_timed_out(t0, now, lambda: describe_wait(self._channel, self._launcher))
-
-    def _close_and_raise(self, exc: BaseException) -> NoReturn:
-        """Stop everything, then raise; PipelineClosedError where a close()
-        came first (a signal handler's, as this very take found `exc`)."""
-        if self._close_asked:
-            raise PipelineClosedError("the pipeline was closed") from exc
-        self._stopped_by = exc
-        self.close()
-        raise exc
 
     # -- what the adapters read ---------------------------------------------------
 

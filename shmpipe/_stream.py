@@ -485,6 +485,16 @@ class BatchStream(abc.ABC):
         if self._closed:
             self._raise_closed()
 
+    def _close_and_raise(self, exc: BaseException) -> NoReturn:
+        """Stops everything, then raises `exc` (a use after it says what
+        stopped the stream); PipelineClosedError where a close() came first
+        (a signal handler's, inside the very take that found `exc`)."""
+        if self._close_asked:
+            raise PipelineClosedError("the pipeline was closed") from exc
+        self._stopped_by = exc
+        self.close()
+        raise exc
+
     def _raise_closed(self) -> NoReturn:
         if self._forked_from is not None:
             raise PipelineClosedError(

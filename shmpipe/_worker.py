@@ -57,6 +57,9 @@ class ConsumerGone(Closed):
     """The producer's control pipe closed under it: the consumer died, or is
     closing without a word (a close sends "stop" first)."""
 
+    def __init__(self) -> None:
+        super().__init__("the consumer is gone")
+
 
 class _Producer(ProducerControl):
     """Runs a source per pass and feeds its batches to the transport's
@@ -88,7 +91,7 @@ class _Producer(ProducerControl):
         try:
             msg: tuple[Any, ...] = _control.recv(self.conn)
         except (EOFError, OSError):
-            raise ConsumerGone("the consumer is gone") from None
+            raise ConsumerGone() from None
         return msg
 
     def attach(self, handle: Any) -> None:
@@ -112,14 +115,14 @@ class _Producer(ProducerControl):
                 if msg[0] == "pass":
                     raise Cancelled(f"pass {msg[1].pass_no} started")
         except (EOFError, OSError):
-            raise ConsumerGone("the consumer is gone") from None
+            raise ConsumerGone() from None
 
     def _wait_for_channel(self, nbytes: int) -> ProducerEnd:
         """Asks the consumer for a channel sized for a first batch of nbytes."""
         try:
             _control.tell(self.conn, _control.need_channel(nbytes))
         except OSError:
-            raise ConsumerGone("the consumer is gone") from None
+            raise ConsumerGone() from None
         while self.end is None:
             msg = self._recv()
             if msg[0] == "attach":
@@ -200,7 +203,7 @@ class _Producer(ProducerControl):
         try:
             _control.tell(self.conn, _control.pass_done(self.pass_no, wseq))
         except OSError:
-            raise ConsumerGone("the consumer is gone") from None
+            raise ConsumerGone() from None
         end.end_pass()
 
     def _tell_state(self, wseq: int, state: Any) -> None:
@@ -220,7 +223,7 @@ class _Producer(ProducerControl):
         try:
             _control.tell(self.conn, message)
         except OSError:
-            raise ConsumerGone("the consumer is gone") from None
+            raise ConsumerGone() from None
 
     def report(self, exc: BaseException) -> None:
         """Sends the error to the consumer, then waits to be stopped."""

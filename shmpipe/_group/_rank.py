@@ -423,11 +423,9 @@ class RankPipeline(FrameworkStream):
         close() came first (a signal handler's, inside this very take, which
         closed the reader under it: _before_close), the take ends in the
         PipelineClosedError that close() promises, and nothing failed."""
-        if self._close_asked:
-            raise PipelineClosedError("the pipeline was closed") from exc
-        self._failure = exc
-        self.close()
-        raise exc
+        if not self._close_asked:
+            self._failure = exc
+        self._close_and_raise(exc)
 
     def _take(self, it: Pass, t0: int) -> tuple[Any, int, int]:
         while True:
