@@ -11,18 +11,23 @@ variants whose _launch is CPython 3.11's with the preparation data changed
 A start talks to the server over its socket and two pipes (the data it
 sends the child, the pid it gets back): it waits for the server only within
 a StartWait, and where the server ended before it answered, a new server
-starts the child when no child can have its data (_server_gone).
+starts the child when no child can have its data (_server_gone). The
+server reads what comes on its socket as input from another process: a
+request cut short (its trainer ended mid-start), malformed or never sent
+is dropped, and the server goes on (serve).
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import fcntl
 import io
 import multiprocessing.connection
 import multiprocessing.process
 import os
+import pickle
 import select
 import signal
 import socket
@@ -36,6 +41,7 @@ from multiprocessing.context import set_spawning_popen
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
+from shmpipe import _fdpass
 from shmpipe._process import ProcessWatch, process_start_time, process_stopped
 from shmpipe.errors import PipelineTimeoutError, ShmpipeError
 
@@ -47,6 +53,7 @@ __all__ = [
     "StartWait",
     "launch_server",
     "preload",
+    "serve",
     "server_pid",
     "stopped_note",
     "waiting",
@@ -67,9 +74,15 @@ SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe._sources", "sh
 #: starts a new one; one that is still running then is an error.
 SERVER_END_WAIT_S = 2.0
 
+#: How long the fork server gives a client that has connected to send its
+#: request (one sendmsg, right after its connect): one that has sent nothing
+#: by then is dropped, so that a client stuck there (stopped, or not a
+#: trainer at all) cannot hold up every later start.
+REQUEST_WAIT_S = 5.0
+
 #: The fork server's command line (Python 3.11, _ForkServer): the trainer's
-#: sys.path first, then the preload, then the standard library's server
-#: (given no preload of its own). NumPy's OpenBLAS starts its threads as it is
+#: sys.path first, then the preload, then the standard library's server loop
+#: (given no preload of its own), run by serve. NumPy's OpenBLAS starts its threads as it is
 #: imported, and each spins on a core for 2**28 cycles (about 0.1 s) before
 #: it sleeps, taking it from the trainer and the server itself while the
 #: first pipeline waits for the server: on 2 cores, the server's preload
@@ -92,8 +105,8 @@ for name in %r:
         pass
 if quiet:
     del os.environ["OPENBLAS_THREAD_TIMEOUT"]
-from multiprocessing.forkserver import main
-main(%d, %d, [], **%r)
+from shmpipe._forkserver import serve
+serve(%d, %d, %r)
 """
 
 
@@ -188,6 +201,56 @@ class _ForkServer(forkserver.ForkServer):
         self._forkserver_address = None
         self._forkserver_alive_fd = None  # type: ignore[assignment]
         self._forkserver_pid = None  # type: ignore[assignment]
+
+
+def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
+    """The fork server's process, once it has imported its preload
+    (_SERVER_COMMAND): the standard library's loop (forkserver.main), reading
+    what comes on its socket as input from another process.
+
+    A request is one byte and a start's descriptors (connect_to_new_process:
+    the child's two pipes, the server's "alive" pipe, the resource
+    tracker's, then the child's own), then the child's data on its pipe. The
+    standard library's loop ends the server, with a traceback, on a request
+    cut short (a trainer ended between its connect and its send: by a
+    signal handler's sys.exit as it started a producer, or SIGKILL) or
+    malformed, and waits for ever on one that never comes; a child whose
+    data was cut short (its trainer ended, or gave up the start, as it
+    wrote) prints its unpickling error. Here such a request is dropped, its
+    descriptors closed, and the server serves the next; such a child ends
+    with exit code 1 and prints nothing: nobody waits for it. Two functions
+    the loop calls are replaced to that end, in this process only: a child
+    gets the standard library's back as it starts.
+
+    Python 3.12 and later run the standard library's own command line and
+    loop (see _ForkServer), without this."""
+    stdlib_recvfds, stdlib_serve_one = reduction.recvfds, forkserver._serve_one  # type: ignore[attr-defined]
+
+    def request(sock: socket.socket, size: int) -> list[int]:
+        # forkserver.main takes an OSError with errno ECONNABORTED as a
+        # request that ended before it was accepted: it closes the
+        # connection and serves the next.
+        sock.settimeout(REQUEST_WAIT_S)
+        try:
+            got = _fdpass.recv_fds(sock, 1, size)
+        except OSError as exc:  # reset, or nothing within REQUEST_WAIT_S
+            raise OSError(errno.ECONNABORTED, f"a start's request did not come: {exc!r}") from exc
+        if got.data != bytes([len(got.fds) % 256]) or got.fds_cut or not 4 <= len(got.fds) < size:
+            _fdpass.close_all(got.fds)
+            raise OSError(errno.ECONNABORTED, f"a start's request was cut short or malformed: {got.data!r}, "
+                                              f"{len(got.fds)} descriptors")
+        return got.fds
+
+    def child(child_r: int, fds: list[int], unused_fds: list[int], handlers: dict[Any, Any]) -> int:
+        reduction.recvfds, forkserver._serve_one = stdlib_recvfds, stdlib_serve_one  # type: ignore[attr-defined]
+        try:
+            code: int = stdlib_serve_one(child_r, fds, unused_fds, handlers)
+        except (EOFError, pickle.UnpicklingError):  # its data cut short: the start was abandoned
+            return 1
+        return code
+
+    reduction.recvfds, forkserver._serve_one = request, child  # type: ignore[attr-defined]
+    forkserver.main(listener_fd, alive_r, [], **data)
 
 
 #: The fork server that new producers fork from. A later pipeline whose

@@ -36,7 +36,7 @@ def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
     server = _forkserver.server_pid()
     assert parents == {server} and server != os.getpid()
     with open(f"/proc/{server}/cmdline", "rb") as f:
-        assert b"multiprocessing.forkserver" in f.read()  # the standard library's server code, our instance
+        assert b"shmpipe._forkserver import serve" in f.read()  # the standard library's loop, run by ours
 
 
 @pytest.mark.parametrize("padding", [0, 200_000], ids=["small", "past-a-pipe"])
@@ -81,6 +81,150 @@ def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced(padding):
     assert out.get("error") is None, repr(out.get("error"))
     assert out["ids"] == list(range(20))
     assert _forkserver.server_pid() not in (None, old)
+
+
+#: Requests to the fork server that a trainer ended mid-start leaves (cut
+#: before its descriptors; its data cut before or inside the pickle), one
+#: that is not a trainer's (too few descriptors, no descriptors), and one
+#: that never comes: each is dropped or its child ends, and the same server
+#: serves the next pipeline. The script prints what it saw as JSON.
+BAD_REQUESTS_SCRIPT = """
+import json, os, socket, sys, time
+from multiprocessing import forkserver, reduction
+import shmpipe
+from shmpipe import _forkserver
+from shmpipe.testing.sources import Counter
+
+def batches():
+    with shmpipe.from_iterators([Counter(2)] * 2, start_method="forkserver", timeout=TIMEOUT) as pipe:
+        return len(list(pipe))
+
+def connected():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(_forkserver._SERVER._forkserver_address)
+    return s
+
+def child_exit(data):
+    status, child_data = _forkserver._SERVER.connect_to_new_process([])
+    forkserver.read_signed(status)  # the child's pid: it was forked
+    os.write(child_data, data)
+    os.close(child_data)
+    code = forkserver.read_signed(status)
+    os.close(status)
+    return code
+
+out = {"first": batches()}
+server = _forkserver.server_pid()
+if sys.argv[1] == "idle":
+    held = connected()  # and sends nothing
+    t0 = time.monotonic()
+    out["meanwhile"] = batches()
+    out["waited_s"] = time.monotonic() - t0
+    held.close()
+else:
+    connected().close()
+    with connected() as s:
+        r, w = os.pipe()
+        reduction.sendfds(s, [r, w])
+        os.close(r), os.close(w)
+    with connected() as s:
+        s.sendmsg([b"x"])
+    out["children"] = [child_exit(b""), child_exit(b"\\x80\\x04\\x95\\xff\\x00")]
+out["after"] = batches()
+out["same_server"] = _forkserver.server_pid() == server and os.path.exists(f"/proc/{server}")
+print(json.dumps(out), flush=True)
+""".replace("TIMEOUT", str(T))
+
+
+@pytest.mark.parametrize("case", ["cut-or-malformed", "idle"])
+def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(tmp_path, case):
+    # The standard library's loop ended the server with a traceback on the
+    # first three requests (EOFError, ValueError, RuntimeError), its
+    # children printed their unpickling errors, and a client that connected
+    # and sent nothing held up every later start for ever.
+    import json
+
+    from shmpipe._forkserver import REQUEST_WAIT_S
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", BAD_REQUESTS_SCRIPT, case], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=T,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert out["first"] == out["after"] == 4 and out["same_server"], out
+    if case == "idle":
+        assert out["meanwhile"] == 4 and out["waited_s"] >= REQUEST_WAIT_S - 0.5, out
+    else:
+        assert out["children"] == [1, 1], out
+
+
+#: A trainer whose SIGTERM handler ends it (sys.exit) as it starts a
+#: replacement: the signal is raised at the first call of `where` in that
+#: start (between its connect and its descriptors, or as it writes the
+#: child's data).
+EXIT_MID_START_SCRIPT = """
+import os, signal, sys
+import shmpipe
+from shmpipe.testing.sources import Counter
+
+def handler(sig, frame):
+    sys.exit(3)
+
+def raise_at_first(where):
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == where:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+    return hook
+
+signal.signal(signal.SIGTERM, handler)
+pipe = shmpipe.from_iterators([Counter(50)] * 2, start_method="forkserver", timeout=TIMEOUT, max_restarts=1)
+it = iter(pipe)
+next(it)
+os.kill(pipe.pids[0], signal.SIGKILL)
+sys.setprofile(raise_at_first(sys.argv[1]))
+for batch in it:
+    pass
+""".replace("TIMEOUT", str(T))
+
+
+@pytest.mark.parametrize("where", ["sendfds", "until_ready"])
+def test_a_trainer_that_exits_in_the_middle_of_a_start_leaves_no_traceback_and_nothing_running(tmp_path, where):
+    # Before: the server died of the request cut short and printed its
+    # EOFError (sendfds), or the child printed its unpickling error.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXIT_MID_START_SCRIPT, where], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=T)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 3, err
+    deadline = time.monotonic() + 10
+    while _session_left(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _session_left(proc.pid)
+    assert "Traceback" not in err, err
+
+
+def _session_left(sid):
+    """The processes of session `sid` still running."""
+    left = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    left.append(int(entry))
+            except OSError:
+                pass
+    return left
 
 
 #: A source whose module, preloaded by the fork server, makes the server die
