@@ -454,8 +454,10 @@ if __name__ == "__main__":
         os.kill(server, signal.SIGCONT)  # (stopped, it would hold this script's output open)
     # It answers a start that gave up after it connected now: the child it
     # forks reads a cut pickle, or finds its control pipe closed, and ends.
+    # (The starts of "stopped" and "ctrl-c" never connected; none gave up in
+    # "slow" and "own-handler": nothing to wait for.)
     new, left = [], []
-    deadline = time.monotonic() + (3 if case in ("stopped", "ctrl-c") else 10)  # (those never connected)
+    deadline = time.monotonic() + {"stopped": 3, "ctrl-c": 3, "slow": 0, "own-handler": 0}.get(case, 10)
     while time.monotonic() < deadline:
         time.sleep(0.02)
         new = forked()[before:]
