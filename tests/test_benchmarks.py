@@ -97,6 +97,9 @@ def _command(key, folder):
     if key == "gpu_feed":
         return Command([sys.executable, str(ROOT / "benchmarks" / "gpu_feed.py"), "--mib", "1", "--batches", "2"],
                        cwd=folder, timeout=120)
+    if key == "rank death":
+        return Command([sys.executable, str(ROOT / "benchmarks" / "rank_death.py"), "--trials", "2", "--victim", "0",
+                        "--json", str(folder / "death.json")], cwd=folder, env=env, timeout=120, seconds=3)
     if key == "resume":
         return Command(
             [sys.executable, "-m", "shmpipe", "bench", "resume", "--images", "40", "--side", "16", "--batch-size", "8",
@@ -128,12 +131,14 @@ TINY_NODES = ["--layouts", "2x1", "--images", "48", "--side", "16", "--batch-siz
 
 RUNS = SharedRuns(
     {"test_throughput_script_writes_json", "test_gpu_feed_says_what_it_did_not_measure",
+     "test_rank_death_script_times_each_survivors_error_and_leaves_nothing",
      "test_bench_train_runs_every_recipe_and_its_figures_are_sane",
      "test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs",
      "test_bench_nodes_runs_every_layout_and_its_checks_pass"},
     keys=lambda item: {
         "test_throughput_script_writes_json": ["throughput script"],
         "test_gpu_feed_says_what_it_did_not_measure": ["gpu_feed"],
+        "test_rank_death_script_times_each_survivors_error_and_leaves_nothing": ["rank death"],
         "test_bench_train_runs_every_recipe_and_its_figures_are_sane": [("train", t) for t in TRAIN_GROUPS],
         "test_bench_resume_measures_every_loader_and_checks_the_resumed_epochs": ["resume"],
         "test_bench_nodes_runs_every_layout_and_its_checks_pass": ["nodes"],
@@ -170,6 +175,18 @@ def test_gpu_feed_says_what_it_did_not_measure(request):
         assert "not measured" in proc.stdout
     else:
         assert "host-to-device GB/s" in proc.stdout
+
+
+@SHARED_TIMEOUT
+def test_rank_death_script_times_each_survivors_error_and_leaves_nothing(request):
+    proc, folder = RUNS.get(request, "rank death")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((folder / "death.json").read_text())
+    assert data["summary"] == {**data["summary"], "samples": 2, "failed_or_left": 0}, data["summary"]
+    for trial in data["trials"]:
+        assert trial["errors"]["1"][0] == "RankDiedError" and "rank 0" in trial["errors"]["1"][1], trial
+        assert trial["latencies_ms"]["1"] > 0 and trial["left"] == [] and trial["failed"] is None, trial
+    assert "2 of 2 trials clean" in proc.stdout
 
 
 def test_gpu_feed_slot_safety_check_runs_on_the_host():
