@@ -31,6 +31,7 @@ import pickle
 import select
 import signal
 import socket
+import stat
 import sys
 import termios
 import threading
@@ -235,7 +236,10 @@ def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
             got = _fdpass.recv_fds(sock, 1, size)
         except OSError as exc:  # reset, or nothing within REQUEST_WAIT_S
             raise OSError(errno.ECONNABORTED, f"a start's request did not come: {exc!r}") from exc
-        if got.data != bytes([len(got.fds) % 256]) or got.fds_cut or not 4 <= len(got.fds) < size:
+        if (
+            got.data != bytes([len(got.fds) % 256]) or got.fds_cut or not 4 <= len(got.fds) < size
+            or not _start_pipes(got.fds[:4])
+        ):
             _fdpass.close_all(got.fds)
             raise OSError(errno.ECONNABORTED, f"a start's request was cut short or malformed: {got.data!r}, "
                                               f"{len(got.fds)} descriptors")
@@ -245,12 +249,42 @@ def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
         reduction.recvfds, forkserver._serve_one = stdlib_recvfds, stdlib_serve_one  # type: ignore[attr-defined]
         try:
             code: int = stdlib_serve_one(child_r, fds, unused_fds, handlers)
-        except (EOFError, pickle.UnpicklingError):  # its data cut short: the start was abandoned
-            return 1
+        except (EOFError, pickle.UnpicklingError) as exc:
+            if not _raised_by_the_read(exc):
+                raise  # by code the unpickling ran (a class's __setstate__): the user's to see
+            return 1  # its data cut short: the start was abandoned
         return code
 
     reduction.recvfds, forkserver._serve_one = request, child  # type: ignore[attr-defined]
     forkserver.main(listener_fd, alive_r, [], **data)
+
+
+def _start_pipes(fds: list[int]) -> bool:
+    """Whether a request's first four descriptors are what a start sends:
+    pipes, the child's data read end, then the write ends of its status
+    pipe, of the server's "alive" pipe and of the resource tracker's. The
+    server writes the child's pid and exit status on the second: on
+    anything else the standard library's loop ends with its OSError."""
+    for fd, mode in zip(fds, (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY, os.O_WRONLY), strict=True):
+        try:
+            is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
+            access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError:
+            return False
+        if not is_pipe or access != mode:
+            return False
+    return True
+
+
+def _raised_by_the_read(exc: BaseException) -> bool:
+    """Whether `exc`, an EOFError or an UnpicklingError of a child's start,
+    came from the unpickler's read of its data pipe (raised in spawn._main
+    itself: the data was cut short) rather than from code the unpickling
+    ran, a class's own __setstate__ say, whose error the user must see."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code is spawn._main.__code__
 
 
 #: The fork server that new producers fork from. A later pipeline whose
@@ -567,15 +601,21 @@ class _ServerPopen(popen_forkserver.Popen):
             return
         except _ServerGone as gone:
             # The server ended after it was last seen running (killed: the
-            # OOM killer's pick, say, while it was starting this child), and
-            # no child of it has this start's data: a new server starts it.
-            first = gone.pid
+            # OOM killer's pick, say, while it was starting this child), or
+            # runs and dropped the request (see _server_gone), and no child
+            # of it has this start's data: a new server, or the same one,
+            # starts it.
+            first = gone
         try:
             self._fork_from(server, buf, name)
         except _ServerGone as gone:
+            what = (
+                f"dropped the request to start {name}, twice" if first.running and gone.running
+                else f"ended, and the one started in its place (pid {gone.pid}, interpreter "
+                     f"{spawn.get_executable()}) did not start {name} either"
+            )
             raise ShmpipeError(
-                f"shmpipe's fork server (pid {first}) ended, and the one started in its place (pid {gone.pid}, "
-                f"interpreter {spawn.get_executable()}) did not start {name} either: {gone.__cause__!r}"
+                f"shmpipe's fork server (pid {first.pid}) {what}: {gone.__cause__!r}"
             ) from gone.__cause__
 
     def _fork_from(self, server: _ForkServer, buf: io.BytesIO, name: str) -> None:
@@ -635,11 +675,12 @@ class _ServerPopen(popen_forkserver.Popen):
 class _ServerGone(Exception):
     """The fork server `pid` ended, or refused, before it started a child,
     and no child of it can have that start's data: a new server may start
-    it (_ServerPopen._launch)."""
+    it (_ServerPopen._launch); or, `running`, the server runs and dropped
+    the request, and may start it again."""
 
-    def __init__(self, pid: int | None) -> None:
+    def __init__(self, pid: int | None, running: bool = False) -> None:
         super().__init__(pid)
-        self.pid = pid
+        self.pid, self.running = pid, running
 
 
 def _server_gone(
@@ -648,11 +689,16 @@ def _server_gone(
 ) -> NoReturn:
     """A start of child `name` through `server`'s process `pid` failed with
     `cause`, a sign that it ended: _ServerGone once it has ended, where
-    no child can have the start's data. A ShmpipeError where the process
-    does not end, or where a child may have been forked and read the data
-    (the server died between its fork and its answer): starting it again
-    could make two producers of one."""
+    no child can have the start's data. Where the process runs on, it
+    dropped the request (its descriptors came later than REQUEST_WAIT_S
+    after the connect: this process was held, by a debugger, a stop, or a
+    thread that kept the GIL), and _ServerGone(running=True) where no child
+    can have the data either. A ShmpipeError otherwise: where a child may
+    have been forked and read the data (the server died between its fork
+    and its answer), starting it again could make two producers of one."""
     if not server.forget_if_ended(pid, SERVER_END_WAIT_S):
+        if data_pipe is None or _unread_without_reader(data_pipe, nbytes):
+            raise _ServerGone(pid, running=True) from cause
         raise ShmpipeError(
             f"shmpipe's fork server (pid {pid}) did not start {name} ({cause!r}) and is still running after "
             f"{SERVER_END_WAIT_S} s"

@@ -649,7 +649,10 @@ class Pipeline(FrameworkStream):
         False when no restart is left, or the replacement did not start:
         `death` is then the pipeline's failure, saying so. PipelineClosedError
         once the pipeline is closed. Under the consumer lock."""
-        if self._closed:  # from another thread since the death was found: what a wait sees of a close()
+        # close() from another thread since the death was found: what a wait
+        # sees of a close(). (Not _closed: a pipeline counts as closed until
+        # it is made, and its constructor begins the first pass.)
+        if self._close_asked:
             raise PipelineClosedError("the pipeline was closed: the producer that died is not replaced")
         if self._failure is not None or not self._launcher.can_restart:
             return False

@@ -169,6 +169,38 @@ def test_a_producer_that_exits_early(code):
     assert info.value.worker_id == 1 and info.value.exitcode == code and info.value.signal is None
 
 
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_producer_dead_as_the_first_pass_begins_is_its_death_not_a_close(monkeypatch, max_restarts):
+    # from_iterators begins the first pass in its constructor. A producer
+    # dead by then (one that died as it started) was reported as
+    # "PipelineClosedError: the pipeline was closed: the producer that died
+    # is not replaced" (the pipeline counts as closed until it is made),
+    # and max_restarts did not replace it. (Killed here, and its death
+    # waited for, just before the constructor sends the pass.)
+    begin_pass = _launch.ProcessLauncher.begin_pass
+    killed: list[int] = []
+
+    def begin_pass_after_a_death(self, pass_no, work):
+        if not killed:
+            killed.append(self.processes[0].pid)
+            os.kill(killed[0], signal.SIGKILL)
+            assert wait_until(lambda: gone(killed[0]), 10.0)
+        return begin_pass(self, pass_no, work)
+
+    monkeypatch.setattr(_launch.ProcessLauncher, "begin_pass", begin_pass_after_a_death)
+    sources = [Counter(3)] * 2
+    if max_restarts == 0:
+        with pytest.raises(shmpipe.WorkerDiedError, match="worker 0") as info:
+            shmpipe.from_iterators(sources, timeout=T)
+        assert info.value.signal == signal.SIGKILL
+        return
+    with pytest.warns(shmpipe.ShmpipeWarning, match="replaced by pid"):
+        with shmpipe.from_iterators(sources, timeout=T, max_restarts=1) as pipe:
+            got = sorted((int(b["worker"]), int(b["seq"])) for b in pipe)
+            assert list(pipe.stats().restarts) == [1, 0]
+    assert got == [(w, s) for w in (0, 1) for s in range(3)]
+
+
 def test_close_stops_producers_stuck_in_user_code_promptly():
     pipe = shmpipe.from_iterators([Sleeper(60.0)] * 2, timeout=T)
     next(iter(pipe))

@@ -85,8 +85,8 @@ def test_a_fork_server_killed_while_it_starts_a_producer_is_replaced(padding):
 
 #: Requests to the fork server that a trainer ended mid-start leaves (cut
 #: before its descriptors; its data cut before or inside the pickle), one
-#: that is not a trainer's (too few descriptors, no descriptors), and one
-#: that never comes: each is dropped or its child ends, and the same server
+#: that is not a trainer's (too few descriptors, none, four of the wrong
+#: kinds), and one that never comes: each is dropped or its child ends, and the same server
 #: serves the next pipeline. The script prints what it saw as JSON.
 BAD_REQUESTS_SCRIPT = """
 import json, os, socket, sys, time
@@ -129,6 +129,11 @@ else:
         os.close(r), os.close(w)
     with connected() as s:
         s.sendmsg([b"x"])
+    with connected() as s:  # four descriptors, of the wrong kinds (the server writes on the second)
+        r, w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        reduction.sendfds(s, [r, r, null, null])
+        os.close(r), os.close(w), os.close(null)
     out["children"] = [child_exit(b""), child_exit(b"\\x80\\x04\\x95\\xff\\x00")]
 out["after"] = batches()
 out["same_server"] = _forkserver.server_pid() == server and os.path.exists(f"/proc/{server}")
@@ -139,7 +144,7 @@ print(json.dumps(out), flush=True)
 @pytest.mark.parametrize("case", ["cut-or-malformed", "idle"])
 def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(tmp_path, case):
     # The standard library's loop ended the server with a traceback on the
-    # first three requests (EOFError, ValueError, RuntimeError), its
+    # first four requests (EOFError, ValueError, RuntimeError, OSError), its
     # children printed their unpickling errors, and a client that connected
     # and sent nothing held up every later start for ever.
     import json
@@ -159,6 +164,95 @@ def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(tmp
         assert out["meanwhile"] == 4 and out["waited_s"] >= REQUEST_WAIT_S - 0.5, out
     else:
         assert out["children"] == [1, 1], out
+
+
+#: A trainer whose thread is held between its connect to the fork server
+#: and its request (a debugger, a stop, another thread keeping the GIL)
+#: for longer than the server waits: the server drops the request, and
+#: the start asks the same server again.
+HELD_START_SCRIPT = """
+import json, sys, time
+import shmpipe
+from shmpipe import _forkserver
+from shmpipe.testing.sources import Counter
+
+def held_at_the_request(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "sendfds":
+        sys.setprofile(None)
+        time.sleep(_forkserver.REQUEST_WAIT_S + 1)
+
+def batches():
+    with shmpipe.from_iterators([Counter(2)], start_method="forkserver", timeout=TIMEOUT) as pipe:
+        return len(list(pipe))
+
+out = {"first": batches()}
+server = _forkserver.server_pid()
+sys.setprofile(held_at_the_request)
+out["held"] = batches()
+out["same_server"] = _forkserver.server_pid() == server
+print(json.dumps(out), flush=True)
+""".replace("TIMEOUT", str(T))
+
+
+def test_a_start_held_past_the_servers_wait_asks_the_same_server_again(tmp_path):
+    # Before: the server waited for ever for it (and every later start
+    # behind it); with the wait and no retry, a ShmpipeError blaming the
+    # server ("did not start ... still running after 2 s").
+    import json
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", HELD_START_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=T
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"first": 2, "held": 2, "same_server": True}, out
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+#: A transport whose unpickling in each producer raises an EOFError of its
+#: own (a cache file left empty): the user's error, printed by the child,
+#: not taken for a start's data cut short.
+FAILING_TRANSPORT = """
+import pickle
+from shmpipe.transports.shm import ShmTransport
+
+class CachedShm(ShmTransport):
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        with open(self.cache, "rb") as f:
+            self.table = pickle.load(f)
+"""
+
+FAILING_TRANSPORT_SCRIPT = """
+import shmpipe
+from shmpipe.testing.sources import Counter
+from cached_shm import CachedShm
+
+open("empty.pkl", "wb").close()
+try:
+    with shmpipe.from_iterators([Counter(2)], transport=CachedShm("empty.pkl"), start_method="forkserver",
+                                timeout=TIMEOUT) as pipe:
+        print("batches", len(list(pipe)))
+except shmpipe.ShmpipeError as exc:
+    print(type(exc).__name__, exc)
+""".replace("TIMEOUT", str(T))
+
+
+def test_an_error_of_the_users_code_as_a_producer_is_unpickled_is_still_printed(tmp_path):
+    (tmp_path / "cached_shm.py").write_text(FAILING_TRANSPORT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_TRANSPORT_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=T,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("WorkerDiedError") and "exited early with exit code 1" in proc.stdout, proc.stdout
+    assert "cached_shm.py" in proc.stderr and "EOFError" in proc.stderr, proc.stderr
 
 
 #: A trainer whose SIGTERM handler ends it (sys.exit) as it starts a
