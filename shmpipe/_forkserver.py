@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import array
 import contextlib
-import errno
 import fcntl
 import io
 import multiprocessing.connection
 import multiprocessing.process
 import os
-import pickle
 import select
 import signal
 import socket
-import stat
 import sys
 import termios
 import threading
@@ -42,7 +39,7 @@ from multiprocessing.context import set_spawning_popen
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
-from shmpipe import _fdpass
+from shmpipe._forkserver_loop import REQUEST_WAIT_S
 from shmpipe._process import ProcessWatch, process_start_time, process_stopped
 from shmpipe.errors import PipelineTimeoutError, ShmpipeError
 
@@ -54,7 +51,6 @@ __all__ = [
     "StartWait",
     "launch_server",
     "preload",
-    "serve",
     "server_pid",
     "stopped_note",
     "waiting",
@@ -75,11 +71,6 @@ SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe._sources", "sh
 #: starts a new one; one that is still running then is an error.
 SERVER_END_WAIT_S = 2.0
 
-#: How long the fork server gives a client that has connected to send its
-#: request (one sendmsg, right after its connect): one that has sent nothing
-#: by then is dropped, so that a client stuck there (stopped, or not a
-#: trainer at all) cannot hold up every later start.
-REQUEST_WAIT_S = 5.0
 
 #: The fork server's command line (Python 3.11, _ForkServer): the trainer's
 #: sys.path first, then the preload, then the standard library's server loop
@@ -106,7 +97,7 @@ for name in %r:
         pass
 if quiet:
     del os.environ["OPENBLAS_THREAD_TIMEOUT"]
-from shmpipe._forkserver import serve
+from shmpipe._forkserver_loop import serve
 serve(%d, %d, %r)
 """
 
@@ -204,95 +195,13 @@ class _ForkServer(forkserver.ForkServer):
         self._forkserver_pid = None  # type: ignore[assignment]
 
 
-def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
-    """The fork server's process, once it has imported its preload
-    (_SERVER_COMMAND): the standard library's loop (forkserver.main), reading
-    what comes on its socket as input from another process.
-
-    A request is one byte and a start's descriptors (connect_to_new_process:
-    the child's two pipes, the server's "alive" pipe, the resource
-    tracker's, then the child's own), then the child's data on its pipe. The
-    standard library's loop ends the server, with a traceback, on a request
-    cut short (a trainer ended between its connect and its send: by a
-    signal handler's sys.exit as it started a producer, or SIGKILL) or
-    malformed, and waits for ever on one that never comes; a child whose
-    data was cut short (its trainer ended, or gave up the start, as it
-    wrote) prints its unpickling error. Here such a request is dropped, its
-    descriptors closed, and the server serves the next; such a child ends
-    with exit code 1 and prints nothing: nobody waits for it. Two functions
-    the loop calls are replaced to that end, in this process only: a child
-    gets the standard library's back as it starts.
-
-    Python 3.12 and later run the standard library's own command line and
-    loop (see _ForkServer), without this."""
-    stdlib_recvfds, stdlib_serve_one = reduction.recvfds, forkserver._serve_one  # type: ignore[attr-defined]
-
-    def request(sock: socket.socket, size: int) -> list[int]:
-        # forkserver.main takes an OSError with errno ECONNABORTED as a
-        # request that ended before it was accepted: it closes the
-        # connection and serves the next.
-        sock.settimeout(REQUEST_WAIT_S)
-        try:
-            got = _fdpass.recv_fds(sock, 1, size)
-        except OSError as exc:  # reset, or nothing within REQUEST_WAIT_S
-            raise OSError(errno.ECONNABORTED, f"a start's request did not come: {exc!r}") from exc
-        if (
-            got.data != bytes([len(got.fds) % 256]) or got.fds_cut or not 4 <= len(got.fds) < size
-            or not _start_pipes(got.fds[:4])
-        ):
-            _fdpass.close_all(got.fds)
-            raise OSError(errno.ECONNABORTED, f"a start's request was cut short or malformed: {got.data!r}, "
-                                              f"{len(got.fds)} descriptors")
-        return got.fds
-
-    def child(child_r: int, fds: list[int], unused_fds: list[int], handlers: dict[Any, Any]) -> int:
-        reduction.recvfds, forkserver._serve_one = stdlib_recvfds, stdlib_serve_one  # type: ignore[attr-defined]
-        try:
-            code: int = stdlib_serve_one(child_r, fds, unused_fds, handlers)
-        except (EOFError, pickle.UnpicklingError) as exc:
-            if not _raised_by_the_read(exc):
-                raise  # by code the unpickling ran (a class's __setstate__): the user's to see
-            return 1  # its data cut short: the start was abandoned
-        return code
-
-    reduction.recvfds, forkserver._serve_one = request, child  # type: ignore[attr-defined]
-    forkserver.main(listener_fd, alive_r, [], **data)
-
-
-def _start_pipes(fds: list[int]) -> bool:
-    """Whether a request's first four descriptors are what a start sends:
-    pipes, the child's data read end, then the write ends of its status
-    pipe, of the server's "alive" pipe and of the resource tracker's. The
-    server writes the child's pid and exit status on the second: on
-    anything else the standard library's loop ends with its OSError."""
-    for fd, mode in zip(fds, (os.O_RDONLY, os.O_WRONLY, os.O_WRONLY, os.O_WRONLY), strict=True):
-        try:
-            is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
-            access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
-        except OSError:
-            return False
-        if not is_pipe or access != mode:
-            return False
-    return True
-
-
-def _raised_by_the_read(exc: BaseException) -> bool:
-    """Whether `exc`, an EOFError or an UnpicklingError of a child's start,
-    came from the unpickler's read of its data pipe (raised in spawn._main
-    itself: the data was cut short) rather than from code the unpickling
-    ran, a class's own __setstate__ say, whose error the user must see."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code is spawn._main.__code__
-
-
 #: The fork server that new producers fork from. A later pipeline whose
 #: sources need a heavy framework that it lacks replaces it by a server that
 #: has it (preload); the one replaced keeps running, in _RETIRED, for the
 #: producers it forked: their exit codes come through it. Each ends with
 #: this process (its end of a pipe closes): at most one per framework of
-#: _startup.HEAVY_FRAMEWORKS, since each new one has all the old had.
+#: _startup.HEAVY_FRAMEWORKS, since each new one has all the old had, and
+#: one per server whose socket could no longer be reached (_retire).
 _SERVER = _ForkServer()
 _SERVER.set_forkserver_preload(SERVER_PRELOAD)
 _RETIRED: list[_ForkServer] = []
@@ -390,6 +299,20 @@ def preload(modules: set[str], heavy_frameworks_of: Callable[[str], set[str]]) -
         server.set_forkserver_preload([*preloaded, *missing])
         _RETIRED.append(_SERVER)
         _SERVER = server  # started by the first producer forked from it
+
+
+def _retire(server: _ForkServer) -> None:
+    """Puts `server`, which runs but cannot be reached at its socket, in
+    _RETIRED (its producers' exit statuses still come through it; it ends
+    with this process) and a new server with the same preload in its
+    place, started by the next producer's start."""
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is server:  # (not replaced by another thread meanwhile)
+            new = _ForkServer()
+            new.set_forkserver_preload(server._preload_modules)  # type: ignore[attr-defined]
+            _RETIRED.append(server)
+            _SERVER = new
 
 
 class StartWait:
@@ -595,33 +518,26 @@ class _ServerPopen(popen_forkserver.Popen):
         self._status_lock = threading.Lock()
         self._reader = threading.local()  # whether this thread is reading the status (wait)
         buf = _pickled_for_child(self, process_obj)
-        server, name = _SERVER, process_obj.name
-        try:
-            self._fork_from(server, buf, name)
-            return
-        except _ServerGone as gone:
+        tried: list[_ServerGone] = []
+        while True:
             # The server ended after it was last seen running (killed: the
             # OOM killer's pick, say, while it was starting this child), or
-            # runs and dropped the request (see _server_gone), and no child
-            # of it has this start's data: a new server, or the same one,
-            # starts it.
-            first = gone
-        try:
-            self._fork_from(server, buf, name)
-        except _ServerGone as gone:
-            what = (
-                f"dropped the request to start {name}, twice" if first.running and gone.running
-                else f"ended, and the one started in its place (pid {gone.pid}, interpreter "
-                     f"{spawn.get_executable()}) did not start {name} either"
-            )
-            raise ShmpipeError(
-                f"shmpipe's fork server (pid {first.pid}) {what}: {gone.__cause__!r}"
-            ) from gone.__cause__
+            # runs and dropped the request, or cannot be reached (see
+            # _server_gone), and no child of it has this start's data: a new
+            # server, or the same one, starts it; each way once.
+            try:
+                self._fork_from(_SERVER, buf, process_obj.name)  # (one retired is replaced: the current one)
+                return
+            except _ServerGone as gone:
+                if any(t.why == gone.why for t in tried):
+                    raise ShmpipeError(gone.again(process_obj.name, tried)) from gone.__cause__
+                tried.append(gone)
 
     def _fork_from(self, server: _ForkServer, buf: io.BytesIO, name: str) -> None:
         """Has `server` fork child `name` and sends it `buf`; _ServerGone
-        where the server ended (or refused) and no child of it can have the
-        data, so that a new server may start it (see _server_gone)."""
+        where the server ended, dropped the request or cannot be reached,
+        and no child of it can have the data, so that a new server, or the
+        same one, may start it (see _server_gone)."""
         # (A start without a StartWait of its caller's, prestart's or a
         # test's: no limit, never abandoned.)
         wait: StartWait = getattr(_WAITS, "wait", None) or StartWait(None, lambda what: None)
@@ -673,14 +589,33 @@ class _ServerPopen(popen_forkserver.Popen):
 
 
 class _ServerGone(Exception):
-    """The fork server `pid` ended, or refused, before it started a child,
-    and no child of it can have that start's data: a new server may start
-    it (_ServerPopen._launch); or, `running`, the server runs and dropped
-    the request, and may start it again."""
+    """The fork server `pid` did not start a child, and no child of it can
+    have that start's data, `why`: it "ended" (a new server may start it),
+    "dropped" the request and runs on (the same one may), or is
+    "unreachable" at its socket and was retired (a new one may)."""
 
-    def __init__(self, pid: int | None, running: bool = False) -> None:
-        super().__init__(pid)
-        self.pid, self.running = pid, running
+    def __init__(self, pid: int | None, why: str) -> None:
+        super().__init__(pid, why)
+        self.pid, self.why = pid, why
+
+    def again(self, name: str, tried: list[_ServerGone]) -> str:
+        """The error's message where a start of `name` met this a second time."""
+        first = next(t for t in tried if t.why == self.why)
+        if self.why == "dropped":
+            return (
+                f"shmpipe's fork server (pid {self.pid}) dropped the request to start {name} twice: each was sent "
+                f"over {REQUEST_WAIT_S:g} s after its connect (was this process stopped, in a debugger, or held by "
+                f"a thread that kept the GIL?): {self.__cause__!r}"
+            )
+        if self.why == "unreachable":
+            return (
+                f"shmpipe's fork server (pid {first.pid}) could not be reached at its socket, nor the one started in "
+                f"its place (pid {self.pid}), to start {name}: {self.__cause__!r}"
+            )
+        return (
+            f"shmpipe's fork server (pid {first.pid}) ended, and the one started in its place (pid {self.pid}, "
+            f"interpreter {spawn.get_executable()}) did not start {name} either: {self.__cause__!r}"
+        )
 
 
 def _server_gone(
@@ -688,17 +623,23 @@ def _server_gone(
     nbytes: int = 0,
 ) -> NoReturn:
     """A start of child `name` through `server`'s process `pid` failed with
-    `cause`, a sign that it ended: _ServerGone once it has ended, where
-    no child can have the start's data. Where the process runs on, it
-    dropped the request (its descriptors came later than REQUEST_WAIT_S
-    after the connect: this process was held, by a debugger, a stop, or a
-    thread that kept the GIL), and _ServerGone(running=True) where no child
-    can have the data either. A ShmpipeError otherwise: where a child may
-    have been forked and read the data (the server died between its fork
-    and its answer), starting it again could make two producers of one."""
+    `cause`, a sign that it ended: _ServerGone("ended") once it has ended,
+    where no child can have the start's data. Where the process runs on:
+    before the request reached it (`data_pipe` None), a connection refused
+    or a socket gone (a /tmp cleaner removes files older than some days:
+    systemd-tmpfiles' 10) is _ServerGone("unreachable"), the server
+    retired; one closed is _ServerGone("dropped") (its descriptors came
+    later than REQUEST_WAIT_S after the connect: this process was held, by
+    a debugger, a stop, or a thread that kept the GIL), as is a data pipe no
+    child can have read. A ShmpipeError otherwise: where a child may have
+    been forked and read the data (the server died between its fork and its
+    answer), starting it again could make two producers of one."""
     if not server.forget_if_ended(pid, SERVER_END_WAIT_S):
+        if data_pipe is None and isinstance(cause, (FileNotFoundError, ConnectionRefusedError)):
+            _retire(server)
+            raise _ServerGone(pid, "unreachable") from cause
         if data_pipe is None or _unread_without_reader(data_pipe, nbytes):
-            raise _ServerGone(pid, running=True) from cause
+            raise _ServerGone(pid, "dropped") from cause
         raise ShmpipeError(
             f"shmpipe's fork server (pid {pid}) did not start {name} ({cause!r}) and is still running after "
             f"{SERVER_END_WAIT_S} s"
@@ -708,7 +649,7 @@ def _server_gone(
             f"shmpipe's fork server (pid {pid}) ended while it started {name}, after it may have forked it "
             f"({cause!r}); not started again, which could make two of it"
         ) from cause
-    raise _ServerGone(pid) from cause
+    raise _ServerGone(pid, "ended") from cause
 
 
 def _unread_without_reader(fd: int, nbytes: int) -> bool:

@@ -36,7 +36,7 @@ def test_producers_are_forked_from_shmpipes_own_server_shared_by_pipelines():
     server = _forkserver.server_pid()
     assert parents == {server} and server != os.getpid()
     with open(f"/proc/{server}/cmdline", "rb") as f:
-        assert b"shmpipe._forkserver import serve" in f.read()  # the standard library's loop, run by ours
+        assert b"shmpipe._forkserver_loop import serve" in f.read()  # the standard library's loop, run by ours
 
 
 @pytest.mark.parametrize("padding", [0, 200_000], ids=["small", "past-a-pipe"])
@@ -149,7 +149,7 @@ def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(tmp
     # and sent nothing held up every later start for ever.
     import json
 
-    from shmpipe._forkserver import REQUEST_WAIT_S
+    from shmpipe._forkserver_loop import REQUEST_WAIT_S
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(
@@ -174,12 +174,13 @@ HELD_START_SCRIPT = """
 import json, sys, time
 import shmpipe
 from shmpipe import _forkserver
+from shmpipe._forkserver_loop import REQUEST_WAIT_S
 from shmpipe.testing.sources import Counter
 
 def held_at_the_request(frame, event, arg):
     if event == "call" and frame.f_code.co_name == "sendfds":
         sys.setprofile(None)
-        time.sleep(_forkserver.REQUEST_WAIT_S + 1)
+        time.sleep(REQUEST_WAIT_S + 1)
 
 def batches():
     with shmpipe.from_iterators([Counter(2)], start_method="forkserver", timeout=TIMEOUT) as pipe:
@@ -208,6 +209,58 @@ def test_a_start_held_past_the_servers_wait_asks_the_same_server_again(tmp_path)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"first": 2, "held": 2, "same_server": True}, out
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+#: The fork server's socket removed while it runs (systemd-tmpfiles removes
+#: what is older than 10 days from /tmp: a long job's next start met it).
+SOCKET_REMOVED_SCRIPT = """
+import json, os
+import shmpipe
+from shmpipe import _forkserver
+from shmpipe.testing.sources import Counter
+
+def batches():
+    with shmpipe.from_iterators([Counter(2)] * 2, start_method="forkserver", timeout=TIMEOUT) as pipe:
+        return len(list(pipe))
+
+out = {"first": batches()}
+old = _forkserver.server_pid()
+os.unlink(_forkserver._SERVER._forkserver_address)
+out["after"] = batches()
+new = _forkserver.server_pid()
+out["new_server"] = new not in (None, old)
+out["old_runs_on"] = os.path.exists(f"/proc/{old}")
+print(json.dumps(out), flush=True)
+print(old, new, flush=True)
+""".replace("TIMEOUT", str(T))
+
+
+def test_a_fork_server_whose_socket_was_removed_is_replaced(tmp_path):
+    # Before: "ShmpipeError: shmpipe's fork server (pid N) did not start
+    # shmpipe-producer-0 (FileNotFoundError...) and is still running after
+    # 2.0 s", for every later start of the process.
+    import json
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SOCKET_REMOVED_SCRIPT], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=T)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    lines = stdout.strip().splitlines()
+    assert json.loads(lines[-2]) == {"first": 4, "after": 4, "new_server": True, "old_runs_on": True}, lines
+    servers = [int(pid) for pid in lines[-1].split()]
+    deadline = time.monotonic() + 10  # both end with the trainer
+    while any(os.path.exists(f"/proc/{pid}") for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in servers)
+    assert "Traceback" not in stderr, stderr
 
 
 #: A transport whose unpickling in each producer raises an EOFError of its
