@@ -658,10 +658,8 @@ class Pipeline(FrameworkStream):
             return False
         if len(self._restarts) >= self.options.max_restarts:
             if self._restarts:
-                # (Python 3.10 has no add_note: the history goes in the message.)
                 history = "; ".join(self._restarts)
-                death.args = (f"{death}; {len(self._restarts)} producer(s) died and were replaced before: {history}",)
-                death.message = str(death)
+                death.add_pipeline_note(f"{len(self._restarts)} producer(s) died and were replaced before: {history}")
             return False
         worker = death.worker_id
         pass_no = self._begun
@@ -676,8 +674,8 @@ class Pipeline(FrameworkStream):
         except PipelineClosedError:
             raise  # closed from another thread since the look above: what a wait sees of a close()
         except Exception as exc:  # noqa: BLE001 - no replacement (a stopped fork server): the death stands
-            death.args = (f"{death}; its replacement did not start: {exc}",)
-            death.message, death.__cause__ = str(death), exc
+            death.add_pipeline_note(f"its replacement did not start: {exc}")
+            death.__cause__ = exc
             return False
         self._restarts.append(str(death))
         self._counters.restarts[worker] += 1

@@ -310,10 +310,14 @@ class WorkerDiedError(WorkerError):
     ``exitcode`` is its exit status when it exited, ``signal`` the signal
     number when a signal killed it; both are None when the transport only
     knows that it died (a Ray actor), and ``reason`` says what it knows.
+    ``note`` is what the pipeline adds (the producers replaced before it
+    under ``max_restarts``, or why its replacement did not start), also at
+    the end of the message; None where it adds nothing.
     """
 
     def __init__(
-        self, worker_id: int, pid: int | None, exitcode: int | None, reason: str | None = None
+        self, worker_id: int, pid: int | None, exitcode: int | None, reason: str | None = None,
+        note: str | None = None,
     ) -> None:
         sig: int | None = None
         code: int | None = None
@@ -334,7 +338,7 @@ class WorkerDiedError(WorkerError):
         else:
             code = exitcode
             how = f"exited early with exit code {exitcode}"
-        ShmpipeError.__init__(self, f"worker {worker_id} (pid {pid}) {how}")
+        ShmpipeError.__init__(self, f"worker {worker_id} (pid {pid}) {how}" + (f"; {note}" if note else ""))
         self.worker_id = worker_id
         self.pid = pid
         self.exc_type = "WorkerDied"
@@ -343,10 +347,20 @@ class WorkerDiedError(WorkerError):
         self.exitcode = code
         self.signal = sig
         self.reason = reason
+        self.note = note
+
+    def add_pipeline_note(self, note: str) -> None:
+        """Ends the message with `note`, what the pipeline adds to the death
+        (the producers replaced before it, a replacement that did not
+        start), kept where the error is pickled or sent to a group's ranks.
+        (Python 3.10 has no add_note, and a note would not travel.)"""
+        self.note = f"{self.note}; {note}" if self.note else note
+        self.args = (f"{self.args[0]}; {note}",)
+        self.message = str(self)
 
     def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         exitcode = -self.signal if self.signal else self.exitcode
-        return (type(self), (self.worker_id, self.pid, exitcode, self.reason))
+        return (type(self), (self.worker_id, self.pid, exitcode, self.reason, self.note))
 
 
 class GroupError(ShmpipeError, RuntimeError):

@@ -600,6 +600,23 @@ def test_error_messages_fit_whatever_their_texts():
         assert isinstance(back, shmpipe.ShmpipeError) and "[...]" in str(back)
 
 
+def test_what_the_pipeline_adds_to_a_producers_death_reaches_the_ranks_and_survives_pickling():
+    # The replacements before it, or why its replacement did not start: rank
+    # 0 knew, the other ranks got the bare death (the wire sent the
+    # constructor's arguments, the note was only in the message).
+    import pickle
+
+    from shmpipe._group._wire import encode, error_from, error_message
+
+    death = shmpipe.WorkerDiedError(1, 42, -9)
+    death.add_pipeline_note("1 producer(s) died and were replaced before: worker 0 (pid 41) was killed")
+    death.add_pipeline_note("its replacement did not start: the fork server is stopped")
+    for back in (error_from(json.loads(encode(error_message(death)))), pickle.loads(pickle.dumps(death))):
+        assert type(back) is shmpipe.WorkerDiedError and str(back) == str(death) == back.message, str(back)
+        assert (back.worker_id, back.pid, back.signal, back.note) == (1, 42, 9, death.note)
+    assert str(death).startswith("worker 1 (pid 42) was killed by signal SIGKILL; 1 producer(s) died")
+
+
 @runs(lambda: _configs(2, sources=2, per_source=5, passes=2, high_fds=True, ordered=True))
 def test_descriptors_above_1024_work_in_every_rank(request):
     """Each rank first fills its descriptors up to 1100, so the group's

@@ -186,7 +186,10 @@ def test_a_hello_is_a_hello_or_a_group_error(message):
 _real_errors = st.one_of(
     st.tuples(
         st.just("worker_died"),
-        st.tuples(st.integers(), st.none() | st.integers(), st.none() | st.integers(), st.none() | st.text()),
+        st.tuples(
+            st.integers(), st.none() | st.integers(), st.none() | st.integers(), st.none() | st.text(),
+            st.none() | st.text(),
+        ),
     ),
     st.tuples(st.just("worker"), st.tuples(st.integers(), st.none() | st.integers(), st.text(), st.text(), st.text())),
     st.tuples(

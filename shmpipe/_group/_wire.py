@@ -358,12 +358,13 @@ def error_from(message: list[Any]) -> ShmpipeError:
         if not isinstance(args, list):
             raise TypeError("arguments are not a list")
         if kind == "worker_died":
-            worker, pid, exitcode, reason = args
+            worker, pid, exitcode, reason, note = args
             expect(worker, int)
             expect(pid, int, None)
             expect(exitcode, int, None)
             expect(reason, str, None)
-            return WorkerDiedError(worker, pid, exitcode, reason)
+            expect(note, str, None)
+            return WorkerDiedError(worker, pid, exitcode, reason, note)
         if kind == "worker":
             worker, pid, exc_type, text, remote_traceback = args
             expect(worker, int)
