@@ -14,7 +14,8 @@ a StartWait, and where the server ended before it answered, a new server
 starts the child when no child can have its data (_server_gone). The
 server reads what comes on its socket as input from another process: a
 request cut short (its trainer ended mid-start), malformed or never sent
-is dropped, and the server goes on (serve).
+is dropped, and the server goes on (_forkserver_loop.py, what runs inside
+the server's process).
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe._sources", "sh
 #: starts a new one; one that is still running then is an error.
 SERVER_END_WAIT_S = 2.0
 
-
 #: The fork server's command line (Python 3.11, _ForkServer): the trainer's
 #: sys.path first, then the preload, then the standard library's server loop
-#: (given no preload of its own), run by serve. NumPy's OpenBLAS starts its threads as it is
-#: imported, and each spins on a core for 2**28 cycles (about 0.1 s) before
-#: it sleeps, taking it from the trainer and the server itself while the
-#: first pipeline waits for the server: on 2 cores, the server's preload
+#: (given no preload of its own), run by _forkserver_loop.serve. NumPy's
+#: OpenBLAS starts its threads as it is imported, and each spins on a core
+#: for 2**28 cycles (about 0.1 s) before it sleeps, taking it from the
+#: trainer and the server itself while the first pipeline waits for the
+#: server: on 2 cores, the server's preload
 #: took 283 ms (281 ms of CPU) with the spin, 225 ms (217 ms) without
 #: (median of 15). So the preload runs with OPENBLAS_THREAD_TIMEOUT=4 (2**4
 #: cycles), unless the trainer's environment sets it; it is removed before
