@@ -241,17 +241,7 @@ def test_a_fork_server_whose_socket_was_removed_is_replaced(tmp_path):
     # 2.0 s", for every later start of the process.
     import json
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SOCKET_REMOVED_SCRIPT], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=T)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    proc, stdout, stderr = _run_in_a_session(tmp_path, SOCKET_REMOVED_SCRIPT)
     assert proc.returncode == 0, stderr
     lines = stdout.strip().splitlines()
     assert json.loads(lines[-2]) == {"first": 4, "after": 4, "new_server": True, "old_runs_on": True}, lines
@@ -342,23 +332,31 @@ for batch in it:
 def test_a_trainer_that_exits_in_the_middle_of_a_start_leaves_no_traceback_and_nothing_running(tmp_path, where):
     # Before: the server died of the request cut short and printed its
     # EOFError (sendfds), or the child printed its unpickling error.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", EXIT_MID_START_SCRIPT, where], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=T)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    proc, _, err = _run_in_a_session(tmp_path, EXIT_MID_START_SCRIPT, where)
     assert proc.returncode == 3, err
     deadline = time.monotonic() + 10
     while _session_left(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _session_left(proc.pid)
     assert "Traceback" not in err, err
+
+
+def _run_in_a_session(tmp_path, script, *args):
+    """Runs `script` with `args` in a new Python process, in a session of
+    its own (killed whole if it outlasts T): the process, its stdout and
+    stderr."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=T)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return proc, stdout, stderr
 
 
 def _session_left(sid):
