@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -62,9 +63,20 @@ def _write_json(path: str, value: dict[str, Any]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _end_with_the_driver(driver: int) -> None:
+    """Ends this rank as soon as the driver (its parent) is gone, killed or
+    not: a rank is in a session of its own, out of reach of the driver's
+    process group, and its pipeline's producers and fork server end with it
+    (they watch their consumer)."""
+    while os.getppid() == driver:
+        time.sleep(0.2)
+    os._exit(1)
+
+
 def _rank_process(cfg: dict[str, Any]) -> int:
     """One rank: iterates pass 0 of the group's pipeline until it fails;
     writes what happened (with the clock read at the error) to its report."""
+    threading.Thread(target=_end_with_the_driver, args=(cfg["driver"],), daemon=True).start()
     t_error: float | None = None
     report: dict[str, Any] = {"rank": cfg["rank"], "pid": os.getpid(), "error": None, "batches": 0, "pids": []}
     taken: collections.deque[float] = collections.deque(maxlen=256)  # when the last batches came
@@ -195,7 +207,7 @@ def _run_trial(i: int, args: argparse.Namespace, tmp: str, rng: random.Random) -
         "group": group, "num_ranks": args.ranks, "run_id": uuid.uuid4().hex, "sources": args.sources,
         "floats": args.floats, "batch_delay_ms": args.batch_delay_ms, "step_ms": args.step_ms,
         "ready_after": args.ready_after, "timeout": args.timeout, "backing": args.backing,
-        "start_method": args.start_method,
+        "start_method": args.start_method, "driver": os.getpid(),
     }
     files = {r: (os.path.join(tmp, f"{group}-{r}.ready"), os.path.join(tmp, f"{group}-{r}.json"))
              for r in range(args.ranks)}
@@ -330,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks < 2 or not 0 <= args.victim < args.ranks or args.trials < 1:
         parser.error("needs --ranks >= 2, 0 <= --victim < --ranks and --trials >= 1")
 
+    # A SIGTERM or SIGHUP (the terminal closed) ends the run through the
+    # trials' clean-up (SystemExit), as Ctrl-C does; the ranks end with this
+    # process in any case (_end_with_the_driver).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     load = os.getloadavg()
     t0 = time.monotonic()
     print(f"rank death: {args.trials} trials, {args.ranks} ranks, rank {args.victim} killed (SIGKILL) "

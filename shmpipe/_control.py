@@ -325,7 +325,8 @@ OWN_ERRORS: dict[str, tuple[type[ShmpipeError], tuple[_Field, ...], Callable[[An
         (SharedMemoryFullError, (_SIZE_FIELD, _SIZE_FIELD, _TEXT), lambda e: (e.needed, e.available, e.where)),
         (WorkerError, (_WORKER, _MAYBE_PID, _TEXT, _TEXT, _TEXT),
          lambda e: (e.worker_id, e.pid, e.exc_type, e.message, e.remote_traceback)),
-        (WorkerDiedError, (_WORKER, _MAYBE_PID, _MAYBE_CODE, _MAYBE_TEXT, _MAYBE_TEXT), lambda e: e.__reduce__()[1]),
+        (WorkerDiedError, (_WORKER, _MAYBE_PID, _MAYBE_CODE, _MAYBE_TEXT, _MAYBE_TEXT),
+         lambda e: (*e.__reduce__()[1][:4], e.note)),
         (RankDiedError, (_TEXT, _RANK), lambda e: (str(e), e.rank)),
     ]
 }

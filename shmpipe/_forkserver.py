@@ -31,6 +31,7 @@ import select
 import signal
 import socket
 import sys
+import tempfile
 import termios
 import threading
 import time
@@ -119,6 +120,7 @@ class _ForkServer(forkserver.ForkServer):
     """
 
     def ensure_running(self) -> None:
+        _temp_dir_back()
         if sys.version_info >= (3, 12):
             super().ensure_running()
             return
@@ -194,6 +196,25 @@ class _ForkServer(forkserver.ForkServer):
         self._forkserver_address = None
         self._forkserver_alive_fd = None  # type: ignore[assignment]
         self._forkserver_pid = None  # type: ignore[assignment]
+
+
+def _temp_dir_back() -> None:
+    """multiprocessing makes its temporary folder (pymp-*, where a fork
+    server's socket goes) once per process and keeps its name; a cleaner of
+    the temporary directory may remove it in a long job (tmpreaper, or
+    systemd-tmpfiles once it is old), and every later bind there would
+    fail. A folder gone is made again under its name, ours again (mkdir
+    fails on any name that exists, a link included), so that the process's
+    exit still removes it; where that fails, its name is forgotten and the
+    next socket's folder is a new one."""
+    config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
+    tempdir = config.get("tempdir")
+    if tempdir is None or os.path.isdir(tempdir):
+        return
+    try:
+        os.mkdir(tempdir, 0o700)
+    except OSError:
+        config["tempdir"] = None  # multiprocessing.util.get_temp_dir makes a new one
 
 
 #: The fork server that new producers fork from. A later pipeline whose
@@ -546,7 +567,13 @@ class _ServerPopen(popen_forkserver.Popen):
         # ensure_running again, a no-op, and reads the address unlocked: a
         # successor started by another thread in between would be blamed
         # instead, a wrong message after a 2 s wait, never a second child.)
-        server.ensure_running()
+        try:
+            server.ensure_running()
+        except OSError as exc:  # its socket cannot be made (a temporary directory not writable, full)
+            raise ShmpipeError(
+                f"shmpipe's fork server could not be started to start {name}: {exc!r}; its socket goes in a "
+                f"folder of the temporary directory ({tempfile.gettempdir()})"
+            ) from exc
         used = server._forkserver_pid
         wait.while_stopped(used, name)
         try:
@@ -604,9 +631,9 @@ class _ServerGone(Exception):
         first = next(t for t in tried if t.why == self.why)
         if self.why == "dropped":
             return (
-                f"shmpipe's fork server (pid {self.pid}) dropped the request to start {name} twice: each was sent "
-                f"over {REQUEST_WAIT_S:g} s after its connect (was this process stopped, in a debugger, or held by "
-                f"a thread that kept the GIL?): {self.__cause__!r}"
+                f"shmpipe's fork server (pid {self.pid}) runs but did not start {name}, twice: either the request "
+                f"came over {REQUEST_WAIT_S:g} s after its connect (was this process stopped, in a debugger, or held "
+                f"by a thread that kept the GIL?) or the child ended before it read its data: {self.__cause__!r}"
             )
         if self.why == "unreachable":
             return (

@@ -360,7 +360,9 @@ class WorkerDiedError(WorkerError):
 
     def __reduce__(self) -> tuple[type[Any], tuple[Any, ...]]:
         exitcode = -self.signal if self.signal else self.exitcode
-        return (type(self), (self.worker_id, self.pid, exitcode, self.reason, self.note))
+        args = (self.worker_id, self.pid, exitcode, self.reason)
+        # The note only where there is one: such a pickle loads in versions before notes too.
+        return (type(self), args if self.note is None else (*args, self.note))
 
 
 class GroupError(ShmpipeError, RuntimeError):

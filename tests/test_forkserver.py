@@ -212,9 +212,10 @@ def test_a_start_held_past_the_servers_wait_asks_the_same_server_again(tmp_path)
 
 
 #: The fork server's socket removed while it runs (systemd-tmpfiles removes
-#: what is older than 10 days from /tmp: a long job's next start met it).
+#: what is older than 10 days from /tmp: a long job's next start met it),
+#: or its whole folder (tmpreaper; systemd-tmpfiles, the folder once old).
 SOCKET_REMOVED_SCRIPT = """
-import json, os
+import json, os, shutil, sys
 import shmpipe
 from shmpipe import _forkserver
 from shmpipe.testing.sources import Counter
@@ -225,27 +226,32 @@ def batches():
 
 out = {"first": batches()}
 old = _forkserver.server_pid()
-os.unlink(_forkserver._SERVER._forkserver_address)
+address = _forkserver._SERVER._forkserver_address
+os.unlink(address) if sys.argv[1] == "socket" else shutil.rmtree(os.path.dirname(address))
 out["after"] = batches()
 new = _forkserver.server_pid()
 out["new_server"] = new not in (None, old)
 out["old_runs_on"] = os.path.exists(f"/proc/{old}")
 print(json.dumps(out), flush=True)
-print(old, new, flush=True)
+print(old, new, os.path.dirname(address), flush=True)
 """.replace("TIMEOUT", str(T))
 
 
-def test_a_fork_server_whose_socket_was_removed_is_replaced(tmp_path):
+@pytest.mark.parametrize("removed", ["socket", "folder"])
+def test_a_fork_server_whose_socket_was_removed_is_replaced(tmp_path, removed):
     # Before: "ShmpipeError: shmpipe's fork server (pid N) did not start
     # shmpipe-producer-0 (FileNotFoundError...) and is still running after
-    # 2.0 s", for every later start of the process.
+    # 2.0 s", for every later start of the process; the folder removed, the
+    # new server's bind failed too (a bare FileNotFoundError).
     import json
 
-    proc, stdout, stderr = _run_in_a_session(tmp_path, SOCKET_REMOVED_SCRIPT)
+    proc, stdout, stderr = _run_in_a_session(tmp_path, SOCKET_REMOVED_SCRIPT, removed)
     assert proc.returncode == 0, stderr
     lines = stdout.strip().splitlines()
     assert json.loads(lines[-2]) == {"first": 4, "after": 4, "new_server": True, "old_runs_on": True}, lines
-    servers = [int(pid) for pid in lines[-1].split()]
+    *servers, folder = lines[-1].split()
+    servers = [int(pid) for pid in servers]
+    assert not os.path.exists(folder), "the process's exit removes multiprocessing's folder, made again"
     deadline = time.monotonic() + 10  # both end with the trainer
     while any(os.path.exists(f"/proc/{pid}") for pid in servers) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -358,7 +358,10 @@ def error_from(message: list[Any]) -> ShmpipeError:
         if not isinstance(args, list):
             raise TypeError("arguments are not a list")
         if kind == "worker_died":
-            worker, pid, exitcode, reason, note = args
+            worker, pid, exitcode, reason, *noted = args  # (no note: four, as before notes)
+            note = noted.pop() if len(noted) == 1 else None
+            if noted:
+                raise TypeError("more than five arguments")
             expect(worker, int)
             expect(pid, int, None)
             expect(exitcode, int, None)
