@@ -49,6 +49,9 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shmpipe._process import process_group_members
+from shmpipe.testing.processes import gone
+
 #: How often the driver looks at files and processes (it measures nothing
 #: with this: the ranks read the clock themselves).
 POLL_S = 0.002
@@ -131,30 +134,10 @@ def _rank_process(cfg: dict[str, Any]) -> int:
 # -- the driver ----------------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command's name (state, ppid,
-    pgrp, session, ...), or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def _in_sessions(sessions: set[int]) -> list[int]:
-    """Live (not zombie) processes of these sessions."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(int(entry))
-            if fields is not None and fields[0] != "Z" and int(fields[3]) in sessions:
-                found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return fields is not None and fields[0] != "Z"
+    """Live (not zombie) processes of these sessions: each rank's, which is
+    also its process group (its fork server and producers stay in it)."""
+    return [pid for session in sessions for pid in process_group_members(session)]
 
 
 def _group_sockets(group: str) -> list[str]:
@@ -272,7 +255,7 @@ def _run_trial(i: int, args: argparse.Namespace, tmp: str, rng: random.Random) -
             trial.failed = trial.failed or f"survivors' exit codes: {bad}"
         try:
             wait_until("the trial's processes' end",
-                       lambda: not _in_sessions(sessions()) and not any(_alive(p) for p in seen),
+                       lambda: not _in_sessions(sessions()) and all(gone(p) for p in seen),
                        args.cleanup_timeout)
             trial.cleanup_ms = (time.monotonic() - t_kill) * 1e3
         except TimeoutError:
@@ -282,10 +265,9 @@ def _run_trial(i: int, args: argparse.Namespace, tmp: str, rng: random.Random) -
     finally:
         # What is left of the trial (reported), then ended: every process of
         # its sessions, and every pid seen in them (one may have left them).
-        left = sorted(set(_in_sessions(sessions())) | {p for p in seen if _alive(p)})
+        left = sorted(set(_in_sessions(sessions())) | {p for p in seen if not gone(p)})
         for pid in left:
-            fields = _stat(pid)
-            trial.left.append(f"process {pid} (state {fields[0] if fields else '?'})")
+            trial.left.append(f"process {pid}")
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

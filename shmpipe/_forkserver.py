@@ -79,13 +79,12 @@ SERVER_END_WAIT_S = 2.0
 #: OpenBLAS starts its threads as it is imported, and each spins on a core
 #: for 2**28 cycles (about 0.1 s) before it sleeps, taking it from the
 #: trainer and the server itself while the first pipeline waits for the
-#: server: on 2 cores, the server's preload
-#: took 283 ms (281 ms of CPU) with the spin, 225 ms (217 ms) without
-#: (median of 15). So the preload runs with OPENBLAS_THREAD_TIMEOUT=4 (2**4
-#: cycles), unless the trainer's environment sets it; it is removed before
-#: the server forks anyone, so the producers' environment is the
-#: trainer's (their BLAS threads sleep sooner when idle: a wake-up of
-#: microseconds per call).
+#: server: on 2 cores, the server's preload took 283 ms (281 ms of CPU)
+#: with the spin, 225 ms (217 ms) without (median of 15). So the preload
+#: runs with OPENBLAS_THREAD_TIMEOUT=4 (2**4 cycles), unless the trainer's
+#: environment sets it; it is removed before the server forks anyone, so
+#: the producers' environment is the trainer's (their BLAS threads sleep
+#: sooner when idle: a wake-up of microseconds per call).
 _SERVER_COMMAND = """\
 import os, sys
 sys.path[:] = %r

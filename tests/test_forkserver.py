@@ -11,8 +11,10 @@ import sys
 import time
 
 import pytest
+from conftest import group_members
 
 import shmpipe
+from shmpipe.testing.processes import gone, wait_until
 
 T = 60  # seconds: no script of these tests may take longer
 
@@ -252,10 +254,7 @@ def test_a_fork_server_whose_socket_was_removed_is_replaced(tmp_path, removed):
     *servers, folder = lines[-1].split()
     servers = [int(pid) for pid in servers]
     assert not os.path.exists(folder), "the process's exit removes multiprocessing's folder, made again"
-    deadline = time.monotonic() + 10  # both end with the trainer
-    while any(os.path.exists(f"/proc/{pid}") for pid in servers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in servers)
+    assert wait_until(lambda: all(gone(pid) for pid in servers), 10.0)  # both end with the trainer
     assert "Traceback" not in stderr, stderr
 
 
@@ -340,10 +339,7 @@ def test_a_trainer_that_exits_in_the_middle_of_a_start_leaves_no_traceback_and_n
     # EOFError (sendfds), or the child printed its unpickling error.
     proc, _, err = _run_in_a_session(tmp_path, EXIT_MID_START_SCRIPT, where)
     assert proc.returncode == 3, err
-    deadline = time.monotonic() + 10
-    while _session_left(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _session_left(proc.pid)
+    assert wait_until(lambda: not group_members(proc.pid), 10.0)  # (its session: its process group too)
     assert "Traceback" not in err, err
 
 
@@ -363,19 +359,6 @@ def _run_in_a_session(tmp_path, script, *args):
             os.killpg(proc.pid, 9)
             proc.wait()
     return proc, stdout, stderr
-
-
-def _session_left(sid):
-    """The processes of session `sid` still running."""
-    left = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    left.append(int(entry))
-            except OSError:
-                pass
-    return left
 
 
 #: A source whose module, preloaded by the fork server, makes the server die
