@@ -255,11 +255,20 @@ def _measure(jax: Any, device: Any) -> _Probe:
         made = None
     out = made if fast else public
     aliases = device.platform == "cpu" and _on_memory_of(out, arr)
+    # Whether `out` keeps the root alive, told without a full collection
+    # (one of the whole process, 50 ms and more once JAX is imported, in the
+    # first batch's time): if the root outlives our references and is gone
+    # once `out` is and jaxlib has let go of the host arrays it no longer
+    # needs (it defers that to its collection), `out` held it. If it
+    # outlives that too, something else holds it (a cycle, a cache of
+    # JAX's) and we cannot tell: "no", the safe answer (put() then holds
+    # each leaf itself).
     root_ref = weakref.ref(root)
     del root, arr, made, public
-    gc.collect()
-    keeps_alive = root_ref() is not None
+    outlived_us = root_ref() is not None
     del out
+    _collector()()
+    keeps_alive = outlived_us and root_ref() is None
     return _Probe(fast, aliases, keeps_alive)
 
 

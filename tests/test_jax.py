@@ -92,6 +92,30 @@ def test_this_jax_aliases_and_keeps_the_host_array_alive():
         list(pipe)
 
 
+def test_the_probe_runs_no_full_collection():
+    # A full collection of a process that imported JAX took 50 ms and more,
+    # inside a fresh process's first batch; the probe tells by reference
+    # counts (and jaxlib's own collection). The collector is off for the
+    # call: any full collection seen is one the probe asked for.
+    from shmpipe._jax import _measure
+
+    generations = []
+
+    def seen(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.disable()
+    gc.callbacks.append(seen)
+    try:
+        probe = _measure(jax, jax.local_devices(backend="cpu")[0])
+    finally:
+        gc.callbacks.remove(seen)
+        gc.enable()
+    assert 2 not in generations, generations
+    assert probe == _probe(jax, jax.local_devices(backend="cpu")[0])  # the same answer as the first probe's
+
+
 def test_a_slot_is_held_while_an_array_lives():
     with shmpipe.from_iterators([Counter(30, shape=(256,))], capacity=8, timeout=T) as pipe:
         it = iter(pipe.to_jax())
