@@ -153,15 +153,35 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
         )
     if not 0 <= node_rank < num_nodes:
         raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank}")
-    if not grouped:
-        local = _env_int("LOCAL_WORLD_SIZE")
-        if local is not None and local > 1:
+    _check_ranks_per_node(num_nodes, ranks_per_node, grouped, nodes_said)
+    return NodeLayout(num_nodes, node_rank, ranks_per_node)
+
+
+def _check_ranks_per_node(num_nodes: int, ranks_per_node: int, grouped: bool, nodes_said: str) -> None:
+    """With the epoch dealt over several nodes, every rank of the node must
+    be one of the node's pipeline (its group's): where the launcher runs
+    more ranks on the node than that, each pipeline would read the node's
+    whole share (every sample twice or more); fewer, and a share is read
+    by no rank's trainer."""
+    local, world = _env_int("LOCAL_WORLD_SIZE"), _env_int("WORLD_SIZE")
+    if local is not None and local != ranks_per_node:
+        if not grouped:
             raise ShmpipeValueError(
                 f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset: with "
                 f"{nodes_said} they must share the node's pipeline (group=...), or each would read "
                 "the node's whole share"
             )
-    return NodeLayout(num_nodes, node_rank, ranks_per_node)
+        raise ShmpipeValueError(
+            f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), and the group has {ranks_per_node}: with "
+            f"{nodes_said} every rank of the node must be a rank of one group (num_ranks={local}), or the "
+            "node's share would be read by each group"
+        )
+    if world is not None and world != num_nodes * ranks_per_node:
+        raise ShmpipeValueError(
+            f"the job runs {world} ranks (WORLD_SIZE={world}), and {nodes_said} of {ranks_per_node} "
+            f"rank{'s' if ranks_per_node > 1 else ''} each make {num_nodes * ranks_per_node}: every rank of "
+            "the job must be a rank of its node's pipeline (group=..., num_ranks=the ranks per node)"
+        )
 
 
 def _the_only_node(node_rank: int | None, ranks_per_node: int, why: str) -> NodeLayout:

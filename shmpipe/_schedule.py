@@ -33,6 +33,8 @@ import dataclasses
 import hashlib
 import math
 import reprlib
+import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -42,7 +44,7 @@ import numpy as np
 from shmpipe._nodes import ONE_NODE, NodeLayout
 from shmpipe._producer_context import PassWork, seed_for
 from shmpipe._sources import DatasetPlan
-from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning, users_stacklevel
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "DatasetSchedule", "IteratorSchedule", "Schedule"]
 
@@ -182,7 +184,8 @@ class Schedule(abc.ABC):
         """What load() and begin() may change, to put back with restore()
         where a step after them fails (a group's rank 0 loads its position,
         then its leader's pipeline). They assign attributes and never change
-        one in place, so a shallow copy is whole."""
+        one in place, so a shallow copy is whole (but for a dataset's draws,
+        which are kept: what a sampler drew, it drew)."""
         return dict(vars(self))
 
     def restore(self, saved: dict[str, Any]) -> None:
@@ -305,6 +308,7 @@ class DatasetSchedule(Schedule):
         batch_sampler: Iterable[Sequence[int]] | None,
         layout: NodeLayout = ONE_NODE,
         ordered: bool = True,
+        draws: _EpochDraws | None = None,
     ) -> None:
         super().__init__(num_workers, seed, seed_given)
         #: Which share of each epoch this node's pipeline fetches.
@@ -322,8 +326,8 @@ class DatasetSchedule(Schedule):
         #: against the state when it was loaded: the sampler is drawn once an
         #: epoch), their digest, and which of them were done.
         self._loaded: tuple[tuple[np.ndarray, np.ndarray], str, np.ndarray] | None = None
-        #: An epoch's batches drawn for a state before its pass began (_drawn).
-        self._drawn_ahead: tuple[int, tuple[np.ndarray, np.ndarray], str] | None = None
+        #: The epochs drawn in this process (_drawn): shared with one_reader()'s.
+        self._draws = _EpochDraws() if draws is None else draws
         # the pass in progress: its epoch's batches, which were done before
         # it began, and which global batches each worker has, in order
         self._digest = ""
@@ -360,6 +364,7 @@ class DatasetSchedule(Schedule):
             batch_sampler=self.batch_sampler,
             layout=self.layout,
             ordered=self.ordered,
+            draws=self._draws,  # in a group's rank 0, the leader's pipeline runs this schedule: one draw
         )
 
     @property
@@ -438,10 +443,19 @@ class DatasetSchedule(Schedule):
         else:
             (indices, bounds), digest = self._drawn(epoch)
             done = np.zeros(len(bounds) - 1, bool)
-        self._loaded = self._drawn_ahead = None
+        self._loaded = None
         self._digest, self._done, self._plan = digest, done, (indices, bounds)
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
+        if not done.any() and 0 < len(done) < self.layout.world:
+            warnings.warn(
+                f"an epoch of {len(done)} batch{'es' if len(done) > 1 else ''} goes to no rank: the job's "
+                f"{self.layout.world} ranks ({_count(self.layout.num_nodes, 'node')} of "
+                f"{_count(self.layout.ranks_per_node, 'rank')}) take complete rounds only, one batch each; make "
+                "the batches smaller, or the job",
+                ShmpipeWarning,
+                stacklevel=users_stacklevel(),
+            )
         self.first_turn = 0
         return self._deal(pass_no, epoch, 0)
 
@@ -518,20 +532,21 @@ class DatasetSchedule(Schedule):
         return self._fields(epoch, digest, len(bounds) - 1, None)
 
     def _drawn(self, epoch: int) -> tuple[tuple[np.ndarray, np.ndarray], str]:
-        """Epoch `epoch`'s batches and their digest, drawn once: a state
-        that names the next epoch (taken at an epoch's end, or before the
-        first pass) draws them, and that pass's begin() takes the same. A
-        sampler is drawn once an epoch however many states are taken: one
-        with a generator of its own (torch's RandomSampler(generator=g))
-        would otherwise give the next epochs in another order than a run
-        that took no state."""
-        ahead = self._drawn_ahead
-        if ahead is not None and ahead[0] == epoch:
-            return ahead[1], ahead[2]
-        plan = self.epoch_plan(epoch)
-        digest = _digest(*plan)
-        self._drawn_ahead = (epoch, plan, digest)
-        return plan, digest
+        """Epoch `epoch`'s batches and their digest, drawn once (_EpochDraws):
+        a state that names the next epoch (taken at an epoch's end, or
+        before the first pass) draws them, and that pass's begin() takes
+        the same."""
+        return self._draws.get(self, epoch, self.seed)
+
+    def start_point(self) -> str:
+        """Where the pass begun last began, named: its epoch, its batches,
+        and which of them were done before it (a loaded state's). Every
+        rank of a group must begin each pass where rank 0's pipeline does,
+        having loaded the same state or none: the leader compares theirs
+        (shmpipe/_group)."""
+        done = self._done
+        which = hashlib.blake2b(np.packbits(done).tobytes(), digest_size=4).hexdigest()
+        return f"epoch {self.epoch}, {int(done.sum())} of {len(done)} batches done before it ({self._digest}/{which})"
 
     def _pending(self) -> dict[str, Any]:
         if self._loaded is None:
@@ -614,8 +629,8 @@ class DatasetSchedule(Schedule):
         # is sized from the state's count: a state of another order, or a
         # count that is not the epoch's (2**62 would size the mask below),
         # is refused here, with the schedule as it was.
-        plan = self.epoch_plan(epoch, seed)
-        if _digest(*plan) != digest or len(plan[1]) - 1 != batches:
+        plan, drawn = self._draws.get(self, epoch, seed)
+        if drawn != digest or len(plan[1]) - 1 != batches:
             raise ShmpipeValueError(
                 f"the state's epoch {epoch} had other batches than this pipeline draws for it "
                 f"(sampler {self.sampler_name!r}): a sampler of your own must give the same indices for "
@@ -626,7 +641,38 @@ class DatasetSchedule(Schedule):
         done[extra] = True
         self.next_epoch = epoch
         self._loaded = (plan, digest, done)
-        self._drawn_ahead = None  # (of this pipeline's seed, which the state's may replace)
+
+
+class _EpochDraws:
+    """Each epoch's batches as this process drew them, drawn once however
+    many ask: a schedule's begin() and its states, and its one_reader()'s
+    (a group's rank 0 keeps the rank's position beside the leader's
+    pipeline). A sampler with a generator of its own (torch's
+    RandomSampler(generator=g)) gives another order at each draw: drawn
+    again, a state would name an order that was never dealt, or the next
+    epochs would come in another order than a run that took no state.
+    Keeps the last epoch drawn (and the seed of a shuffle: a state's may
+    replace the pipeline's; a sampler's order does not depend on it). A
+    lock: rank 0's trainer thread and the leader's dispatch thread both
+    draw."""
+
+    __slots__ = ("_last", "_lock")
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[int, int | None], tuple[np.ndarray, np.ndarray], str] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, schedule: DatasetSchedule, epoch: int, seed: int) -> tuple[tuple[np.ndarray, np.ndarray], str]:
+        shuffled = schedule.sampler is None and schedule.batch_sampler is None and schedule.shuffle
+        key = (epoch, seed if shuffled else None)
+        with self._lock:
+            last = self._last
+            if last is not None and last[0] == key:
+                return last[1], last[2]
+            plan = schedule.epoch_plan(epoch, seed)
+            digest = _digest(*plan)
+            self._last = (key, plan, digest)
+            return plan, digest
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -641,6 +687,10 @@ def _subplan(indices: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> tu
     # position j of batch k is starts[k] + (j - sub_bounds[k])
     offsets = np.repeat(starts - sub_bounds[:-1], lengths)
     return indices[np.arange(int(sub_bounds[-1]), dtype=np.int64) + offsets], sub_bounds
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def _digest(indices: np.ndarray, bounds: np.ndarray) -> str:

@@ -35,15 +35,19 @@ def _reference(epochs: int) -> list[list[list[int]]]:
         return [[b["i"].tolist() for b in pipe] for _ in range(epochs)]
 
 
-def _run_group(n: int, *, epochs: int, stop: int | None = None, state: dict | None = None, tmp: str) -> list[dict]:
-    """n ranks, each iterating `epochs` passes (or `stop` batches); their reports in rank order."""
+def _run_group(
+    n: int, *, epochs: int, stop: int | None = None, state: dict | None = None, tmp: str, states: list | None = None
+) -> list[dict]:
+    """n ranks, each iterating `epochs` passes (or `stop` batches), each
+    loading `state` (or its own of `states`); their reports in rank order."""
     group = f"r-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = []
     try:
         for rank in range(n):
             cfg = {
-                "group": group, "rank": rank, "num_ranks": n, "epochs": epochs, "stop": stop, "state": state,
+                "group": group, "rank": rank, "num_ranks": n, "epochs": epochs, "stop": stop,
+                "state": state if states is None else states[rank],
                 "barrier": os.path.join(tmp, group),
             }
             procs.append(
@@ -91,8 +95,8 @@ def test_a_group_resumes_with_another_number_of_ranks(tmp_path, before, after):
 
 
 class _Flips:
-    """A sampler whose order reverses at each drawing: not the same
-    indices for the same epoch, which a resume refuses."""
+    """A sampler whose order reverses at each drawing: a generator of its
+    own, as torch's RandomSampler(generator=g) has."""
 
     def __init__(self) -> None:
         self.drawn = 0
@@ -131,23 +135,22 @@ def _one_rank_group(sampler: Any) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_state_the_leader_refuses_leaves_the_ranks_count_as_it_was():
+def test_a_sampler_is_drawn_once_an_epoch_by_a_ranks_count_and_its_leader():
+    # Rank 0's process keeps the rank's count (its position) beside the
+    # leader's pipeline: drawn by each, a sampler with a generator of its own
+    # gave them two orders, and the states named one the batches were not
+    # dealt in (every sample read twice or never on resuming); a load drew
+    # again and refused the state the process's own draw had made.
     with _one_rank_group(_Flips()) as pipe:
         state = {**pipe.state_dict(), "done_below": 1}  # the ascending order's first batch out
+        rest = [b["i"].tolist() for b in pipe]
+    assert rest[0] == list(range(BATCH)), "dealt in the order the state named"
     with _one_rank_group(_Flips()) as pipe:
-        before = pipe.state_dict()  # drew the ascending order
-        # The position draws the descending order and refuses.
-        with pytest.raises(shmpipe.ShmpipeValueError, match="other batches"):
-            pipe.load_state_dict(state)
-        # Then the position draws the ascending order and takes it; the
-        # leader draws the descending one and refuses: the rank's count
-        # goes back, it does not say batch 0 is out.
-        with pytest.raises(shmpipe.ShmpipeValueError, match="other batches"):
-            pipe.load_state_dict(state)
-        assert pipe.state_dict() == before
+        assert pipe.state_dict()["plan"] == state["plan"]  # this process's draw: ascending
+        pipe.load_state_dict(state)
         got = [b["i"].tolist() for _, b in zip(range(2), pipe)]
-        assert len(got) == 2
-        assert pipe.state_dict()["done_below"] == 2, "two batches out, counted from the epoch's start"
+        assert got == rest[1:3], "the saved run's order, from its second batch"
+        assert pipe.state_dict()["done_below"] == 3
 
 
 @pytest.mark.timeout(120)
@@ -155,13 +158,29 @@ def test_a_pass_whose_sampler_fails_is_not_begun_in_a_rank():
     sampler = _FailsAtEpoch1()
     with _one_rank_group(sampler) as pipe:
         assert len([b["i"].tolist() for b in pipe]) == 13
-        after_epoch_0 = pipe.state_dict()
-        assert after_epoch_0["epoch"] == 1
-        sampler.fail = True
+        sampler.fail = True  # before anything drew epoch 1
         with pytest.raises(RuntimeError, match="failed at epoch 1"):
             next(iter(pipe))
-        sampler.fail = False  # (the state at an epoch's end draws the next epoch)
-        assert pipe.state_dict() == after_epoch_0, "no pass of epoch 1 was begun"
+        sampler.fail = False
+        assert {k: pipe.state_dict()[k] for k in ("epoch", "done_below", "done")} == {
+            "epoch": 1, "done_below": 0, "done": []
+        }, "no pass of epoch 1 was begun"
+        assert len([b["i"].tolist() for b in pipe]) == 13, "the rank and its leader still in step"
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_loaded_another_state_fails_the_group_before_its_first_batch(tmp_path):
+    # Rank 0's pipeline deals from the state it loaded; a rank that loaded
+    # another, or none, took the right batches but counted from elsewhere:
+    # its state_dict() named a position the job was not at.
+    state = _run_group(2, epochs=1, stop=2, tmp=str(tmp_path))[0]["state"]
+    assert state["done_below"] == 4
+    for states in ([state, None], [state, {**state, "done_below": 6}], [None, state]):
+        reports = _run_group(2, epochs=1, states=states, tmp=str(tmp_path))
+        for report in reports:
+            assert report["batches"] == [], "no batch before the error"
+            assert "rank 1 begins pass 0 at 'epoch 0, " in report["error"], report
+            assert "every rank must load the same state" in report["error"]
 
 
 def _rank_main(cfg: dict[str, Any]) -> None:
@@ -172,15 +191,18 @@ def _rank_main(cfg: dict[str, Any]) -> None:
         if cfg["state"] is not None:
             pipe.load_state_dict(cfg["state"])
         epochs = cfg["state"]["epoch"] if cfg["state"] else 0
-        for _ in range(epochs, cfg["epochs"]):
-            for b in pipe:
-                report["batches"].append(b["i"].tolist())
-                if len(report["batches"]) == cfg["stop"]:
-                    break
-            else:
-                continue
-            break
-        report["state"] = pipe.state_dict()
+        try:
+            for _ in range(epochs, cfg["epochs"]):
+                for b in pipe:
+                    report["batches"].append(b["i"].tolist())
+                    if len(report["batches"]) == cfg["stop"]:
+                        break
+                else:
+                    continue
+                break
+            report["state"] = pipe.state_dict()
+        except shmpipe.GroupError as exc:
+            report["error"] = str(exc)
         # A preemption stops every rank at once: none closes the group (rank
         # 0's close ends it for the others) before all have their state.
         os.makedirs(cfg["barrier"], exist_ok=True)

@@ -257,6 +257,20 @@ def test_an_unordered_node_cannot_tell_the_jobs_position():
 ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 
 
+def test_an_epoch_of_fewer_batches_than_ranks_is_said_to_go_to_no_rank():
+    # Complete rounds only: 2 batches on 3 nodes give every rank nothing,
+    # every epoch (helper 51: a job that silently trained on nothing).
+    for node in range(3):
+        with shmpipe.from_dataset(Numbered(3), num_workers=1, num_nodes=3, node_rank=node,
+                                  **arguments(batch_size=2)) as pipe:
+            with pytest.warns(shmpipe.ShmpipeWarning, match=r"an epoch of 2 batches goes to no rank: .*\(3 nodes of 1 rank\)"):
+                assert list(pipe) == []
+    with shmpipe.from_dataset(Numbered(6), num_workers=1, num_nodes=3, node_rank=2, **arguments(batch_size=2)) as pipe:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a round each: nothing said
+            assert len(list(pipe)) == 1
+
+
 @pytest.mark.parametrize(
     ("env", "kw", "match"),
     [
@@ -317,6 +331,32 @@ def test_the_environment_gives_the_defaults(monkeypatch):
     assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "one node where the launcher says nothing"
     monkeypatch.setenv("GROUP_RANK", "0")
     assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "or numbers its one node 0"
+
+
+@pytest.mark.parametrize(
+    ("env", "num_ranks", "match"),
+    [
+        # a group per rank on a node of 2 (helper 51: every sample read twice)
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, 1,
+         r"LOCAL_WORLD_SIZE=2\), and the group has 1: .*num_ranks=2"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}, 2, r"the group has 2: .*num_ranks=4"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, 4, r"the group has 4"),
+        # no LOCAL_WORLD_SIZE: the job's size still tells
+        ({"WORLD_SIZE": "8", "NODE_RANK": "1"}, 2, r"WORLD_SIZE=8\), and num_nodes=2 of 2 ranks each make 4"),
+    ],
+)
+def test_a_group_that_is_not_the_launchers_node_is_refused(monkeypatch, env, num_ranks, match):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    num_nodes = None if "LOCAL_WORLD_SIZE" in env else 2
+    with pytest.raises(shmpipe.ShmpipeValueError, match=match):
+        check_nodes(num_nodes, None, num_ranks, True)
+    monkeypatch.setenv("WORLD_SIZE", str(2 * num_ranks))
+    if "LOCAL_WORLD_SIZE" in env:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(num_ranks))
+    assert check_nodes(num_nodes, None, num_ranks, True) == NodeLayout(2, 1, num_ranks), "the launcher's node"
 
 
 def test_num_nodes_1_always_holds_and_reads_no_environment(monkeypatch):

@@ -26,7 +26,7 @@ from shmpipe._group._options import GroupOptions
 from shmpipe._options import PipelineOptions
 from shmpipe._pipeline import Pipeline
 from shmpipe._process import ProcessWatch
-from shmpipe._schedule import Schedule
+from shmpipe._schedule import DatasetSchedule, Schedule
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S
 from shmpipe.errors import (
@@ -162,6 +162,8 @@ class Leader:
         self.watched: dict[int, tuple[_Watched | None, Any]] = {}  # fd -> (what, its object)
         self._watch(listener.fileno(), _Watched.LISTENER, listener)
         self.begun = [-1] * self.n  # the last pass each rank began
+        #: each rank's last "begin": (pass, DatasetSchedule.start_point), checked as it is dealt
+        self.starts: dict[int, tuple[int, str | None]] = {}
         #: The last pass each rank took whole (it read the pass's "end"), and
         #: the last pass every rank is past ("complete" sent): a rank's pass
         #: ends only then, so a rank that dies holding batches of the pass
@@ -429,9 +431,10 @@ class Leader:
             del batch  # its root held the slot: the slot is free now
         elif link.state is not LinkState.LIVE:
             return  # it said bye: only its releases count now
-        elif kind == "begin" and len(message) == 2 and type(message[1]) is int:
+        elif kind == "begin" and len(message) == 3 and type(message[1]) is int and _wire.is_start(message[2]):
             with self.lock:
                 self.begun[link.rank] = message[1]
+                self.starts[link.rank] = (message[1], message[2])
                 self.lock.notify_all()
             self._complete_passes()  # a rank that left a pass early for the next is past it
         elif kind == "taken" and len(message) == 2 and self._takes(link.rank, message[1]):
@@ -568,7 +571,9 @@ class Leader:
         round is dropped (its slots go back) and counted, with the batches
         the schedule dropped before any was fetched (a dataset's: the
         incomplete last round of the job's, see shmpipe/_nodes.py)."""
-        for batch in self.pipe:  # the first iteration starts pass 0, the pipeline's first
+        batches = iter(self.pipe)  # begins the pipeline's pass: the first, pass 0, then the next
+        self._check_starts(pass_no)
+        for batch in batches:
             channel = self.pipe.channel
             assert channel is not None
             current.append((batch, channel.last_worker, channel.last_nbytes))
@@ -590,6 +595,23 @@ class Leader:
         for link in links:
             _wire.send_quietly(link.sock, ["end", pass_no, dropped])
         self._complete_passes()  # every rank may have left it early for the next
+
+    def _check_starts(self, pass_no: int) -> None:
+        """Every rank's count of a dataset's pass begins where rank 0's
+        pipeline does: each loaded the same state, or none (else its states
+        would be of another position). One in the next pass already is not compared."""
+        if not isinstance(self.schedule, DatasetSchedule):
+            return
+        ours = self.schedule.start_point()
+        with self.lock:
+            theirs = {rank: start for rank, (p, start) in self.starts.items() if p == pass_no}
+        wrong = sorted(rank for rank, start in theirs.items() if start != ours)
+        if wrong:
+            raise GroupError(
+                f"group {self.group!r}: rank {wrong[0]} begins pass {pass_no} at {theirs[wrong[0]]!r:.160}, rank "
+                f"0's pipeline at {ours!r} (ranks elsewhere: {wrong}): every rank must load the same state "
+                "(any rank's, saved at the same step) before its first pass, or none"
+            )
 
     def _complete_passes(self) -> None:
         """Tells every rank the passes every rank is now past: a rank's

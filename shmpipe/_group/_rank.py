@@ -393,11 +393,13 @@ class RankPipeline(FrameworkStream):
             # which may have failed the group (or another thread closed the
             # pipeline) meanwhile: that failure is the one to raise
             self._check_usable()
+            start = None
             if self._position is not None:
                 self._position.begin(self._pass_no + 1)  # where it raises (the sampler), no pass was begun
+                start = self._position.start_point()  # rank 0's leader checks it against its own
             self._pass_no += 1
             self._progress.began(self._pass_no)
-            sent = self._conn.send(["begin", self._pass_no])
+            sent = self._conn.send(["begin", self._pass_no, start])
         if not sent:
             self._fail(RankDiedError(f"group {self.group!r}: rank 0 (pid {self._leader_pid}) is gone", 0))
         return self._pass_no

@@ -11,7 +11,8 @@ namespace has no permissions.
 
 Messages (rank -> rank 0): ``["hello", rank, fingerprint, pid, launch]``
 (launch: null, or ``{"proof": 64 hex digits, "restart": int or null}``),
-``["begin", pass]``, ``["taken", pass]`` (it read the pass's "end", and
+``["begin", pass, start]`` (start: where the rank's count of a dataset's
+pass begins, DatasetSchedule.start_point, or null), ``["taken", pass]`` (it read the pass's "end", and
 its trainer asks past its last batch), ``["release", token]``,
 ``["bye", pass, had]`` (the pass it is in, and how many batches of it its
 trainer had).
@@ -70,6 +71,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_differences",
     "hello",
+    "is_start",
     "launch_proof",
     "launch_tag",
     "parse_hello",
@@ -201,6 +203,12 @@ def launch_tag(proof: str | None) -> str:
     if proof is None:
         return "none"
     return hashlib.sha256(b"shmpipe-launch-tag\0" + proof.encode()).hexdigest()[:8]
+
+
+def is_start(value: Any) -> bool:
+    """A "begin"'s start point: null, or a short text (only compared with
+    rank 0's, and shown clipped)."""
+    return value is None or (type(value) is str and len(value) <= 256)
 
 
 def hello(rank: int, fingerprint: dict[str, Any], group: GroupOptions) -> list[Any]:
