@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from shmpipe._spec import new_arrays
+from shmpipe.errors import ShmpipeWarning
 
 __all__ = [
     "PassWork",
@@ -209,6 +211,28 @@ def seed_generators(seed: int) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.default_generator.manual_seed(seed)
+
+
+_torch_came_unseeded_said = False
+
+
+def torch_came_unseeded(epoch: int, batch: int) -> None:
+    """torch was imported while batch `batch` of epoch `epoch` was made
+    (by the dataset or its collate_fn): seed_generators could not seed its
+    generator before that batch, whose draws from it are then this
+    process's first (they differ with the number of workers, and on a
+    resume). Said once per process; the batches after it are seeded."""
+    global _torch_came_unseeded_said
+    if _torch_came_unseeded_said:
+        return
+    _torch_came_unseeded_said = True
+    warnings.warn(
+        f"torch was imported while batch {batch} of epoch {epoch} was made: its draws from torch's generator "
+        "were not seeded (shmpipe seeds it before each batch where torch is imported), so they change with "
+        "the number of workers and on a resume; import torch at the top of the dataset's module",
+        ShmpipeWarning,
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager

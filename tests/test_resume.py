@@ -4,7 +4,10 @@ pipelines (real producer processes, every transport that runs here)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -436,3 +439,48 @@ def test_an_iterator_with_its_own_state_resumes_from_it(ordered):
     # each worker's first batch after the resume was the first its iterator made: nothing made again
     for worker in (0, 1):
         assert next(m for w, _, e, m in rest if w == worker and e == 0) == 1
+
+
+_LAZY_TORCH_DATASET = '''
+import numpy as np
+
+
+class LazyTorch:
+    """Draws from torch's generator, torch imported where it is used."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import torch
+
+        return {"i": i, "t": np.float64(torch.rand(()).item())}
+'''
+
+_LAZY_TORCH_JOB = '''
+import json, sys
+import shmpipe
+from lazy_torch import LazyTorch
+with shmpipe.from_dataset(LazyTorch(), batch_size=2, seed=5, num_workers=1, fetch_while_starting=False,
+                          timeout=60) as pipe:
+    print(json.dumps([b["t"].tolist() for b in pipe]))
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_dataset_importing_torch_while_a_batch_is_made_is_told_its_draws_were_not_seeded(tmp_path):
+    # shmpipe seeds torch's generator before each batch only where torch is
+    # imported (importing it in every producer would cost a second): a
+    # dataset that imports it inside __getitem__ draws the first batch
+    # from an unseeded generator (helper 51), which is said, once.
+    pytest.importorskip("torch")
+    (tmp_path / "lazy_torch.py").write_text(_LAZY_TORCH_DATASET)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", _LAZY_TORCH_JOB], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(json.loads(out.stdout.strip().splitlines()[-1])) == 4
+    said = out.stderr.count("ShmpipeWarning: torch was imported while batch 0 of epoch 0 was made")
+    assert said == 1, out.stderr[-3000:]
+    assert "import torch at the top of the dataset's module" in out.stderr
