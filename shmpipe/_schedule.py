@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import math
 import reprlib
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from shmpipe._epochs import Drawn, EpochDraws, subplan
 from shmpipe._nodes import ONE_NODE, NodeLayout
 from shmpipe._producer_context import PassWork, seed_for
 from shmpipe._sources import DatasetPlan
@@ -308,7 +308,7 @@ class DatasetSchedule(Schedule):
         batch_sampler: Iterable[Sequence[int]] | None,
         layout: NodeLayout = ONE_NODE,
         ordered: bool = True,
-        draws: _EpochDraws | None = None,
+        draws: EpochDraws | None = None,
     ) -> None:
         super().__init__(num_workers, seed, seed_given)
         #: Which share of each epoch this node's pipeline fetches.
@@ -327,10 +327,10 @@ class DatasetSchedule(Schedule):
         #: epoch), their digest, and which of them were done.
         self._loaded: tuple[tuple[np.ndarray, np.ndarray], str, np.ndarray] | None = None
         #: The epochs drawn in this process (_drawn): shared with one_reader()'s.
-        self._draws = _EpochDraws() if draws is None else draws
+        self._draws = EpochDraws() if draws is None else draws
         # the pass in progress: its epoch's batches, which were done before
         # it began, and which global batches each worker has, in order
-        self._digest = ""
+        self._drawn_now = Drawn((np.zeros(0, np.int64), np.zeros(1, np.int64)), "")
         self._plan = (np.zeros(0, np.int64), np.zeros(1, np.int64))
         self._done = np.zeros(0, bool)
         self._left = np.zeros(0, np.int64)  # the epoch's batches not done before it began, in dealing order
@@ -422,7 +422,7 @@ class DatasetSchedule(Schedule):
             elif self.shuffle:
                 seed = self.seed if seed is None else seed
                 rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(epoch,)))
-                order = rng.permutation(self.length).astype(np.int64)
+                order = rng.permutation(self.length).astype(np.int64, copy=False)  # (int64 already: no copy)
             else:
                 order = np.arange(self.length, dtype=np.int64)
             size = self.batch_size
@@ -439,12 +439,13 @@ class DatasetSchedule(Schedule):
 
     def _work(self, pass_no: int, epoch: int) -> list[PassWork]:
         if self._loaded is not None:  # epoch `epoch`'s, checked against the state when loaded
-            (indices, bounds), digest, done = self._loaded
+            plan, digest, done = self._loaded
+            drawn = Drawn(plan, digest)
         else:
-            (indices, bounds), digest = self._drawn(epoch)
-            done = np.zeros(len(bounds) - 1, bool)
+            drawn = self._drawn(epoch)
+            done = np.zeros(len(drawn.plan[1]) - 1, bool)
         self._loaded = None
-        self._digest, self._done, self._plan = digest, done, (indices, bounds)
+        self._drawn_now, self._done, self._plan = drawn, done, drawn.plan
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
         if not done.any() and 0 < len(done) < self.layout.world:
@@ -491,7 +492,7 @@ class DatasetSchedule(Schedule):
         return self._works
 
     def _plan_for(self, numbers: np.ndarray, epoch: int) -> DatasetPlan:
-        indices, bounds = _subplan(*self._plan, numbers)
+        indices, bounds = subplan(*self._plan, numbers)
         return DatasetPlan(indices, bounds, numbers, self.seed, epoch)
 
     def _seed(self, epoch: int, worker: int) -> int:
@@ -528,15 +529,21 @@ class DatasetSchedule(Schedule):
         }
 
     def _fresh(self, epoch: int) -> dict[str, Any]:
-        (_, bounds), digest = self._drawn(epoch)
-        return self._fields(epoch, digest, len(bounds) - 1, None)
+        drawn = self._drawn(epoch)
+        return self._fields(epoch, drawn.digest, len(drawn.plan[1]) - 1, None)
 
-    def _drawn(self, epoch: int) -> tuple[tuple[np.ndarray, np.ndarray], str]:
-        """Epoch `epoch`'s batches and their digest, drawn once (_EpochDraws):
+    def _drawn(self, epoch: int) -> Drawn:
+        """Epoch `epoch`'s batches and their digest, drawn once (_draw):
         a state that names the next epoch (taken at an epoch's end, or
         before the first pass) draws them, and that pass's begin() takes
         the same."""
-        return self._draws.get(self, epoch, self.seed)
+        return self._draw(epoch, self.seed)
+
+    def _draw(self, epoch: int, seed: int) -> Drawn:
+        """Epoch `epoch`'s batches of shuffle seed `seed`, drawn once in this
+        process (shmpipe/_epochs.py says why)."""
+        shuffled = self.sampler is None and self.batch_sampler is None and self.shuffle
+        return self._draws.get((epoch, seed if shuffled else None), lambda: self.epoch_plan(epoch, seed))
 
     def start_point(self) -> str:
         """Where the pass begun last began, named: its epoch, its batches,
@@ -546,7 +553,8 @@ class DatasetSchedule(Schedule):
         (shmpipe/_group)."""
         done = self._done
         which = hashlib.blake2b(np.packbits(done).tobytes(), digest_size=4).hexdigest()
-        return f"epoch {self.epoch}, {int(done.sum())} of {len(done)} batches done before it ({self._digest}/{which})"
+        named = f"{self._drawn_now.digest}/{which}"
+        return f"epoch {self.epoch}, {int(done.sum())} of {len(done)} batches done before it ({named})"
 
     def _pending(self) -> dict[str, Any]:
         if self._loaded is None:
@@ -574,7 +582,7 @@ class DatasetSchedule(Schedule):
             return self._after_rounds(epoch, taken // self.layout.ranks_per_node)
         if done.all():  # its last batch is out: a resumed run begins the next epoch, not this one's empty end
             return self._fresh(epoch + 1)
-        return self._fields(epoch, self._digest, len(done), done)
+        return self._fields(epoch, self._drawn_now.digest, len(done), done)
 
     def state_after_rounds(self, rounds: int) -> dict[str, Any]:
         """The checkpoint once `rounds` rounds of the pass begun last are
@@ -598,7 +606,7 @@ class DatasetSchedule(Schedule):
             return self._fresh(epoch + 1)
         done = self._done.copy()
         done[self._left[:taken]] = True
-        return self._fields(epoch, self._digest, len(done), done)
+        return self._fields(epoch, self._drawn_now.digest, len(done), done)
 
     def _load(self, fields: _Fields, seed: int) -> None:
         for name, mine in (("length", self.length), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
@@ -629,8 +637,8 @@ class DatasetSchedule(Schedule):
         # is sized from the state's count: a state of another order, or a
         # count that is not the epoch's (2**62 would size the mask below),
         # is refused here, with the schedule as it was.
-        plan, drawn = self._draws.get(self, epoch, seed)
-        if drawn != digest or len(plan[1]) - 1 != batches:
+        drawn = self._draw(epoch, seed)
+        if drawn.digest != digest or len(drawn.plan[1]) - 1 != batches:
             raise ShmpipeValueError(
                 f"the state's epoch {epoch} had other batches than this pipeline draws for it "
                 f"(sampler {self.sampler_name!r}): a sampler of your own must give the same indices for "
@@ -640,65 +648,14 @@ class DatasetSchedule(Schedule):
         done[:below] = True
         done[extra] = True
         self.next_epoch = epoch
-        self._loaded = (plan, digest, done)
-
-
-class _EpochDraws:
-    """Each epoch's batches as this process drew them, drawn once however
-    many ask: a schedule's begin() and its states, and its one_reader()'s
-    (a group's rank 0 keeps the rank's position beside the leader's
-    pipeline). A sampler with a generator of its own (torch's
-    RandomSampler(generator=g)) gives another order at each draw: drawn
-    again, a state would name an order that was never dealt, or the next
-    epochs would come in another order than a run that took no state.
-    Keeps the last epoch drawn (and the seed of a shuffle: a state's may
-    replace the pipeline's; a sampler's order does not depend on it). A
-    lock: rank 0's trainer thread and the leader's dispatch thread both
-    draw."""
-
-    __slots__ = ("_last", "_lock")
-
-    def __init__(self) -> None:
-        self._last: tuple[tuple[int, int | None], tuple[np.ndarray, np.ndarray], str] | None = None
-        self._lock = threading.Lock()
-
-    def get(self, schedule: DatasetSchedule, epoch: int, seed: int) -> tuple[tuple[np.ndarray, np.ndarray], str]:
-        shuffled = schedule.sampler is None and schedule.batch_sampler is None and schedule.shuffle
-        key = (epoch, seed if shuffled else None)
-        with self._lock:
-            last = self._last
-            if last is not None and last[0] == key:
-                return last[1], last[2]
-            plan = schedule.epoch_plan(epoch, seed)
-            digest = _digest(*plan)
-            self._last = (key, plan, digest)
-            return plan, digest
+        self._loaded = (drawn.plan, digest, done)
 
 
 # -- helpers ----------------------------------------------------------------------
 
 
-def _subplan(indices: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The plan of some of an epoch's batches, in the order given: their
-    indices back to back, and their bounds within that."""
-    starts, ends = bounds[batches], bounds[batches + 1]
-    lengths = ends - starts
-    sub_bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    # position j of batch k is starts[k] + (j - sub_bounds[k])
-    offsets = np.repeat(starts - sub_bounds[:-1], lengths)
-    return indices[np.arange(int(sub_bounds[-1]), dtype=np.int64) + offsets], sub_bounds
-
-
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' if n != 1 else ''}"
-
-
-def _digest(indices: np.ndarray, bounds: np.ndarray) -> str:
-    """Names an epoch's batches: a state from another order is refused."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(np.ascontiguousarray(indices, "<i8").tobytes())
-    h.update(np.ascontiguousarray(bounds, "<i8").tobytes())
-    return h.hexdigest()
 
 
 def _indices(values: Any, what: str) -> np.ndarray:

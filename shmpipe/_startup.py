@@ -161,7 +161,7 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Sh
         return Plan([ctx.Process] * n, list(sources), [why] * n)  # type: ignore[attr-defined]
     clean: Callable[..., Any] = _forkserver.ServerProcess if method == "forkserver" else _forkserver.SpawnProcess
     if method == "forkserver":
-        _preload_with_the_server(sources)
+        _preload_with_the_server(sources, type(transport).__module__)
     shipments = shipments or Shipments()
     shipped: dict[int, Shipped | str] = {}  # by id: [make_batches] * 16 is pickled once
     out = Plan([], [], [])
@@ -271,7 +271,7 @@ def start_server(objects: Sequence[Any]) -> bool:
     return True
 
 
-def _preload_with_the_server(sources: Sequence[Any]) -> None:
+def _preload_with_the_server(sources: Sequence[Any], transport_module: str | None = None) -> None:
     """Before the fork server's first start: it imports the modules the
     sources are made of too (their classes', functions' and attributes'
     modules, one level deep, and the modules their code imports as it runs,
@@ -285,8 +285,16 @@ def _preload_with_the_server(sources: Sequence[Any]) -> None:
     dataset's module with `import torch` at its top, after shmpipe.prestart()
     started the server before it): then a new server imports it once, for
     this pipeline and the next ones, rather than every producer (seconds and
-    hundreds of MiB each)."""
-    _forkserver.preload(_modules_of(sources), _heavy_frameworks_of)
+    hundreds of MiB each).
+
+    The transport's module too, which each producer unpickles its transport
+    from (the arrow transport's imports pyarrow: 27 ms of CPU a producer,
+    measured), unless it brings a heavy framework."""
+    modules = _modules_of(sources)
+    if transport_module is not None and getattr(sys.modules.get(transport_module), "__file__", None):
+        if not _heavy_frameworks_of(transport_module):
+            modules.add(transport_module)
+    _forkserver.preload(modules, _heavy_frameworks_of)
 
 
 def _heavy_frameworks_of(name: str, depth: int = 2) -> set[str]:
@@ -317,7 +325,7 @@ def _modules_of(sources: Sequence[Any]) -> set[str]:
     """The modules that `sources` are made of, loaded in this process and
     imported by name in a producer (_preload_with_the_server)."""
     names: set[object] = set()  # module names, and None where an object has none
-    for source in sources:
+    for source in {id(s): s for s in sources}.values():  # from_dataset's [source] * num_workers: once
         for obj in (source, *_attributes(source)):
             names.update((getattr(obj, "__module__", None), type(obj).__module__))
             for imported in _imported_by_code(obj):

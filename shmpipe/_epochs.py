@@ -1,0 +1,88 @@
+"""An epoch's batches once drawn: drawn once a process, named by a digest,
+and cut into the parts the workers fetch.
+
+A dataset's schedule (shmpipe/_schedule.py) draws each epoch's batches of
+indices from its sampler or its shuffle. What is drawn is kept here, for
+two reasons. A sampler with a generator of its own (torch's
+``RandomSampler(generator=g)``) gives another order at each draw: drawn
+again for a state, for a load or for a second reader of the same schedule
+(a group's rank 0 keeps the rank's position beside the leader's pipeline),
+a state would name an order that was never dealt, or the next epochs would
+come in another order than in a run that took no state. And the digest
+that names an epoch in a state (hashing a million samples' order takes
+10-20 ms) is worked out where a state first asks, not before a pass's
+first batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["Drawn", "EpochDraws", "digest", "subplan"]
+
+#: An epoch's batches: (indices, bounds), batch b being indices[bounds[b]:bounds[b + 1]].
+Plan = tuple[np.ndarray, np.ndarray]
+
+
+class Drawn:
+    """One epoch's batches as drawn, and their digest once asked for."""
+
+    __slots__ = ("_digest", "plan")
+
+    def __init__(self, plan: Plan, digest_: str | None = None) -> None:
+        self.plan = plan
+        self._digest = digest_
+
+    @property
+    def digest(self) -> str:
+        # (two threads may both work it out: the same text, either kept)
+        if self._digest is None:
+            self._digest = digest(*self.plan)
+        return self._digest
+
+
+class EpochDraws:
+    """The last epoch a process drew for a schedule (and the schedules that
+    share it): asked again for the same key, the same draw. The key is the
+    epoch and, for a shuffle, its seed (a state's may replace the
+    pipeline's; a sampler's order does not depend on it). A lock: rank 0's
+    trainer thread and the leader's dispatch thread both draw."""
+
+    __slots__ = ("_last", "_lock")
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[int, int | None], Drawn] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[int, int | None], draw: Callable[[], Plan]) -> Drawn:
+        with self._lock:
+            last = self._last
+            if last is not None and last[0] == key:
+                return last[1]
+            drawn = Drawn(draw())
+            self._last = (key, drawn)
+            return drawn
+
+
+def digest(indices: np.ndarray, bounds: np.ndarray) -> str:
+    """Names an epoch's batches: a state from another order is refused."""
+    h = hashlib.blake2b(digest_size=8)
+    # The arrays' own buffers (tobytes() would copy them first): the same bytes.
+    h.update(np.ascontiguousarray(indices, "<i8").data)
+    h.update(np.ascontiguousarray(bounds, "<i8").data)
+    return h.hexdigest()
+
+
+def subplan(indices: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> Plan:
+    """The plan of some of an epoch's batches, in the order given: their
+    indices back to back, and their bounds within that."""
+    starts, ends = bounds[batches], bounds[batches + 1]
+    lengths = ends - starts
+    sub_bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # position j of batch k is starts[k] + (j - sub_bounds[k])
+    offsets = np.repeat(starts - sub_bounds[:-1], lengths)
+    return indices[np.arange(int(sub_bounds[-1]), dtype=np.int64) + offsets], sub_bounds
