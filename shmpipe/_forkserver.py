@@ -362,8 +362,10 @@ class StartWait:
     the project runs on 3.11)."""
 
     #: How often a wait looks at the server and at `abandoned` (a ready
-    #: descriptor ends it at once).
-    SLICE_S = 0.1
+    #: descriptor ends it at once): also how long a close() waits, at most,
+    #: for a start in the background to give up (0.1 s: 90 ms a close of a
+    #: fresh pipeline, measured). A look is a call, or a read of /proc.
+    SLICE_S = 0.02
 
     def __init__(self, timeout: float | None, abandoned: Callable[[str], BaseException | None]) -> None:
         self.timeout = timeout
