@@ -257,14 +257,16 @@ def _measure(jax: Any, device: Any) -> _Probe:
     aliases = device.platform == "cpu" and _on_memory_of(out, arr)
     # Whether `out` keeps the root alive, told without a full collection
     # (one of the whole process, 50 ms and more once JAX is imported, in the
-    # first batch's time): if the root outlives our references and is gone
-    # once `out` is and jaxlib has let go of the host arrays it no longer
-    # needs (it defers that to its collection), `out` held it. If it
-    # outlives that too, something else holds it (a cycle, a cache of
-    # JAX's) and we cannot tell: "no", the safe answer (put() then holds
-    # each leaf itself).
+    # first batch's time). jaxlib lets go of the host arrays it no longer
+    # needs at its own collection only, so it runs after each step below:
+    # after our references (and the other array's, `made` or `public`,
+    # which may hold the root too) are gone; then if the root is alive, and
+    # gone once `out` is, `out` held it. If it outlives that too, something
+    # else holds it (a cycle, a cache of JAX's) and we cannot tell: "no",
+    # the safe answer (put() then holds each leaf itself).
     root_ref = weakref.ref(root)
     del root, arr, made, public
+    _collector()()
     outlived_us = root_ref() is not None
     del out
     _collector()()

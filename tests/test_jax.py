@@ -116,6 +116,34 @@ def test_the_probe_runs_no_full_collection():
     assert probe == _probe(jax, jax.local_devices(backend="cpu")[0])  # the same answer as the first probe's
 
 
+def test_the_probe_says_no_where_the_fast_path_would_not_keep_the_array_alive(monkeypatch):
+    # The answer the probe exists for, which this JAX never gives: were
+    # batched_device_put to alias the memory without holding the array
+    # (here: handed a view whose base is not the root), to_jax must hold
+    # each leaf itself. jax.device_put's array, which does hold the root,
+    # is released by jaxlib only at its collection: measured before that
+    # (helper 52), the probe said yes.
+    import ctypes
+
+    from jax._src.lib import xla_client
+
+    from shmpipe._jax import _measure
+
+    real = xla_client.batched_device_put
+
+    def ownerless(aval, sharding, xs, devices, committed, **kw):
+        if kw:  # jax.device_put's own call
+            return real(aval, sharding, xs, devices, committed, **kw)
+        a = xs[0]
+        view = np.frombuffer((ctypes.c_char * a.nbytes).from_address(a.ctypes.data), a.dtype).reshape(a.shape)
+        view.flags.writeable = False
+        return real(aval, sharding, [view], devices, committed)
+
+    monkeypatch.setattr(xla_client, "batched_device_put", ownerless)
+    probe = _measure(jax, jax.local_devices(backend="cpu")[0])
+    assert probe.aliases and not probe.keeps_alive, probe
+
+
 def test_a_slot_is_held_while_an_array_lives():
     with shmpipe.from_iterators([Counter(30, shape=(256,))], capacity=8, timeout=T) as pipe:
         it = iter(pipe.to_jax())
