@@ -46,25 +46,32 @@ class Drawn:
 
 
 class EpochDraws:
-    """The last epoch a process drew for a schedule (and the schedules that
-    share it): asked again for the same key, the same draw. The key is the
-    epoch and, for a shuffle, its seed (a state's may replace the
-    pipeline's; a sampler's order does not depend on it). A lock: rank 0's
-    trainer thread and the leader's dispatch thread both draw."""
+    """The epochs drawn last for a schedule (and the schedules that share
+    it): asked again for the same key, the same draw. The key is the epoch
+    and, for a shuffle, its seed (a state's may replace the pipeline's; a
+    sampler's order does not depend on it). More than one is kept: rank 0's
+    count may begin the next epoch (its trainer left a pass early) before
+    the leader's pipeline begins the one before, waiting for a slower rank
+    (helper 52). A lock: rank 0's trainer thread and the leader's dispatch
+    thread both draw."""
 
-    __slots__ = ("_last", "_lock")
+    #: Draws kept, the oldest dropped first (each an epoch's order: 8 bytes
+    #: a sample).
+    KEPT = 3
+
+    __slots__ = ("_kept", "_lock")
 
     def __init__(self) -> None:
-        self._last: tuple[tuple[int, int | None], Drawn] | None = None
+        self._kept: dict[tuple[int, int | None], Drawn] = {}
         self._lock = threading.Lock()
 
     def get(self, key: tuple[int, int | None], draw: Callable[[], Plan]) -> Drawn:
         with self._lock:
-            last = self._last
-            if last is not None and last[0] == key:
-                return last[1]
-            drawn = Drawn(draw())
-            self._last = (key, drawn)
+            drawn = self._kept.get(key)
+            if drawn is None:
+                drawn = self._kept[key] = Drawn(draw())
+                while len(self._kept) > self.KEPT:
+                    del self._kept[next(iter(self._kept))]
             return drawn
 
 

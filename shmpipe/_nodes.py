@@ -115,6 +115,7 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     ``num_nodes`` or ``node_rank`` given against it."""
     if num_nodes is not None and (not is_int(num_nodes) or num_nodes < 1):
         raise out_of_range(f"num_nodes must be a positive int, got {num_nodes!r}", num_nodes)
+    layout_given = num_nodes is not None and node_rank is not None
     if num_nodes == 1:
         return _the_only_node(node_rank, ranks_per_node, "num_nodes=1")
     env_nodes, env_nodes_says = _nodes_from_environment()
@@ -153,34 +154,33 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
         )
     if not 0 <= node_rank < num_nodes:
         raise ShmpipeValueError(f"node_rank must be an int in [0, {num_nodes}), got {node_rank}")
-    _check_ranks_per_node(num_nodes, ranks_per_node, grouped, nodes_said)
+    _check_ranks_per_node(ranks_per_node, grouped, nodes_said, layout_given)
     return NodeLayout(num_nodes, node_rank, ranks_per_node)
 
 
-def _check_ranks_per_node(num_nodes: int, ranks_per_node: int, grouped: bool, nodes_said: str) -> None:
-    """With the epoch dealt over several nodes, every rank of the node must
-    be one of the node's pipeline (its group's): where the launcher runs
-    more ranks on the node than that, each pipeline would read the node's
-    whole share (every sample twice or more); fewer, and a share is read
-    by no rank's trainer."""
-    local, world = _env_int("LOCAL_WORLD_SIZE"), _env_int("WORLD_SIZE")
-    if local is not None and local != ranks_per_node:
-        if not grouped:
-            raise ShmpipeValueError(
-                f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset: with "
-                f"{nodes_said} they must share the node's pipeline (group=...), or each would read "
-                "the node's whole share"
-            )
+def _check_ranks_per_node(ranks_per_node: int, grouped: bool, nodes_said: str, layout_given: bool) -> None:
+    """With the epoch dealt over several nodes, the ranks torchrun runs on
+    the node (LOCAL_WORLD_SIZE) are the node's pipeline's: more pipelines
+    on the node would each read its whole share. A group of fewer ranks is
+    refused too (a group per rank: every sample read twice, helper 51),
+    unless num_nodes= and node_rank= both say the layout: a node's other
+    ranks may be no data-parallel ranks at all (tensor or pipeline
+    parallel peers, which get their batches from a rank of the group)."""
+    local = _env_int("LOCAL_WORLD_SIZE")
+    if local is None or local == ranks_per_node:
+        return
+    if not grouped:
+        raise ShmpipeValueError(
+            f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset: with "
+            f"{nodes_said} they must share the node's pipeline (group=...), or each would read "
+            "the node's whole share"
+        )
+    if not layout_given:
         raise ShmpipeValueError(
             f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), and the group has {ranks_per_node}: with "
-            f"{nodes_said} every rank of the node must be a rank of one group (num_ranks={local}), or the "
-            "node's share would be read by each group"
-        )
-    if world is not None and world != num_nodes * ranks_per_node:
-        raise ShmpipeValueError(
-            f"the job runs {world} ranks (WORLD_SIZE={world}), and {nodes_said} of {ranks_per_node} "
-            f"rank{'s' if ranks_per_node > 1 else ''} each make {num_nodes * ranks_per_node}: every rank of "
-            "the job must be a rank of its node's pipeline (group=..., num_ranks=the ranks per node)"
+            f"{nodes_said} every data-parallel rank of the node must be a rank of one group (num_ranks={local}), "
+            "or each group would read the node's share; where the node's other ranks are not data-parallel "
+            "(tensor or pipeline parallel peers), pass num_nodes= and node_rank= to say the layout"
         )
 
 

@@ -208,28 +208,39 @@ def seed_generators(seed: int) -> None:
     # NumPy's key has a third word.
     random.seed(seed)
     np.random.seed([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, _NUMPY_KEY])
-    torch = sys.modules.get("torch")
+    torch = torch_imported()
     if torch is not None:
         torch.default_generator.manual_seed(seed)
+
+
+def torch_imported() -> Any:
+    """torch, where it is imported whole; else None. (A module another
+    thread is still importing is in sys.modules already, without the
+    functions seeding uses: helper 52 saw an AttributeError there.)"""
+    torch = sys.modules.get("torch")
+    if torch is None or not all(hasattr(torch, n) for n in ("default_generator", "get_rng_state", "set_rng_state")):
+        return None
+    return torch
 
 
 _torch_came_unseeded_said = False
 
 
-def torch_came_unseeded(epoch: int, batch: int) -> None:
-    """torch was imported while batch `batch` of epoch `epoch` was made
-    (by the dataset or its collate_fn): seed_generators could not seed its
-    generator before that batch, whose draws from it are then this
-    process's first (they differ with the number of workers, and on a
-    resume). Said once per process; the batches after it are seeded."""
+def torch_came_unseeded(epoch: int, batch: int, dataset: str) -> None:
+    """torch was imported while batch `batch` of epoch `epoch` was made:
+    seed_generators could not seed its generator before that batch, whose
+    draws from it, if any, are then this process's first (they differ with
+    the number of workers, and on a resume). Said once per process (each
+    producer, the trainer); the batches after it are seeded."""
     global _torch_came_unseeded_said
     if _torch_came_unseeded_said:
         return
     _torch_came_unseeded_said = True
     warnings.warn(
-        f"torch was imported while batch {batch} of epoch {epoch} was made: its draws from torch's generator "
-        "were not seeded (shmpipe seeds it before each batch where torch is imported), so they change with "
-        "the number of workers and on a resume; import torch at the top of the dataset's module",
+        f"torch was imported while batch {batch} of epoch {epoch} was made (by {dataset}'s __getitem__ or the "
+        "collate_fn, or by another thread): any draws from torch's generator in that batch were not seeded "
+        "(shmpipe seeds it before each batch where torch is imported), so they change with the number of "
+        "workers and on a resume; import torch at the top of the dataset's module",
         ShmpipeWarning,
         stacklevel=3,
     )
@@ -242,7 +253,7 @@ def generators_kept() -> Iterator[None]:
     fetches itself draws from its own seed and leaves the user's
     generators alone. (torch imported inside the block is not restored:
     it was not seeded here either.)"""
-    torch = sys.modules.get("torch")
+    torch = torch_imported()
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state() if torch is not None else None)
     try:
         yield

@@ -46,7 +46,7 @@ from shmpipe._producer_context import PassWork, seed_for
 from shmpipe._sources import DatasetPlan
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning, users_stacklevel
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "DatasetSchedule", "IteratorSchedule", "Schedule"]
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "DatasetSchedule", "IteratorSchedule", "Schedule", "start_problem"]
 
 #: Names a state as shmpipe's (a dict from somewhere else is refused).
 STATE_FORMAT = "shmpipe.state"
@@ -326,6 +326,7 @@ class DatasetSchedule(Schedule):
         #: against the state when it was loaded: the sampler is drawn once an
         #: epoch), their digest, and which of them were done.
         self._loaded: tuple[tuple[np.ndarray, np.ndarray], str, np.ndarray] | None = None
+        self._says_empty_epochs = True  # (one_reader() says it instead)
         #: The epochs drawn in this process (_drawn): shared with one_reader()'s.
         self._draws = EpochDraws() if draws is None else draws
         # the pass in progress: its epoch's batches, which were done before
@@ -352,6 +353,9 @@ class DatasetSchedule(Schedule):
         """The same batches, this node's share of them, as one sequence
         (one worker): what a rank of a group keeps to know where the job
         stands from its own count (state_after_rounds)."""
+        # In rank 0's process this schedule runs beside its reader: the
+        # reader says what both would (an epoch that goes to no rank).
+        self._says_empty_epochs = False
         return DatasetSchedule(
             1,
             self.seed,
@@ -448,7 +452,7 @@ class DatasetSchedule(Schedule):
         self._drawn_now, self._done, self._plan = drawn, done, drawn.plan
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
-        if not done.any() and 0 < len(done) < self.layout.world:
+        if self._says_empty_epochs and not done.any() and 0 < len(done) < self.layout.world:
             warnings.warn(
                 f"an epoch of {len(done)} batch{'es' if len(done) > 1 else ''} goes to no rank: the job's "
                 f"{self.layout.world} ranks ({_count(self.layout.num_nodes, 'node')} of "
@@ -553,8 +557,8 @@ class DatasetSchedule(Schedule):
         (shmpipe/_group)."""
         done = self._done
         which = hashlib.blake2b(np.packbits(done).tobytes(), digest_size=4).hexdigest()
-        named = f"{self._drawn_now.digest}/{which}"
-        return f"epoch {self.epoch}, {int(done.sum())} of {len(done)} batches done before it ({named})"
+        where = f"epoch {self.epoch}, {int(done.sum())} of {len(done)} batches done before it ({which})"
+        return f"{where}{_ORDER}{self._drawn_now.digest}"
 
     def _pending(self) -> dict[str, Any]:
         if self._loaded is None:
@@ -649,6 +653,33 @@ class DatasetSchedule(Schedule):
         done[extra] = True
         self.next_epoch = epoch
         self._loaded = (drawn.plan, digest, done)
+
+
+#: Between a start point's position and its epoch's order (start_point).
+_ORDER = "; order "
+
+
+def start_problem(theirs: str | None, ours: str) -> tuple[bool, str] | None:
+    """What is wrong with a rank's start point against rank 0's pipeline's
+    (DatasetSchedule.start_point): None where they agree; (True, why) where
+    the rank counts from another position (it loaded another state, or
+    none); (False, why) where only the epoch's order differs: its sampler
+    drew other indices (seeded per rank), and the batches, rank 0's draw,
+    are right, but that rank's states name the order it drew."""
+    if theirs == ours:
+        return None
+    where, _, order = (theirs or "").partition(_ORDER)
+    our_where, _, our_order = ours.partition(_ORDER)
+    if where != our_where:
+        return True, (
+            f"begins at {theirs!r:.160}, rank 0's pipeline at {ours!r}: every rank must load the same state "
+            "(any rank's, saved at the same step) before its first pass, or none"
+        )
+    return False, (
+        f"drew another order for {where.partition(',')[0]} than rank 0 ({order:.20} vs {our_order}): the batches "
+        "are rank 0's draw, but this rank's state_dict() names its own; save rank 0's state, or have the "
+        "sampler draw the same indices on every rank (seed it alike, or give it set_epoch)"
+    )
 
 
 # -- helpers ----------------------------------------------------------------------

@@ -16,7 +16,6 @@ position, the checkpoint state) runs in the consumer: shmpipe/_schedule.py.
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from shmpipe._producer_context import (
     reserving_elsewhere,
     seed_generators,
     torch_came_unseeded,
+    torch_imported,
 )
 from shmpipe._spec import ArraySpec
 from shmpipe.errors import ShmpipeTypeError
@@ -138,13 +138,13 @@ class DatasetSource:
         global generators were seeded with its seed (so a dataset's random
         augmentations are the same wherever the batch is made: on any
         worker, after a resume or a restart, in the trainer)."""
-        torch_seeded = "torch" in sys.modules
+        torch_seeded = torch_imported() is not None
         seed_generators(plan.seed_of(j))
         dataset = self.dataset
         samples = [dataset[i] for i in plan.samples(j)]
         batch = self.collate_fn(samples) if self.collate_fn is not None else collate_into_ring(samples)
-        if not torch_seeded and "torch" in sys.modules:
-            torch_came_unseeded(plan.epoch, int(plan.numbers[j]))
+        if not torch_seeded and torch_imported() is not None:
+            torch_came_unseeded(plan.epoch, int(plan.numbers[j]), type(dataset).__qualname__)
         return batch
 
 

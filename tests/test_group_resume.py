@@ -11,10 +11,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
+import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 
 import shmpipe
@@ -179,8 +182,118 @@ def test_a_rank_that_loaded_another_state_fails_the_group_before_its_first_batch
         reports = _run_group(2, epochs=1, states=states, tmp=str(tmp_path))
         for report in reports:
             assert report["batches"] == [], "no batch before the error"
-            assert "rank 1 begins pass 0 at 'epoch 0, " in report["error"], report
+            assert ", pass 0: rank 1 begins at 'epoch 0, " in report["error"], report
             assert "every rank must load the same state" in report["error"]
+
+
+class _OwnGenerator:
+    """A sampler with a generator of its own, seeded as it is made: each
+    draw advances it (torch's RandomSampler(generator=g))."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self) -> int:
+        return N
+
+    def __iter__(self):
+        return iter(self.rng.permutation(N).tolist())
+
+
+def _two_ranks_in_threads(body: Any) -> dict[int, Any]:
+    """Ranks 0 and 1 of a group, each a thread of this process running
+    body(rank, group, done); what each returned (or raised)."""
+    group = f"r-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    done = threading.Barrier(2, timeout=60)  # no rank closes (rank 0's close ends the group) before both are done
+    out: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = body(r, group, done)
+        except BaseException as exc:  # noqa: BLE001 - the test says which
+            out[r] = exc
+            done.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads)
+    assert not any(isinstance(v, BaseException) for v in out.values()), out
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_ranks_whose_samplers_draw_other_orders_are_told_and_dealt_rank_0s():
+    # A sampler seeded per rank (torch.manual_seed(base + rank), then
+    # RandomSampler): the batches are rank 0's draw, every sample once, but
+    # rank 1's states would name its own order: said, not refused (it ran
+    # before the start check, and rank 0's state is right).
+    def body(r: int, group: str, done: threading.Barrier) -> list[list[int]]:
+        with shmpipe.from_dataset(
+            Numbered(N), batch_size=BATCH, sampler=_OwnGenerator(100 + r), num_workers=1, timeout=60.0,
+            group=group, rank=r, num_ranks=2, group_timeout=30,
+        ) as pipe:
+            got = [b["i"].tolist() for b in pipe]
+            done.wait()
+            return got
+
+    with pytest.warns(shmpipe.ShmpipeWarning, match=r"rank 1 drew another order for epoch 0 than rank 0 .*save rank 0"):
+        out = _two_ranks_in_threads(body)
+    samples = [i for r in (0, 1) for b in out[r] for i in b]
+    assert len(out[0]) == len(out[1]) == 6 and len(set(samples)) == len(samples) == 48
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_that_goes_to_no_rank_is_said_once_a_rank():
+    # One batch for two ranks. Rank 0's process runs its count and the
+    # leader's pipeline: both said it, once from the dispatch thread
+    # (helper 52); each rank's count says it now.
+    def body(r: int, group: str, done: threading.Barrier) -> int:
+        with shmpipe.from_dataset(
+            Numbered(BATCH), batch_size=BATCH, num_workers=1, timeout=60.0, group=group, rank=r, num_ranks=2,
+            group_timeout=30,
+        ) as pipe:
+            got = len(list(pipe))
+            done.wait()
+            return got
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = _two_ranks_in_threads(body)
+    assert out == {0: 0, 1: 0}
+    told = [w for w in said if "goes to no rank" in str(w.message)]
+    assert len(told) == 2, [str(w.message) for w in told]
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_may_begin_the_next_epoch_before_its_leader_deals_this_one():
+    # Rank 0 leaves pass 0 at once and begins pass 1 (its count draws epoch
+    # 1) while the leader still waits for rank 1 to begin pass 0: with only
+    # the last draw kept, the leader drew epoch 0 again, another order, and
+    # the group failed though every rank did as told (helper 52).
+    began_pass_1 = threading.Event()
+
+    def body(r: int, group: str, done: threading.Barrier) -> list[list[int]]:
+        with shmpipe.from_dataset(
+            Numbered(N), batch_size=BATCH, sampler=_OwnGenerator(7), num_workers=1, timeout=60.0,
+            group=group, rank=r, num_ranks=2, group_timeout=30,
+        ) as pipe:
+            if r == 0:
+                iter(pipe)  # pass 0, left at once
+                second = iter(pipe)
+                began_pass_1.set()
+                got = [b["i"].tolist() for b in second]
+            else:
+                assert began_pass_1.wait(30)
+                got = [[b["i"].tolist() for b in pipe] for _ in range(2)][1]
+            done.wait()
+            return got
+
+    out = _two_ranks_in_threads(body)
+    samples = [i for r in (0, 1) for b in out[r] for i in b]
+    assert len(out[0]) == len(out[1]) == 6 and len(set(samples)) == len(samples) == 48
 
 
 def _rank_main(cfg: dict[str, Any]) -> None:

@@ -338,25 +338,38 @@ def test_the_environment_gives_the_defaults(monkeypatch):
     [
         # a group per rank on a node of 2 (helper 51: every sample read twice)
         ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, 1,
-         r"LOCAL_WORLD_SIZE=2\), and the group has 1: .*num_ranks=2"),
+         r"LOCAL_WORLD_SIZE=2\), and the group has 1: .*num_ranks=2.*pass num_nodes= and node_rank="),
         ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}, 2, r"the group has 2: .*num_ranks=4"),
         ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, 4, r"the group has 4"),
-        # no LOCAL_WORLD_SIZE: the job's size still tells
-        ({"WORLD_SIZE": "8", "NODE_RANK": "1"}, 2, r"WORLD_SIZE=8\), and num_nodes=2 of 2 ranks each make 4"),
     ],
 )
-def test_a_group_that_is_not_the_launchers_node_is_refused(monkeypatch, env, num_ranks, match):
+def test_a_group_that_is_not_the_launchers_node_is_refused_unless_the_layout_is_given(
+    monkeypatch, env, num_ranks, match
+):
     for name in ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    num_nodes = None if "LOCAL_WORLD_SIZE" in env else 2
     with pytest.raises(shmpipe.ShmpipeValueError, match=match):
-        check_nodes(num_nodes, None, num_ranks, True)
+        check_nodes(None, None, num_ranks, True)
+    with pytest.raises(shmpipe.ShmpipeValueError, match=match):
+        check_nodes(2, None, num_ranks, True)  # the node's rank still the environment's
+    # Both given: the user says the node's other ranks are no data-parallel
+    # ranks (tensor parallel peers: helper 52).
+    assert check_nodes(2, 1, num_ranks, True) == NodeLayout(2, 1, num_ranks)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(num_ranks))
     monkeypatch.setenv("WORLD_SIZE", str(2 * num_ranks))
-    if "LOCAL_WORLD_SIZE" in env:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(num_ranks))
-    assert check_nodes(num_nodes, None, num_ranks, True) == NodeLayout(2, 1, num_ranks), "the launcher's node"
+    assert check_nodes(None, None, num_ranks, True) == NodeLayout(2, 1, num_ranks), "the launcher's node"
+
+
+def test_a_launcher_of_one_task_a_node_is_no_node_of_ranks(monkeypatch):
+    # Slurm with a task per node that runs a group of 8 itself: WORLD_SIZE
+    # counts the tasks, and nothing says ranks per node (helper 52).
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("NODE_RANK", "1")
+    assert check_nodes(2, None, 8, True) == NodeLayout(2, 1, 8)
 
 
 def test_num_nodes_1_always_holds_and_reads_no_environment(monkeypatch):

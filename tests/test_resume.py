@@ -502,3 +502,23 @@ def test_an_epochs_digest_is_the_one_earlier_versions_saved():
         h.update(np.ascontiguousarray(bounds, "<i8").tobytes())
         assert digest(indices, bounds) == h.hexdigest()
     assert digest(np.arange(8), np.array([0, 4, 8])) == "1cff9510edc26e38"  # what 097d513 computed
+
+
+_HALF_IMPORTED_TORCH = """
+import sys, types
+sys.modules["torch"] = types.ModuleType("torch")  # as another thread's import leaves it, half done
+from shmpipe._producer_context import generators_kept, seed_generators
+with generators_kept():
+    seed_generators(7)
+print("ok")
+"""
+
+
+def test_a_torch_still_being_imported_is_left_alone_by_the_seeding(tmp_path):
+    # Another thread importing torch while the trainer made a batch: the
+    # seeding found the half-made module and failed the batch with an
+    # AttributeError (helper 52); it is seeded once it is imported whole.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _HALF_IMPORTED_TORCH], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

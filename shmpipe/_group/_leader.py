@@ -26,7 +26,7 @@ from shmpipe._group._options import GroupOptions
 from shmpipe._options import PipelineOptions
 from shmpipe._pipeline import Pipeline
 from shmpipe._process import ProcessWatch
-from shmpipe._schedule import DatasetSchedule, Schedule
+from shmpipe._schedule import DatasetSchedule, Schedule, start_problem
 from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S
 from shmpipe.errors import (
@@ -162,6 +162,7 @@ class Leader:
         self.watched: dict[int, tuple[_Watched | None, Any]] = {}  # fd -> (what, its object)
         self._watch(listener.fileno(), _Watched.LISTENER, listener)
         self.begun = [-1] * self.n  # the last pass each rank began
+        self.told_orders: set[int] = set()  # ranks whose sampler drew another order: said once
         #: each rank's last "begin": (pass, DatasetSchedule.start_point), checked as it is dealt
         self.starts: dict[int, tuple[int, str | None]] = {}
         #: The last pass each rank took whole (it read the pass's "end"), and
@@ -598,20 +599,19 @@ class Leader:
 
     def _check_starts(self, pass_no: int) -> None:
         """Every rank's count of a dataset's pass begins where rank 0's
-        pipeline does: each loaded the same state, or none (else its states
-        would be of another position). One in the next pass already is not compared."""
-        if not isinstance(self.schedule, DatasetSchedule):
-            return
-        ours = self.schedule.start_point()
-        with self.lock:
-            theirs = {rank: start for rank, (p, start) in self.starts.items() if p == pass_no}
-        wrong = sorted(rank for rank, start in theirs.items() if start != ours)
-        if wrong:
-            raise GroupError(
-                f"group {self.group!r}: rank {wrong[0]} begins pass {pass_no} at {theirs[wrong[0]]!r:.160}, rank "
-                f"0's pipeline at {ours!r} (ranks elsewhere: {wrong}): every rank must load the same state "
-                "(any rank's, saved at the same step) before its first pass, or none"
-            )
+        pipeline does (each loaded the same state, or none), in the same
+        order (start_problem). One in the next pass already is not compared."""
+        if isinstance(self.schedule, DatasetSchedule):
+            ours = self.schedule.start_point()
+            with self.lock:
+                theirs = sorted((rank, start) for rank, (p, start) in self.starts.items() if p == pass_no)
+            for rank, start in theirs:
+                problem = start_problem(start, ours)
+                if problem is not None and problem[0]:
+                    raise GroupError(f"group {self.group!r}, pass {pass_no}: rank {rank} {problem[1]}")
+                if problem is not None and rank not in self.told_orders:  # said once a rank
+                    self.told_orders.add(rank)
+                    warnings.warn(f"group {self.group!r}: rank {rank} {problem[1]}", ShmpipeWarning, stacklevel=1)
 
     def _complete_passes(self) -> None:
         """Tells every rank the passes every rank is now past: a rank's
