@@ -31,6 +31,7 @@ import pytest
 from conftest import RegisteredJobs
 
 import shmpipe
+from shmpipe._group._wire import WIRE
 
 HERE = os.path.abspath(__file__)
 #: One rank: tests/launch_rank.py run as a script.
@@ -438,3 +439,20 @@ def test_launch_arguments_are_checked(monkeypatch):
     with pytest.raises(shmpipe.ShmpipeValueError, match="need group="):
         _group_options(monkeypatch, {}, group=None, rank=None, num_ranks=None, run_id="job-1")
     assert issubclass(shmpipe.GroupLaunchError, shmpipe.GroupStartError)
+
+
+def test_a_rank_of_another_shmpipe_is_told_so_at_its_hello():
+    # Its hello parses (the fields are the same); its arguments name no
+    # wire version, and a "begin" of it would have read as malformed
+    # (helper 52): the difference names the wire.
+    group = _group()
+    results: dict[int, Any] = {}
+    thread = _rank_in_thread(group, 0, None, results)
+    try:
+        answer = _say(group, ["hello", 1, _fingerprint(), os.getpid(), None])
+        assert answer[:2] == ["error", "start"], answer
+        assert f"shmpipe_wire: None vs {WIRE}" in answer[2][0], answer
+    finally:
+        thread.join(40)
+    assert not thread.is_alive()
+    assert isinstance(results[0], shmpipe.GroupStartError), results

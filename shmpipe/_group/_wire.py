@@ -62,6 +62,7 @@ from shmpipe.errors import (
 __all__ = [
     "MALFORMED",
     "MAX_ERROR_BYTES",
+    "WIRE",
     "Hello",
     "describe_launch",
     "encode",
@@ -91,6 +92,9 @@ MAX_MESSAGE = 1 << 16
 MAX_ERROR_BYTES = MAX_MESSAGE // 2
 _MAX_TEXT = 12_000
 MAX_FDS = 4
+#: The messages' version, in every hello's fingerprint: 2 since a "begin"
+#: carries the rank's start point.
+WIRE = 2
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 #: What a malformed message from a peer can raise while it is taken apart
 #: (beyond the checks made field by field): turned into a GroupError.
@@ -277,6 +281,9 @@ def fingerprint(options: PipelineOptions, group: GroupOptions, batches: dict[str
     arguments; a rank with other ones is a mistake to report, not to
     paper over). `batches`: the schedule's part (Schedule.fingerprint)."""
     return {
+        # Every rank speaks the same messages: a rank of another shmpipe
+        # shows here ("shmpipe_wire: None vs 2"), not as a malformed message.
+        "shmpipe_wire": WIRE,
         "num_ranks": group.num_ranks,
         "sources": options.num_workers,
         "transport": options.transport.name,
