@@ -584,7 +584,10 @@ class DatasetSchedule(Schedule):
                 )
             taken = progress.made_here + sum(progress.delivered)
             return self._after_rounds(epoch, taken // self.layout.ranks_per_node)
-        if done.all():  # its last batch is out: a resumed run begins the next epoch, not this one's empty end
+        # Its last batch is out: a resumed run begins the next epoch, not this
+        # one's empty end. (An epoch of no batches is where it began until
+        # its pass ends: a state right after a load is the one loaded.)
+        if len(done) and done.all():
             return self._fresh(epoch + 1)
         return self._fields(epoch, self._drawn_now.digest, len(done), done)
 

@@ -522,3 +522,42 @@ def test_a_torch_still_being_imported_is_left_alone_by_the_seeding(tmp_path):
     out = subprocess.run([sys.executable, "-c", _HALF_IMPORTED_TORCH], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+class _EmptyEpoch1:
+    """A set_epoch sampler whose epoch 1 has no indices (the others 4)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return 0 if self.epoch == 1 else 4
+
+    def __iter__(self):
+        return iter([] if self.epoch == 1 else [0, 1, 2, 3])
+
+
+def test_a_state_of_an_epoch_without_batches_is_the_one_loaded_until_its_pass_ends():
+    # Helper 53: loaded, such a state said the next epoch at once (its
+    # batches, none, all done), though a state right after a load is the
+    # one loaded; the pass, empty, then ended and the next epoch followed.
+    kw = dict(batch_size=2, num_workers=1, timeout=T, seed=1)
+    with shmpipe.from_dataset(Numbered(4), sampler=_EmptyEpoch1(), **kw) as pipe:
+        list(pipe)
+        state = pipe.state_dict()
+    assert (state["epoch"], state["batches"]) == (1, 0)
+    with shmpipe.from_dataset(Numbered(4), sampler=_EmptyEpoch1(), **kw) as pipe:
+        pipe.load_state_dict(state)
+        assert pipe.state_dict() == state
+        assert list(pipe) == []
+        assert pipe.state_dict()["epoch"] == 2
+        assert [b["i"].tolist() for b in pipe] == [[0, 1], [2, 3]]
+    small = dict(batch_size=3, shuffle=True, drop_last=True, seed=5, num_workers=1, timeout=T)
+    with shmpipe.from_dataset(Numbered(2), **small) as pipe:
+        state = pipe.state_dict()  # every epoch empty: fewer samples than a batch, drop_last
+    with shmpipe.from_dataset(Numbered(2), **small) as pipe:
+        pipe.load_state_dict(state)
+        assert pipe.state_dict()["epoch"] == 0
