@@ -1,4 +1,4 @@
-"""An epoch's batches once drawn: drawn once a process, named by a digest,
+"""An epoch's batches once drawn: drawn once a pipeline, named by a digest,
 and cut into the parts the workers fetch.
 
 A dataset's schedule (shmpipe/_schedule.py) draws each epoch's batches of
@@ -46,33 +46,44 @@ class Drawn:
 
 
 class EpochDraws:
-    """The epochs drawn last for a schedule (and the schedules that share
-    it): asked again for the same key, the same draw. The key is the epoch
-    and, for a shuffle, its seed (a state's may replace the pipeline's; a
-    sampler's order does not depend on it). More than one is kept: rank 0's
-    count may begin the next epoch (its trainer left a pass early) before
-    the leader's pipeline begins the one before, waiting for a slower rank
-    (helper 52). A lock: rank 0's trainer thread and the leader's dispatch
-    thread both draw."""
+    """The epochs drawn for a schedule (and the schedules that share them):
+    asked again for the same key, the same draw. The key is the epoch and,
+    for a shuffle, its seed (a state's may replace the pipeline's; a
+    sampler's order does not depend on it). A draw is kept until every
+    schedule sharing it has begun a later epoch: rank 0's count may begin
+    epochs ahead (its trainer leaving passes early) while the leader's
+    pipeline waits for a slower rank (helpers 52 and 54). A lock: rank 0's
+    trainer thread and the leader's dispatch thread both draw."""
 
-    #: Draws kept, the oldest dropped first (each an epoch's order: 8 bytes
-    #: a sample).
-    KEPT = 3
-
-    __slots__ = ("_kept", "_lock")
+    __slots__ = ("_begun", "_kept", "_lock")
 
     def __init__(self) -> None:
         self._kept: dict[tuple[int, int | None], Drawn] = {}
+        #: per schedule sharing the draws (by id): the last epoch it began
+        self._begun: dict[int, int] = {}
         self._lock = threading.Lock()
+
+    def share(self, schedule: object) -> None:
+        """`schedule` draws from these too: nothing it may ask for is dropped
+        before it begins a later epoch."""
+        with self._lock:
+            self._begun[id(schedule)] = -1
 
     def get(self, key: tuple[int, int | None], draw: Callable[[], Plan]) -> Drawn:
         with self._lock:
             drawn = self._kept.get(key)
             if drawn is None:
                 drawn = self._kept[key] = Drawn(draw())
-                while len(self._kept) > self.KEPT:
-                    del self._kept[next(iter(self._kept))]
             return drawn
+
+    def began(self, schedule: object, epoch: int) -> None:
+        """`schedule` began `epoch`: the draws of the epochs before the
+        oldest one a sharing schedule is in are dropped."""
+        with self._lock:
+            self._begun[id(schedule)] = epoch
+            oldest = min(self._begun.values())
+            for key in [key for key in self._kept if key[0] < oldest]:
+                del self._kept[key]
 
 
 def digest(indices: np.ndarray, bounds: np.ndarray) -> str:

@@ -23,12 +23,13 @@ rounds of its own W (shmpipe/_schedule.py).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from shmpipe._options import is_int
-from shmpipe.errors import ShmpipeValueError, out_of_range
+from shmpipe.errors import ShmpipeValueError, ShmpipeWarning, out_of_range, users_stacklevel
 
 __all__ = ["ONE_NODE", "NodeLayout", "check_nodes", "check_sampler_for_nodes"]
 
@@ -161,27 +162,34 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
 def _check_ranks_per_node(ranks_per_node: int, grouped: bool, nodes_said: str, layout_given: bool) -> None:
     """With the epoch dealt over several nodes, the ranks torchrun runs on
     the node (LOCAL_WORLD_SIZE) are the node's pipeline's: more pipelines
-    on the node would each read its whole share. A group of fewer ranks is
-    refused too (a group per rank: every sample read twice, helper 51),
-    unless num_nodes= and node_rank= both say the layout: a node's other
-    ranks may be no data-parallel ranks at all (tensor or pipeline
-    parallel peers, which get their batches from a rank of the group)."""
+    on the node (a rank each, a group per rank: helper 51) would each read
+    its whole share. Refused where the layout is the environment's; where
+    num_nodes= and node_rank= both say it, a ShmpipeWarning: the node's
+    other ranks may be no data-parallel ranks (tensor or pipeline parallel
+    peers, fed by a rank of the node's pipeline), or a script passing the
+    launcher's own numbers may not know (helper 54)."""
     local = _env_int("LOCAL_WORLD_SIZE")
     if local is None or local == ranks_per_node:
         return
-    if not grouped:
-        raise ShmpipeValueError(
-            f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset: with "
-            f"{nodes_said} they must share the node's pipeline (group=...), or each would read "
-            "the node's whole share"
-        )
+    if grouped:
+        what = f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), and the group has {ranks_per_node}"
+        fix = f"every data-parallel rank of the node must be a rank of one group (num_ranks={local})"
+    else:
+        what = f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset"
+        fix = "they must share the node's pipeline (group=...)"
     if not layout_given:
         raise ShmpipeValueError(
-            f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), and the group has {ranks_per_node}: with "
-            f"{nodes_said} every data-parallel rank of the node must be a rank of one group (num_ranks={local}), "
-            "or each group would read the node's share; where the node's other ranks are not data-parallel "
-            "(tensor or pipeline parallel peers), pass num_nodes= and node_rank= to say the layout"
+            f"{what}: with {nodes_said} {fix}, or each would read the node's whole share; where the node's other "
+            "ranks are not data-parallel (tensor or pipeline parallel peers), pass num_nodes= and node_rank= to "
+            "say the layout"
         )
+    warnings.warn(
+        f"{what}: taken as the layout num_nodes= and node_rank= say (the node's other ranks fed by this "
+        f"pipeline's, as tensor or pipeline parallel peers); where they are data-parallel ranks too, {fix}, or "
+        "each pipeline reads the node's whole share",
+        ShmpipeWarning,
+        stacklevel=users_stacklevel(),
+    )
 
 
 def _the_only_node(node_rank: int | None, ranks_per_node: int, why: str) -> NodeLayout:

@@ -251,8 +251,9 @@ def generators_kept() -> Iterator[None]:
     """The global generators (those seed_generators seeds) as they were
     before the block, whatever it drew or seeded: a batch the trainer
     fetches itself draws from its own seed and leaves the user's
-    generators alone. (torch imported inside the block is not restored:
-    it was not seeded here either.)"""
+    generators alone. (torch imported inside the block, or still being
+    imported by another thread as it began, is not restored: there was no
+    state of it to keep, and once whole it may be seeded in the block.)"""
     torch = torch_imported()
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state() if torch is not None else None)
     try:

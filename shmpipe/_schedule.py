@@ -329,6 +329,7 @@ class DatasetSchedule(Schedule):
         self._says_empty_epochs = True  # (one_reader() says it instead)
         #: The epochs drawn in this process (_drawn): shared with one_reader()'s.
         self._draws = EpochDraws() if draws is None else draws
+        self._draws.share(self)
         # the pass in progress: its epoch's batches, which were done before
         # it began, and which global batches each worker has, in order
         self._drawn_now = Drawn((np.zeros(0, np.int64), np.zeros(1, np.int64)), "")
@@ -349,7 +350,7 @@ class DatasetSchedule(Schedule):
             "node_rank": self.layout.node_rank,
         }
 
-    def one_reader(self) -> DatasetSchedule:
+    def one_reader(self, share_draws: bool) -> DatasetSchedule:
         """The same batches, this node's share of them, as one sequence
         (one worker): what a rank of a group keeps to know where the job
         stands from its own count (state_after_rounds)."""
@@ -368,7 +369,10 @@ class DatasetSchedule(Schedule):
             batch_sampler=self.batch_sampler,
             layout=self.layout,
             ordered=self.ordered,
-            draws=self._draws,  # in a group's rank 0, the leader's pipeline runs this schedule: one draw
+            # In a group's rank 0 the leader's pipeline runs this schedule: one
+            # draw for both. (Elsewhere this one never begins: shared, no draw
+            # would ever be dropped.)
+            draws=self._draws if share_draws else None,
         )
 
     @property
@@ -449,6 +453,7 @@ class DatasetSchedule(Schedule):
             drawn = self._drawn(epoch)
             done = np.zeros(len(drawn.plan[1]) - 1, bool)
         self._loaded = None
+        self._draws.began(self, epoch)
         self._drawn_now, self._done, self._plan = drawn, done, drawn.plan
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
@@ -544,8 +549,8 @@ class DatasetSchedule(Schedule):
         return self._draw(epoch, self.seed)
 
     def _draw(self, epoch: int, seed: int) -> Drawn:
-        """Epoch `epoch`'s batches of shuffle seed `seed`, drawn once in this
-        process (shmpipe/_epochs.py says why)."""
+        """Epoch `epoch`'s batches of shuffle seed `seed`, drawn once for this
+        pipeline and, in a group's rank 0, its count (shmpipe/_epochs.py)."""
         shuffled = self.sampler is None and self.batch_sampler is None and self.shuffle
         return self._draws.get((epoch, seed if shuffled else None), lambda: self.epoch_plan(epoch, seed))
 
@@ -557,7 +562,8 @@ class DatasetSchedule(Schedule):
         (shmpipe/_group)."""
         done = self._done
         which = hashlib.blake2b(np.packbits(done).tobytes(), digest_size=4).hexdigest()
-        where = f"epoch {self.epoch}, {int(done.sum())} of {len(done)} batches done before it ({which})"
+        # (the seed too: a state of another run may name the same position)
+        where = f"epoch {self.epoch}, seed {self.seed}, {int(done.sum())} of {len(done)} batches done ({which})"
         return f"{where}{_ORDER}{self._drawn_now.digest}"
 
     def _pending(self) -> dict[str, Any]:
@@ -668,7 +674,9 @@ def start_problem(theirs: str | None, ours: str) -> tuple[bool, str] | None:
     the rank counts from another position (it loaded another state, or
     none); (False, why) where only the epoch's order differs: its sampler
     drew other indices (seeded per rank), and the batches, rank 0's draw,
-    are right, but that rank's states name the order it drew."""
+    are right, but that rank's states name the order it drew (helper 54:
+    only that rank can resume from them; and several nodes would each deal
+    their own draw)."""
     if theirs == ours:
         return None
     where, _, order = (theirs or "").partition(_ORDER)
@@ -676,12 +684,13 @@ def start_problem(theirs: str | None, ours: str) -> tuple[bool, str] | None:
     if where != our_where:
         return True, (
             f"begins at {theirs!r:.160}, rank 0's pipeline at {ours!r}: every rank must load the same state "
-            "(any rank's, saved at the same step) before its first pass, or none"
+            "before its first pass, or none"
         )
     return False, (
         f"drew another order for {where.partition(',')[0]} than rank 0 ({order:.20} vs {our_order}): the batches "
-        "are rank 0's draw, but this rank's state_dict() names its own; save rank 0's state, or have the "
-        "sampler draw the same indices on every rank (seed it alike, or give it set_epoch)"
+        "dealt are rank 0's draw, but this rank's state_dict() names its own order, which only it can resume "
+        "from (each rank loading its own state), and nodes would each deal their own draw; have the sampler "
+        "draw the same indices on every rank (seed it alike, or give it set_epoch)"
     )
 
 

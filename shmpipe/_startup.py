@@ -287,12 +287,14 @@ def _preload_with_the_server(sources: Sequence[Any], transport_module: str | Non
     this pipeline and the next ones, rather than every producer (seconds and
     hundreds of MiB each).
 
-    The transport's module too, which each producer unpickles its transport
-    from (the arrow transport's imports pyarrow: 27 ms of CPU a producer,
-    measured), unless it brings a heavy framework."""
+    The module of one of shmpipe's transports too, which each producer
+    unpickles its transport from (the arrow transport's imports pyarrow: 27
+    ms of CPU a producer, measured), unless it brings a heavy framework. Not
+    a user's transport: its module may keep state per process (a client, a
+    pid), which producers would then share (helper 54)."""
     modules = _modules_of(sources)
-    if transport_module is not None and getattr(sys.modules.get(transport_module), "__file__", None):
-        if not _heavy_frameworks_of(transport_module):
+    if transport_module is not None and transport_module.startswith("shmpipe.transports."):
+        if getattr(sys.modules.get(transport_module), "__file__", None) and not _heavy_frameworks_of(transport_module):
             modules.add(transport_module)
     _forkserver.preload(modules, _heavy_frameworks_of)
 

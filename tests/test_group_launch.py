@@ -451,7 +451,9 @@ def test_a_rank_of_another_shmpipe_is_told_so_at_its_hello():
     try:
         answer = _say(group, ["hello", 1, _fingerprint(), os.getpid(), None])
         assert answer[:2] == ["error", "start"], answer
-        assert f"shmpipe_wire: None vs {WIRE}" in answer[2][0], answer
+        said = answer[2][0]
+        assert f"it runs another shmpipe (wire None vs {WIRE}): run the same shmpipe on every rank" in said, answer
+        assert "capacity" not in said and "sources" not in said, "another shmpipe, not other arguments"
     finally:
         thread.join(40)
     assert not thread.is_alive()

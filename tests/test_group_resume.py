@@ -186,6 +186,42 @@ def test_a_rank_that_loaded_another_state_fails_the_group_before_its_first_batch
             assert "every rank must load the same state" in report["error"]
 
 
+@pytest.mark.timeout(120)
+def test_ranks_that_loaded_states_of_two_runs_fail_the_group():
+    # Two runs' states at the same step name the same position; with
+    # seed=None each rank takes its state's seed, so only the order told
+    # them apart, which read as a sampler's (a warning): rank 1's states
+    # would have named run Y's order with run X's batches (helper 54).
+    def state_of(seed: int) -> dict[str, Any]:
+        with shmpipe.from_dataset(Numbered(N), batch_size=BATCH, shuffle=True, seed=seed, num_workers=1,
+                                  timeout=60.0) as pipe:
+            it = iter(pipe)
+            for _ in range(4):
+                next(it)
+            return pipe.state_dict()
+
+    states = [state_of(1), state_of(2)]
+
+    def body(r: int, group: str, done: threading.Barrier) -> str:
+        with shmpipe.from_dataset(
+            Numbered(N), batch_size=BATCH, shuffle=True, seed=None, num_workers=1, timeout=60.0,
+            group=group, rank=r, num_ranks=2, group_timeout=30,
+        ) as pipe:
+            pipe.load_state_dict(states[r])
+            try:
+                next(iter(pipe))
+                said = "no error"
+            except shmpipe.GroupError as exc:
+                said = str(exc)
+            done.wait()
+            return said
+
+    out = _two_ranks_in_threads(body)
+    for said in out.values():
+        assert ", pass 0: rank 1 begins at 'epoch 0, seed 2, 4 of 13 batches done" in said, out
+        assert "every rank must load the same state" in said
+
+
 class _OwnGenerator:
     """A sampler with a generator of its own, seeded as it is made: each
     draw advances it (torch's RandomSampler(generator=g))."""
@@ -239,7 +275,7 @@ def test_ranks_whose_samplers_draw_other_orders_are_told_and_dealt_rank_0s():
             done.wait()
             return got
 
-    with pytest.warns(shmpipe.ShmpipeWarning, match=r"rank 1 drew another order for epoch 0 than rank 0 .*save rank 0"):
+    with pytest.warns(shmpipe.ShmpipeWarning, match=r"rank 1 drew another order for epoch 0 than rank 0 .*only it can resume"):
         out = _two_ranks_in_threads(body)
     samples = [i for r in (0, 1) for b in out[r] for i in b]
     assert len(out[0]) == len(out[1]) == 6 and len(set(samples)) == len(samples) == 48
@@ -268,12 +304,14 @@ def test_an_epoch_that_goes_to_no_rank_is_said_once_a_rank():
 
 
 @pytest.mark.timeout(120)
-def test_rank_0_may_begin_the_next_epoch_before_its_leader_deals_this_one():
-    # Rank 0 leaves pass 0 at once and begins pass 1 (its count draws epoch
-    # 1) while the leader still waits for rank 1 to begin pass 0: with only
-    # the last draw kept, the leader drew epoch 0 again, another order, and
-    # the group failed though every rank did as told (helper 52).
-    began_pass_1 = threading.Event()
+@pytest.mark.parametrize("ahead", [1, 4])
+def test_rank_0_may_begin_epochs_before_its_leader_deals_them(ahead):
+    # Rank 0 leaves passes at once and begins a later one (its count draws
+    # those epochs) while the leader still waits for rank 1 to begin pass 0:
+    # with only the last draw kept (helper 52), or the last 3 (helper 54),
+    # the leader drew an epoch again, another order, and the group failed
+    # or rank 0's states named an order that was never dealt.
+    began = threading.Event()
 
     def body(r: int, group: str, done: threading.Barrier) -> list[list[int]]:
         with shmpipe.from_dataset(
@@ -281,17 +319,21 @@ def test_rank_0_may_begin_the_next_epoch_before_its_leader_deals_this_one():
             group=group, rank=r, num_ranks=2, group_timeout=30,
         ) as pipe:
             if r == 0:
-                iter(pipe)  # pass 0, left at once
-                second = iter(pipe)
-                began_pass_1.set()
-                got = [b["i"].tolist() for b in second]
+                for _ in range(ahead):
+                    iter(pipe)  # a pass, left at once
+                last = iter(pipe)
+                began.set()
+                got = [b["i"].tolist() for b in last]
             else:
-                assert began_pass_1.wait(30)
-                got = [[b["i"].tolist() for b in pipe] for _ in range(2)][1]
+                assert began.wait(30)
+                got = [[b["i"].tolist() for b in pipe] for _ in range(ahead + 1)][-1]
             done.wait()
             return got
 
-    out = _two_ranks_in_threads(body)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = _two_ranks_in_threads(body)
+    assert not [str(w.message) for w in said if "drew another order" in str(w.message)], "one draw of each epoch"
     samples = [i for r in (0, 1) for b in out[r] for i in b]
     assert len(out[0]) == len(out[1]) == 6 and len(set(samples)) == len(samples) == 48
 

@@ -122,7 +122,7 @@ def test_a_state_resumes_on_every_other_layout_with_nothing_lost_or_repeated(epo
     # Every rank of every node counts its own way to the same state.
     states = []
     for node in range(nodes):
-        position = _schedule(nodes, ranks, node).one_reader()
+        position = _schedule(nodes, ranks, node).one_reader(share_draws=False)
         position.begin(0)
         states.append(position.state_after_rounds(step))
     assert all(s == states[0] for s in states)
@@ -144,11 +144,11 @@ def _states_at_each_fraction(epochs) -> list[dict | None]:
     states: list[dict | None] = [None]
     for nodes, ranks in LAYOUTS:
         for fraction in FRACTIONS:
-            position = _schedule(nodes, ranks, 0).one_reader()
+            position = _schedule(nodes, ranks, 0).one_reader(share_draws=False)
             position.begin(0)
             states.append(position.state_after_rounds(step_at(fraction, len(epochs[0]), nodes, ranks)))
     for step in range(1, 13):  # one rank, each step: every count of batches left, modulo any W here
-        position = _schedule(1, 1, 0).one_reader()
+        position = _schedule(1, 1, 0).one_reader(share_draws=False)
         position.begin(0)
         states.append(position.state_after_rounds(step))
     return states
@@ -177,7 +177,7 @@ def test_only_a_rank_that_may_get_the_short_batch_says_the_sizes_vary(epochs, no
 
 def test_the_state_at_the_last_complete_round_is_the_next_epochs_start(epochs):
     nodes, ranks = 3, 2
-    position = _schedule(nodes, ranks, 1).one_reader()
+    position = _schedule(nodes, ranks, 1).one_reader(share_draws=False)
     position.begin(0)
     state = position.state_after_rounds(len(epochs[0]) // 6)
     assert (state["epoch"], state["done_below"], state["done"]) == (1, 0, [])
@@ -354,9 +354,12 @@ def test_a_group_that_is_not_the_launchers_node_is_refused_unless_the_layout_is_
         check_nodes(None, None, num_ranks, True)
     with pytest.raises(shmpipe.ShmpipeValueError, match=match):
         check_nodes(2, None, num_ranks, True)  # the node's rank still the environment's
-    # Both given: the user says the node's other ranks are no data-parallel
-    # ranks (tensor parallel peers: helper 52).
-    assert check_nodes(2, 1, num_ranks, True) == NodeLayout(2, 1, num_ranks)
+    # Both given: taken as the layout (tensor parallel peers: helper 52),
+    # said (a script passing the launcher's numbers: helper 54).
+    with pytest.warns(shmpipe.ShmpipeWarning, match=r"taken as the layout num_nodes= and node_rank= say"):
+        assert check_nodes(2, 1, num_ranks, True) == NodeLayout(2, 1, num_ranks)
+    with pytest.warns(shmpipe.ShmpipeWarning, match=r"each calling from_dataset: taken as the layout"):
+        assert check_nodes(2, 1, 1, False) == NodeLayout(2, 1, 1)  # one data-parallel rank a node, no group
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(num_ranks))
     monkeypatch.setenv("WORLD_SIZE", str(2 * num_ranks))
     assert check_nodes(None, None, num_ranks, True) == NodeLayout(2, 1, num_ranks), "the launcher's node"

@@ -232,7 +232,9 @@ class RankPipeline(FrameworkStream):
             schedule = IteratorSchedule(options.num_workers, options.seed, options.seed_given)
         self._batches = schedule.fingerprint()
         self._batch_sizes_vary = schedule.batch_sizes_vary(self.rank)
-        self._position = schedule.one_reader() if isinstance(schedule, DatasetSchedule) else None
+        self._position = (
+            schedule.one_reader(share_draws=group.rank == 0) if isinstance(schedule, DatasetSchedule) else None
+        )
         # One reader of rank 0's socket at a time (a poll object refuses two
         # threads), and no new pass while a take of the old one runs: the
         # thread of to_jax's pass left at a break may still be in _take when

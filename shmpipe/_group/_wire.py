@@ -305,7 +305,13 @@ def describe_launch(proof: str | None, restart: int | None) -> str:
 def fingerprint_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
     """The fields of two fingerprints that differ, as "name: theirs vs
     ours" (a schedule's part, "batches", field by field); clipped, since
-    a rank's hello is another process's text."""
+    a rank's hello is another process's text. Another wire's version is
+    another shmpipe's, not an argument: said so, alone."""
+    if theirs.get("shmpipe_wire") != ours.get("shmpipe_wire"):
+        return (
+            f"it runs another shmpipe (wire {theirs.get('shmpipe_wire')!r:.20} vs {ours.get('shmpipe_wire')!r}): "
+            "run the same shmpipe on every rank"
+        )
     pairs = []
     for key in sorted(set(theirs) | set(ours), key=str):
         a, b = theirs.get(key), ours.get(key)
