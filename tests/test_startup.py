@@ -924,13 +924,19 @@ with shmpipe.from_iterators([Counter(2)] * 2, transport=sys.argv[1], timeout=60)
 
 
 @pytest.mark.timeout(120)
-def test_the_fork_server_preloads_the_transports_module(tmp_path):
+@pytest.mark.parametrize(("transport", "module", "preloaded"), [
+    ("arrow", "shmpipe.transports.arrow", True),
+    # a transport of another package: its module may keep state per process
+    # (a client, a pid), which producers forked from the server would share
+    ("example-pipe", "shmpipe_example_pipe", False),
+])
+def test_the_fork_server_preloads_the_module_of_shmpipes_transport_only(tmp_path, transport, module, preloaded):
     # Each producer unpickles its transport from the transport's module: the
     # arrow transport's imports pyarrow (27 ms of CPU a producer, measured),
-    # which the producers now inherit from the server.
-    pytest.importorskip("pyarrow")
+    # which the producers now inherit from the server (helpers 50 and 54).
+    pytest.importorskip("pyarrow" if transport == "arrow" else module)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", _TRANSPORT_PRELOAD_JOB, "arrow"], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, "-c", _TRANSPORT_PRELOAD_JOB, transport], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "shmpipe.transports.arrow" in json.loads(out.stdout.strip().splitlines()[-1])
+    assert (module in json.loads(out.stdout.strip().splitlines()[-1])) is preloaded
