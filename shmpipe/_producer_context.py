@@ -197,11 +197,12 @@ def batch_seed(base_seed: int, epoch: int, batch: int) -> int:
 _NUMPY_KEY = 0x6E756D70
 
 
-def seed_generators(seed: int) -> None:
+def seed_generators(seed: int) -> bool:
     """Seeds the global generators a source may draw from: ``random``,
     NumPy's legacy one, and torch's CPU generator where torch is imported
     (torch.default_generator, not torch.manual_seed, which would seed every
-    CUDA device's too: the trainer calls this, see generators_kept)."""
+    CUDA device's too: the trainer calls this, see generators_kept).
+    Whether torch's was seeded."""
     # random's and NumPy's legacy generator are both MT19937, seeded by the
     # same init_by_array: the same words would make the same stream in both
     # (a dataset drawing from each would draw twice the same numbers), so
@@ -211,6 +212,7 @@ def seed_generators(seed: int) -> None:
     torch = torch_imported()
     if torch is not None:
         torch.default_generator.manual_seed(seed)
+    return torch is not None
 
 
 def torch_imported() -> Any:

@@ -333,7 +333,6 @@ class DatasetSchedule(Schedule):
         # the pass in progress: its epoch's batches, which were done before
         # it began, and which global batches each worker has, in order
         self._drawn_now = Drawn((np.zeros(0, np.int64), np.zeros(1, np.int64)), "")
-        self._plan = (np.zeros(0, np.int64), np.zeros(1, np.int64))
         self._done = np.zeros(0, bool)
         self._left = np.zeros(0, np.int64)  # the epoch's batches not done before it began, in dealing order
         self._mine = np.zeros(0, np.int64)  # of those, this node's, in the order its ranks take them
@@ -454,7 +453,7 @@ class DatasetSchedule(Schedule):
             done = np.zeros(len(drawn.plan[1]) - 1, bool)
         self._loaded = None
         self._draws.began(self, epoch)
-        self._drawn_now, self._done, self._plan = drawn, done, drawn.plan
+        self._drawn_now, self._done = drawn, done
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
         if self._says_empty_epochs and not done.any() and 0 < len(done) < self.layout.world:
@@ -501,7 +500,7 @@ class DatasetSchedule(Schedule):
         return self._works
 
     def _plan_for(self, numbers: np.ndarray, epoch: int) -> DatasetPlan:
-        indices, bounds = subplan(*self._plan, numbers)
+        indices, bounds = subplan(*self._drawn_now.plan, numbers)
         return DatasetPlan(indices, bounds, numbers, self.seed, epoch)
 
     def _seed(self, epoch: int, worker: int) -> int:

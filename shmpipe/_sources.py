@@ -138,8 +138,7 @@ class DatasetSource:
         global generators were seeded with its seed (so a dataset's random
         augmentations are the same wherever the batch is made: on any
         worker, after a resume or a restart, in the trainer)."""
-        torch_seeded = torch_imported() is not None
-        seed_generators(plan.seed_of(j))
+        torch_seeded = seed_generators(plan.seed_of(j))
         dataset = self.dataset
         samples = [dataset[i] for i in plan.samples(j)]
         batch = self.collate_fn(samples) if self.collate_fn is not None else collate_into_ring(samples)
