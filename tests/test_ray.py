@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 import textwrap
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -113,8 +115,9 @@ def _ids(pipe) -> list[list[int]]:
 def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(tmp_path, monkeypatch):
     """Producers placed by ray_remote_args on a node of a (simulated)
     cluster; mid-epoch a second node joins and the first is removed, with
-    the producers' actors on it: max_restarts replaces them on the new node,
-    and the epoch is the one a run without the loss delivers, in order."""
+    the producers' actors on it (their batches of 128 KiB in its object
+    store, not inline): max_restarts replaces them on the new node, and
+    the epoch is the one a run without the loss delivers, in order."""
     kw = dict(batch_size=4, shuffle=True, seed=9, num_workers=2, timeout=120, num_nodes=1)
     with shmpipe.from_dataset(Numbered(60), **kw) as pipe:
         reference = _ids(pipe)
@@ -134,12 +137,13 @@ def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with shmpipe.from_dataset(
-                OnRayNode(60, delay=0.01), transport="ray", max_restarts=2,
+                OnRayNode(60, delay=0.01, payload=32 << 10), transport="ray", max_restarts=2,
                 ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **kw,
             ) as pipe:
                 for b in pipe:
                     got.append(b["i"].tolist())
                     nodes.append(b["node"][0])
+                    assert (b["pixels"] == (b["i"] % 251)[:, None]).all()
                     if len(got) == 3:
                         cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
                         cluster.wait_for_nodes()
@@ -153,6 +157,30 @@ def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(
         assert nodes[-1] == second, "the replacements run on the node that joined"
         assert restarts == (1, 1)
         assert sum("replaced" in str(w.message) for w in caught) == 2
+        # A producer whose part of the pass was made whole before its node
+        # left: its batches were lost with the node's store (Ray cannot
+        # make an actor's streamed objects again), and are made again by
+        # the replacement (on 9964b77: Ray's raw ObjectReconstructionFailedError).
+        one = dict(kw, num_workers=1)
+        with shmpipe.from_dataset(Numbered(12), **one) as pipe:
+            small = _ids(pipe)
+        got = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the replacement's)
+            with shmpipe.from_dataset(
+                OnRayNode(12, payload=32 << 10), transport="ray", max_restarts=1,
+                ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **one,
+            ) as pipe:
+                for b in pipe:
+                    got.append(b["i"].tolist())
+                    if len(got) == 1:
+                        time.sleep(1)  # its other batches made, in its node's store
+                        third = cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
+                        cluster.wait_for_nodes()
+                        cluster.remove_node(next(n for n in cluster.worker_nodes if n is not third))
+                    del b
+                assert pipe.stats().restarts == (1,)
+        assert got == small
         # Without max_restarts, a dead actor is the WorkerDiedError, after
         # the batches before it, in order.
         got = []
@@ -165,6 +193,33 @@ def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(
                     if len(got) == 3:
                         os.kill(pipe.pids[1], signal.SIGKILL)
         assert 3 <= len(got) < len(reference) and got == reference[: len(got)]
+        # A close() from another thread while the consumer replaces a dead
+        # actor (started as the old one is killed, inside restart): the
+        # consumer's PipelineClosedError, and the new actor ends with the
+        # rest (on 9964b77: an IndexError, and the new actor left running).
+        kill, closers = ray.kill, []
+
+        def kill_and_close(actor, **kwargs):
+            if not closers:
+                closers.append(threading.Thread(target=pipe.close))
+                closers[0].start()
+            return kill(actor, **kwargs)
+
+        got = []
+        with pytest.raises(shmpipe.PipelineClosedError), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a replacement that came first would say so)
+            with shmpipe.from_dataset(
+                OnRayNode(60, delay=0.01), transport="ray", max_restarts=1,
+                ray_remote_args={"resources": {"producers": 1}}, **kw,
+            ) as pipe:
+                for b in pipe:
+                    got.append(b["i"].tolist())
+                    if len(got) == 3:
+                        monkeypatch.setattr(ray, "kill", kill_and_close)
+                        os.kill(pipe.pids[1], signal.SIGKILL)
+        closers[0].join(timeout=60)
+        assert got == reference[: len(got)]
+        assert pipe.leftovers() == []
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -38,11 +38,15 @@ class Numbered:
 
 class OnRayNode(Numbered):
     """For producers on a Ray cluster: Numbered's sample i, with "node": the
-    Ray node it was fetched on, each fetch taking `delay` seconds."""
+    Ray node it was fetched on, each fetch taking `delay` seconds; with
+    `payload`, "pixels" too: that many bytes, each i % 251 (batches of
+    100 KiB and more live in the object store of the producer's node, not
+    inline in Ray's messages)."""
 
-    def __init__(self, n: int, delay: float = 0.0) -> None:
+    def __init__(self, n: int, delay: float = 0.0, payload: int = 0) -> None:
         super().__init__(n)
         self.delay = delay
+        self.payload = payload
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         import time
@@ -50,7 +54,10 @@ class OnRayNode(Numbered):
         import ray
 
         time.sleep(self.delay)
-        return super().__getitem__(i) | {"node": ray.get_runtime_context().get_node_id()}
+        sample = super().__getitem__(i) | {"node": ray.get_runtime_context().get_node_id()}
+        if self.payload:
+            sample["pixels"] = np.full(self.payload, i % 251, np.uint8)
+        return sample
 
 
 class Augmented(Numbered):

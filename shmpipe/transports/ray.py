@@ -32,12 +32,13 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from shmpipe import _tree
-from shmpipe.errors import ShmpipeError, ShmpipeValueError, WorkerDiedError, WorkerError
+from shmpipe.errors import PipelineClosedError, ShmpipeError, ShmpipeValueError, WorkerDiedError, WorkerError
 from shmpipe.transport import (
     AGAIN,
     END,
@@ -57,6 +58,16 @@ ray = require("ray", transport="ray", extra="ray")
 __all__ = ["RayTransport"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks
+
+#: What a stream's next batch can fail with when its actor's process or
+#: node is gone: the actor's death, or the loss of an object it made (a
+#: batch of 100 KiB or more lives in the object store of the actor's node,
+#: and an actor's streaming output is not reconstructed: Ray raises
+#: ObjectReconstructionFailedError, an ObjectLostError, for a batch made
+#: before the node left). Either is the producer's death, for the pipeline
+#: to replace (max_restarts: the replacement makes again every batch not
+#: taken, the lost one included) or to fail with.
+_LOST_WITH_ITS_ACTOR = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 #: How long producers may take to be placed and started before the pipeline
 #: gives up (a cluster without room for them would otherwise wait forever).
@@ -198,6 +209,12 @@ class RayLauncher(Launcher):
         self.actors: list = []
         self.gens: list = []
         self._down = False
+        #: Held while an actor is added (restart) or a pass sent to one
+        #: (send_pass), and by shutdown as it stops: a close() from another
+        #: thread in the middle of a replacement finds the new actor in
+        #: `actors` and kills it with the rest, and a replacement after it
+        #: is refused (PipelineClosedError), never an actor left running.
+        self._adding = threading.Lock()
         #: Deaths seen in the streams and not yet handed to the pipeline
         #: (first_failure): it replaces the producer or fails.
         self.deaths: list[WorkerDiedError] = []
@@ -299,22 +316,36 @@ class RayLauncher(Launcher):
         """A new actor for `worker`, placed by Ray (on another node if its
         node is gone); the dead one is killed for good first (a
         ``max_restarts`` of Ray's own would bring it back running nothing)."""
-        with contextlib.suppress(Exception):
-            ray.kill(self.actors[worker], no_restart=True)
-        self._replacements += 1
-        actor = self._actor(worker, f"{self.prefix}-{worker}-r{self._replacements}")
-        self.actors[worker] = actor
+        closed = f"the pipeline was closed: producer {worker} is not replaced"
+        with self._adding:
+            if self._down:
+                raise PipelineClosedError(closed)
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[worker], no_restart=True)
+            self._replacements += 1
+            actor = self._actor(worker, f"{self.prefix}-{worker}-r{self._replacements}")
+            self.actors[worker] = actor  # (a shutdown from now on kills it)
         try:
+            # Outside the lock: placing it may take up to START_TIMEOUT_S,
+            # which a close() cuts short (it kills the actor).
             (pid,) = self._started([actor])
-        except ShmpipeValueError as exc:  # no room for it: the death is the pipeline's failure
-            raise WorkerDiedError(
-                worker, self._pids[worker], None, reason=f"its Ray actor died, and no replacement could start: {exc}"
-            ) from exc
+        except (ShmpipeValueError, ray.exceptions.RayActorError) as exc:
+            if self._down:
+                raise PipelineClosedError(closed) from exc
+            # No room for it (the error says so), or it died as it started:
+            # the death is the pipeline's failure, which says that no
+            # replacement started, and why.
+            if isinstance(exc, ShmpipeValueError):
+                raise
+            raise ShmpipeError(f"its Ray actor died as it started ({type(exc).__name__})") from exc
         self._pids[worker] = pid
         return pid
 
     def send_pass(self, worker: int, work: PassWork) -> None:
-        self.gens[worker] = self._stream(self.actors[worker], work)
+        with self._adding:
+            if self._down:
+                raise PipelineClosedError(f"the pipeline was closed: producer {worker} is not sent its pass")
+            self.gens[worker] = self._stream(self.actors[worker], work)
         self.consumer.revived(worker)
 
     def halt(self) -> None:
@@ -324,9 +355,11 @@ class RayLauncher(Launcher):
     def shutdown(self) -> None:
         if self._down:
             return
-        self._down = True
-        self.gens = []
-        for a in self.actors:
+        with self._adding:  # after an actor being added: it is killed with the rest
+            self._down = True
+            self.gens = []
+            actors = list(self.actors)
+        for a in actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:
@@ -403,6 +436,11 @@ class RayConsumer(ConsumerEnd):
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         gens = self.launcher.gens
+        if not gens:
+            # Shut down by a close() from another thread: nothing more comes
+            # (the pipeline's wait says it was closed).
+            time.sleep(min(wait, 0.01))
+            return AGAIN
         if worker >= 0:
             if worker in self.dead:
                 return AGAIN
@@ -414,7 +452,7 @@ class RayConsumer(ConsumerEnd):
                 ref = next(g)
             except StopIteration:
                 return END
-            except ray.exceptions.RayActorError as exc:
+            except _LOST_WITH_ITS_ACTOR as exc:
                 return self._died(worker, exc)
             return self._fetch(ref, worker)
         while True:
@@ -430,14 +468,18 @@ class RayConsumer(ConsumerEnd):
             except StopIteration:
                 self.ended.add(w)
                 continue
-            except ray.exceptions.RayActorError as exc:
+            except _LOST_WITH_ITS_ACTOR as exc:
                 return self._died(w, exc)
             return self._fetch(ref, w)
 
     def _died(self, worker: int, exc: BaseException) -> Any:
-        """Worker's actor died (its process or its node): the launcher hands
-        the death to the pipeline; its stream gives nothing meanwhile."""
-        reason = f"its Ray actor died ({type(exc).__name__})"
+        """Worker's actor died (its process or its node), or a batch it made
+        was lost with its node: the launcher hands the death to the
+        pipeline; its stream gives nothing meanwhile."""
+        if isinstance(exc, ray.exceptions.RayActorError):
+            reason = f"its Ray actor died ({type(exc).__name__})"
+        else:
+            reason = f"a batch it made was lost with its node ({type(exc).__name__})"
         death = WorkerDiedError(worker, self.launcher.pids[worker], None, reason=reason)
         death.__cause__ = exc
         self.dead.add(worker)
@@ -465,7 +507,7 @@ class RayConsumer(ConsumerEnd):
                 error.__cause__ = exc
                 raise cause from error
             raise error from exc
-        except ray.exceptions.RayActorError as exc:
+        except _LOST_WITH_ITS_ACTOR as exc:
             return self._died(worker, exc)
         self.last_worker = worker
         self.last_nbytes = _tree.nbytes(batch)
