@@ -115,10 +115,16 @@ class ProcessLauncher(Launcher):
         self._failure: BaseException | None = None
         self._down = False
         # The thread that starts the producers, while it does (see starting);
-        # what it raised; whether shutdown asked it to start no more; and
-        # whether the channel's handle_delivered is still to be called (from
-        # the consumer's thread, once the start is over: _started).
+        # set once it is done; what it raised; whether shutdown asked it to
+        # start no more; and whether the channel's handle_delivered is still
+        # to be called (from the consumer's thread, once the start is over:
+        # _started). Whether the start is over is the event's word, never
+        # the thread's join() or is_alive(): on Python 3.11 a Ctrl-C that
+        # interrupts a join() marks a thread still running as ended
+        # (CPython gh-90882), and the next pass then sent work to producers
+        # the start had not yet linked (an IndexError, helper 55).
         self._starter: threading.Thread | None = None
+        self._start_done = threading.Event()
         self._start_failure: BaseException | None = None
         self._stop_starting = False
         self._handle_owed = False
@@ -179,19 +185,19 @@ class ProcessLauncher(Launcher):
         meanwhile the consumer may make batches itself (Pipeline,
         shmpipe/_first_batches.py). Every other method waits for the start
         to end first."""
-        starter = self._starter
-        return starter is not None and starter.is_alive()
+        return self._starter is not None and not self._start_done.is_set()
 
     def _start_in_background(self) -> None:
         try:
             self._start()
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread, by _started
             self._start_failure = exc
+        finally:
+            self._start_done.set()
 
     def wait_for_start(self, timeout: float) -> None:
-        starter = self._starter
-        if starter is not None:
-            starter.join(timeout)
+        if self._starter is not None:
+            self._start_done.wait(timeout)
 
     def _start_ended(self) -> None:
         """Waits for a start in the background to end (the wait a consumer
@@ -202,7 +208,8 @@ class ProcessLauncher(Launcher):
         starter = self._starter
         if starter is None:
             return
-        starter.join()
+        self._start_done.wait()
+        starter.join()  # (its last instructions: the start is over)
         self._starter = None
         if self._start_failure is not None and self._failure is None:
             self._failure = self._start_failure

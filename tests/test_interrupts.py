@@ -472,3 +472,56 @@ def test_a_rank_closed_by_its_signal_handler_inside_a_take_ends_in_pipeline_clos
     assert got[1]["error"] == "RankDiedError" and "rank 0" in got[1]["message"], got[1]
     assert "ResourceWarning" not in outs[0][1] + outs[1][1]
     assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+#: A Ctrl-C while the trainer, having made a whole (small) pass itself,
+#: waits for its producers' start; then the next pass. The start is held
+#: until after the press (it would take that long on a loaded machine).
+PRESS_WHILE_THE_START_IS_AWAITED = """
+import json, signal, threading
+import shmpipe
+from shmpipe import _launch
+from shmpipe.testing.datasets import Numbered
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+kw = dict(batch_size=4, shuffle=True, seed=3, num_workers=2, timeout=60)
+release = threading.Event()
+start = _launch.ProcessLauncher._start
+def held_start(self):
+    release.wait(60)
+    start(self)
+_launch.ProcessLauncher._start = held_start
+
+out = {}
+with shmpipe.from_dataset(Numbered(12), fetch_while_starting=True, **kw) as pipe:
+    assert pipe._launcher.starting  # (the first pipeline of the process: its fork server starts too)
+    got = []
+    main = threading.main_thread().ident
+    threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT)).start()  # as a terminal's press
+    try:
+        for b in pipe:  # its 3 batches, made by the trainer; then it waits for the start
+            got.append(b["i"].tolist())
+        out["pass 0"] = "ended"
+    except KeyboardInterrupt:
+        out["pass 0"] = "interrupted"
+    threading.Timer(0.5, release.set).start()  # the next pass begins while the start still runs
+    got = [got, [b["i"].tolist() for b in pipe]]
+with shmpipe.from_dataset(Numbered(12), **kw) as pipe:
+    out["passes"] = got == [[b["i"].tolist() for b in pipe] for _ in range(2)]  # as without the press
+print(json.dumps(out))
+"""
+
+
+def test_a_press_while_the_trainer_waits_for_the_start_leaves_the_next_pass_whole(tmp_path):
+    # On Python 3.11 a KeyboardInterrupt inside Thread.join marks the thread
+    # as ended while it still runs (CPython gh-90882): the launcher took the
+    # start for over, and the next pass sent work to producers it had not
+    # linked yet: IndexError, the pipeline closed (9964b77; helper 55, 9 of
+    # 24 trials of a press during a first pass).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PRESS_WHILE_THE_START_IS_AWAITED], capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env, start_new_session=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == {"pass 0": "interrupted", "passes": True}, proc.stderr[-2000:]
