@@ -69,6 +69,9 @@ Lifetime rules:
   pipeline answers, in the old pass's wait, with PipelineClosedError). It
   holds the pipeline's pass but not the to_jax pass object (``_AheadPass``),
   nor the batches the trainer was given, so dropping the iterator stops it.
+  Once a later pass began, the old iterator's ``next()`` raises that
+  PipelineClosedError itself, as the stream's own iterator would, and drops
+  what the thread had put ahead: no batch of the earlier pass comes after.
 """
 
 from __future__ import annotations
@@ -89,7 +92,14 @@ import numpy as np
 
 from shmpipe._stream import POLL_S, BatchStream, Pass, TrainerPosition
 from shmpipe._tree import leaves_with_paths, map_leaves, map_leaves_with_paths
-from shmpipe.errors import BatchTypeError, ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning, out_of_range
+from shmpipe.errors import (
+    BatchTypeError,
+    PipelineClosedError,
+    ShmpipeTypeError,
+    ShmpipeValueError,
+    ShmpipeWarning,
+    out_of_range,
+)
 
 if TYPE_CHECKING:
     import jax
@@ -558,6 +568,7 @@ class _Feeder:
         position: TrainerPosition | None,
     ) -> None:
         self.it: Pass | None = it
+        self.pass_no = it.pass_no
         self.convert = batches._convert
         self.wait = batches.wait_for_copies
         self.collect = batches.collect
@@ -606,12 +617,17 @@ class _Feeder:
                 self.collect()
 
     def _permitted(self) -> bool:
-        """Waits for a permit; False once the pass is abandoned."""
+        """Waits for a permit; False once the pass is abandoned (by the
+        trainer, or by a later pass begun: what was put ahead goes then,
+        not when the old iterator is dropped)."""
         while not self.permits.acquire(timeout=POLL_S):
             if self.stop.is_set():
                 return False
             if self.stream.closed:
                 return True  # next() raises the pipeline's own PipelineClosedError
+            if self.stream._pass_no != self.pass_no:
+                self.stop.set()
+                return False
         return not self.stop.is_set()
 
     def take(self, thread: threading.Thread) -> Any:
@@ -621,6 +637,7 @@ class _Feeder:
                 item = self.ready.get(timeout=POLL_S)
             except queue.Empty:
                 if not thread.is_alive() and self.ready.empty():
+                    self.stream._check_pass(self.pass_no)  # it ended as a later pass began: the stream's error
                     raise RuntimeError("to_jax's thread ended without a batch, an end or an error") from None
                 continue
             self.permits.release()
@@ -661,6 +678,14 @@ class _AheadPass:
         if self.finished:
             raise StopIteration
         feeder = self.feeder
+        try:
+            # What the thread put ahead is of this pass: once a later one
+            # began (iter(pipe) again), none of it may reach the trainer,
+            # as the stream's own iterator of an earlier pass gives nothing.
+            feeder.stream._check_pass(feeder.pass_no)
+        except PipelineClosedError:
+            self._stop()  # (not finished: a later next() says the same again)
+            raise
         feeder.collect()  # the slots of arrays the trainer dropped go back while it waits
         position = feeder.position
         if position is not None:
@@ -684,6 +709,9 @@ class _AheadPass:
         """Abandons the pass: the thread stops within POLL_S (or, if it
         waits for a batch, when that comes), and what it put ahead goes."""
         self.finished = True
+        self._stop()
+
+    def _stop(self) -> None:
         self.feeder.stop.set()
         self.feeder.drain()
         self.feeder.collect()
@@ -692,8 +720,5 @@ class _AheadPass:
         # At the interpreter's exit the pipeline's own shutdown frees every
         # slot; the module's globals may be None by then (hence the bound
         # default), so there is nothing to do here.
-        feeder = getattr(self, "feeder", None)
-        if feeder is not None and not _finalizing():
-            feeder.stop.set()
-            feeder.drain()
-            feeder.collect()
+        if getattr(self, "feeder", None) is not None and not _finalizing():
+            self._stop()

@@ -377,10 +377,7 @@ class BatchStream(abc.ABC):
         if it.finished:
             raise StopIteration
         self._check_usable()
-        if it.pass_no != self._pass_no:
-            raise PipelineClosedError(
-                "this iterator belongs to an earlier pass; iterating the pipeline again started a new one"
-            )
+        self._check_pass(it.pass_no)
         t0 = time.perf_counter_ns()
         if it.started_ns is None:
             it.started_ns = t0
@@ -484,6 +481,15 @@ class BatchStream(abc.ABC):
     def _check_usable(self) -> None:
         if self._closed:
             self._raise_closed()
+
+    def _check_pass(self, pass_no: int) -> None:
+        """Raises unless pass `pass_no` is the one in progress: an iterator
+        of an earlier pass (the stream's own, or an adapter's that took
+        batches ahead of the trainer) gives nothing more."""
+        if pass_no != self._pass_no:
+            raise PipelineClosedError(
+                "this iterator belongs to an earlier pass; iterating the pipeline again started a new one"
+            )
 
     def _close_and_raise(self, exc: BaseException) -> NoReturn:
         """Stops everything, then raises `exc` (a use after it says what

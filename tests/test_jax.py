@@ -431,6 +431,26 @@ def test_ahead_a_close_from_the_trainer_ends_the_thread_and_next_says_closed():
         assert wait_until(lambda: not feeders())
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["host", "ahead"])
+def test_an_iterator_of_an_earlier_pass_gives_nothing_once_a_new_pass_began(ahead):
+    # The thread's iterator kept handing out what it had put ahead of an
+    # earlier pass (epoch 0's batches after epoch 1's, 9964b77: helper 55),
+    # where the host path and the stream raise.
+    with shmpipe.from_iterators([Counter(50, shape=(8,))], capacity=8, timeout=T) as pipe:
+        batches = JaxBatches(pipe, prefetch=2, ahead=ahead)
+        old = iter(batches)
+        assert [next(old)["seq"] for _ in range(2)] == [0, 1]
+        if ahead:
+            assert wait_until(lambda: held_seqs(pipe) == {2, 3}), held_seqs(pipe)  # put ahead
+        assert [b["seq"] for b in batches] == list(range(50))  # the next pass, whole
+        for _ in range(2):  # and says so again, as the stream's own iterator does
+            with pytest.raises(shmpipe.PipelineClosedError, match="belongs to an earlier pass"):
+                next(old)
+        assert wait_until(lambda: not feeders())
+        gc.collect()
+        assert wait_until(lambda: held_seqs(pipe) == set())
+
+
 def _dataset_pipe(**kwargs):
     kwargs.setdefault("num_workers", 2)
     kwargs.setdefault("capacity", 8)  # room for the thread's prefetch, which aliases its slots here
