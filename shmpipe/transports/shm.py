@@ -21,6 +21,7 @@ import dataclasses
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,12 @@ __all__ = ["NAME_TRIES", "ShmConsumer", "ShmHandle", "ShmProducer", "ShmTranspor
 #: batches may be somewhat larger (a longer sequence, a bigger image).
 HEADROOM = 1.25
 
+#: How long audits must see the very same difference between a worker's
+#: in-flight word and its slots before it is an error (ShmConsumer.audit):
+#: far longer than a producer is descheduled between two instructions on a
+#: loaded machine, and well within the seconds in which a word written from
+#: outside must be found.
+UNEVEN_FOR_NS = 1_000_000_000
 
 BACKINGS = ("memfd", "posix")
 
@@ -442,7 +449,9 @@ class ShmConsumer(SharingConsumerEnd):
         self.slot_size = slot_size
         self.capacity = spec.capacity
         self.hands_again = spec.hands_again
-        self._uneven: set[tuple[int, int, int]] = set()  # what the last audit found uneven
+        #: What the last audit found uneven, (worker, word, slots), and
+        #: since when (time.monotonic_ns) audits have seen it
+        self._uneven: dict[tuple[int, int, int], int] = {}
         self._first_rid: dict[int, int] = {}  # worker -> its replacement's first region id
 
     def handle_delivered(self) -> None:
@@ -590,14 +599,23 @@ class ShmConsumer(SharingConsumerEnd):
 
     def audit(self, pass_no: int) -> None:
         # The pass number and the HELD slots are exact (this process alone
-        # changes them, and takes do not run meanwhile); a worker's in-flight
-        # word may be off by a claim or a take in progress, so a difference
-        # is an error only when the next audit sees the very same one.
+        # changes them, and takes do not run meanwhile). A worker's in-flight
+        # word is not: a producer between the two steps of its claim (the
+        # slot's CAS, then the word's increment; of its abandon, the other
+        # way round) shows a difference for as long as it is descheduled
+        # there, and audits may come milliseconds apart (every wait of the
+        # consumer that ends without a batch looks at the producers). So a
+        # difference is an error only once the very same one has been seen
+        # for UNEVEN_FOR_NS: two audits in a row were not enough (a loaded
+        # machine failed healthy pipelines so).
         problem, uneven = self.ring.audit(pass_no)
         if problem is not None:
             raise CorruptChannelError(f"the ring is inconsistent: {problem} (written from outside?)")
-        seen, self._uneven = self._uneven, set(uneven)
-        for worker, word, slots in sorted(seen & self._uneven):
+        now, seen = time.monotonic_ns(), self._uneven
+        self._uneven = {found: seen.get(found, now) for found in uneven}
+        for (worker, word, slots), since in sorted(self._uneven.items()):
+            if now - since < UNEVEN_FOR_NS:
+                continue
             raise CorruptChannelError(
                 f"the ring is inconsistent: worker {worker}'s in-flight count is {word} but it has {slots} slots "
                 "being written or ready (written from outside?); its quota would hold it for good"
