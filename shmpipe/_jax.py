@@ -612,7 +612,10 @@ class _Feeder:
             self.ready.put(_Raised(exc))
         finally:
             self.it = None  # the pass, and with it the stream
-            if self.stop.is_set():
+            if self.stop.is_set() or self.stream._pass_no != self.pass_no:
+                # Abandoned, or a later pass began (its wait then raised):
+                # what was put ahead goes now, not when the iterator does.
+                self.stop.set()
                 self.drain()
                 self.collect()
 

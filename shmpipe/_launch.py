@@ -154,7 +154,11 @@ class ProcessLauncher(Launcher):
                         _forkserver.launch_server()
                 self._handle_owed = self.channel is not None
                 self._starter = threading.Thread(target=self._start_in_background, name="shmpipe-start", daemon=True)
-                self._starter.start()
+                try:
+                    self._starter.start()
+                except BaseException:
+                    self._starter = None  # never ran: nothing to wait for (_start_done is never set)
+                    raise
             else:
                 self._start()
                 if self.channel is not None:

@@ -342,6 +342,24 @@ def test_a_start_that_fails_in_the_background_is_raised_by_next(fresh_fork_serve
     assert pipe.leftovers() == []
 
 
+@pytest.mark.timeout(60)
+def test_a_start_thread_that_cannot_start_is_raised_by_the_constructor(fresh_fork_server, monkeypatch):
+    # The thread that starts the producers may fail to start (no thread
+    # left: RuntimeError "can't start new thread"): the constructor raises
+    # it and stops what it made. (On acca26e it waited for ever for that
+    # start to end: helper 57.)
+    start = threading.Thread.start
+
+    def no_start_thread(thread):
+        if thread.name == "shmpipe-start":
+            raise RuntimeError("can't start new thread")
+        return start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_start_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pipe_of(dataset(40))
+
+
 def test_from_iterators_starts_its_producers_in_the_constructor_as_before(fresh_fork_server):
     with shmpipe.from_iterators([Counter(3, shape=(4,))] * 2, timeout=T) as pipe:
         assert not pipe._launcher.starting and _forkserver.server_pid() is not None

@@ -451,6 +451,23 @@ def test_an_iterator_of_an_earlier_pass_gives_nothing_once_a_new_pass_began(ahea
         assert wait_until(lambda: held_seqs(pipe) == set())
 
 
+def test_ahead_what_was_put_ahead_goes_back_when_a_new_pass_begins_while_the_thread_waits_for_a_batch():
+    # The old pass's thread, waiting for its next batch as the new pass
+    # begins: what it had put ahead goes back then, not once the old
+    # iterator is used or dropped.
+    with shmpipe.from_iterators([Counter(8, shape=(8,), delay=0.2)], capacity=8, timeout=T) as pipe:
+        batches = JaxBatches(pipe, prefetch=2, ahead=True)
+        old = iter(batches)
+        assert next(old)["seq"] == 0
+        assert wait_until(lambda: held_seqs(pipe) == {1}), held_seqs(pipe)  # put ahead; it waits for batch 2
+        assert [b["seq"] for b in batches] == list(range(8))
+        assert wait_until(lambda: not feeders())
+        gc.collect()
+        assert wait_until(lambda: held_seqs(pipe) == set()), held_seqs(pipe)
+        with pytest.raises(shmpipe.PipelineClosedError, match="belongs to an earlier pass"):
+            next(old)
+
+
 def _dataset_pipe(**kwargs):
     kwargs.setdefault("num_workers", 2)
     kwargs.setdefault("capacity", 8)  # room for the thread's prefetch, which aliases its slots here

@@ -165,8 +165,8 @@ def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(
         with shmpipe.from_dataset(Numbered(12), **one) as pipe:
             small = _ids(pipe)
         got = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (the replacement's)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             with shmpipe.from_dataset(
                 OnRayNode(12, payload=32 << 10), transport="ray", max_restarts=1,
                 ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **one,
@@ -181,6 +181,7 @@ def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(
                     del b
                 assert pipe.stats().restarts == (1,)
         assert got == small
+        assert any("a batch it made was lost" in str(w.message) for w in caught), "not the loss of a batch"
         # Without max_restarts, a dead actor is the WorkerDiedError, after
         # the batches before it, in order.
         got = []
@@ -206,7 +207,8 @@ def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(
             return kill(actor, **kwargs)
 
         got = []
-        with pytest.raises(shmpipe.PipelineClosedError), warnings.catch_warnings():
+        with pytest.raises(shmpipe.PipelineClosedError, match="is not replaced|not sent its pass"), \
+                warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (a replacement that came first would say so)
             with shmpipe.from_dataset(
                 OnRayNode(60, delay=0.01), transport="ray", max_restarts=1,

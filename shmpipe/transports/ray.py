@@ -289,12 +289,15 @@ class RayLauncher(Launcher):
         return self.consumer
 
     def begin_pass(self, pass_no: int, work: Sequence[PassWork]) -> None:
-        if self.gens:
-            # Stop the old pass: its generators stop at their next batch, and
-            # dropping them releases their backpressure.
-            for a in self.actors:
-                a.cancel.remote(pass_no)
-        self.gens = [self._stream(a, w) for a, w in zip(self.actors, work, strict=True)]
+        with self._adding:
+            if self._down:
+                raise PipelineClosedError("the pipeline was closed: the pass is not sent to the producers")
+            if self.gens:
+                # Stop the old pass: its generators stop at their next batch,
+                # and dropping them releases their backpressure.
+                for a in self.actors:
+                    a.cancel.remote(pass_no)
+            self.gens = [self._stream(a, w) for a, w in zip(self.actors, work, strict=True)]
         self.consumer.begin_pass(pass_no)
 
     def _stream(self, actor: Any, work: PassWork) -> Any:
@@ -329,15 +332,22 @@ class RayLauncher(Launcher):
             # Outside the lock: placing it may take up to START_TIMEOUT_S,
             # which a close() cuts short (it kills the actor).
             (pid,) = self._started([actor])
-        except (ShmpipeValueError, ray.exceptions.RayActorError) as exc:
+        except Exception as exc:
             if self._down:
+                # A close() meanwhile: it killed the actor, and where the
+                # pipeline started Ray, stopped Ray too (whose calls then
+                # raise its RaySystemError).
                 raise PipelineClosedError(closed) from exc
             # No room for it (the error says so), or it died as it started:
             # the death is the pipeline's failure, which says that no
             # replacement started, and why.
             if isinstance(exc, ShmpipeValueError):
                 raise
-            raise ShmpipeError(f"its Ray actor died as it started ({type(exc).__name__})") from exc
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise ShmpipeError(f"its Ray actor died as it started ({type(exc).__name__})") from exc
+            raise
+        if self._down:
+            raise PipelineClosedError(closed)  # started as the close came: killed with the rest
         self._pids[worker] = pid
         return pid
 
@@ -349,6 +359,8 @@ class RayLauncher(Launcher):
         self.consumer.revived(worker)
 
     def halt(self) -> None:
+        if self._down:
+            return  # (the actors are killed, and Ray may be stopped)
         for a in self.actors:
             a.cancel.remote(1 << 62)
 
@@ -408,10 +420,11 @@ def _away_from_a_checkout() -> Iterator[None]:
 
 
 class RayConsumer(ConsumerEnd):
-    """Batches from the actors' streams. A death (RayActorError) is not
-    raised here: it goes to the launcher (first_failure) and the stream's
-    worker counts as dead, giving AGAIN, until the pipeline replaced it
-    (revived) or failed."""
+    """Batches from the actors' streams. A death (RayActorError, or a batch
+    lost with the actor's node: _LOST_WITH_ITS_ACTOR) is not raised here:
+    it goes to the launcher (first_failure) and the stream's worker counts
+    as dead, giving AGAIN, until the pipeline replaced it (revived) or
+    failed."""
 
     def __init__(self, launcher: RayLauncher) -> None:
         self.launcher = launcher
@@ -479,7 +492,8 @@ class RayConsumer(ConsumerEnd):
         if isinstance(exc, ray.exceptions.RayActorError):
             reason = f"its Ray actor died ({type(exc).__name__})"
         else:
-            reason = f"a batch it made was lost with its node ({type(exc).__name__})"
+            name = type(exc).__name__
+            reason = f"a batch it made was lost ({name}: its node's object store left or cannot be reached)"
         death = WorkerDiedError(worker, self.launcher.pids[worker], None, reason=reason)
         death.__cause__ = exc
         self.dead.add(worker)

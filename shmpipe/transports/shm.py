@@ -62,12 +62,14 @@ __all__ = ["NAME_TRIES", "ShmConsumer", "ShmHandle", "ShmProducer", "ShmTranspor
 #: batches may be somewhat larger (a longer sequence, a bigger image).
 HEADROOM = 1.25
 
-#: How long audits must see the very same difference between a worker's
-#: in-flight word and its slots before it is an error (ShmConsumer.audit):
-#: far longer than a producer is descheduled between two instructions on a
-#: loaded machine, and well within the seconds in which a word written from
-#: outside must be found.
+#: How long, and by how many audits in a row at least, the very same
+#: difference between a worker's in-flight word and its slots must be seen
+#: before it is an error (ShmConsumer.audit): far longer than a producer is
+#: descheduled between two instructions on a loaded machine (and more than
+#: two audits, which a trainer's slow steps may space a second apart), and
+#: well within the seconds in which a word written from outside is found.
 UNEVEN_FOR_NS = 1_000_000_000
+UNEVEN_SIGHTINGS = 3
 
 BACKINGS = ("memfd", "posix")
 
@@ -449,9 +451,9 @@ class ShmConsumer(SharingConsumerEnd):
         self.slot_size = slot_size
         self.capacity = spec.capacity
         self.hands_again = spec.hands_again
-        #: What the last audit found uneven, (worker, word, slots), and
-        #: since when (time.monotonic_ns) audits have seen it
-        self._uneven: dict[tuple[int, int, int], int] = {}
+        #: What the last audit found uneven, (worker, word - slots), since
+        #: when (time.monotonic_ns) audits have seen it, and how many times
+        self._uneven: dict[tuple[int, int], tuple[int, int]] = {}
         self._first_rid: dict[int, int] = {}  # worker -> its replacement's first region id
 
     def handle_delivered(self) -> None:
@@ -606,15 +608,20 @@ class ShmConsumer(SharingConsumerEnd):
         # there, and audits may come milliseconds apart (every wait of the
         # consumer that ends without a batch looks at the producers). So a
         # difference is an error only once the very same one has been seen
-        # for UNEVEN_FOR_NS: two audits in a row were not enough (a loaded
-        # machine failed healthy pipelines so).
+        # for UNEVEN_FOR_NS, by every audit in between and at least
+        # UNEVEN_SIGHTINGS of them: two audits in a row were not enough (a
+        # loaded machine failed healthy pipelines so). The same difference,
+        # not the same words: a word set off by a constant stays off by it
+        # while its producer claims and the consumer takes.
         problem, uneven = self.ring.audit(pass_no)
         if problem is not None:
             raise CorruptChannelError(f"the ring is inconsistent: {problem} (written from outside?)")
         now, seen = time.monotonic_ns(), self._uneven
-        self._uneven = {found: seen.get(found, now) for found in uneven}
-        for (worker, word, slots), since in sorted(self._uneven.items()):
-            if now - since < UNEVEN_FOR_NS:
+        self._uneven = {}
+        for worker, word, slots in uneven:
+            since, sightings = seen.get((worker, word - slots), (now, 0))
+            self._uneven[worker, word - slots] = (since, sightings + 1)
+            if now - since < UNEVEN_FOR_NS or sightings + 1 < UNEVEN_SIGHTINGS:
                 continue
             raise CorruptChannelError(
                 f"the ring is inconsistent: worker {worker}'s in-flight count is {word} but it has {slots} slots "
