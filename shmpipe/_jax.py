@@ -612,7 +612,7 @@ class _Feeder:
             self.ready.put(_Raised(exc))
         finally:
             self.it = None  # the pass, and with it the stream
-            if self.stop.is_set() or self.stream._pass_no != self.pass_no:
+            if self.stop.is_set() or self.superseded():
                 # Abandoned, or a later pass began (its wait then raised):
                 # what was put ahead goes now, not when the iterator does.
                 self.stop.set()
@@ -628,10 +628,14 @@ class _Feeder:
                 return False
             if self.stream.closed:
                 return True  # next() raises the pipeline's own PipelineClosedError
-            if self.stream._pass_no != self.pass_no:
+            if self.superseded():
                 self.stop.set()
                 return False
         return not self.stop.is_set()
+
+    def superseded(self) -> bool:
+        """Whether a later pass of the stream began (this one is over)."""
+        return self.stream._pass_no != self.pass_no
 
     def take(self, thread: threading.Thread) -> Any:
         """The next item the thread made (the trainer's side)."""

@@ -338,11 +338,9 @@ class RayLauncher(Launcher):
                 # pipeline started Ray, stopped Ray too (whose calls then
                 # raise its RaySystemError).
                 raise PipelineClosedError(closed) from exc
-            # No room for it (the error says so), or it died as it started:
-            # the death is the pipeline's failure, which says that no
-            # replacement started, and why.
-            if isinstance(exc, ShmpipeValueError):
-                raise
+            # It died as it started, or there was no room for it (that
+            # ShmpipeValueError says so): the death is the pipeline's
+            # failure, which says that no replacement started, and why.
             if isinstance(exc, ray.exceptions.RayActorError):
                 raise ShmpipeError(f"its Ray actor died as it started ({type(exc).__name__})") from exc
             raise
