@@ -443,7 +443,7 @@ static void discard(const shmp_ring *r, shmp_slot *s) {
 }
 
 int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, int64_t wait_ns,
-              uint32_t *slot_out) {
+              uint32_t *slot_out, uint32_t *worker_out) {
     shmp_header *h = HDR(r);
     const uint32_t n = r->nslots, nw = r->nworkers, quota = r->quota;
     if (worker >= (int32_t)nw) return SHMP_E_ARG;
@@ -468,6 +468,10 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
          * here only in comparisons (never as an index or a size). */
         int64_t best = -1;
         uint64_t best_ticket = UINT64_MAX;
+        /* Whose batch `best` is: the value the match was made on, read
+         * once. The slot's worker word is not read again (another process
+         * may rewrite it between two reads). */
+        uint32_t best_worker = (uint32_t)worker;
         for (uint32_t k = 0; k < n; k++) {
             if (atomic_load_explicit(&s[k].state, memory_order_acquire) != SHMP_READY) continue;
             if (LOAD_ONCE(s[k].pass) != pass) {
@@ -502,6 +506,7 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
              * shared words, cannot reorder a worker's batches either.) */
             const uint32_t bw = LOAD_ONCE(s[best].worker);
             uint64_t bq = LOAD_ONCE(s[best].wseq);
+            best_worker = bw;
             for (uint32_t k = 0; k < n; k++) {
                 if (atomic_load_explicit(&s[k].state, memory_order_acquire) != SHMP_READY) continue;
                 if (LOAD_ONCE(s[k].pass) != pass || LOAD_ONCE(s[k].worker) != bw) continue;
@@ -522,12 +527,12 @@ int shmp_take(const shmp_ring *r, int32_t worker, uint32_t pass, uint64_t wseq, 
              * the next claimer's acquire CAS and release publish, the
              * acquire load READY here, this store). */
             atomic_store_explicit(&b->state, SHMP_HELD, memory_order_release);
-            /* The worker word is read once and indexes the worker table only
-             * if it is one of ours (the caller reports a bad one). */
-            const uint32_t bw = LOAD_ONCE(b->worker);
-            if (bw < nw && inflight_dec(&w[bw].inflight) == quota && quota != 0)
+            /* best_worker indexes the worker table only if it is one of
+             * ours (the caller reports a bad one). */
+            if (best_worker < nw && inflight_dec(&w[best_worker].inflight) == quota && quota != 0)
                 notify_producers(h); /* that worker may be waiting on its quota */
             *slot_out = (uint32_t)best;
+            *worker_out = best_worker;
             return SHMP_OK;
         }
         if (fault) return SHMP_FAULT;

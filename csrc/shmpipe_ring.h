@@ -192,11 +192,13 @@ int shmp_finish_pass(const shmp_ring *ring, uint32_t worker, uint32_t pass,
  * (or that worker's part of it) has no more batches, SHMP_FAULT when a fault
  * was reported and no batch it looks for is READY (so everything published
  * before a fault is delivered first), SHMP_AGAIN after waiting up to wait_ns,
- * or SHMP_INTERRUPTED. The slot's worker and nbytes are shared words: the
- * caller reads each once (shmp_slot_worker, shmp_slot_nbytes) and checks it
- * against the private geometry before using it. */
+ * or SHMP_INTERRUPTED. *worker is the worker whose batch it is, as the take
+ * matched it (the slot's worker word is a shared word, read once: the
+ * caller uses this value, never the word again, and checks it against the
+ * private geometry, as it does the slot's nbytes, read once with
+ * shmp_slot_nbytes). */
 int shmp_take(const shmp_ring *ring, int32_t worker, uint32_t pass, uint64_t wseq,
-              int64_t wait_ns, uint32_t *slot);
+              int64_t wait_ns, uint32_t *slot, uint32_t *worker_out);
 
 /* Gives a HELD slot back to the producers. Thread-safe; never blocks. */
 int shmp_release(const shmp_ring *ring, uint32_t slot);

@@ -91,7 +91,7 @@ cdef extern from "shmpipe_ring.h" nogil:
     int shmp_abandon(const shmp_ring *ring, uint32_t slot, uint32_t worker)
     int shmp_finish_pass(const shmp_ring *ring, uint32_t worker, uint32_t pass_, uint64_t produced)
     int shmp_take(const shmp_ring *ring, int32_t worker, uint32_t pass_, uint64_t wseq,
-                  int64_t wait_ns, uint32_t *slot)
+                  int64_t wait_ns, uint32_t *slot, uint32_t *worker_out)
     int shmp_release(const shmp_ring *ring, uint32_t slot)
     uint32_t shmp_begin_pass(const shmp_ring *ring)
     uint32_t shmp_current_pass(const shmp_ring *ring)
@@ -599,7 +599,16 @@ cdef class Ring:
         if current != pass_no:
             return (f"the ring's pass number is {current}, but pass {pass_no} is the one being read", [])
         for i in range(self.r.nslots):
-            held += SHMP_STATE_OF(shmp_slot_state(&self.r, i)) == SHMP_HELD
+            state = shmp_slot_state(&self.r, i)
+            # A word no step of the protocol writes (see the states in
+            # shmpipe_ring.h): no claim, take, release or reclaim matches
+            # it, so its slot would be lost for good, and with it, once
+            # every slot is, the pipeline (a wait for ever where there is no
+            # quota for the check below to see it).
+            if not (state == SHMP_FREE or state == SHMP_READY or state == SHMP_HELD
+                    or (SHMP_STATE_OF(state) == SHMP_WRITING and (state >> 8) < self.r.nworkers)):
+                return (f"slot {i}'s state word is {state:#x}, which no step of the ring writes", [])
+            held += state == SHMP_HELD
         if held > self.leases:
             return (f"{held} slots are marked as held by this process's batches, which hold {self.leases}", [])
         if self.r.quota == 0:
@@ -1552,17 +1561,17 @@ cdef class RingReader:
         Never waits, never releases the GIL. Same checks as take(): a
         corrupt slot raises CorruptChannelError."""
         cdef int64_t t0 = _now_ns(), t1
-        cdef uint32_t slot = 0
+        cdef uint32_t slot = 0, from_worker = 0
         cdef int rc
         if t0 >= due_ns:
             return None
         # wait 0: one look, no spin, no sleep, no system call.
-        rc = shmp_take(&self.ring.r, worker, pass_no, wseq, 0, &slot)
+        rc = shmp_take(&self.ring.r, worker, pass_no, wseq, 0, &slot, &from_worker)
         if rc != SHMP_OK:
             if rc < 0 or rc == SHMP_INTERRUPTED:
                 _raise_status(rc, "taking a batch")
             return None
-        batch = self._decode(self._lease_root(slot))
+        batch = self._decode(self._lease_root(slot, from_worker))
         t1 = _now_ns()
         return batch, self.last_nbytes, self.last_worker, (t1 - t0 if t1 > t0 else 1)
 
@@ -1601,16 +1610,16 @@ cdef class RingReader:
         descriptor to a rank)."""
         return self._take_raw(pass_no, worker, wseq, wait)
 
-    cdef object _lease_root(self, uint32_t slot):
-        """The root array of a slot shmp_take just made HELD for us."""
-        cdef uint32_t from_worker
+    cdef object _lease_root(self, uint32_t slot, uint32_t from_worker):
+        """The root array of a slot shmp_take just made HELD for us, with
+        `from_worker` the worker shmp_take matched it on."""
         cdef uint64_t nbytes
         cdef Ring ring = self.ring
         # The slot record's worker and nbytes are shared words another
-        # process may have written: read each once into a local, check
-        # it against the private geometry, and use only the local.
+        # process may have written: each is read once into a local (the
+        # worker by shmp_take, where it matched the slot on it), checked
+        # against the private geometry, and only the local is used.
         nbytes = shmp_slot_nbytes(&ring.r, slot)
-        from_worker = shmp_slot_worker(&ring.r, slot)
         # The lease exists from here on, so whatever happens the slot is
         # released: on error, the root is dropped and the lease with it.
         lease = _lease(ring, slot, True)
@@ -1625,14 +1634,14 @@ cdef class RingReader:
         return _root_array(ring.payload(slot), <Py_ssize_t>nbytes, lease, False)
 
     cdef object _take_raw(self, uint32_t pass_no, int worker, uint64_t wseq, double wait):
-        cdef uint32_t slot = 0
+        cdef uint32_t slot = 0, from_worker = 0
         cdef int rc
         cdef int64_t wait_ns = <int64_t>(wait * 1e9) if wait > 0 else 0
         cdef Ring ring = self.ring
         with nogil:
-            rc = shmp_take(&ring.r, worker, pass_no, wseq, wait_ns, &slot)
+            rc = shmp_take(&ring.r, worker, pass_no, wseq, wait_ns, &slot, &from_worker)
         if rc == SHMP_OK:
-            return self._lease_root(slot)
+            return self._lease_root(slot, from_worker)
         if rc == SHMP_END:
             return END
         if rc == SHMP_FAULT:

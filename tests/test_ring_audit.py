@@ -10,12 +10,17 @@ descriptor (kept with max_restarts, or with a group) or as a producer."""
 from __future__ import annotations
 
 import ctypes
+import os
+import signal
 import struct
 import time
 
+import numpy as np
 import pytest
 
 import shmpipe
+from shmpipe import _ring
+from shmpipe._outcomes import AGAIN
 from shmpipe.testing.sources import Counter, Raiser
 from shmpipe.transports.shm import UNEVEN_FOR_NS, UNEVEN_SIGHTINGS
 
@@ -23,7 +28,7 @@ HEADER, WORKER, SLOT = 256, 64, 64  # csrc/shmpipe_ring.h: the three tables
 PASS_NO, PUBLISH_TICKET = 64, 136  # header offsets
 INFLIGHT, DONE_PASS, PRODUCED = 0, 4, 8  # a worker record's
 STATE = 0  # a slot record's
-FREE, WRITING, HELD = 0, 1, 3
+FREE, WRITING, READY, HELD = 0, 1, 2, 3
 #: Errors must come within this (a few looks at the producers, 0.25 s apart;
 #: an in-flight count's difference once it lasted UNEVEN_FOR_NS).
 SOON_S = 5.0
@@ -100,6 +105,65 @@ def test_slots_marked_held_from_outside_are_an_error_not_a_hang():
             poke(pipe, slot_record(pipe, slot) + STATE, "<I", HELD)
         error = raises_soon(it)
         assert "marked as held" in str(error)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+# READY with owner bits, FREE with owner bits, no state, WRITING by no worker
+@pytest.mark.parametrize("word", [0x102, 0x100, 0x7, 0xFFFF01])
+def test_a_slot_state_no_ring_writes_is_an_error_not_a_lost_slot(ordered, word):
+    # No claim, take, release or reclaim matches such a word: the slot was
+    # lost for good, and without a quota (unordered) nothing else saw it:
+    # once every slot was, a wait for ever (helper 60).
+    with endless(ordered=ordered, capacity=3) as pipe:
+        it = iter(pipe)
+        next(it)
+
+        def poison():
+            for slot in range(3):
+                if pipe.channel.ring.slot_info(slot)[0] == READY:  # only this thread (the consumer) moves it on
+                    poke(pipe, slot_record(pipe, slot) + STATE, "<I", word)
+
+        error = raises_soon(it, poison)
+        assert f"state word is {word:#x}" in str(error)
+
+
+def test_a_worker_word_rewritten_as_a_batch_is_taken_never_charges_another_worker():
+    # The take matched the slot's worker word on one read, then read it
+    # again (for the in-flight count, and for whose batch it is): a word
+    # flipped between the reads made worker 0's batch worker 1's (helper
+    # 60: 3,206 of 453,895 takes in 3 s). Now it is read once.
+    nslots, nworkers, slot_size = 4, 2, 4096
+    segment = _ring.Segment.create_anonymous("audit", _ring.header_size(nslots, nworkers) + nslots * slot_size)
+    ring = _ring.Ring.create(segment, nslots, nworkers, slot_size, 0, True, os.getpid(), 0)
+    words = segment.address + HEADER + WORKER * nworkers + 4  # slot 0's worker word; the next ones SLOT apart
+    pid = os.fork()
+    if pid == 0:  # the other process: the same mapping, inherited, flipping every slot's worker word
+        try:
+            flipped = [ctypes.c_uint32.from_address(words + SLOT * k) for k in range(nslots)]
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                for word in flipped:
+                    word.value ^= 1
+        finally:
+            os._exit(0)
+    try:
+        writer, reader = _ring.RingWriter(ring, 0), _ring.RingReader(ring)
+        writer.start_pass(0)
+        taken = wrong = 0
+        end = time.monotonic() + 0.9
+        while time.monotonic() < end:
+            writer.put({"x": np.array([taken])})
+            batch = AGAIN
+            while batch is AGAIN and time.monotonic() < end + 5:  # worker 0's batch number `taken`
+                batch = reader.take(0, 0, taken, 0.01)
+            assert batch is not AGAIN and int(batch["x"][0]) == taken
+            wrong += reader.last_worker != 0
+            taken += 1
+            del batch
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert taken > 1000 and wrong == 0
 
 
 def test_an_in_flight_count_at_its_quota_from_outside_is_an_error_not_a_hang():
