@@ -89,8 +89,9 @@ class _PipelinePass(Pass):
             pass_no = self.pass_no
             depth = pipe._spans.enter()  # a span, as _next's
             try:
-                with pipe._consumer_lock:  # as _get: one take at a time, and no new pass meanwhile
-                    got = take_ready(pass_no, worker, wseq, pipe._health_due_ns) if pass_no == pipe._pass_no else None
+                with pipe._consumer_lock, pipe._reading:  # as _get: one take at a time, and no new pass meanwhile
+                    current = pass_no == pipe._pass_no and not pipe._close_asked  # (closed: _next says so)
+                    got = take_ready(pass_no, worker, wseq, pipe._health_due_ns) if current else None
                 if got is not None:
                     if turns is not None:
                         turns.took()
@@ -155,12 +156,18 @@ class Pipeline(FrameworkStream):
         # a time, and a get is only made for the current pass: a get for an
         # old pass would take, or throw away, batches of the new one.
         self._consumer_lock = threading.Lock()
+        # Held while a take reads the channel (and only then, so a close()
+        # never waits for a producer's replacement): a close() from another
+        # thread shuts the channel down once the read in progress returned
+        # (BatchStream._own); the next take sees the close and reads nothing.
+        self._reading = threading.RLock()
         self._failure: BaseException | None = None  # raised once published batches are out
         self._last_health_ns = self._counters.created_ns
         self._health_due_ns = self._last_health_ns + HEALTH_CHECK_NS  # the fast path's limit
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
         self._channel: ConsumerEnd | None = None  # None while it waits for a first batch
         self._take_ready: Callable[..., Any] | None = None  # the channel's fast path, where offered
+        self._slot_size_at_close: int | None = None
         transport = options.transport
         self._launcher: Launcher
         # A Ctrl-C while the pipeline is made is held back to the end of it
@@ -182,7 +189,7 @@ class Pipeline(FrameworkStream):
                 self._launcher = launcher
                 # The launcher, not this object, owns the processes and the
                 # channel, so a forgotten pipeline is shut down when collected.
-                self._own(launcher.shutdown)
+                self._own(launcher.shutdown, takes=self._reading)
                 self._set_channel(launcher.channel)
                 if self._schedule.begins_early:
                     self._begin_ahead()  # the first pass starts with the producers
@@ -215,6 +222,14 @@ class Pipeline(FrameworkStream):
     def _before_close(self) -> None:
         self._blocked_s = self._producer_blocked()
         self._launcher.closing()  # (its shutdown may be put off: _spans)
+
+    def _after_shutdown(self) -> None:
+        # The launcher let go of the channel, and so does this object: the
+        # ring is unmapped once no batch holds it (a Segment unmaps as it is
+        # freed), not when this closed pipeline is collected.
+        if self._channel is not None:
+            self._slot_size_at_close = self._channel.slot_size
+            self._set_channel(None)
 
     def leftovers(self) -> list[str]:
         """After close(): whatever of this pipeline still runs (processes,
@@ -496,7 +511,10 @@ class Pipeline(FrameworkStream):
                     "started a new one (while this one waited for a batch)"
                 )
             assert self._channel is not None  # opened before the first get
-            return self._take_from(self._channel, it.pass_no, worker, wseq)
+            with self._reading:
+                if self._close_asked:  # from another thread: the channel may be gone
+                    raise PipelineClosedError("the pipeline was closed while waiting for a batch")
+                return self._take_from(self._channel, it.pass_no, worker, wseq)
 
     def _take_any(self, it: _PipelinePass, t0: int) -> Any:
         if self._channel is None:
@@ -767,7 +785,7 @@ class Pipeline(FrameworkStream):
 
     @property
     def slot_size(self) -> int | None:
-        made = self._channel.slot_size if self._channel is not None else None
+        made = self._channel.slot_size if self._channel is not None else self._slot_size_at_close
         return made if made is not None else self.options.slot_size
 
     def __repr__(self) -> str:

@@ -39,6 +39,10 @@ __all__ = ["POLL_S", "BatchStream", "Had", "Pass", "TrainerPosition"]
 #: what may end it (a producer's or a rank's death, a close from another
 #: thread, the deadline): also the longest a death can go unnoticed.
 POLL_S = 0.1
+#: How long a close() waits for a take in progress in another thread to end
+#: before it shuts the channel down under it (see BatchStream._own): a read
+#: of the channel waits POLL_S at most.
+TAKES_END_WITHIN_S = 5.0
 
 
 _Stream = TypeVar("_Stream", bound="BatchStream")
@@ -264,12 +268,20 @@ class BatchStream(abc.ABC):
         #: CorruptChannelError, ValueError or IndexError)
         self._spans = TeardownAfterSpans()
 
-    def _own(self, shutdown: Callable[[], None]) -> None:
+    def _own(self, shutdown: Callable[[], None], takes: threading.RLock | None = None) -> None:
         """From now on close() (or the stream's collection, if it is
         forgotten) runs the close hooks, then `shutdown`, once. `shutdown`
         must not refer to the stream, or the stream would never be
-        collected."""
-        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, shutdown, self._owner_pid)
+        collected. `takes`: the lock a take holds while it reads the
+        channel; `shutdown` runs under it, so a close() from another thread
+        never destroys a channel under a get() in progress (a transport's
+        get reading a descriptor its destroy closed, whose number the
+        system may have given to another file meanwhile). A read holds it
+        for POLL_S at most; the close waits TAKES_END_WITHIN_S at most, then
+        shuts down all the same. Reentrant: a signal handler's close() in
+        the thread that holds it runs at once, as it did without it (where
+        _spans does not put it off)."""
+        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, shutdown, self._owner_pid, takes)
         _live.add(self)
 
     # -- configuration --------------------------------------------------------
@@ -315,9 +327,14 @@ class BatchStream(abc.ABC):
         self._closed = self._close_asked = True
         if self._finalizer is not None and not self._spans.defer(self._finalizer):
             self._finalizer()
+            self._after_shutdown()
 
     def _before_close(self) -> None:
         """What the subclass notes while it is still open (once)."""
+
+    def _after_shutdown(self) -> None:
+        """What the subclass lets go of once close() shut it down (each
+        close: idempotent). Not where the shutdown was put off (_spans)."""
 
     @property
     def closed(self) -> bool:
@@ -571,18 +588,30 @@ class BatchStream(abc.ABC):
         )
 
 
-def _shut_down(close_hooks: list[Callable[[], None]], shutdown: Callable[[], None], owner_pid: int) -> None:
-    """A stream's end: its close hooks, then what it owns. A function, not a
-    method: the finalizer must not keep the stream alive. In a process
-    forked from the owner (where finalizers run at exit too) it does
-    nothing: the producers, the memory and the sockets are the parent's."""
+def _shut_down(
+    close_hooks: list[Callable[[], None]],
+    shutdown: Callable[[], None],
+    owner_pid: int,
+    takes: threading.RLock | None,
+) -> None:
+    """A stream's end: its close hooks, then what it owns, once no take is
+    in progress (see _own). A function, not a method: the finalizer must
+    not keep the stream alive. In a process forked from the owner (where
+    finalizers run at exit too) it does nothing: the producers, the memory
+    and the sockets are the parent's."""
     if os.getpid() != owner_pid:
         return
     try:
         while close_hooks:
             close_hooks.pop()()
     finally:
-        shutdown()
+        took = takes is not None and takes.acquire(timeout=TAKES_END_WITHIN_S)
+        try:
+            shutdown()
+        finally:
+            if took:
+                assert takes is not None
+                takes.release()
 
 
 #: Every open stream of this process, for the fork handler below.

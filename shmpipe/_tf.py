@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ import numpy as np
 from shmpipe._codec import aligned_empty
 from shmpipe._stream import BatchStream, Pass, TrainerPosition
 from shmpipe._tree import all_strings, leaves_with_paths, map_leaves_with_paths
-from shmpipe.errors import BatchTypeError, ShmpipeValueError, ShmpipeWarning, out_of_range
+from shmpipe.errors import BatchTypeError, PipelineClosedError, ShmpipeValueError, ShmpipeWarning, out_of_range
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -160,18 +161,34 @@ def _first_axis_unknown(signature: Any) -> Any:
     return tf.nest.map_structure(relax, signature)
 
 
+class _Owner:
+    """What a dataset of to_tf_dataset() keeps alive: its pipeline, and the
+    pass begun to peek at its first batches. The dataset holds it (an
+    attribute; datasets made from it, and their iterators, hold that one);
+    the generator function only refers to it weakly: TensorFlow keeps the
+    functions of from_generator for the life of the process (eager mode
+    registers them with the global default graph), and a strong reference
+    from there kept every such pipeline, closed or forgotten, from being
+    collected: its ring stayed mapped, a forgotten one's producers ran on."""
+
+    __slots__ = ("__weakref__", "peeked", "pipe")
+
+    def __init__(self, pipe: BatchStream, peeked: _Peeked | None) -> None:
+        self.pipe, self.peeked = pipe, peeked
+
+
 class _Feeder:
     """The generator function tf.data calls once per iteration: each call
     runs a new pass of the pipeline (the first may start with batches that
     were peeked to infer the signature)."""
 
-    def __init__(self, pipe: BatchStream, signature: Any, peeked: _Peeked | None) -> None:
-        self.pipe = pipe
+    def __init__(self, owner: _Owner, signature: Any) -> None:
+        self._owner = weakref.ref(owner)
+        pipe = owner.pipe
         # The most slots TensorFlow may hold with the producers still sure
         # to deliver the batch it waits for (see ChannelSpec.consumer_may_hold).
         self.limit = pipe.consumer_may_hold
         self.check = _check_leaf(signature)
-        self.peeked = peeked  # the batches of a pass already started, taken to infer the signature
         self.warned = False
         self.copying = False  # TensorFlow held every slot and did not let go
         # A wait of RELEASE_WAIT_S ended with TensorFlow still holding too
@@ -182,9 +199,23 @@ class _Feeder:
         # first step's compilation) does not make a dataset copy for good.
         self.waited_in_vain = False
 
+    def _live_owner(self) -> _Owner:
+        owner = self._owner()
+        if owner is None:
+            raise PipelineClosedError(
+                "the pipeline of this tf.data.Dataset was collected: nothing referred to it or to the "
+                "dataset to_tf_dataset() made (keep one of them while TensorFlow iterates)"
+            )
+        return owner
+
+    @property
+    def pipe(self) -> BatchStream:
+        return self._live_owner().pipe
+
     def __call__(self) -> _FeederPass:
         self.waited_in_vain = False
-        peeked, self.peeked = self.peeked, None
+        owner = self._live_owner()
+        peeked, owner.peeked = owner.peeked, None
         if peeked is None:
             it = iter(self.pipe)
             assert isinstance(it, Pass)  # what a stream's iter() makes
@@ -376,7 +407,9 @@ def to_tf_dataset(
             # tf.data's batch(drop_remainder=False).
             output_signature = _first_axis_unknown(output_signature)
         peeked = _Peeked(it, first, position)
-    ds = tf.data.Dataset.from_generator(_Feeder(pipe, output_signature, peeked), output_signature=output_signature)
+    owner = _Owner(pipe, peeked)
+    ds = tf.data.Dataset.from_generator(_Feeder(owner, output_signature), output_signature=output_signature)
+    ds._shmpipe_owner = owner  # the dataset keeps its pipeline, TensorFlow's registry does not (_Owner)
     if batches_per_pass is not None:
         if type(batches_per_pass) is not int or batches_per_pass < 1:
             raise out_of_range(f"batches_per_pass must be a positive int, got {batches_per_pass!r}", batches_per_pass)
@@ -387,5 +420,6 @@ def to_tf_dataset(
         # The final hop: TensorFlow copies each element to the device in the
         # background, so the copy overlaps the training step.
         ds = ds.apply(tf.data.experimental.prefetch_to_device(device))
+    ds._shmpipe_owner = owner
     return ds
 

@@ -378,7 +378,10 @@ class ConsumerEnd(abc.ABC):
 
     @abc.abstractmethod
     def destroy(self) -> None:
-        """Free what open() made. Idempotent; delivered batches stay valid."""
+        """Free what open() made. Idempotent; delivered batches stay valid.
+        Never called while a get() or take_ready() runs: a close() from
+        another thread waits for the one in progress to return (each
+        returns within its ``wait``), so nothing is closed under a read."""
 
     def held(self) -> int | None:
         """How many delivered batches still hold a place of the channel (a

@@ -891,3 +891,26 @@ def test_a_truncated_datagram_on_the_outbox_is_an_error(big_ring, shape):
     with pytest.raises(CorruptChannelError, match="malformed message"):
         big_ring.c._pump()
     assert not big_ring.c.regions.table and not batch_descriptors()
+
+
+def ring_mappings() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line.split()[0] for line in f if "memfd:shmpipe-ring" in line]
+
+
+def test_a_closed_pipeline_unmaps_its_ring_once_no_batch_holds_it():
+    # A Segment unmaps as it is freed: a closed pipeline that kept its
+    # channel kept capacity x slot_size mapped for as long as the object
+    # lived (`with ... as pipe:` then pipe.stats(): helper 58, 91 MiB).
+    before = ring_mappings()
+    with shmpipe.from_iterators([Counter(20, shape=(1 << 16,))] * 2, capacity=4, timeout=60) as pipe:
+        it = iter(pipe)
+        kept = [next(it) for _ in range(3)][-1]
+        del it
+        slot_size = pipe.slot_size
+        assert len(ring_mappings()) == len(before) + 1
+    assert pipe.stats().batches == 3 and pipe.slot_size == slot_size
+    assert len(ring_mappings()) == len(before) + 1, "a batch held keeps the ring mapped"
+    np.testing.assert_array_equal(kept["data"], payload_for(kept["worker"], kept["seq"], (1 << 16,)))
+    del kept
+    assert ring_mappings() == before, "the closed pipeline kept its ring mapped"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import weakref
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -13,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import shmpipe
-from shmpipe import _tf
+from shmpipe import _process, _tf
 from shmpipe.testing.sources import Counter, Fixed, LinearXY, Stamped, payload_for
 
 T = 60.0
@@ -241,6 +242,32 @@ def test_each_iteration_of_the_dataset_is_a_new_pass():
             got = sorted((int(e["worker"]), int(e["seq"])) for e in ds)
             assert got == [(w, s) for w in range(2) for s in range(5)]
         assert pipe.stats().passes == 3
+
+
+def test_a_forgotten_dataset_takes_its_pipeline_with_it():
+    # TensorFlow keeps from_generator's function for the life of the
+    # process (eager mode files it with the global default graph): when the
+    # function held the pipeline, no pipeline made into a dataset was ever
+    # collected, its ring stayed mapped, a forgotten one's producers ran on
+    # (helper 58: 5 datasets forgotten, 10 producers running).
+    pipe = shmpipe.from_iterators([Counter(5)] * 2, capacity=16, timeout=T)
+    pids = [p for p in pipe.pids if p is not None]
+    ds = pipe.to_tf_dataset()
+    assert len(list(ds)) == 10
+    collected = weakref.ref(pipe)
+    del pipe
+    # The dataset alone keeps it, and what is made from the dataset does.
+    gc.collect()
+    ds = ds.map(lambda e: e["seq"]).batch(4)
+    gc.collect()
+    assert sorted(int(x) for b in ds for x in b) == sorted(list(range(5)) * 2)
+    del ds
+    gc.collect()
+    assert collected() is None, "the pipeline outlived its dataset"
+    deadline = time.monotonic() + 30
+    while any(_process.process_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_process.process_start_time(p) is None for p in pids), "its producers ran on"
 
 
 def test_dimensions_that_vary_become_none_and_surprises_are_clear():

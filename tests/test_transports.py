@@ -122,6 +122,42 @@ def test_a_transport_that_checks_batches_itself_is_taken_at_its_word():
                 list(pipe)
 
 
+class _RunsCode:
+    """A pickle whose loading would run a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_the_example_transport_loads_no_code_written_into_its_sockets(tmp_path):
+    # Any process of the user can write into a producer's socket through
+    # /proc/<pid>/fd: what comes out of it is data, never code to run.
+    import multiprocessing
+    import pickle
+    import struct
+
+    consumer = PipeTransport().open(ChannelSpec(num_workers=1, capacity=2, ordered=False, mp_context=multiprocessing))
+    try:
+        theirs = consumer.handle.socks[0]
+        good = pickle.dumps((0, "batch", {"x": np.arange(3, dtype=">i4")}), protocol=5)
+        theirs.sendall(struct.pack("!Q", len(good)) + good)
+        batch = consumer.get(0, -1, 0, 5.0)
+        assert batch["x"].dtype == np.dtype(">i4") and batch["x"].tolist() == [0, 1, 2]
+        marker = tmp_path / "ran"
+        evil = pickle.dumps((0, "batch", _RunsCode(marker)), protocol=5)
+        theirs.sendall(struct.pack("!Q", len(evil)) + evil)
+        with pytest.raises(CorruptChannelError, match="names posix.system"):
+            consumer.get(0, -1, 0, 5.0)
+        assert not marker.exists()
+    finally:
+        consumer.destroy()
+
+
 def test_arrow_bad_batches_and_corrupt_payloads():
     with pytest.raises(BatchTypeError) as info:
         arrow.encode({"x": [1, {"y": object()}]})

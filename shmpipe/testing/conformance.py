@@ -20,7 +20,9 @@ test); there is no other way to opt out.
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +46,8 @@ from shmpipe.testing.sources import (
     Progress,
     Raiser,
     Reserver,
+    Shapes,
+    Sleeper,
     Stamped,
     payload_for,
     produced,
@@ -141,6 +145,18 @@ class TransportConformance:
             for w in range(n):
                 assert [s for ww, s in seen if ww == w] == list(range(per))
         assert stats.batches == n * per and stats.per_worker_batches == (per,) * n
+
+    def test_batches_at_the_edge_of_the_contract(self, transport: TransportArg) -> None:
+        # Whole batches that are a bare None, empty, a zero or arrays with a
+        # 0-length axis: each is a batch (a transport whose "nothing came"
+        # is None must not take a None batch for it).
+        edge = [None, {}, [], (), 0, "", b"", np.zeros((0, 5), np.float32), np.float64(-0.0), None]
+        edge += [{"x": None, "y": [np.zeros((3, 0, 2), np.int8), ()]}]
+        with self.pipe(transport, [Fixed(edge)]) as pipe:
+            got = list(pipe)
+        assert len(got) == len(edge), f"{len(got)} of {len(edge)} batches came: {got!r}"
+        for batch, want in zip(got, edge, strict=True):
+            assert_same(batch, want)
 
     def test_ordered_skips_exhausted_workers(self, transport: TransportArg) -> None:
         with self.pipe(transport, [Counter(3), Counter(5), Counter(1)], ordered=True) as pipe:
@@ -271,6 +287,54 @@ class TransportConformance:
                     pass
         assert info.value.worker_id == 0
         assert pipe.closed
+
+    def test_producer_death_half_way_through_a_batch(self, transport: TransportArg) -> None:
+        # The producer is killed while it puts a 16 MiB batch the consumer
+        # is not reading yet (more than any pipe or socket buffers): what it
+        # wrote of it must not hold the consumer, past the timeout or at all.
+        caps = self.caps(transport)
+        if caps.cross_host:
+            pytest.skip("the producers may run on other machines: no pid to kill")
+        shapes: list[tuple[int, ...]] = [(1 << 22,)] * 1000  # float32: 16 MiB a batch
+        with pytest.raises((shmpipe.WorkerDiedError, shmpipe.PipelineTimeoutError)) as info:
+            with self.pipe(transport, [Shapes(shapes, np.float32)], capacity=2, timeout=10) as pipe:
+                for i, _ in enumerate(pipe):
+                    if i == 1:
+                        time.sleep(0.5)  # the producer is in put(), blocked
+                        pid = pipe.pids[0]
+                        assert pid is not None
+                        os.kill(pid, signal.SIGKILL)
+                        killed = time.monotonic()
+        waited = time.monotonic() - killed
+        assert isinstance(info.value, shmpipe.WorkerDiedError), f"the death was not seen: {info.value}"
+        assert waited < 5.0, f"the death was seen {waited:.1f} s after the kill"
+
+    def test_close_from_another_thread_ends_a_wait(self, transport: TransportArg) -> None:
+        # close() while the consumer's thread waits in get(): the wait ends
+        # in PipelineClosedError, never in what the transport's destroy()
+        # would make a read under it raise (a closed descriptor's OSError).
+        pipe = self.pipe(transport, [Sleeper(60.0)] * 2, timeout=30)
+        outcome: list[BaseException | None] = []
+
+        def consume() -> None:
+            try:
+                for _ in pipe:
+                    pass
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - what the wait ended in is the test's
+                outcome.append(exc)
+
+        with pipe:
+            reader = threading.Thread(target=consume)
+            reader.start()
+            time.sleep(1.0)  # the first batches are in, then nothing for a minute
+            t0 = time.monotonic()
+            pipe.close()
+            reader.join(10)
+        assert not reader.is_alive(), "the wait went on after close()"
+        assert len(outcome) == 1 and isinstance(outcome[0], shmpipe.PipelineClosedError), outcome
+        assert time.monotonic() - t0 < 10
+        assert pipe.leftovers() == []
 
     # -- clean-up --------------------------------------------------------------
 

@@ -136,6 +136,9 @@ READ_BYTES = 4 << 20
 READ_CALLS = 256
 
 _TOKEN = b"t"
+#: What _take returns when no frame is there for the get(): not None, which
+#: is a batch of its own (the batch contract allows a bare None).
+_NOTHING = object()
 #: How long destroy() waits for a get() in another thread to let go of the
 #: descriptors before it leaves them open rather than close them under it.
 DESTROY_WAIT_S = 5.0
@@ -570,7 +573,7 @@ class QueueConsumer(ConsumerEnd):
 
     def _take(self, pass_no: int, worker: int) -> Any:
         """The next whole frame for this get(), as what get() returns, or
-        None. Frames of other passes are dropped (their place given back)."""
+        _NOTHING. Frames of other passes are dropped (their place given back)."""
         arrived = self._arrived[worker if self.ordered else 0]
         while arrived:
             w, kind, p, body = arrived.popleft()
@@ -600,7 +603,7 @@ class QueueConsumer(ConsumerEnd):
             return payload
         if worker < 0 and len(self.ended) == self.num_workers:
             return END
-        return None
+        return _NOTHING
 
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         deadline = time.monotonic() + wait
@@ -608,7 +611,7 @@ class QueueConsumer(ConsumerEnd):
             polled = False
             while not self._closed:
                 found = self._take(pass_no, worker)
-                if found is not None:
+                if found is not _NOTHING:
                     return found
                 if self._broken is not None:
                     raise CorruptChannelError(self._broken)

@@ -1,25 +1,47 @@
-"""An example transport: one pipe per producer, credits for backpressure.
+"""An example transport: one socket pair per producer, credits for backpressure.
 
 Read shmpipe/transport.py's docstring first: it is the contract this
-implements. About a hundred lines: open() makes the pipes, attach() picks a
-producer's end, put() waits for a credit, get() waits on the pipes.
+implements. open() makes the sockets, attach() picks a producer's end,
+put() waits for a credit and writes a frame, get() reads frames.
 
-What the brevity costs: get() reads a message with ``recv_bytes``, which
-blocks until the whole message is there, so a producer killed half way
-through writing one leaves the consumer waiting for the rest, past any
-``timeout=``. shmpipe's own "queue" transport (shmpipe/transports/queue.py)
-shows the robust way: frames read from non-blocking descriptors, whole
-frames only handed on, and ``get`` always back within its ``wait``.
+What every transport must get right, and how this one does it:
+
+- *A producer can die at any moment, half way through writing a batch.*
+  get() never blocks on a read: the consumer's sockets are non-blocking,
+  get() reads whatever bytes have arrived into a buffer per producer and
+  hands on whole frames only (the body's length, 8 bytes, then the body).
+  A frame cut short by a death stays in its buffer, get() returns AGAIN
+  within its ``wait``, and shmpipe, which watches the processes, raises
+  ``WorkerDiedError``. (``Connection.recv_bytes`` would wait for the rest of
+  the message for ever, past any ``timeout=``.)
+- *What arrives is untrusted input*: any process of the user can write into
+  a producer's socket through ``/proc/<pid>/fd``. A frame is a pickle
+  (protocol 5: short code, for an example), loaded by an unpickler that
+  makes NumPy arrays, dtypes and scalars and nothing else that names code
+  (a pickle names the code its loading runs); any other frame is a
+  ``CorruptChannelError``. shmpipe's own transports decode their own
+  encoding instead, checking every length.
+- *close() from another thread* while get() waits: shmpipe runs ``destroy``
+  only once the get() in progress has returned, so no socket is closed
+  under a read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import multiprocessing.connection
 import pickle
+import socket
+import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from shmpipe.errors import CorruptChannelError
 from shmpipe.transport import (
     AGAIN,
     END,
@@ -33,46 +55,52 @@ from shmpipe.transport import (
 
 __all__ = ["PipeTransport"]
 
-CHECK_S = 0.1  # how long a waiting put() sleeps before it asks control.check()
+CHECK_S = 0.1  # how long a put() waiting for a credit sleeps before it asks control.check()
+FRAME = struct.Struct("!Q")  # a frame: its body's length, then the body
+MAX_FRAME = 1 << 40  # a longer frame is someone else's writing, not a batch
+READ_BYTES = 1 << 20  # what one recv() takes at most
 
 
 @dataclass
 class PipeHandle:
-    conns: list  # the producers' ends, one per worker
+    socks: list  # the producers' ends, one per worker
     credits: int  # batches a producer may have sent but not yet taken
 
 
 class PipeTransport(Transport):
     name = "example-pipe"
-    capabilities = Capabilities(serializes="pickle (protocol 5) through a pipe per producer")
+    capabilities = Capabilities(serializes="pickle (protocol 5, NumPy only) through a socket per producer")
 
     def open(self, spec: ChannelSpec) -> PipeConsumer:
         return PipeConsumer(spec)
 
     def attach(self, handle: PipeHandle, worker: int, control: ProducerControl) -> PipeProducer:
-        return PipeProducer(handle.conns[worker], handle.credits, control)
+        return PipeProducer(handle.socks[worker], handle.credits, control)
 
 
 class PipeProducer(ProducerEnd):
-    def __init__(self, conn, credits: int, control: ProducerControl) -> None:
-        self.conn, self.credits, self.control = conn, credits, control
+    def __init__(self, sock: socket.socket, credits: int, control: ProducerControl) -> None:
+        self.sock, self.credits, self.control = sock, credits, control
         self.pass_no = 0
 
     def start_pass(self, pass_no: int, first_wseq: int = 0) -> None:
         self.pass_no = pass_no  # first_wseq is always 0: this transport does not restart producers
 
+    def _collect_credits(self, wait: float) -> None:
+        if multiprocessing.connection.wait([self.sock], wait):
+            with contextlib.suppress(BlockingIOError):
+                self.credits += len(self.sock.recv(4096, socket.MSG_DONTWAIT))  # a byte a credit
+
     def _send(self, kind: str, payload: Any) -> None:
+        self._collect_credits(0)
         while self.credits == 0:  # backpressure: wait for the consumer to take one
             self.control.check()  # raises if a new pass started or we are closing
-            if self.conn.poll(CHECK_S):
-                self.conn.recv_bytes()
-                self.credits += 1
-        while self.conn.poll():  # collect credits that came back meanwhile
-            self.conn.recv_bytes()
-            self.credits += 1
-        # Protocol 5 explicitly: Connection.send() would use protocol 4, which
-        # NumPy 2.4 answers with native byte order for big-endian arrays.
-        self.conn.send_bytes(pickle.dumps((self.pass_no, kind, payload), protocol=5))
+            self._collect_credits(CHECK_S)
+        # Protocol 5 explicitly: protocol 4 gives big-endian arrays back in
+        # native byte order (NumPy 2.4).
+        body = pickle.dumps((self.pass_no, kind, payload), protocol=5)
+        self.sock.sendall(FRAME.pack(len(body)))
+        self.sock.sendall(body)  # blocks while the consumer does not read: a closed consumer ends it (EPIPE)
         self.credits -= 1
 
     def put(self, batch: Any) -> None:
@@ -82,52 +110,133 @@ class PipeProducer(ProducerEnd):
         self._send("end", None)
 
 
+class _BatchUnpickler(pickle.Unpickler):
+    """Makes NumPy arrays, dtypes and scalars, and nothing else that names code."""
+
+    ALLOWED = {
+        ("numpy", "dtype"),
+        ("numpy", "ndarray"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy._core.numeric", "_frombuffer"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        # An extension dtype's scalar type (ml_dtypes.bfloat16), from a
+        # module this process imported itself: nothing is imported by name.
+        found = getattr(sys.modules.get(module), name, None)
+        if isinstance(found, type) and issubclass(found, np.generic):
+            return found
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which no batch is made of")
+
+
+def _decode(body: bytes) -> tuple[int, str, Any]:
+    try:
+        pass_no, kind, payload = _BatchUnpickler(io.BytesIO(body)).load()
+        if type(pass_no) is not int or kind not in ("batch", "end"):
+            raise ValueError("not a (pass, kind, batch) message")
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes were, it is not a batch
+        raise CorruptChannelError(f"a frame that is not a batch ({type(exc).__name__}: {exc})") from None
+    return pass_no, kind, payload
+
+
 class PipeConsumer(ConsumerEnd):
     def __init__(self, spec: ChannelSpec) -> None:
-        pairs = [spec.mp_context.Pipe(duplex=True) for _ in range(spec.num_workers)]
-        self.conns = [ours for ours, _ in pairs]
+        pairs = [socket.socketpair() for _ in range(spec.num_workers)]
+        self.socks = [ours for ours, _ in pairs]
+        for sock in self.socks:
+            sock.setblocking(False)
         credits = spec.quota if spec.ordered else max(1, spec.capacity // spec.num_workers)
         self.handle = PipeHandle([theirs for _, theirs in pairs], credits)
+        self.buffers = [bytearray() for _ in self.socks]  # bytes of frames not yet whole
+        self.closed_by_peer: set[int] = set()  # workers whose socket said EOF
         self.ended: set[int] = set()
         self.pass_no = spec.first_pass
-        self.next_first = 0  # rotate which pipe is read first, for fairness
+        self.next_first = 0  # rotate which producer is read first, for fairness
+
+    def handle_delivered(self) -> None:
+        # Every producer has its end: ours go, so no other process can reach
+        # them through /proc/<our pid>/fd, and a producer's death is an EOF.
+        for sock in self.handle.socks:
+            sock.close()
 
     def begin_pass(self, pass_no: int) -> None:
         if pass_no != self.pass_no:
             self.pass_no, self.ended = pass_no, set()
 
+    def _read(self, w: int) -> None:
+        """What has arrived from worker `w`, into its buffer, without blocking."""
+        while True:
+            try:
+                data = self.socks[w].recv(READ_BYTES)
+            except BlockingIOError:
+                return
+            except ConnectionResetError:  # it died with our credits unread
+                data = b""
+            if not data:
+                self.closed_by_peer.add(w)  # (a frame it cut short stays unfinished: shmpipe sees the death)
+                return
+            self.buffers[w] += data
+
+    def _frame(self, w: int) -> bytes | None:
+        """Worker `w`'s next whole frame's body, taken off its buffer, or None."""
+        buf = self.buffers[w]
+        if len(buf) < FRAME.size:
+            return None
+        (n,) = FRAME.unpack_from(buf)
+        if n > MAX_FRAME:
+            raise CorruptChannelError(f"worker {w} sent a frame of {n} bytes")
+        if len(buf) < FRAME.size + n:
+            return None
+        body = bytes(buf[FRAME.size : FRAME.size + n])
+        del buf[: FRAME.size + n]
+        return body
+
     def get(self, pass_no: int, worker: int, wseq: int, wait: float) -> Any:
         deadline = time.monotonic() + wait
+        n = len(self.socks)
         while True:
             if worker >= 0:
                 candidates = [worker]
             else:
-                candidates = [w for w in range(len(self.conns)) if w not in self.ended]
+                candidates = [w for w in range(n) if w not in self.ended]
                 if not candidates:
                     return END
-            conns = [self.conns[w] for w in candidates]
-            ready = multiprocessing.connection.wait(conns, max(0.0, deadline - time.monotonic()))
-            if not ready:
-                return AGAIN
-            ready.sort(key=lambda c: (self.conns.index(c) - self.next_first) % len(self.conns))
-            conn = ready[0]
-            w = self.conns.index(conn)
-            self.next_first = (w + 1) % len(self.conns)
-            p, kind, payload = pickle.loads(conn.recv_bytes())
-            conn.send_bytes(b"")  # a credit back to the producer
-            if p != pass_no:
-                continue  # a batch of a pass no one reads any more
-            if kind == "end":
-                if worker >= 0:
-                    return END
-                self.ended.add(w)
-                continue
-            self.last_worker, self.last_nbytes = w, 0
-            return payload
+            candidates.sort(key=lambda w: (w - self.next_first) % n)
+            for w in candidates:
+                self._read(w)
+                body = self._frame(w)
+                if body is None:
+                    continue
+                self.next_first = (w + 1) % n
+                with contextlib.suppress(OSError):  # a credit back (a producer gone: nobody to tell)
+                    self.socks[w].send(b"c")
+                p, kind, payload = _decode(body)
+                if p != pass_no:
+                    break  # a batch of a pass no one reads any more: look again
+                if kind == "end":
+                    if worker >= 0:
+                        return END
+                    self.ended.add(w)
+                    break
+                self.last_worker, self.last_nbytes = w, len(body)
+                return payload
+            else:  # nothing whole: wait for bytes, within `wait`
+                left = deadline - time.monotonic()
+                live = [self.socks[w] for w in candidates if w not in self.closed_by_peer]
+                if left <= 0:
+                    return AGAIN
+                if not live:
+                    time.sleep(left)  # only dead producers to wait for: shmpipe sees the death
+                    return AGAIN
+                if not multiprocessing.connection.wait(live, left):
+                    return AGAIN
 
     def close(self) -> None:
         pass  # producers waiting for credits see "stop" through control.check()
 
     def destroy(self) -> None:
-        for conn in self.conns + self.handle.conns:
-            conn.close()
+        for sock in self.socks + self.handle.socks:
+            sock.close()  # (idempotent); a producer blocked writing gets EPIPE
