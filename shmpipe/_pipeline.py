@@ -156,16 +156,15 @@ class Pipeline(FrameworkStream):
         # a time, and a get is only made for the current pass: a get for an
         # old pass would take, or throw away, batches of the new one.
         self._consumer_lock = threading.Lock()
-        # Held while a take reads the channel (and only then, so a close()
-        # never waits for a producer's replacement): a close() from another
-        # thread shuts the channel down once the read in progress returned
-        # (BatchStream._own); the next take sees the close and reads nothing.
+        # Held while a take reads the channel, and only then (a close() never waits for a
+        # replacement's start): a close() from another thread shuts the channel down once the
+        # read in progress returned (BatchStream._own); the next take sees the close.
         self._reading = threading.RLock()
         self._failure: BaseException | None = None  # raised once published batches are out
         self._last_health_ns = self._counters.created_ns
         self._health_due_ns = self._last_health_ns + HEALTH_CHECK_NS  # the fast path's limit
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
-        self._channel: ConsumerEnd | None = None  # None while it waits for a first batch
+        self._channel: ConsumerEnd | None = None  # None before a first batch, and once closed
         self._take_ready: Callable[..., Any] | None = None  # the channel's fast path, where offered
         self._slot_size_at_close: int | None = None
         transport = options.transport
@@ -224,9 +223,8 @@ class Pipeline(FrameworkStream):
         self._launcher.closing()  # (its shutdown may be put off: _spans)
 
     def _after_shutdown(self) -> None:
-        # The launcher let go of the channel, and so does this object: the
-        # ring is unmapped once no batch holds it (a Segment unmaps as it is
-        # freed), not when this closed pipeline is collected.
+        # The launcher let go of the channel; so does this object: the ring is unmapped once no
+        # batch holds it (a Segment unmaps as it is freed), not when this pipeline is collected.
         if self._channel is not None:
             self._slot_size_at_close = self._channel.slot_size
             self._set_channel(None)
@@ -411,8 +409,8 @@ class Pipeline(FrameworkStream):
             if not self._closed:
                 self._close_and_raise(exc)
             raise
-        channel = self._channel
-        assert channel is not None  # a batch came through it
+        if (channel := self._channel) is None:  # a close() from another thread let go of it since
+            raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         return batch, channel.last_nbytes, channel.last_worker
 
     def _take_first(self, it: _PipelinePass, t0: int) -> tuple[Any, int, int] | None:
@@ -621,6 +619,8 @@ class Pipeline(FrameworkStream):
 
     def _open_channel(self) -> ConsumerEnd | None:
         """The launcher's channel once open (a producer gone by then: replaced). Under the consumer lock."""
+        if self._close_asked:  # (None is also a closed pipeline's channel: _after_shutdown)
+            raise PipelineClosedError("the pipeline was closed while waiting for a batch")
         try:
             return self._launcher.open_channel(POLL_S)
         except WorkerDiedError as death:
@@ -780,7 +780,7 @@ class Pipeline(FrameworkStream):
     @property
     def channel(self) -> ConsumerEnd | None:
         """The transport's ConsumerEnd (None until the first batch for
-        transports sized by it). For diagnostics, adapters and tests."""
+        transports sized by it, and once closed). For diagnostics, adapters and tests."""
         return self._channel
 
     @property

@@ -248,9 +248,13 @@ class BatchStream(abc.ABC):
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._owner_pid = os.getpid()
         self._forked_from: int | None = None  # set in a child forked from the owner
-        #: the error that stopped the pipeline (a producer's), for what a use
-        #: after it says
-        self._stopped_by: BaseException | None = None
+        #: What a failure's close stopped the stream at ("Type: first line"),
+        #: for what a use after it says: words, not the exception, whose
+        #: traceback's frames hold the channel.
+        self._stopped_by: str | None = None
+        #: What adapters made of the stream keep alive while it lives
+        #: (to_tf_dataset's owners: _tf._Owner says why).
+        self._adapters_keep: list[Any] = []
         #: The pass's batches that the trainer has had, where an adapter
         #: takes them ahead of it (_position_for_adapter); None: all it took.
         self._trainer_position: TrainerPosition | None = None
@@ -325,16 +329,20 @@ class BatchStream(abc.ABC):
         if not self._closed:
             self._before_close()
         self._closed = self._close_asked = True
-        if self._finalizer is not None and not self._spans.defer(self._finalizer):
-            self._finalizer()
-            self._after_shutdown()
+        if self._finalizer is not None and not self._spans.defer(self._shut_down_now):
+            self._shut_down_now()
+
+    def _shut_down_now(self) -> None:
+        assert self._finalizer is not None
+        self._finalizer()
+        self._after_shutdown()
 
     def _before_close(self) -> None:
         """What the subclass notes while it is still open (once)."""
 
     def _after_shutdown(self) -> None:
         """What the subclass lets go of once close() shut it down (each
-        close: idempotent). Not where the shutdown was put off (_spans)."""
+        close: idempotent; a close put off by _spans: at the span's end)."""
 
     @property
     def closed(self) -> bool:
@@ -514,7 +522,8 @@ class BatchStream(abc.ABC):
         (a signal handler's, inside the very take that found `exc`)."""
         if self._close_asked:
             raise PipelineClosedError("the pipeline was closed") from exc
-        self._stopped_by = exc
+        first_line = str(exc).partition("\n")[0]
+        self._stopped_by = f"{type(exc).__name__}: {first_line}"
         self.close()
         raise exc
 
@@ -525,10 +534,7 @@ class BatchStream(abc.ABC):
                 "it (its batches and slots are the parent's): make a pipeline of its own in the child"
             )
         if self._stopped_by is not None:
-            first_line = str(self._stopped_by).partition("\n")[0]
-            raise PipelineClosedError(
-                f"this pipeline is closed: it stopped at {type(self._stopped_by).__name__}: {first_line}"
-            )
+            raise PipelineClosedError(f"this pipeline is closed: it stopped at {self._stopped_by}")
         raise PipelineClosedError("this pipeline is closed")
 
     def _raise_if_timed_out(self, t0: int, now: int, why: Callable[[], str]) -> None:

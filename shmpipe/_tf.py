@@ -162,14 +162,17 @@ def _first_axis_unknown(signature: Any) -> Any:
 
 
 class _Owner:
-    """What a dataset of to_tf_dataset() keeps alive: its pipeline, and the
-    pass begun to peek at its first batches. The dataset holds it (an
-    attribute; datasets made from it, and their iterators, hold that one);
-    the generator function only refers to it weakly: TensorFlow keeps the
-    functions of from_generator for the life of the process (eager mode
-    registers them with the global default graph), and a strong reference
-    from there kept every such pipeline, closed or forgotten, from being
-    collected: its ring stayed mapped, a forgotten one's producers ran on."""
+    """What a dataset of to_tf_dataset() needs: its pipeline, and the pass
+    begun to peek at its first batches. The dataset holds it (an attribute;
+    datasets made from it, and their iterators, hold that one), and so does
+    the pipeline (a dataset TensorFlow rebuilds from its graph, in a
+    flat_map's function say, keeps no Python object); the generator
+    function refers to it only weakly: TensorFlow keeps the functions of
+    from_generator for the life of the process (eager mode files them with
+    the global default graph), and a strong reference from there kept every
+    such pipeline, closed or forgotten, from being collected: its ring
+    stayed mapped, a forgotten one's producers ran on. (Pipeline and owner
+    refer to each other: the collector takes both once neither is used.)"""
 
     __slots__ = ("__weakref__", "peeked", "pipe")
 
@@ -203,8 +206,8 @@ class _Feeder:
         owner = self._owner()
         if owner is None:
             raise PipelineClosedError(
-                "the pipeline of this tf.data.Dataset was collected: nothing referred to it or to the "
-                "dataset to_tf_dataset() made (keep one of them while TensorFlow iterates)"
+                "the pipeline of this tf.data.Dataset was collected: nothing referred to the pipeline or to "
+                "the dataset its to_tf_dataset() made any more (keep one of them while TensorFlow iterates)"
             )
         return owner
 
@@ -408,6 +411,7 @@ def to_tf_dataset(
             output_signature = _first_axis_unknown(output_signature)
         peeked = _Peeked(it, first, position)
     owner = _Owner(pipe, peeked)
+    pipe._adapters_keep.append(owner)
     ds = tf.data.Dataset.from_generator(_Feeder(owner, output_signature), output_signature=output_signature)
     ds._shmpipe_owner = owner  # the dataset keeps its pipeline, TensorFlow's registry does not (_Owner)
     if batches_per_pass is not None:

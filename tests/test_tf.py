@@ -268,6 +268,10 @@ def test_a_forgotten_dataset_takes_its_pipeline_with_it():
     while any(_process.process_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(_process.process_start_time(p) is None for p in pids), "its producers ran on"
+    # A dataset made inside a function TensorFlow traces keeps no Python
+    # object of it: the pipeline, held here, keeps what it needs.
+    with shmpipe.from_iterators([Counter(5)] * 2, capacity=16, timeout=T) as held:
+        assert len(list(tf.data.Dataset.range(1).flat_map(lambda _: held.to_tf_dataset()))) == 10
 
 
 def test_dimensions_that_vary_become_none_and_surprises_are_clear():

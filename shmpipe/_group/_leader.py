@@ -3,8 +3,7 @@
 It runs the group's pipeline (a DealingPipeline: its batches come
 undecoded), listens for the ranks, and has two threads: the service thread
 (joins, releases, barriers, deaths: it alone reads sockets) and the
-dispatch thread (dealing rounds of batches). See the package doc.
-"""
+dispatch thread (dealing rounds of batches). See the package doc."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from shmpipe.errors import (
     GroupError,
     GroupLaunchError,
     GroupStartError,
+    PipelineClosedError,
     RankDiedError,
     ShmpipeWarning,
     users_stacklevel,
@@ -576,11 +576,12 @@ class Leader:
         self._check_starts(pass_no)
         for batch in batches:
             channel = self.pipe.channel
-            assert channel is not None
+            if channel is None:  # closed from another thread since the take (Pipeline._after_shutdown)
+                raise PipelineClosedError("the pipeline was closed")
             current.append((batch, channel.last_worker, channel.last_nbytes))
             del batch
             if not self.ring_shared:
-                self._share_ring()
+                self._share_ring(channel)
             if len(current) == self.n:
                 self._deal(pass_no, current)
         # The schedule's pass begun last is this one: the next begins only
@@ -657,12 +658,11 @@ class Leader:
                     )
         return all(b >= pass_no for b in self.begun)
 
-    def _share_ring(self) -> None:
+    def _share_ring(self, channel: ConsumerEnd) -> None:
         """Sends every rank the ring's geometry and a descriptor of its
         memory (once, after the first batch is recorded: the ring of a
         transport sized by its first batch exists only then)."""
         self.ring_shared = True
-        channel = self.pipe.channel
         assert isinstance(channel, SharingConsumerEnd)
         share, fds = channel.share_with_ranks()
         try:

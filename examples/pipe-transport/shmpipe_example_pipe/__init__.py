@@ -100,7 +100,7 @@ class PipeProducer(ProducerEnd):
         # native byte order (NumPy 2.4).
         body = pickle.dumps((self.pass_no, kind, payload), protocol=5)
         self.sock.sendall(FRAME.pack(len(body)))
-        self.sock.sendall(body)  # blocks while the consumer does not read: a closed consumer ends it (EPIPE)
+        self.sock.sendall(body)  # blocks while the consumer does not read (at close: EPIPE, or shmpipe's SIGTERM)
         self.credits -= 1
 
     def put(self, batch: Any) -> None:
@@ -152,6 +152,7 @@ class PipeConsumer(ConsumerEnd):
         self.handle = PipeHandle([theirs for _, theirs in pairs], credits)
         self.buffers = [bytearray() for _ in self.socks]  # bytes of frames not yet whole
         self.closed_by_peer: set[int] = set()  # workers whose socket said EOF
+        self.owed = [0] * len(self.socks)  # credits taken, not sent back yet (a full socket: at the next get)
         self.ended: set[int] = set()
         self.pass_no = spec.first_pass
         self.next_first = 0  # rotate which producer is read first, for fairness
@@ -165,6 +166,16 @@ class PipeConsumer(ConsumerEnd):
     def begin_pass(self, pass_no: int) -> None:
         if pass_no != self.pass_no:
             self.pass_no, self.ended = pass_no, set()
+
+    def _give_credits(self, w: int) -> None:
+        """Worker `w`'s credits back, as many as its socket takes now."""
+        if self.owed[w]:
+            try:
+                self.owed[w] -= self.socks[w].send(b"c" * self.owed[w])
+            except BlockingIOError:
+                pass  # it reads them later; the next get sends the rest
+            except OSError:
+                self.owed[w] = 0  # the producer is gone: nobody to tell
 
     def _read(self, w: int) -> None:
         """What has arrived from worker `w`, into its buffer, without blocking."""
@@ -206,13 +217,14 @@ class PipeConsumer(ConsumerEnd):
                     return END
             candidates.sort(key=lambda w: (w - self.next_first) % n)
             for w in candidates:
+                self._give_credits(w)
                 self._read(w)
                 body = self._frame(w)
                 if body is None:
                     continue
                 self.next_first = (w + 1) % n
-                with contextlib.suppress(OSError):  # a credit back (a producer gone: nobody to tell)
-                    self.socks[w].send(b"c")
+                self.owed[w] += 1  # a credit back
+                self._give_credits(w)
                 p, kind, payload = _decode(body)
                 if p != pass_no:
                     break  # a batch of a pass no one reads any more: look again
@@ -238,5 +250,8 @@ class PipeConsumer(ConsumerEnd):
         pass  # producers waiting for credits see "stop" through control.check()
 
     def destroy(self) -> None:
+        # (Idempotent.) A producer blocked writing gets EPIPE, where no
+        # other process holds our ends: with start_method="fork", its
+        # siblings inherited them, and shmpipe's SIGTERM ends it instead.
         for sock in self.socks + self.handle.socks:
-            sock.close()  # (idempotent); a producer blocked writing gets EPIPE
+            sock.close()
