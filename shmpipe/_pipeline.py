@@ -747,7 +747,7 @@ class Pipeline(FrameworkStream):
         if now - t0 >= STALL_WARNING_NS and self._stall_warned != self._pass_no:  # once per pass
             if warn_if_held_up_by_consumer(self._channel, self._spec.consumer_may_hold, self.capacity, now - t0):
                 self._stall_warned = self._pass_no
-        self._raise_if_timed_out(t0, now, lambda: describe_wait(self._channel, self._launcher))
+        self._raise_if_timed_out(t0, now, lambda: describe_wait(self._channel, self._launcher, self._restarts))
 
     # -- what the adapters read ---------------------------------------------------
 

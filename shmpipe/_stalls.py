@@ -5,6 +5,7 @@ batch it waits for may never come."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 from shmpipe.errors import ShmpipeWarning, users_stacklevel
 from shmpipe.transport import ConsumerEnd, Launcher
@@ -18,11 +19,15 @@ STALL_WARNING_NS = 10_000_000_000
 STARTING = ": the producers are still starting (shmpipe's fork server too)"
 
 
-def describe_wait(channel: ConsumerEnd | None, launcher: Launcher) -> str:
+def describe_wait(channel: ConsumerEnd | None, launcher: Launcher, restarts: Sequence[str] = ()) -> str:
     """What the wait is stuck on, punctuation included: the channel's word
-    (none yet: no first batch), then the producers' side's."""
+    (none yet: no first batch), then the producers' side's, then the deaths
+    replaced so far (`restarts`, max_restarts): a source that dies at the
+    same batch every time is replaced until max_restarts runs out, and the
+    wait shows only producers starting."""
     why = "no producer has delivered a first batch yet" if channel is None else channel.describe_wait()
-    return (f": {why}" if why else "") + launcher.describe_stall()
+    replaced = f"; {len(restarts)} producer death(s) replaced so far, the last: {restarts[-1]}" if restarts else ""
+    return (f": {why}" if why else "") + launcher.describe_stall() + replaced
 
 
 def warn_if_held_up_by_consumer(channel: ConsumerEnd | None, limit: int, capacity: int, waited_ns: int) -> bool:

@@ -13,7 +13,7 @@ import pytest
 
 import shmpipe
 from shmpipe.testing.datasets import Numbered
-from shmpipe.testing.sources import DiesOnce, Raiser, Reserver
+from shmpipe.testing.sources import DiesOnce, Killer, Raiser, Reserver
 
 T = 30.0  # no single batch may take longer than this in these tests
 
@@ -117,6 +117,19 @@ def test_past_max_restarts_the_death_is_the_error_with_the_history(tmp_path):
         with pytest.raises(shmpipe.WorkerDiedError, match=r"worker 1 .*SIGKILL.*replaced before: worker 0"):
             for _ in it:
                 pass
+
+
+def test_a_timeout_amid_endless_replacements_says_so():
+    # A source that dies at the same batch every time is replaced as long as
+    # max_restarts lasts; the wait then shows only producers starting, and
+    # the timeout's message said nothing of the deaths (helper 58).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("replaced by pid", each time)
+        with pytest.raises(shmpipe.PipelineTimeoutError, match=r"producer death\(s\) replaced so far, the last: .*SIGKILL"):
+            with shmpipe.from_iterators([Killer(0)], timeout=3, max_restarts=1 << 20) as pipe:
+                for _ in pipe:
+                    pass
+    assert sum(pipe.stats().restarts) >= 2
 
 
 def test_a_producer_is_not_replaced_once_its_pipeline_closed():
