@@ -326,9 +326,14 @@ class BatchStream(abc.ABC):
         you still hold stay valid; the stream cannot be iterated again."""
         if self._forked_from is not None:
             return  # a forked child's copy: the stream is its parent's to close
-        if not self._closed:
+        first = not self._closed
+        # Asked before _before_close: a rank's closes its reader, and a take
+        # in another thread that then fails must find the close
+        # (PipelineClosedError), not report the reader's end as a fault.
+        self._close_asked = True
+        if first:
             self._before_close()
-        self._closed = self._close_asked = True
+        self._closed = True
         if self._finalizer is not None and not self._spans.defer(self._shut_down_now):
             self._shut_down_now()
 

@@ -61,7 +61,11 @@ def tensorflow_aliases() -> bool:
                 spec = tf.TensorSpec(arr.shape, tf.as_dtype(arr.dtype))
                 return next(iter(tf.data.Dataset.from_generator(lambda: iter([arr]), output_signature=spec)))
 
-            _alias_check = check_aliasing(through_from_generator)
+            # Eagerly, also where the first to_tf_dataset() of the process is
+            # made inside a function TensorFlow traces (flat_map, tf.function):
+            # there the check's tensor would be symbolic, with no buffer.
+            with tf.init_scope():
+                _alias_check = check_aliasing(through_from_generator)
         return _alias_check
 
 

@@ -370,3 +370,41 @@ def _rank_main(cfg: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     _rank_main(json.loads(sys.argv[1]))
+
+
+@pytest.mark.timeout(120)
+def test_a_ranks_close_from_another_thread_is_a_close_for_its_own_take(monkeypatch):
+    # A rank's close() closes its reader before the stream counted as
+    # closed: a take in another thread that then met a batch said the ring
+    # was closed in this rank (CorruptChannelError, a fault) rather than
+    # PipelineClosedError (helper 62: 3 of 35 group trials; 5 of 5 with the
+    # window held open, as here).
+    from shmpipe._group import _rank
+
+    closes_reader = _rank.RankPipeline._before_close
+
+    def slowly(self):
+        closes_reader(self)
+        time.sleep(0.3)  # (a close preempted right there)
+
+    monkeypatch.setattr(_rank.RankPipeline, "_before_close", slowly)
+    pipe = shmpipe.from_dataset(
+        Numbered(1 << 20), batch_size=BATCH, num_workers=1, timeout=60.0,
+        group=f"r-{os.getpid()}-{uuid.uuid4().hex[:8]}", rank=0, num_ranks=1, group_timeout=30,
+    )
+    ended: list[BaseException] = []
+
+    def consume():
+        try:
+            for _ in pipe:
+                time.sleep(0.001)
+        except BaseException as exc:  # noqa: BLE001 - what the take ended in is the test's
+            ended.append(exc)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    time.sleep(0.5)
+    pipe.close()
+    reader.join(30)
+    assert not reader.is_alive()
+    assert len(ended) == 1 and type(ended[0]) is shmpipe.PipelineClosedError, ended

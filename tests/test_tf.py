@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
+import textwrap
 import time
 import weakref
 
@@ -272,6 +275,29 @@ def test_a_forgotten_dataset_takes_its_pipeline_with_it():
     # object of it: the pipeline, held here, keeps what it needs.
     with shmpipe.from_iterators([Counter(5)] * 2, capacity=16, timeout=T) as held:
         assert len(list(tf.data.Dataset.range(1).flat_map(lambda _: held.to_tf_dataset()))) == 10
+
+
+def test_the_first_dataset_of_a_process_may_be_made_inside_a_traced_function(tmp_path):
+    # The once-per-process check that TensorFlow aliases NumPy arrays ran
+    # where it was first asked for: inside a traced function its tensor was
+    # symbolic (AttributeError: no _numpy; helper 62, 3 of 3). A process of
+    # its own: this one has made datasets eagerly before.
+    code = textwrap.dedent(
+        """
+        import os
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        import tensorflow as tf
+        import shmpipe
+        from shmpipe.testing.sources import Counter
+        with shmpipe.from_iterators([Counter(5)] * 2, capacity=16, timeout=60) as pipe:
+            print(len(list(tf.data.Dataset.range(1).flat_map(lambda _: pipe.to_tf_dataset()))))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "10"
 
 
 def test_dimensions_that_vary_become_none_and_surprises_are_clear():
