@@ -417,7 +417,6 @@ def to_tf_dataset(
     owner = _Owner(pipe, peeked)
     pipe._adapters_keep.append(owner)
     ds = tf.data.Dataset.from_generator(_Feeder(owner, output_signature), output_signature=output_signature)
-    ds._shmpipe_owner = owner  # the dataset keeps its pipeline, TensorFlow's registry does not (_Owner)
     if batches_per_pass is not None:
         if type(batches_per_pass) is not int or batches_per_pass < 1:
             raise out_of_range(f"batches_per_pass must be a positive int, got {batches_per_pass!r}", batches_per_pass)
@@ -428,6 +427,6 @@ def to_tf_dataset(
         # The final hop: TensorFlow copies each element to the device in the
         # background, so the copy overlaps the training step.
         ds = ds.apply(tf.data.experimental.prefetch_to_device(device))
-    ds._shmpipe_owner = owner
+    ds._shmpipe_owner = owner  # the dataset keeps its pipeline, TensorFlow's registry does not (_Owner)
     return ds
 
