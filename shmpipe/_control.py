@@ -87,6 +87,7 @@ from shmpipe.errors import (
     TransportUnavailableError,
     WorkerDiedError,
     WorkerError,
+    type_name,
 )
 
 __all__ = [
@@ -370,7 +371,7 @@ def error(exc: BaseException, traceback: str) -> list[Any]:
     would be lost, and the consumer would learn only that the producer
     ended. shmpipe's own error (of OWN_ERRORS) goes with its arguments, so
     the consumer raises the same type."""
-    exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    exc_type = type_name(exc)
     message = ["error", exc_type, _str(exc), traceback, _own(exc)]
     limit = _MAX_TEXT
     while True:

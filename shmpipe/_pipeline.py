@@ -38,6 +38,7 @@ from shmpipe.errors import (
     ShmpipeWarning,
     WorkerDiedError,
     WorkerError,
+    type_name,
     users_stacklevel,
 )
 from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
@@ -50,6 +51,10 @@ __all__ = ["Pipeline"]
 #: While batches keep coming, how often the consumer still checks that every
 #: producer is alive.
 HEALTH_CHECK_NS = 250_000_000
+
+
+def _declined(*_: Any) -> None:  # Pipeline._take_ready where there is no fast path: takes nothing
+    return None
 
 
 class _PipelinePass(Pass):
@@ -66,18 +71,17 @@ class _PipelinePass(Pass):
 
     def __next__(self) -> Any:
         pipe = self.pipe
-        take_ready = pipe._take_ready
         # The fast path: one call to the channel takes the batch whose turn
-        # it is, if it is already there. Only once the pass has delivered a
-        # batch by the general path (which starts its clock and counts the
-        # first batch's time) and until it ends, while the pipeline is open,
-        # for the current pass (checked under the consumer lock, as _get
-        # does). take_ready itself declines (None, having taken nothing)
-        # when no batch is ready, the pass ended, a fault was reported or a
-        # look at the producers is due. Everything else (waiting, ends,
-        # failures, timeouts) is the general path's. This runs once per
-        # batch: no call here that is not needed.
-        if take_ready is not None and self.delivered and not self.finished and not pipe._closed:
+        # it is, if it is already there: once the pass delivered a batch by
+        # the general path (which starts its clock) and until it ends, while
+        # the pipeline is open, for the current pass (checked under the
+        # consumer lock, as _get does). take_ready declines (None, taking
+        # nothing) when no batch is ready, the pass ended, a fault was
+        # reported or a look at the producers is due; all else is the general
+        # path's. Once per batch: no call that is not needed. No local names
+        # the channel: a failure's traceback keeps this frame, in a cycle with
+        # the stored failure (the ring mapped after close until a collection).
+        if pipe._take_ready is not _declined and self.delivered and not self.finished and not pipe._closed:
             turns = self.turns
             if turns is None:
                 worker, wseq = -1, 0
@@ -91,7 +95,8 @@ class _PipelinePass(Pass):
             try:
                 with pipe._consumer_lock, pipe._reading:  # as _get: one take at a time, and no new pass meanwhile
                     current = pass_no == pipe._pass_no and not pipe._close_asked  # (closed: _next says so)
-                    got = take_ready(pass_no, worker, wseq, pipe._health_due_ns) if current else None
+                    # Not into a local (above); a close in another thread swaps in _declined.
+                    got = pipe._take_ready(pass_no, worker, wseq, pipe._health_due_ns) if current else None
                 if got is not None:
                     if turns is not None:
                         turns.took()
@@ -121,9 +126,8 @@ class Pipeline(FrameworkStream):
     #: Whether a variant hands the channel's memory on after the producers
     #: have it (a group's, to its ranks): ChannelSpec.hands_again.
     _hands_channel_on = False
-    #: Whether a from_dataset pipeline may make a pass's first batches itself
-    #: while its producers start (shmpipe/_first_batches.py): a variant
-    #: whose batches go elsewhere than to this process's iterator says no.
+    #: Whether a from_dataset pipeline may make a pass's first batches itself while its
+    #: producers start (_first_batches.py): a variant whose batches go elsewhere says no.
     _makes_first_batches = True
 
     def __init__(
@@ -150,11 +154,10 @@ class Pipeline(FrameworkStream):
         self._first: FirstBatches | None = None
         self._made_here = 0
         self._abandoned: list[int] = []  # passes begun while the producers started, never handed over
-        # A channel has one consumer. Threads may still meet here: a tf.data
-        # iterator's thread waiting for a batch of one pass while another
-        # iterator starts the next. So channel.get and begin_pass run one at
-        # a time, and a get is only made for the current pass: a get for an
-        # old pass would take, or throw away, batches of the new one.
+        # A channel has one consumer. Threads may still meet here: a tf.data iterator's thread
+        # waiting for a batch of one pass while another iterator starts the next. So channel.get
+        # and begin_pass run one at a time, and a get is only made for the current pass: a get
+        # for an old pass would take, or throw away, batches of the new one.
         self._consumer_lock = threading.Lock()
         # Held while a take reads the channel, and only then (a close() never waits for a
         # replacement's start): a close() from another thread shuts the channel down once the
@@ -165,7 +168,7 @@ class Pipeline(FrameworkStream):
         self._health_due_ns = self._last_health_ns + HEALTH_CHECK_NS  # the fast path's limit
         self._blocked_s: list[float | None] = [0.0] * options.num_workers
         self._channel: ConsumerEnd | None = None  # None before a first batch, and once closed
-        self._take_ready: Callable[..., Any] | None = None  # the channel's fast path, where offered
+        self._take_ready: Callable[..., Any] = _declined  # the channel's fast path, where offered
         self._slot_size_at_close: int | None = None
         transport = options.transport
         self._launcher: Launcher
@@ -285,7 +288,7 @@ class Pipeline(FrameworkStream):
             self._first = FirstBatches(source, self._schedule, self._begun)
             # No fast path until the hand-over: the channel is not the
             # producers' yet (ConsumerEnd.handle_delivered comes first).
-            self._take_ready = None
+            self._take_ready = _declined
             return
         try:
             self._send_abandoned()
@@ -446,7 +449,7 @@ class Pipeline(FrameworkStream):
             except ShmpipeError as exc:  # shmpipe's own (the default collate's BatchTypeError): as from a producer
                 failure: BaseException = exc
             except Exception as exc:  # noqa: BLE001 - the dataset's error, raised as a producer's would be
-                failure = WorkerError(-1, os.getpid(), _qualified_name(type(exc)), str(exc), "")
+                failure = WorkerError(-1, os.getpid(), type_name(exc), str(exc), "")
                 failure.__cause__ = exc
             else:
                 self._made_here = first.made
@@ -605,7 +608,7 @@ class Pipeline(FrameworkStream):
         where the transport has one (capability takes_ready)."""
         self._channel = channel
         fast = channel is not None and self._offers_fast_path and self.transport.capabilities.takes_ready
-        self._take_ready = channel.take_ready if fast and channel is not None else None
+        self._take_ready = channel.take_ready if fast and channel is not None else _declined
 
     def _wait_for_channel(self, t0: int) -> ConsumerEnd:
         """No channel yet: until the launcher opens it (sized by a first batch)."""
@@ -795,6 +798,3 @@ class Pipeline(FrameworkStream):
             f"capacity={self.capacity}, ordered={self.ordered}, {state}>"
         )
 
-
-def _qualified_name(cls: type) -> str:
-    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

@@ -263,6 +263,12 @@ class PipelineClosedError(ShmpipeError, RuntimeError):
     """The pipeline was closed, or stopped after an error."""
 
 
+def type_name(exc: BaseException) -> str:
+    """What WorkerError.exc_type says of `exc`: its type's module and
+    qualified name (``builtins.ValueError``), whichever process raised it."""
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"
+
+
 class WorkerError(ShmpipeError, RuntimeError):
     """A producer raised an exception.
 

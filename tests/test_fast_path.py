@@ -14,6 +14,7 @@ import pytest
 
 import shmpipe
 from shmpipe import _codec, _external, _ring, _stats
+from shmpipe._pipeline import _declined
 from shmpipe._stats import Counters
 from shmpipe.errors import CorruptChannelError, PipelineClosedError
 from shmpipe.testing.sources import Counter
@@ -173,7 +174,7 @@ def test_the_fast_path_is_offered_where_the_capability_says(name):
     transport = shmpipe.get_transport(name)()
     with shmpipe.from_iterators([_Numbers(3)], transport=transport, timeout=30) as pipe:
         assert [int(b[0]) for b in pipe] == [0, 1, 2]
-        assert (pipe._take_ready is not None) is transport.capabilities.takes_ready
+        assert (pipe._take_ready is not _declined) is transport.capabilities.takes_ready
     if not transport.capabilities.takes_ready:
         c = transport.open(ChannelSpec(num_workers=1, capacity=2, slot_size=8192, ordered=False))
         try:

@@ -229,6 +229,7 @@ def test_the_datasets_error_here_is_a_worker_error_as_a_producers_and_nothing_is
     with pytest.raises(shmpipe.WorkerError, match=f"LookupError: sample {first_sample} cannot be read here") as info:
         next(iter(pipe))
     assert info.value.worker_id == -1 and isinstance(info.value.__cause__, LookupError)
+    assert info.value.exc_type == "builtins.LookupError"  # as a producer's WorkerError names it
     assert str(info.value).startswith(
         f"the trainer (pid {os.getpid()}), fetching a first batch itself while the producers started, raised "
     ), str(info.value)

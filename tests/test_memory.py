@@ -8,6 +8,7 @@ descriptor, and freed by the kernel with the last process that holds it.
 import contextlib
 import errno
 import fcntl
+import gc
 import json
 import mmap
 import os
@@ -27,7 +28,16 @@ import shmpipe
 from shmpipe import _codec, _external, _fdpass, _ring
 from shmpipe.errors import CorruptChannelError, SharedMemoryFullError
 from shmpipe.testing.memory import named_segments, ring_descriptors
-from shmpipe.testing.sources import ChangedReservation, Counter, ReserveThenOther, Shapes, crc_of, payload_for
+from shmpipe.testing.sources import (
+    ChangedReservation,
+    Counter,
+    Killer,
+    Raiser,
+    ReserveThenOther,
+    Shapes,
+    crc_of,
+    payload_for,
+)
 from shmpipe.transport import ChannelSpec
 from shmpipe.transports._ranks import ShmRankReader
 from shmpipe.transports.shm import ShmConsumer, ShmProducer, ShmTransport, attach_writer
@@ -914,3 +924,26 @@ def test_a_closed_pipeline_unmaps_its_ring_once_no_batch_holds_it():
     np.testing.assert_array_equal(kept["data"], payload_for(kept["worker"], kept["seq"], (1 << 16,)))
     del kept
     assert ring_mappings() == before, "the closed pipeline kept its ring mapped"
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("source", [Raiser(4, only_worker=0), Killer(4)], ids=["raises", "killed"])
+def test_a_failed_pipeline_unmaps_its_ring_without_a_collection(source, ordered):
+    # The failure raised through the pass's __next__ keeps that frame (its
+    # traceback) while the exception lives, in a cycle with the pipeline's
+    # stored failure; a local there naming the channel's fast path kept the
+    # ring mapped until a collection (helper 58's soak): a job that retries
+    # after each failure held one ring per failure.
+    before = ring_mappings()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        pipe = shmpipe.from_iterators([source] * 2, capacity=4, ordered=ordered, timeout=60)
+        with pytest.raises(shmpipe.WorkerError) as failed:
+            for batch in pipe:
+                del batch
+        assert pipe.closed and failed.value.__traceback__ is not None  # the exception, frames and all, is alive
+        assert ring_mappings() == before, "the failed pipeline kept its ring mapped"
+    finally:
+        if collecting:
+            gc.enable()
