@@ -926,22 +926,25 @@ def test_a_closed_pipeline_unmaps_its_ring_once_no_batch_holds_it():
     assert ring_mappings() == before, "the closed pipeline kept its ring mapped"
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["pipeline", "one-rank group"])
 @pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize("source", [Raiser(4, only_worker=0), Killer(4)], ids=["raises", "killed"])
-def test_a_failed_pipeline_unmaps_its_ring_without_a_collection(source, ordered):
-    # The failure raised through the pass's __next__ keeps that frame (its
-    # traceback) while the exception lives, in a cycle with the pipeline's
-    # stored failure; a local there naming the channel's fast path kept the
-    # ring mapped until a collection (helper 58's soak): a job that retries
-    # after each failure held one ring per failure.
+def test_a_failed_pipeline_unmaps_its_ring_without_a_collection(source, ordered, grouped):
+    # The failure raised through the pass's __next__ (the group's dealing
+    # loop) keeps that frame (its traceback) while the exception lives, in a
+    # cycle with the pipeline's stored failure; a local there naming the
+    # channel kept the ring mapped until a collection (helper 58's soak): a
+    # job that retries after each failure held one ring per failure.
     before = ring_mappings()
+    group = dict(group=f"unmap-{os.getpid()}-{time.monotonic_ns()}", rank=0, num_ranks=1) if grouped else {}
     collecting = gc.isenabled()
     gc.disable()
     try:
-        pipe = shmpipe.from_iterators([source] * 2, capacity=4, ordered=ordered, timeout=60)
+        pipe = shmpipe.from_iterators([source] * 2, capacity=4, ordered=ordered, timeout=60, **group)
         with pytest.raises(shmpipe.WorkerError) as failed:
             for batch in pipe:
                 del batch
+        pipe.close()  # (a group's rank 0 closes its group)
         assert pipe.closed and failed.value.__traceback__ is not None  # the exception, frames and all, is alive
         assert ring_mappings() == before, "the failed pipeline kept its ring mapped"
     finally:

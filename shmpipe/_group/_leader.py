@@ -156,8 +156,7 @@ class Leader:
         #: When accept() failed (out of descriptors), the listener is not
         #: polled until then: it stays readable, and polling it would spin.
         self.listener_resumes: float | None = None
-        # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE),
-        # which a trainer with many open files easily has.
+        # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE), which a trainer with many open files has.
         self.poller = select.poll()
         self.watched: dict[int, tuple[_Watched | None, Any]] = {}  # fd -> (what, its object)
         self._watch(listener.fileno(), _Watched.LISTENER, listener)
@@ -552,9 +551,8 @@ class Leader:
             if not self.stopping.is_set():
                 self.fail(exc)
         finally:
-            for batch, _, _ in current:
-                batch.close_fd()
-            current.clear()
+            while current:  # (no loop variable: a failure's traceback keeps this frame)
+                current.pop()[0].close_fd()
 
     def _wait_until_all_began(self, pass_no: int) -> bool:
         """Waits until every rank began `pass_no` (then it is being dealt);
@@ -575,21 +573,14 @@ class Leader:
         batches = iter(self.pipe)  # begins the pipeline's pass: the first, pass 0, then the next
         self._check_starts(pass_no)
         for batch in batches:
-            channel = self.pipe.channel
-            if channel is None:  # closed from another thread since the take (Pipeline._after_shutdown)
-                raise PipelineClosedError("the pipeline was closed")
-            current.append((batch, channel.last_worker, channel.last_nbytes))
+            self._hold(batch, current)
             del batch
-            if not self.ring_shared:
-                self._share_ring(channel)
             if len(current) == self.n:
                 self._deal(pass_no, current)
-        # The schedule's pass begun last is this one: the next begins only
-        # when the pipeline is iterated again.
+        # The schedule's pass begun last is this one: the next begins only when the pipeline is iterated again.
         dropped = len(current) + self.schedule.dropped
-        for batch, _, _ in current:
-            batch.close_fd()
-        current.clear()
+        while current:
+            current.pop()[0].close_fd()
         with self.lock:
             self.dropped_per_pass.append(dropped)
             self.in_pass = None
@@ -597,6 +588,16 @@ class Leader:
         for link in links:
             _wire.send_quietly(link.sock, ["end", pass_no, dropped])
         self._complete_passes()  # every rank may have left it early for the next
+
+    def _hold(self, batch: SharedBatch, current: list[tuple[SharedBatch, int, int]]) -> None:
+        """The batch just taken, to the round being made (not in _deal_pass: a local there naming
+        the channel kept the ring mapped until a collection, its frame in a failure's traceback)."""
+        channel = self.pipe.channel
+        if channel is None:  # closed from another thread since the take (Pipeline._after_shutdown)
+            raise PipelineClosedError("the pipeline was closed")
+        current.append((batch, channel.last_worker, channel.last_nbytes))
+        if not self.ring_shared:
+            self._share_ring(channel)
 
     def _check_starts(self, pass_no: int) -> None:
         """Every rank's count of a dataset's pass begins where rank 0's
@@ -699,8 +700,7 @@ class Leader:
             # this batch, and its place in the round, cannot be had.
             self._left_mid_pass(link, pass_no, ": a batch of it was dealt to it after it closed")
             return
-        # A failed send means the rank is gone: its end is read by the
-        # service thread, which releases what it held.
+        # A failed send means the rank is gone: the service thread reads its end and releases what it held.
         message = ["batch", pass_no, token, list(batch.record), worker, nbytes]
         _wire.send_quietly(link.sock, message, [batch.fd] if batch.fd is not None else None)
 
