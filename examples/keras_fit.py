@@ -5,9 +5,11 @@
 Each producer makes (images, labels) batches of a synthetic 10-class problem
 in place, in shared memory (shmpipe.reserve), spending a few milliseconds of
 CPU per batch as a decoder or augmenter would. The trainer sees a tf.data
-dataset whose tensors alias those slots. TensorFlow is imported inside
-main(): producer processes import this file too, and need nothing from it
-but the source.
+dataset whose tensors alias those slots. The producers never import this
+file (shmpipe ships SyntheticImages to them by value), so TensorFlow could
+be imported at the top; it is imported inside main() only so that a source
+that cannot travel by value (docs/concepts.md), whose producers then import
+the script, would not bring TensorFlow into each of them.
 
 Needs shmpipe and TensorFlow: `pip install ".[all]"` (or ".[tensorflow]")
 from the root of a clone.

@@ -6,8 +6,11 @@ The same synthetic 10-class problem as keras_fit.py. On the CPU the training
 loop gets torch tensors that are views of the shared-memory slots
 (pipe.to_torch()); where CUDA is available it trains on the GPU, and each
 batch reaches it in one DMA from the page-locked ring
-(pipe.to_torch(device="cuda", pin_memory=True)). torch is imported inside
-main(), so producer processes do not import it.
+(pipe.to_torch(device="cuda", pin_memory=True)). The producers never
+import this file (shmpipe ships the source by value); torch is imported
+inside main() all the same, so that a source that cannot travel by value
+(docs/concepts.md), whose producers import the script, would not bring
+torch into each of them.
 
 Needs shmpipe and torch. `pip install ".[all]"` does not bring torch: a
 plain `pip install torch` from PyPI is a multi-GB CUDA build on Linux. For

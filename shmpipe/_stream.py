@@ -300,6 +300,9 @@ class BatchStream(abc.ABC):
 
     @property
     def capacity(self) -> int:
+        """Places for batches between the producers and this process (the
+        ring's slots): what producers may have made ahead, and what the
+        batches you hold take up (``consumer_may_hold`` of them at most)."""
         return self.options.capacity
 
     @property

@@ -20,7 +20,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, TransportUnavailableError
-from shmpipe.transport import Transport
+from shmpipe.transport import Transport, not_installed
 
 if TYPE_CHECKING:
     import importlib.metadata
@@ -71,13 +71,10 @@ def register_transport(name: str, cls: type[Transport], *, replace: bool = False
     _registered[name] = cls
 
 
-def _check_requires(name: str, modules: tuple[str, ...], extra: str | None) -> None:
-    for module in modules:
+def _check_requires(name: str, cls: type[Transport]) -> None:
+    for module in cls.requires:
         if importlib.util.find_spec(module) is None:
-            hint = f'pip install "shmpipe[{extra}]"' if extra else f"pip install {module}"
-            raise TransportUnavailableError(
-                f"the {name!r} transport needs {module}, which is not installed: {hint}"
-            )
+            raise not_installed(module, name, cls.extra, cls.install)
 
 
 def get_transport(name: str) -> type[Transport]:
@@ -108,7 +105,7 @@ def get_transport(name: str) -> type[Transport]:
             raise ShmpipeTypeError(
                 f"entry point {name!r} = {ep.value!r} is not a shmpipe.transport.Transport subclass"
             )
-    _check_requires(name, cls.requires, cls.extra)
+    _check_requires(name, cls)
     return cls
 
 

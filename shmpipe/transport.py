@@ -25,8 +25,8 @@ The three objects
     picklable. Class attributes: ``name`` and ``capabilities`` (below). A
     transport that needs packages beyond NumPy says so once: either its
     module calls :func:`require` for each at import time (what the built-in
-    ones do), or the class lists them in ``requires`` (with the pip
-    ``extra`` that installs them) and imports them lazily. Either way a
+    ones do), or the class lists them in ``requires`` (with ``install``,
+    what pip installs them from) and imports them lazily. Either way a
     missing package is a :class:`~shmpipe.TransportUnavailableError` that
     gives the install command.
 
@@ -185,6 +185,7 @@ __all__ = [
     "Transport",
     "check_batch",
     "enter_pass",
+    "not_installed",
     "require",
 ]
 
@@ -566,7 +567,10 @@ class Transport(abc.ABC):
     #: transport whose module imports them at the top calls require() there
     #: instead.
     requires: ClassVar[tuple[str, ...]] = ()
-    #: The pip extra that installs them: pip install "shmpipe[<extra>]".
+    #: What installs them: ``install``, a requirement of your own package
+    #: (pip install "mypkg[gpu]"), or ``extra``, one of shmpipe's extras
+    #: (pip install "shmpipe[<extra>]"); neither: pip install <module>.
+    install: ClassVar[str | None] = None
     extra: ClassVar[str | None] = None
     #: File descriptors the consumer's channel holds per producer (a pipe's
     #: end each, say), beside the launcher's own: a pipeline that would not
@@ -689,16 +693,26 @@ class ServesRanks(abc.ABC):
         ``share_with_ranks``) describes; takes `fds`."""
 
 
-def require(module: str, *, transport: str, extra: str | None = None) -> ModuleType:
+def require(module: str, *, transport: str, extra: str | None = None, install: str | None = None) -> ModuleType:
     """Imports `module` for the transport named `transport`, or raises
-    TransportUnavailableError with the command that installs it
-    (``pip install "shmpipe[<extra>]"``, or ``pip install <module>``)."""
+    TransportUnavailableError with the command that installs it: ``pip
+    install "<install>"`` (a plugin's own package and extra, such as
+    ``"mypkg[gpu]"``), ``pip install "shmpipe[<extra>]"`` (shmpipe's own
+    extras: what the built-in transports name), or ``pip install <module>``."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         if exc.name is None or module.split(".")[0] != exc.name.split(".")[0]:
             raise  # the package is there but fails to import: say that, as it is
+        raise not_installed(module, transport, extra, install) from exc
+
+
+def not_installed(
+    module: str, transport: str, extra: str | None = None, install: str | None = None
+) -> TransportUnavailableError:
+    """The error for `module` missing, with the command that installs it (see require)."""
+    if install:
+        hint = f'pip install "{install}"'
+    else:
         hint = f'pip install "shmpipe[{extra}]"' if extra else f"pip install {module}"
-        raise TransportUnavailableError(
-            f"the {transport!r} transport needs {module}, which is not installed: {hint}"
-        ) from exc
+    return TransportUnavailableError(f"the {transport!r} transport needs {module}, which is not installed: {hint}")

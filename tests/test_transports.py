@@ -80,6 +80,22 @@ def test_a_missing_dependency_says_what_to_install(clean_registry):
     assert isinstance(info.value, ImportError)
 
 
+class OfAPlugin(NeedsSomethingMissing):
+    name = "of-a-plugin"
+    install = "shmpipe-gpu-plugin[rdma]"
+
+
+def test_a_plugins_missing_dependency_names_the_plugins_own_package(clean_registry):
+    # shmpipe has no extra of a plugin's: "shmpipe[rdma]" would send its users nowhere.
+    shmpipe.register_transport("of-a-plugin", OfAPlugin)
+    with pytest.raises(shmpipe.TransportUnavailableError, match=r'pip install "shmpipe-gpu-plugin\[rdma\]"$'):
+        shmpipe.from_iterators([Counter(1)], transport="of-a-plugin")
+    with pytest.raises(shmpipe.TransportUnavailableError, match=r'needs a_module_nobody_installed_xyz, which is not '
+                       r'installed: pip install "shmpipe-gpu-plugin\[rdma\]"$'):
+        shmpipe.transport.require("a_module_nobody_installed_xyz", transport="of-a-plugin",
+                                  install="shmpipe-gpu-plugin[rdma]")
+
+
 def test_transport_instances_and_classes_are_accepted():
     with shmpipe.from_iterators([Counter(3)], transport=QueueTransport(), timeout=30) as pipe:
         assert len(list(pipe)) == 3

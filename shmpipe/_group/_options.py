@@ -94,9 +94,9 @@ def check_capacity(options: PipelineOptions, group: GroupOptions) -> None:
     if options.capacity < need:
         raise ShmpipeValueError(
             f"a group of {group.num_ranks} ranks fed by {options.num_workers} "
-            f"{'ordered ' if options.ordered else ''}sources needs capacity >= {need} (a round of one "
-            f"batch per rank being dealt, and two batches held by each rank while it takes the next), "
-            f"got {options.capacity}"
+            f"{'ordered ' if options.ordered else ''}sources needs capacity >= {need} (an incomplete round "
+            f"of up to {group.num_ranks - 1} batches waiting to be dealt, two batches held by each rank while it "
+            f"takes the next, and a slot for the batch waited for), got {options.capacity}"
         )
 
 
