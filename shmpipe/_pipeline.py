@@ -16,6 +16,7 @@ import dataclasses
 import os
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -120,11 +121,9 @@ class Pipeline(FrameworkStream):
     reused only once every array of it is gone.
     """
 
-    #: Whether the channel's fast path (capability takes_ready) may serve
-    #: this pipeline: a variant that takes batches another way says no.
+    #: Whether the channel's fast path (takes_ready) may serve: no, in a variant that takes batches another way.
     _offers_fast_path = True
-    #: Whether a variant hands the channel's memory on after the producers
-    #: have it (a group's, to its ranks): ChannelSpec.hands_again.
+    #: Whether a variant hands the channel's memory on after the producers have it (a group's, to its ranks).
     _hands_channel_on = False
     #: Whether a from_dataset pipeline may make a pass's first batches itself while its
     #: producers start (_first_batches.py): a variant whose batches go elsewhere says no.
@@ -172,8 +171,7 @@ class Pipeline(FrameworkStream):
         self._slot_size_at_close: int | None = None
         transport = options.transport
         self._launcher: Launcher
-        # A Ctrl-C while the pipeline is made is held back to the end of it
-        # (ctrl_c_held_back says why), and then shuts down what was started.
+        # A Ctrl-C while it is made is held back to its end (ctrl_c_held_back says why), then ends what started.
         launcher: Launcher | None = None
         try:
             with ctrl_c_held_back():
@@ -238,12 +236,10 @@ class Pipeline(FrameworkStream):
         return self._launcher.leftovers()
 
     def _stats_extra(self) -> dict[str, Any]:
-        """``stats().extra`` of a from_dataset pipeline: made_by_trainer
-        (batches the trainer made itself while the producers started,
-        shmpipe/_first_batches.py); and of one node's pipeline in a job of
-        several (from_dataset(num_nodes=...)): num_nodes, node_rank,
-        dropped_remainder (batches of the passes that no rank of the job
-        got: the incomplete last rounds) and dropped_per_pass."""
+        """``stats().extra`` of a from_dataset pipeline: made_by_trainer (batches the trainer made
+        itself while the producers started, _first_batches.py); and of one node's pipeline in a job
+        of several (from_dataset(num_nodes=...)): num_nodes, node_rank, dropped_remainder (batches
+        of the passes that no rank of the job got: the incomplete last rounds) and dropped_per_pass."""
         if not isinstance(self._schedule, DatasetSchedule):
             return {}
         made = {"made_by_trainer": self._counters.made_here} if self._makes_first_batches else {}
@@ -268,11 +264,9 @@ class Pipeline(FrameworkStream):
         return self._fetch_while_starting and self._makes_first_batches and isinstance(self._schedule, DatasetSchedule)
 
     def _begin_ahead(self) -> None:
-        """Begins the next pass now, before it is iterated, so the producers
-        make its first batches meanwhile (a pass begun ahead earlier, and
-        not iterated, is cancelled). While the producers are still being
-        started, a dataset's pass is theirs only from the hand-over
-        (_first_batches)."""
+        """Begins the next pass now, before it is iterated, so the producers make its first batches
+        meanwhile (a pass begun ahead earlier, and not iterated, is cancelled). While the producers
+        are still being started, a dataset's pass is theirs only from the hand-over (_first_batches)."""
         work = self._schedule.begin(self._begun + 1)  # where it raises, no pass was begun
         first = self._first
         if first is not None and first.dealt_from is None:
@@ -420,17 +414,12 @@ class Pipeline(FrameworkStream):
         """The next batch of a pass begun while the producers started, made
         here (worker -1), or None once the trainer owes no more (the
         producers' take over; a pass no longer current is _get's to refuse).
-
-        The trainer makes batches while the producers start, from the main
-        thread only: the global generators it seeds and restores around a
-        batch are the process's, and another thread (tf.data's, to_jax's
-        feeder) would race the main thread's own draws. Once they are up,
-        or off the main thread, or at the end of the share, the pass is
-        handed over: the producers get it from the batch after the one the
-        trainer makes then (owed: made even if a Ctrl-C cuts its making,
-        at the next call). All of it under the consumer lock, so a pass
-        begun meanwhile by another thread finds the count and the hand-over
-        of the old one complete."""
+        From the main thread only (the generators seeded around a batch are
+        the process's); handed over once the producers are up, off the main
+        thread or at the share's end, the batch made then owed (made even if
+        a Ctrl-C cuts it); under the consumer lock, so a pass begun by another
+        thread finds the old one's count and hand-over complete (reasons:
+        docs/design.md, "A fresh pipeline's first batches")."""
         first = self._first
         assert first is not None
         here = threading.current_thread() is threading.main_thread()
@@ -582,12 +571,10 @@ class Pipeline(FrameworkStream):
         return self._counters.per_worker[worker] - self._delivered_before[worker]
 
     def _check_end(self, pass_no: int, workers: Iterable[int]) -> None:
-        """The channel says these workers' parts of pass `pass_no` are over:
-        each must have said so on its control connection (which no other
-        process can reach), after as many batches as were delivered. A
-        channel whose words were written from outside (an end marked early,
-        a batch set free or moved to another pass) is an error, never a
-        pass that quietly lacks batches."""
+        """The channel says these workers' parts of pass `pass_no` are over: each must have said so
+        on its control connection (which no other process can reach), after as many batches as were
+        delivered. Words written from outside (an end marked early, a batch set free or moved to
+        another pass) are an error, never a pass that quietly lacks batches."""
         launcher = self._launcher
         if not launcher.reports_ends:
             return
@@ -654,22 +641,28 @@ class Pipeline(FrameworkStream):
             self._production_failed(failure)
         # After the deaths are dealt with: a dead producer may have left a
         # slot claimed and not yet counted, which its reclaim puts right.
+        self._audit()
+
+    def _audit(self) -> None:
+        """The channel's audit, its error the pipeline's. Not in _poll_producers: frames a stored failure
+        reaches (callers' too) must name no channel, or the ring stays mapped until a collection."""
         channel = self._channel
         if channel is not None and not self._closed and self._failure is None:
             try:
                 with self._consumer_lock:  # between takes
                     channel.audit(self._begun)
             except CorruptChannelError as exc:
+                del channel
+                traceback.clear_frames(exc.__traceback__)  # the channel's own frames
                 self._close_and_raise(exc)
 
     def _replaced(self, death: WorkerDiedError) -> bool:
-        """Replaces the producer `death` names, if restarts are left: its slots
-        being written come back, what it published is still delivered, and a
-        new process goes on after its last published batch, so the run (and
-        an ordered run's sequence) is what a run without the death delivers.
-        False when no restart is left, or the replacement did not start:
-        `death` is then the pipeline's failure, saying so. PipelineClosedError
-        once the pipeline is closed. Under the consumer lock."""
+        """Replaces the producer `death` names, if restarts are left: its slots being written come back,
+        what it published is still delivered, and a new process goes on after its last published batch,
+        so the run (an ordered run's sequence too) is what a run without the death delivers. False when
+        no restart is left, the ring cannot say where it stopped or the replacement did not start:
+        `death` is then the pipeline's failure, saying so. PipelineClosedError once the pipeline is
+        closed. Under the consumer lock."""
         # close() from another thread since the death was found: what a wait
         # sees of a close(). (Not _closed: a pipeline counts as closed until
         # it is made, and its constructor begins the first pass.)
@@ -689,7 +682,15 @@ class Pipeline(FrameworkStream):
         delivered = 0
         if self._ahead is None and pass_no == self._pass_no:
             delivered = self._counters.per_worker[worker] - self._delivered_before[worker]
-        next_wseq, finished = (0, False) if channel is None else channel.reclaim(worker, pass_no, delivered)
+        try:
+            next_wseq, finished = (0, False) if channel is None else channel.reclaim(worker, pass_no, delivered)
+        except CorruptChannelError as exc:  # the ring cannot say where it stopped: the death stands
+            traceback.clear_frames(exc.__traceback__)  # (the channel's frames: the ring mapped while it lives)
+            death.add_pipeline_note(f"it was not replaced: {exc}")
+            death.__cause__ = exc
+            return False
+        finally:
+            del channel  # (as this frame: kept by a failure's traceback)
         try:
             pid = self._launcher.restart(worker)
         except PipelineClosedError:
@@ -797,4 +798,3 @@ class Pipeline(FrameworkStream):
             f"<shmpipe.Pipeline {self.num_workers} workers, transport={self.transport.name!r}, "
             f"capacity={self.capacity}, ordered={self.ordered}, {state}>"
         )
-

@@ -568,8 +568,8 @@ class Transport(abc.ABC):
     #: instead.
     requires: ClassVar[tuple[str, ...]] = ()
     #: What installs them: ``install``, a requirement of your own package
-    #: (pip install "mypkg[gpu]"), or ``extra``, one of shmpipe's extras
-    #: (pip install "shmpipe[<extra>]"); neither: pip install <module>.
+    #: (pip install "mypkg[gpu]"), else ``extra``, one of shmpipe's extras
+    #: (pip install "shmpipe[<extra>]"), else pip install <module>.
     install: ClassVar[str | None] = None
     extra: ClassVar[str | None] = None
     #: File descriptors the consumer's channel holds per producer (a pipe's
@@ -697,8 +697,9 @@ def require(module: str, *, transport: str, extra: str | None = None, install: s
     """Imports `module` for the transport named `transport`, or raises
     TransportUnavailableError with the command that installs it: ``pip
     install "<install>"`` (a plugin's own package and extra, such as
-    ``"mypkg[gpu]"``), ``pip install "shmpipe[<extra>]"`` (shmpipe's own
-    extras: what the built-in transports name), or ``pip install <module>``."""
+    ``"mypkg[gpu]"``), else ``pip install "shmpipe[<extra>]"`` (shmpipe's
+    own extras: what the built-in transports name), else ``pip install
+    <module>``."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:

@@ -1,6 +1,6 @@
 """Where a pipeline's shared memory shows, for tests that check nothing is
-left behind: this process's descriptors of anonymous ring memory, and the
-named segments in /dev/shm."""
+left behind: this process's descriptors and mappings of anonymous ring
+memory, and the named segments in /dev/shm."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 from shmpipe import _segments
 
-__all__ = ["named_segments", "ring_descriptors"]
+__all__ = ["named_segments", "ring_descriptors", "ring_mappings"]
 
 
 def ring_descriptors() -> dict[int, str]:
@@ -31,3 +31,10 @@ def named_segments() -> set[str]:
         return {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(_segments.PREFIX)}
     except FileNotFoundError:
         return set()
+
+
+def ring_mappings() -> list[str]:
+    """This process's mappings of anonymous ring memory (the default
+    backing), as the address ranges /proc/self/maps gives."""
+    with open("/proc/self/maps") as f:
+        return [line.split()[0] for line in f if "memfd:shmpipe-ring" in line]
