@@ -777,8 +777,8 @@ class Pipeline(FrameworkStream):
 
     @property
     def pids(self) -> list[int | None]:
-        """The producers' process ids (None where the transport runs
-        producers on other machines)."""
+        """The producers' process ids (None: on other machines). One that died stays until the next look
+        replaces or reports it, though reaped at once by the fork server: its pid may be reused meanwhile."""
         return self._launcher.pids
 
     @property
