@@ -161,10 +161,21 @@ class JaxBatches:
     def _convert(self, batch: Any) -> Any:
         """`batch` with each array leaf (and NumPy scalar) a jax.Array."""
         try:
-            # Without paths: naming each leaf costs more than putting it.
-            out = map_leaves(batch, self.target.put)
-        except _Unplanned:  # a shape or dtype not seen yet: checked, with paths for the errors
-            out = map_leaves_with_paths(batch, self.target.plan_and_put)
+            try:
+                # Without paths: naming each leaf costs more than putting it.
+                out = map_leaves(batch, self.target.put)
+            except _Unplanned:  # a shape or dtype not seen yet: checked, with paths for the errors
+                out = map_leaves_with_paths(batch, self.target.plan_and_put)
+        except BaseException as exc:  # a batch refused (BatchTypeError): let go of it, and of its slot, now
+            del batch
+            # The error's frames (and those of the _Unplanned it came from)
+            # would hold it for as long as the error lives; the leaves put
+            # before the refusal, as JAX lets go of them (collect).
+            traceback.clear_frames(exc.__traceback__)
+            if exc.__context__ is not None:
+                traceback.clear_frames(exc.__context__.__traceback__)
+            self.collect()
+            raise
         if not self._copies_checked:
             self._copies_checked = True
             if self.target.on_host:

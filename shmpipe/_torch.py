@@ -28,6 +28,7 @@ rules make that copy safe and cheap:
 from __future__ import annotations
 
 import collections
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -174,11 +175,17 @@ class _TorchIterator:
             if in_flight is not None:
                 in_flight.wait_all()  # the pass is over: every slot goes back
             raise
-        host = self.batches._host(batch)
-        del batch
-        if not self.batches.to_device:
-            return host
-        out = self.batches._to_device(host)
+        try:
+            host = self.batches._host(batch)
+            del batch
+            if not self.batches.to_device:
+                return host
+            out = self.batches._to_device(host)
+        except BaseException as exc:  # a batch refused (BatchTypeError): let go of it, and of its slot, now
+            batch = host = None  # noqa: F841 - let go of, not read
+            # The error's frames would hold it for as long as the error lives.
+            traceback.clear_frames(exc.__traceback__)
+            raise
         if in_flight is not None:
             in_flight.add(host)
         return out

@@ -36,6 +36,7 @@ from shmpipe.testing.sources import (
     Raiser,
     ReserveThenOther,
     Shapes,
+    StringsAt,
     crc_of,
     payload_for,
 )
@@ -993,3 +994,22 @@ def test_a_ring_that_cannot_say_where_a_dead_producer_stopped_leaves_the_death_s
                 del batch
         assert isinstance(died.value.__cause__, CorruptChannelError) and pipe.closed
         assert not set(ring_mappings()) - before, "the pipeline kept its ring mapped"
+
+
+@pytest.mark.parametrize("adapter", ["to_torch", "to_jax"])
+def test_a_batch_an_adapter_refuses_is_let_go_of_at_once(adapter):
+    # The adapter's BatchTypeError (a leaf of strings) came through frames
+    # that held the refused batch, and so its slot and the ring, for as long
+    # as the error lived, after close() too (helper 66); to_jax's leaves put
+    # before the refusal until a collection.
+    pytest.importorskip("torch" if adapter == "to_torch" else "jax")
+    before = set(ring_mappings())
+    with collector_off():
+        pipe = shmpipe.from_iterators([StringsAt(3)] * 2, capacity=4, timeout=60)
+        with pytest.raises(shmpipe.BatchTypeError) as refused:
+            for batch in getattr(pipe, adapter)():
+                assert set(ring_mappings()) - before
+                del batch
+        pipe.close()
+        assert refused.value.__traceback__ is not None
+        assert not set(ring_mappings()) - before, "the refused batch kept the ring mapped"

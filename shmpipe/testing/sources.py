@@ -29,6 +29,7 @@ __all__ = [
     "Reserver",
     "SeedReporter",
     "Stamped",
+    "StringsAt",
     "StatefulCounter",
     "Matrix",
     "Progress",
@@ -452,6 +453,20 @@ def fill_pattern(arr: np.ndarray, worker: int, seq: int) -> None:
         step = min(done, n - done)
         flat[done : done + step] = flat[:step]
         done += step
+
+
+class StringsAt:
+    """`n` batches {"x": float32 zeros, "y": two float32s}, but batch `at`
+    of each worker has "y" an array of strings: a leaf the shm transport
+    carries and torch and JAX refuse (to_torch, to_jax: BatchTypeError)."""
+
+    def __init__(self, at: int, n: int = 20) -> None:
+        self.at, self.n = at, n
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        for seq in range(self.n):
+            y = np.array(["a", "b"]) if seq == self.at else np.zeros(2, np.float32)
+            yield {"x": np.zeros(16, np.float32), "y": y}
 
 
 class Shapes:
