@@ -172,7 +172,7 @@ class JaxBatches:
             # would hold it for as long as the error lives; the leaves put
             # before the refusal, as JAX lets go of them (collect).
             traceback.clear_frames(exc.__traceback__)
-            if exc.__context__ is not None:
+            if isinstance(exc.__context__, _Unplanned):  # (any other context is the caller's own: left alone)
                 traceback.clear_frames(exc.__context__.__traceback__)
             self.collect()
             raise

@@ -411,6 +411,7 @@ class ProcessLauncher(Launcher):
                     # A replacement of a producer found gone starts attached.
                     lost = self._send_each((worker, ("attach", channel.handle)) for worker in range(len(self.links)))
                     channel.handle_delivered()  # the descriptors are in flight: the kernel holds them
+                    del channel  # (a failure raised here keeps this frame, which would keep the ring mapped)
                 if self._down:  # closed by a signal handler in the span: destroyed as it ended
                     raise PipelineClosedError("the pipeline was closed")
                 if lost is not None:

@@ -171,21 +171,25 @@ class _TorchIterator:
             in_flight.make_room(MAX_IN_FLIGHT)
         try:
             batch = next(self.it)
-        except StopIteration:
+        except BaseException:
+            # The pass is over, or failed (this frame, kept by the error,
+            # would keep them): every slot goes back once its copies are done.
             if in_flight is not None:
-                in_flight.wait_all()  # the pass is over: every slot goes back
+                in_flight.wait_all()
             raise
         try:
             host = self.batches._host(batch)
-            del batch
-            if not self.batches.to_device:
-                return host
-            out = self.batches._to_device(host)
         except BaseException as exc:  # a batch refused (BatchTypeError): let go of it, and of its slot, now
-            batch = host = None  # noqa: F841 - let go of, not read
+            batch = None
             # The error's frames would hold it for as long as the error lives.
             traceback.clear_frames(exc.__traceback__)
             raise
+        del batch
+        if not self.batches.to_device:
+            return host
+        # (A copy that fails keeps `host` in this frame, held by the error:
+        # copies issued before it may still read the slot.)
+        out = self.batches._to_device(host)
         if in_flight is not None:
             in_flight.add(host)
         return out

@@ -1013,3 +1013,42 @@ def test_a_batch_an_adapter_refuses_is_let_go_of_at_once(adapter):
         pipe.close()
         assert refused.value.__traceback__ is not None
         assert not set(ring_mappings()) - before, "the refused batch kept the ring mapped"
+
+
+def test_a_death_found_as_the_ring_opens_leaves_no_ring_mapped(monkeypatch):
+    # The launcher's open_channel raised the death with the new channel in
+    # a local, which the error's traceback kept (helper 67's review).
+    from shmpipe import _launch
+
+    send_each = _launch.ProcessLauncher._send_each
+
+    def kill_before_attach(self, messages):
+        messages = list(messages)
+        if any(message[0] == "attach" for _, message in messages) and not killed:
+            killed.append(self.pids[0])
+            os.kill(self.pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while process_state(killed[0]) not in ("Z", None) and time.monotonic() < deadline:
+                time.sleep(0.01)  # (dead before the attach goes: its link's send fails or its end is seen)
+        return send_each(self, messages)
+
+    killed: list[int] = []
+    monkeypatch.setattr(_launch.ProcessLauncher, "_send_each", kill_before_attach)
+    before = set(ring_mappings())
+    with collector_off():
+        pipe = shmpipe.from_iterators([Counter(8)] * 2, capacity=4, timeout=60)
+        with pytest.raises(shmpipe.WorkerDiedError) as died:
+            for batch in pipe:
+                del batch
+        pipe.close()
+        assert killed and died.value.worker_id == 0 and died.value.__traceback__ is not None
+        assert not set(ring_mappings()) - before, "the pipeline kept its ring mapped"
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (Z: ended, not reaped), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None

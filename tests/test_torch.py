@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import shmpipe  # noqa: E402
 from shmpipe import _ring  # noqa: E402
-from shmpipe.testing.sources import Counter, Fixed, LinearXY, payload_for  # noqa: E402
+from shmpipe.testing.sources import Counter, Fixed, LinearXY, Raiser, payload_for  # noqa: E402
 
 T = 60.0
 CUDA = torch.cuda.is_available()
@@ -185,6 +185,20 @@ def test_an_abandoned_pass_waits_for_its_copies_before_letting_slots_go():
         assert held_seqs(pipe) == set()
         # and the next pass is complete
         assert [b["seq"] for b in batches] == list(range(8))
+
+
+def test_a_failed_pass_waits_for_its_copies_and_holds_no_slot_after():
+    # Only the end of a pass waited for the copies in flight: a failure left
+    # their host batches with the iterator, which the error's traceback keeps
+    # (the ring mapped after close for as long as the error lived; helper 67).
+    pipe = shmpipe.from_iterators([Raiser(3, only_worker=0, shape=(64,))], capacity=4, timeout=T)
+    it = iter(device_batches(pipe))
+    assert [next(it)["seq"] for _ in range(3)] == [0, 1, 2]
+    assert held_seqs(pipe) == {1, 2}  # two copies in flight
+    with pytest.raises(shmpipe.WorkerError):
+        next(it)
+    assert all(e.done for e in StandInEvent.made), "the copies in flight were not waited for"
+    assert pipe.closed and pipe.held() in (0, None)
 
 
 def test_copies_in_flight_never_hold_the_ring_hostage():

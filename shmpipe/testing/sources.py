@@ -102,6 +102,8 @@ class _FailsAfter:
 
     #: seconds the workers that do not fail sleep before each batch
     delay = 0.01
+    #: with a shape, each batch has "data" too: payload_for(worker, seq, shape)
+    shape: tuple[int, ...] | None = None
 
     def __init__(self, after: int, only_worker: int | None) -> None:
         self.after, self.only_worker = after, only_worker
@@ -118,7 +120,10 @@ class _FailsAfter:
                 self.fail()
             if not fails:
                 time.sleep(self.delay)
-            yield {"worker": worker, "seq": seq}
+            if self.shape is None:
+                yield {"worker": worker, "seq": seq}
+            else:
+                yield {"worker": worker, "seq": seq, "data": payload_for(worker, seq, self.shape)}
             seq += 1
 
 
@@ -126,9 +131,9 @@ class Raiser(_FailsAfter):
     """Fails by raising `exc_type(message)`."""
 
     def __init__(self, after: int, exc_type: type[BaseException] = ValueError, message: str = "boom from the source",
-                 only_worker: int | None = None, delay: float = 0.01) -> None:
+                 only_worker: int | None = None, delay: float = 0.01, shape: tuple[int, ...] | None = None) -> None:
         super().__init__(after, only_worker)
-        self.exc_type, self.message, self.delay = exc_type, message, delay
+        self.exc_type, self.message, self.delay, self.shape = exc_type, message, delay, shape
 
     def fail(self) -> None:
         raise self.exc_type(self.message)
