@@ -27,6 +27,7 @@ import pytest
 
 import shmpipe
 from shmpipe import _codec, _external, _fdpass, _ring
+from shmpipe._process import process_start_time
 from shmpipe.errors import CorruptChannelError, SharedMemoryFullError
 from shmpipe.testing.memory import named_segments, ring_descriptors, ring_mappings
 from shmpipe.testing.sources import (
@@ -1028,7 +1029,7 @@ def test_a_death_found_as_the_ring_opens_leaves_no_ring_mapped(monkeypatch):
             killed.append(self.pids[0])
             os.kill(self.pids[0], signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while process_state(killed[0]) not in ("Z", None) and time.monotonic() < deadline:
+            while process_start_time(killed[0]) is not None and time.monotonic() < deadline:
                 time.sleep(0.01)  # (dead before the attach goes: its link's send fails or its end is seen)
         return send_each(self, messages)
 
@@ -1043,12 +1044,3 @@ def test_a_death_found_as_the_ring_opens_leaves_no_ring_mapped(monkeypatch):
         pipe.close()
         assert killed and died.value.worker_id == 0 and died.value.__traceback__ is not None
         assert not set(ring_mappings()) - before, "the pipeline kept its ring mapped"
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of /proc/<pid>/stat (Z: ended, not reaped), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
