@@ -14,6 +14,7 @@ common = dict(
 extensions = [
     Extension("shmpipe._codec", ["shmpipe/_codec.pyx"], **common),
     Extension("shmpipe._ring", ["shmpipe/_ring.pyx", "csrc/shmpipe_ring.c"], **common),
+    Extension("shmpipe._spans", ["shmpipe/_spans.pyx"], **common),
     Extension("shmpipe._tally", ["shmpipe/_tally.pyx"], **common),
 ]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from shmpipe.errors import PipelineClosedError
 
-__all__ = ["TeardownAfterSpans", "WaitEndedByCtrlC", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
+__all__ = ["WaitEndedByCtrlC", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
 
 #: Each ctrl_c_held_back open in the main thread, outermost first: the
 #: presses it noted, the handler it put aside, and its own (ctrl_c_pending
@@ -156,68 +156,3 @@ def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
         yield block_again
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-
-class TeardownAfterSpans:
-    """Spans of an object's work that its teardown must not run inside,
-    and the teardown owed to the end of the span that a signal handler
-    interrupted.
-
-    Python runs a signal handler in the main thread between two bytecodes,
-    so a handler that closes a pipeline can run while that very thread is
-    in a span that holds one of the pipeline's locks and is adding to it.
-    Torn down there, the teardown waits for that thread's own lock (a plain
-    Lock: for ever), or takes apart what the span goes on to use and then
-    records (a producer it is starting, a channel it is opening), which
-    outlives the close. So in a span, ``defer(teardown)`` owes the teardown
-    to this thread's outermost span, run as that ends, returning or raising
-    (a handler that raises SystemExit unwinds through it): a close() from a
-    handler returns at once and is done a moment later, what the span made
-    torn down with the rest. Other threads are not spans of this one: a
-    teardown in another thread waits for the lock, as before.
-    """
-
-    def __init__(self) -> None:
-        self._thread = threading.local()  # per thread: how deep in spans, and the teardown it owes
-
-    def enter(self) -> int:
-        """A span begins in this thread; returns what to give leave(), which
-        must follow in a ``finally`` (a span on a hot path: no generator)."""
-        depth = getattr(self._thread, "depth", 0)
-        self._thread.depth = depth + 1
-        return depth
-
-    def leave(self, depth: int) -> None:
-        """The span enter() began (it returned `depth`) ends: at the
-        outermost, the teardown a handler owed it runs."""
-        thread = self._thread
-        thread.depth = depth
-        owed = getattr(thread, "owed", None) if depth == 0 else None
-        if owed is not None:
-            thread.owed = None
-            owed()
-
-    @contextlib.contextmanager
-    def holding(self, lock: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
-        """A span: `lock` held. The depth counts from before the lock is
-        asked for (a handler may run while this thread waits for it), so
-        no bytecode of the span has the lock held and the depth not."""
-        depth = self.enter()
-        try:
-            with lock:
-                yield
-        finally:
-            self.leave(depth)
-
-    def inside(self) -> bool:
-        """Whether this thread is in a span (in a signal handler: whether it
-        interrupted one)."""
-        return getattr(self._thread, "depth", 0) > 0
-
-    def defer(self, teardown: Callable[[], None]) -> bool:
-        """Whether this thread is in a span (a handler interrupted it): then
-        `teardown` is owed to the span's end. False: tear down now."""
-        if not self.inside():
-            return False
-        self._thread.owed = teardown
-        return True

@@ -41,15 +41,10 @@ from typing import Any, Protocol
 
 from shmpipe import _control, _forkserver, _startup
 from shmpipe._descriptors import check_descriptor_room
-from shmpipe._interrupts import (
-    TeardownAfterSpans,
-    WaitEndedByCtrlC,
-    born_with_ctrl_c_blocked,
-    ctrl_c_held_back,
-    ctrl_c_pending,
-)
+from shmpipe._interrupts import WaitEndedByCtrlC, born_with_ctrl_c_blocked, ctrl_c_held_back, ctrl_c_pending
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
+from shmpipe._spans import TeardownAfterSpans
 from shmpipe._worker import producer_main
 from shmpipe.errors import CorruptChannelError, PipelineClosedError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
@@ -304,7 +299,7 @@ class ProcessLauncher(Launcher):
         producer runs nothing until it is sent a pass (send_pass)."""
         self._started()
         closed = PipelineClosedError(f"the pipeline was closed: producer {worker} is not replaced")
-        with self._spans.holding(self._adding):
+        with self._spans, self._adding:
             # Closed since the death was seen, or being closed: by another
             # thread, or by a signal handler whose close waits for this span
             if self._down or self._stop_starting:
@@ -404,7 +399,7 @@ class ProcessLauncher(Launcher):
                 spec = dataclasses.replace(
                     self.spec, slot_size=self.transport.slot_size_for(self._need), first_pass=self._pass_no
                 )
-                with self._spans.holding(self._adding):  # (a close() meanwhile destroys it after, or finds none)
+                with self._spans, self._adding:  # (a close() meanwhile destroys it after, or finds none)
                     if self._down or self._stop_starting:  # (as restart)
                         raise PipelineClosedError("the pipeline was closed")
                     self.channel = channel = self.transport.open(spec)
@@ -463,7 +458,7 @@ class ProcessLauncher(Launcher):
     def _read_messages(self) -> None:
         """Takes what every producer has sent so far, without blocking (a
         message not whole yet waits in its link)."""
-        with self._spans.holding(self._reading):
+        with self._spans, self._reading:
             for worker, link in enumerate(self.links):
                 try:
                     messages = link.read()

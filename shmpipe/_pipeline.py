@@ -92,8 +92,7 @@ class _PipelinePass(Pass):
                     return pipe._next(self)
                 worker, wseq = turn
             pass_no = self.pass_no
-            depth = pipe._spans.enter()  # a span, as _next's
-            try:
+            with pipe._spans:  # a span, as _next's
                 with pipe._consumer_lock, pipe._reading:  # as _get: one take at a time, and no new pass meanwhile
                     current = pass_no == pipe._pass_no and not pipe._close_asked  # (closed: _next says so)
                     # Not into a local (above); a close in another thread swaps in _declined.
@@ -105,8 +104,6 @@ class _PipelinePass(Pass):
                     self.count_ready(wait_ns, nbytes, worker)
                     self.last_worker = worker
                     return batch
-            finally:
-                pipe._spans.leave(depth)
         return pipe._next(self)
 
 
@@ -179,12 +176,8 @@ class Pipeline(FrameworkStream):
                     launcher = transport.launch(options.sources, self._spec, options.seed)
                 else:
                     launcher = ProcessLauncher(
-                        transport,
-                        options.sources,
-                        self._spec,
-                        options.shipments,
-                        may_start_in_background=self._may_make_first_batches,
-                        timeout=options.timeout,
+                        transport, options.sources, self._spec, options.shipments,
+                        may_start_in_background=self._may_make_first_batches, timeout=options.timeout,
                     )
                 self._launcher = launcher
                 # The launcher, not this object, owns the processes and the

@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
-from shmpipe._interrupts import TeardownAfterSpans
 from shmpipe._options import PipelineOptions
+from shmpipe._spans import TeardownAfterSpans
 from shmpipe._stats import Counters, PipelineStats
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError, ShmpipeValueError
 from shmpipe.transport import Transport
@@ -379,16 +379,13 @@ class BatchStream(abc.ABC):
     # -- iteration ------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        depth = self._spans.enter()
-        try:
+        with self._spans:
             self._check_usable()
             pass_no = self._begin_pass()
             with self._position_lock:
                 self._trainer_position = None  # the new pass's batches are taken by whoever iterates it
             self._counters.pass_started()
             return self._new_pass(pass_no)
-        finally:
-            self._spans.leave(depth)
 
     @abc.abstractmethod
     def _begin_pass(self) -> int:
@@ -400,11 +397,8 @@ class BatchStream(abc.ABC):
     def _next(self, it: Pass) -> Any:
         """The next batch of pass `it`: the checks, the clock and the
         counting around the subclass's _take; a span (_spans)."""
-        depth = self._spans.enter()
-        try:
+        with self._spans:
             return self._next_in_span(it)
-        finally:
-            self._spans.leave(depth)
 
     def _next_in_span(self, it: Pass) -> Any:
         if it.finished:
@@ -455,16 +449,13 @@ class BatchStream(abc.ABC):
                 "iter() or state_dict() in the same thread; note the request in the handler and take the state "
                 "in the loop, between steps (docs/long-runs.md, 'Preempted: SIGTERM')"
             )
-        depth = self._spans.enter()
-        try:
+        with self._spans:
             with self._position_lock:
                 position = self._trainer_position
                 if position is None:
                     return self._state()
                 with position.lock:
                     return self._state(position.had())
-        finally:
-            self._spans.leave(depth)
 
     def _position_for_adapter(self, ahead: int, sees_asks: bool = False) -> TrainerPosition:
         """For an adapter that takes the batches of the pass just begun

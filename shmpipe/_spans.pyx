@@ -1,0 +1,95 @@
+# cython: language_level=3
+"""Spans of an object's work that its teardown must not run inside, and
+the teardown owed to the end of the span that a signal handler interrupted.
+
+Python runs a signal handler in the main thread between two bytecodes, so
+a handler that closes a pipeline can run while that very thread is in a
+span that holds one of the pipeline's locks and is adding to it. Torn down
+there, the teardown waits for that thread's own lock (a plain Lock: for
+ever), or takes apart what the span goes on to use and then records (a
+producer it is starting, a channel it is opening), which outlives the
+close. So in a span, ``defer(teardown)`` owes the teardown to this
+thread's outermost span, run as that ends, returning or raising (a handler
+that raises SystemExit unwinds through it): a close() from a handler
+returns at once and is done a moment later, what the span made torn down
+with the rest. Other threads are not spans of this one: a teardown in
+another thread waits for the lock, as before.
+
+Only the main thread counts its spans: signal handlers run there and
+nowhere else, so a span of another thread is never interrupted by one (and
+a close() from another thread is not put off: it waits for the lock).
+
+Why compiled: the depth must be raised and lowered where no signal can cut
+in. Python raises a handler's exception (a KeyboardInterrupt) where it
+checks for signals: as a Python function's code begins, after each call of
+a builtin, at backward jumps. Written in Python, a span's ``__exit__`` (or
+the ``leave()`` of a ``finally``) can be cut as it begins, before it lowers
+the depth, and a span's start (a generator's context manager: its
+``__enter__`` calls next() and checks after) can be cut after it raised the
+depth and took the lock, outside the ``with`` that would undo both; the
+depth then stays raised and every later close() is put off for good (the
+producers run until the process exits). Here ``__enter__`` and
+``__exit__`` are C: each runs whole (holding the GIL), and a check after
+it finds the span not begun, begun inside the ``with`` (whose ``__exit__``
+ends it) or ended. A with statement calls ``__enter__`` and enters the
+block with no check between, so ``with spans, lock:`` counts the depth from
+before the lock is asked for (a handler may run while this thread waits
+for it), and no bytecode of the span has the lock held and the depth not.
+
+Not atomic: the owed teardown is Python code, called as the outermost span
+ends; an interrupt that lands as it begins leaves it not done (the
+interrupted program's own close(), outside any span, does it).
+"""
+
+import os
+import threading
+
+from cpython.pythread cimport PyThread_get_thread_ident
+
+
+# The thread signal handlers run in: the main thread, and in a forked child
+# the thread that forked (it is the child's only thread, and CPython makes
+# it the main thread there).
+cdef unsigned long _main_thread = threading.main_thread().ident
+
+
+def _after_fork_in_child():
+    global _main_thread
+    _main_thread = PyThread_get_thread_ident()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+cdef class TeardownAfterSpans:
+    """Spans of one object's work, each a ``with`` block of this object:
+    how deep the main thread is in them, and the teardown owed to the
+    outermost one's end."""
+
+    cdef long _depth  # the main thread's
+    cdef object _owed  # a callable, or None
+
+    def __enter__(self):
+        if PyThread_get_thread_ident() == _main_thread:
+            self._depth += 1
+
+    def __exit__(self, exc_type, exc, tb):
+        if PyThread_get_thread_ident() != _main_thread:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self._owed is not None:
+            owed, self._owed = self._owed, None
+            owed()
+
+    def inside(self):
+        """Whether this thread is in a span (in a signal handler: whether
+        it interrupted one)."""
+        return PyThread_get_thread_ident() == _main_thread and self._depth > 0
+
+    def defer(self, teardown):
+        """Whether this thread is in a span (a handler interrupted it): then
+        `teardown` is owed to the span's end. False: tear down now."""
+        if not self.inside():
+            return False
+        self._owed = teardown
+        return True
