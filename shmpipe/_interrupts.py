@@ -1,12 +1,11 @@
-"""Ctrl-C held back over spans that must not be cut in the middle, and a
-teardown a signal handler asks for inside such a span put off to its end.
+"""Ctrl-C held back over spans that must not be cut in the middle, and
+producers born with SIGINT blocked.
 
-Python raises KeyboardInterrupt between any two bytecodes of the main
-thread, so a span that receives or starts something and then records it
-where clean-up finds it can be cut between the two, and the thing leaks.
-Any other signal's handler runs there too, and one that closes a pipeline
-(a SIGTERM handler that closes the loader before it exits) runs inside
-whatever that thread was doing with the pipeline.
+Python raises KeyboardInterrupt between bytecodes of the main thread, so a
+span that receives or starts something and then records it where clean-up
+finds it can be cut between the two, and the thing leaks. (Any other
+signal's handler runs there too: a close() from one, put off to the end of
+the span it interrupted, is _spans'.)
 """
 
 from __future__ import annotations
@@ -147,12 +146,15 @@ def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
         from multiprocessing import resource_tracker  # (here: `import shmpipe` starts nothing of multiprocessing)
 
         resource_tracker.ensure_running()
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())  # (what to put back; changes nothing)
 
     def block_again() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
     try:
+        # Inside the try: a handler's exception at the check after the
+        # call would otherwise leave SIGINT blocked in this thread.
+        block_again()
         yield block_again
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)

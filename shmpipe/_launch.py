@@ -93,7 +93,7 @@ class ProcessLauncher(Launcher):
         #: pipeline closes is either refused or stopped with the rest.
         self._adding = threading.RLock()
         #: Each hold of _adding or _reading outside shutdown is a span: a close()
-        #: from a signal handler that interrupts the holding thread there is put
+        #: from a signal handler that interrupts the main thread there is put
         #: off to the span's end (it would wait for its own thread's lock)
         self._spans = TeardownAfterSpans()
         self._need: int | None = None  # largest first batch a producer asked a channel for

@@ -36,10 +36,22 @@ block with no check between, so ``with spans, lock:`` counts the depth from
 before the lock is asked for (a handler may run while this thread waits
 for it), and no bytecode of the span has the lock held and the depth not.
 
+What this rests on, and where it does not hold: the bytecode of a ``with``
+statement in CPython 3.10 to 3.13 (3.10's SETUP_WITH, 3.11's to 3.13's
+BEFORE_WITH call ``__enter__`` and begin the protected range in the same
+instruction); a version that calls ``__enter__`` with a CALL of its own
+and protects the block only after it would open the window again at that
+CALL's check (tests/test_interrupts.py puts an interrupt at each check and
+fails there). A trace or profile function written in Python (pdb, the
+``profile`` module) runs code at events between the block and ``__exit__``,
+where an interrupt can land: under a debugger this is not guaranteed.
+
 Not atomic: the owed teardown is Python code, called as the outermost span
 ends; an interrupt that lands as it begins leaves it not done (the
 interrupted program's own close(), outside any span, does it).
 """
+
+cimport cython
 
 import os
 import threading
@@ -47,34 +59,49 @@ import threading
 from cpython.pythread cimport PyThread_get_thread_ident
 
 
-# The thread signal handlers run in: the main thread, and in a forked child
-# the thread that forked (it is the child's only thread, and CPython makes
-# it the main thread there).
+# The thread signal handlers run in: the main thread (threading's: the
+# thread that imported it first, the main one but where a program started
+# threads with _thread before), and in a forked child the thread that
+# forked (the child's only thread, which CPython makes the main thread
+# there). A child starts with no spans: one its parent was in goes on in
+# the parent, not here (_forks tells an object that it was forked).
 cdef unsigned long _main_thread = threading.main_thread().ident
+cdef unsigned long _forks = 0
 
 
 def _after_fork_in_child():
-    global _main_thread
+    global _main_thread, _forks
     _main_thread = PyThread_get_thread_ident()
+    _forks += 1
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+@cython.auto_pickle(False)  # (a copy would carry a depth that no span of the copy's owes)
 cdef class TeardownAfterSpans:
     """Spans of one object's work, each a ``with`` block of this object:
     how deep the main thread is in them, and the teardown owed to the
-    outermost one's end."""
+    outermost one's end. Another thread's spans are not counted: no signal
+    handler interrupts them."""
 
     cdef long _depth  # the main thread's
     cdef object _owed  # a callable, or None
+    cdef unsigned long _forks_seen  # _forks when _depth was last right
+
+    cdef inline bint _in_main_thread(self):
+        if self._forks_seen != _forks:  # forked: what the parent was in is not this process's
+            self._forks_seen = _forks
+            self._depth = 0
+            self._owed = None
+        return PyThread_get_thread_ident() == _main_thread
 
     def __enter__(self):
-        if PyThread_get_thread_ident() == _main_thread:
+        if self._in_main_thread():
             self._depth += 1
 
     def __exit__(self, exc_type, exc, tb):
-        if PyThread_get_thread_ident() != _main_thread:
+        if not self._in_main_thread() or self._depth <= 0:  # (a span begun before a fork: not counted here)
             return
         self._depth -= 1
         if self._depth == 0 and self._owed is not None:
@@ -82,13 +109,14 @@ cdef class TeardownAfterSpans:
             owed()
 
     def inside(self):
-        """Whether this thread is in a span (in a signal handler: whether
-        it interrupted one)."""
-        return PyThread_get_thread_ident() == _main_thread and self._depth > 0
+        """Whether the main thread is in a span and this is it (in a signal
+        handler: whether it interrupted one)."""
+        return self._in_main_thread() and self._depth > 0
 
     def defer(self, teardown):
-        """Whether this thread is in a span (a handler interrupted it): then
-        `teardown` is owed to the span's end. False: tear down now."""
+        """Whether this is the main thread in a span (a handler interrupted
+        it): then `teardown` is owed to the span's end. False: tear down
+        now."""
         if not self.inside():
             return False
         self._owed = teardown
