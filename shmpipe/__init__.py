@@ -166,8 +166,8 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-#: The modules the install compiles (setup.py): the ring, the codec, the tallies.
-_COMPILED = ("_codec", "_ring", "_tally")
+#: The modules the install compiles (setup.py): the ring, the codec, the spans, the tallies.
+_COMPILED = ("_codec", "_ring", "_spans", "_tally")
 
 
 def _compiled(name: str) -> Any:

@@ -39,12 +39,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
-from shmpipe import _control, _forkserver, _startup
+from shmpipe import _control, _forkserver, _spans, _startup
 from shmpipe._descriptors import check_descriptor_room
 from shmpipe._interrupts import WaitEndedByCtrlC, born_with_ctrl_c_blocked, ctrl_c_held_back, ctrl_c_pending
 from shmpipe._process import ProcessWatch, owner_identity, process_stopped
 from shmpipe._producer_context import PassWork
-from shmpipe._spans import TeardownAfterSpans
 from shmpipe._worker import producer_main
 from shmpipe.errors import CorruptChannelError, PipelineClosedError, WorkerDiedError, WorkerError
 from shmpipe.transport import ChannelSpec, ConsumerEnd, Launcher, Transport
@@ -95,7 +94,7 @@ class ProcessLauncher(Launcher):
         #: Each hold of _adding or _reading outside shutdown is a span: a close()
         #: from a signal handler that interrupts the main thread there is put
         #: off to the span's end (it would wait for its own thread's lock)
-        self._spans = TeardownAfterSpans()
+        self._spans = _spans.TeardownAfterSpans()
         self._need: int | None = None  # largest first batch a producer asked a channel for
         self._pass_no = spec.first_pass  # the pass begun last: a channel opened later starts there
         #: per worker: (pass, batches) of the last "done" it sent

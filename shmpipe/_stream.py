@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
+from shmpipe import _spans
 from shmpipe._options import PipelineOptions
-from shmpipe._spans import TeardownAfterSpans
 from shmpipe._stats import Counters, PipelineStats
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError, ShmpipeValueError
 from shmpipe.transport import Transport
@@ -270,7 +270,7 @@ class BatchStream(abc.ABC):
         #: not from under the code it interrupted (that went on to read
         #: producers' links and pidfds already closed, and raised a false
         #: CorruptChannelError, ValueError or IndexError)
-        self._spans = TeardownAfterSpans()
+        self._spans = _spans.TeardownAfterSpans()
 
     def _own(self, shutdown: Callable[[], None], takes: threading.RLock | None = None) -> None:
         """From now on close() (or the stream's collection, if it is

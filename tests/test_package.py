@@ -25,7 +25,7 @@ def test_import_pulls_in_no_heavy_optional_dependency(tmp_path):
     code = (
         "import sys, shmpipe; "
         "heavy = [m for m in ('ray', 'pyarrow', 'tensorflow', 'torch', 'jax', 'cloudpickle') if m in sys.modules]; "
-        "compiled = [m for m in ('shmpipe._ring', 'shmpipe._codec', 'shmpipe._tally') if m in sys.modules]; "
+        "compiled = [m for m in ('shmpipe._ring', 'shmpipe._codec', 'shmpipe._spans', 'shmpipe._tally') if m in sys.modules]; "
         "print(heavy + compiled)"
     )
     assert in_a_fresh_python(code, tmp_path).strip() == "[]"
