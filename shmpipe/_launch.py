@@ -527,6 +527,7 @@ class ProcessLauncher(Launcher):
     def shutdown(self) -> None:
         # A Ctrl-C is held back to the end: a shutdown cut in the middle would
         # never run again (its finalizer has run), leaving memory and processes.
+        # (The stream's close holds it back from before the finalizer is spent.)
         self.closing()  # (first)
         if self._spans.defer(self.shutdown):  # a signal handler's, in this thread's span: done as it ends
             return

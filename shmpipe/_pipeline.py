@@ -188,7 +188,8 @@ class Pipeline(FrameworkStream):
                     self._begin_ahead()  # the first pass starts with the producers
         except BaseException:  # nothing started may outlive the call
             if self._finalizer is not None:
-                self._finalizer()
+                with ctrl_c_held_back():  # (as in _shut_down_now: spent as its call begins)
+                    self._finalizer()
             elif launcher is not None:
                 launcher.shutdown()
             raise

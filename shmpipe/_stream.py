@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 from shmpipe import _spans
+from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, PipelineStats
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError, ShmpipeValueError
@@ -342,7 +343,11 @@ class BatchStream(abc.ABC):
 
     def _shut_down_now(self) -> None:
         assert self._finalizer is not None
-        self._finalizer()
+        # A finalizer is spent as its call begins (weakref.finalize takes
+        # it off its registry, then calls): cut by a Ctrl-C between the two,
+        # the shutdown would never run, from this close() or a later one.
+        with ctrl_c_held_back():
+            self._finalizer()
         self._after_shutdown()
 
     def _before_close(self) -> None:
