@@ -66,20 +66,27 @@ def ctrl_c_held_back() -> Iterator[None]:
     def note(signum: int, frame: Any) -> None:
         pressed.append(signum)
 
-    old = signal.signal(signal.SIGINT, note)
-    _HELD.append((pressed, old, note))
+    held = (pressed, signal.getsignal(signal.SIGINT), note)
     ended_by_the_press = False
     try:
+        # Inside the try: another signal's handler that raises at the check
+        # after either call would otherwise leave `note` in place for good
+        # (every later Ctrl-C only noted).
+        _HELD.append(held)
+        signal.signal(signal.SIGINT, note)
         yield
     except WaitEndedByCtrlC:
         ended_by_the_press = True
         raise
     finally:
-        del _HELD[next(i for i, held in enumerate(_HELD) if held[0] is pressed)]  # (remove() compares the lists' items)
+        for i, entry in enumerate(_HELD):
+            if entry is held:  # (remove() compares the tuples' items)
+                del _HELD[i]
+                break
         # Code run in the block may have set a handler of its own: then it
         # stays, and decides what the noted press does.
         if signal.getsignal(signal.SIGINT) is note:
-            signal.signal(signal.SIGINT, old)
+            signal.signal(signal.SIGINT, held[1])
         if pressed:
             try:
                 signal.raise_signal(signal.SIGINT)

@@ -107,7 +107,8 @@ class ProcessLauncher(Launcher):
         #: ahead of the trainer (keep_iterator_states).
         self._states_kept = spec.capacity + 2
         self._failure: BaseException | None = None
-        self._down = False
+        self._down = False  # shutdown begun: nothing more is added
+        self._stopped = False  # shutdown done, to its end (a cut one runs again)
         # The thread that starts the producers, while it does (see starting);
         # set once it is done; what it raised; whether shutdown asked it to
         # start no more; and whether the channel's handle_delivered is still
@@ -525,9 +526,9 @@ class ProcessLauncher(Launcher):
         self._stop_starting = True  # a replacement waiting for the fork server gives up
 
     def shutdown(self) -> None:
-        # A Ctrl-C is held back to the end: a shutdown cut in the middle would
-        # never run again (its finalizer has run), leaving memory and processes.
-        # (The stream's close holds it back from before the finalizer is spent.)
+        # A Ctrl-C is held back to the end: a shutdown cut in the middle is
+        # owed again (the stream's _finalize), but a Ctrl-C should not leave
+        # the producers running until the next close().
         self.closing()  # (first)
         if self._spans.defer(self.shutdown):  # a signal handler's, in this thread's span: done as it ends
             return
@@ -535,27 +536,38 @@ class ProcessLauncher(Launcher):
             self._shutdown()
 
     def _shutdown(self) -> None:
-        if self._down:
+        if self._stopped:
             return
         self._start_ended()  # what it started is stopped below with the rest
-        with self._adding:  # after what is being added: it is stopped with the rest
-            self._down = True
         # Each part in a finally: an exception from a signal handler (its own
         # close(), then sys.exit()) cuts the part it lands in, not the rest.
-        channel = self.channel
+        # Down and the channel read in one stretch with no check for signals
+        # between (a store, a load). A shutdown cut anywhere (by another
+        # signal's handler: Ctrl-C is held back) is owed again (the stream's
+        # _finalize) and runs again to its end: each part is idempotent.
+        channel: ConsumerEnd | None = None
         try:
+            with self._adding:  # after what is being added: it is stopped with the rest
+                self._down = True
+                channel = self.channel
             if channel is not None:
                 channel.close()  # producers waiting for room return at once
             self._send_quietly(("stop",))
         finally:
-            self._stop_the_rest(channel)
+            if self._down:
+                self._stop_the_rest(channel)
 
     def _stop_the_rest(self, channel: ConsumerEnd | None) -> None:
-        """_shutdown's second part: the channel's names, the producers, their watches and links."""
+        """_shutdown's second part: the channel's names, the producers, their
+        watches and links. Stopped only where it ran to its end: cut (by a
+        handler's exception), it runs again with the next shutdown, and the
+        channel is let go only once it was destroyed."""
+        destroyed = False
         try:
             if channel is not None:
                 with contextlib.suppress(OSError):
                     channel.destroy()  # shared names go now; live arrays keep their memory
+            destroyed = True
             for p in self.processes[len(self.watches) :]:  # a start cut (by a handler's exception) before its watch
                 self.watches.append(ProcessWatch(_pid(p)))
             _reap(self.processes, self.watches)
@@ -566,7 +578,9 @@ class ProcessLauncher(Launcher):
             with self._reading:  # not under a read in another thread (each is short: nothing blocks)
                 for link in self.links:
                     link.close()
-            self.channel = None
+            if destroyed:
+                self.channel = None
+        self._stopped = True
 
     def describe_stall(self) -> str:
         """Producers that ended whose exit status has not come (it comes

@@ -188,8 +188,7 @@ class Pipeline(FrameworkStream):
                     self._begin_ahead()  # the first pass starts with the producers
         except BaseException:  # nothing started may outlive the call
             if self._finalizer is not None:
-                with ctrl_c_held_back():  # (as in _shut_down_now: spent as its call begins)
-                    self._finalizer()
+                self._finalize()
             elif launcher is not None:
                 launcher.shutdown()
             raise

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 from shmpipe import _spans
-from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
 from shmpipe._stats import Counters, PipelineStats
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError, ShmpipeValueError
@@ -286,7 +285,8 @@ class BatchStream(abc.ABC):
         shuts down all the same. Reentrant: a signal handler's close() in
         the thread that holds it runs at once, as it did without it (where
         _spans does not put it off)."""
-        self._finalizer = weakref.finalize(self, _shut_down, self._close_hooks, shutdown, self._owner_pid, takes)
+        self._teardown = (self._close_hooks, shutdown, self._owner_pid, takes)
+        self._finalizer = weakref.finalize(self, _shut_down, *self._teardown)
         _live.add(self)
 
     # -- configuration --------------------------------------------------------
@@ -342,13 +342,27 @@ class BatchStream(abc.ABC):
             self._shut_down_now()
 
     def _shut_down_now(self) -> None:
+        try:
+            self._finalize()
+        finally:
+            self._after_shutdown()
+
+    def _finalize(self) -> None:
+        """Runs what _own registered, now. A finalizer is spent as its call
+        begins (weakref.finalize takes it off its registry, then calls), so
+        a teardown cut by an exception (a Ctrl-C, a signal handler's
+        sys.exit, as it began or anywhere in it) would never run again, from
+        this close() or a later one, nor at exit: the producers would run
+        and a ring's name stay. Cut, it is owed again, to the next close(),
+        the stream's collection or the interpreter's exit; its parts are
+        idempotent (what was done is not redone). Not covered: a second
+        interrupt that lands in this except clause."""
         assert self._finalizer is not None
-        # A finalizer is spent as its call begins (weakref.finalize takes
-        # it off its registry, then calls): cut by a Ctrl-C between the two,
-        # the shutdown would never run, from this close() or a later one.
-        with ctrl_c_held_back():
+        try:
             self._finalizer()
-        self._after_shutdown()
+        except BaseException:
+            self._finalizer = weakref.finalize(self, _shut_down, *self._teardown)
+            raise
 
     def _before_close(self) -> None:
         """What the subclass notes while it is still open (once)."""
