@@ -353,15 +353,21 @@ class BatchStream(abc.ABC):
         a teardown cut by an exception (a Ctrl-C, a signal handler's
         sys.exit, as it began or anywhere in it) would never run again, from
         this close() or a later one, nor at exit: the producers would run
-        and a ring's name stay. Cut, it is owed again, to the next close(),
-        the stream's collection or the interpreter's exit; its parts are
-        idempotent (what was done is not redone). Not covered: a second
-        interrupt that lands in this except clause."""
+        and a ring's name stay. Cut, it is owed again, to the next close()
+        or the stream's collection; its parts are idempotent (what was done
+        is not redone). Not at the interpreter's exit: a cut that left a
+        lock of the standard library held (threading.Event's, a Condition's:
+        their __enter__ is Python) would make the exit wait on it for ever,
+        and at exit the producers end on their own (their consumer is gone),
+        a memfd ring with them. Not covered: a second interrupt that lands
+        in this except clause."""
         assert self._finalizer is not None
         try:
             self._finalizer()
         except BaseException:
-            self._finalizer = weakref.finalize(self, _shut_down, *self._teardown)
+            owed = weakref.finalize(self, _shut_down, *self._teardown)
+            owed.atexit = False
+            self._finalizer = owed
             raise
 
     def _before_close(self) -> None:

@@ -179,20 +179,21 @@ class Leader:
         self.deadline = time.monotonic() + group.timeout
         self.next_alive_check = 0.0
         self.ring_shared = False  # the ring's memory went to the ranks (with the first batch)
+        named = f"shmpipe-group-{self.group}"
+        self.service = threading.Thread(target=self._serve, name=f"{named}-service", daemon=True)
+        self.dispatch = threading.Thread(target=self._dispatch, name=f"{named}-dispatch", daemon=True)
         try:
-            # The pipeline waits without a deadline: a rank that trains
-            # slowly holds slots, which is backpressure, not a stuck
-            # producer. Each rank applies `timeout` to its own waits.
-            # starts the producers
+            # The pipeline (it starts the producers) waits without a deadline: a rank that trains
+            # slowly holds slots, which is backpressure, not a stuck producer. Each rank applies
+            # `timeout` to its own waits.
             self.pipe = DealingPipeline(dataclasses.replace(options, timeout=None), schedule)
-        except BaseException:
-            listener.close()
+            self.service.start()
+        except BaseException:  # a Ctrl-C too: nothing of a half-made leader outlives the call
+            if "pipe" in vars(self):
+                self._close()  # the producers, the service thread if it began, the listener
+            else:
+                listener.close()
             raise
-        self.service = threading.Thread(target=self._serve, name=f"shmpipe-group-{self.group}-service", daemon=True)
-        self.dispatch = threading.Thread(
-            target=self._dispatch, name=f"shmpipe-group-{self.group}-dispatch", daemon=True
-        )
-        self.service.start()
 
     # -- the service thread ------------------------------------------------------
 
@@ -790,11 +791,6 @@ class Leader:
             dealt = tuple(self.links[r].dealt if r in self.links else 0 for r in range(self.n))
             dropped = tuple(self.dropped_per_pass)
         return GroupStats(
-            group=self.group,
-            num_ranks=self.n,
-            batches_per_rank=dealt,
-            dropped_per_pass=dropped,
-            dropped_remainder=sum(dropped),
-            passes=len(dropped),
-            pipeline=self.pipe.stats(),
+            group=self.group, num_ranks=self.n, batches_per_rank=dealt, dropped_per_pass=dropped,
+            dropped_remainder=sum(dropped), passes=len(dropped), pipeline=self.pipe.stats(),
         )

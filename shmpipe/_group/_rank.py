@@ -242,14 +242,26 @@ class RankPipeline(FrameworkStream):
         # lock is not fair, so a state_dict() while another thread waits for
         # a batch may wait out two or three polls (measured: 0.1-0.2 s).
         self._consumer_lock = threading.Lock()
-        self._leader = Leader(options, group, schedule) if group.rank == 0 else None
+        # What is made is recorded where the clean-up finds it with Ctrl-C
+        # held back (raised after, inside the try): the leader's producers
+        # and threads, and the connection until the finalizer owns them.
+        self._leader: Leader | None = None
+        conn: _Connection | None = None
         try:
-            self._conn = self._join(options, group)
+            if group.rank == 0:
+                with ctrl_c_held_back():
+                    self._leader = Leader(options, group, schedule)
+            conn = self._conn = self._join(options, group)
+            with ctrl_c_held_back():
+                self._own(functools.partial(_leave, conn, self._leader))
         except BaseException:
-            if self._leader is not None:
+            if self._finalizer is not None:
+                self._finalize()
+            elif conn is not None:
+                _leave(conn, self._leader)
+            elif self._leader is not None:
                 self._leader.close()
             raise
-        self._own(functools.partial(_leave, self._conn, self._leader))
         self._closed = False
 
     def _join(self, options: PipelineOptions, group: GroupOptions) -> _Connection:
