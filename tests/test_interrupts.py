@@ -534,9 +534,12 @@ def test_a_press_while_the_trainer_waits_for_the_start_leaves_the_next_pass_whol
 #: held (as an except clause does), and the producers must end and the
 #: ring's name go. "take": in the code that holds the pipeline's spans, over
 #: a pass's start and its first two batches, a KeyboardInterrupt raised
-#: there; "close": anywhere in a close() (the standard library's frames
-#: too), a real SIGINT, which the handler of the moment takes; "exit in
-#: close": there, a signal whose handler raises SystemExit (sys.exit).
+#: there; "close": in a close(), in shmpipe's frames and those of the
+#: standard library's modules its protections rest on (weakref's finalize,
+#: contextlib's managers, threading's locks), a real SIGINT, which the
+#: handler of the moment takes; "exit in close": there, a signal whose
+#: handler raises SystemExit (sys.exit). One producer: the windows do not
+#: depend on how many.
 INTERRUPT_AT_EACH_CHECK = """
 import json, os, signal, sys, time, warnings
 import shmpipe
@@ -546,6 +549,7 @@ from shmpipe.transports.shm import ShmTransport
 transport, during = sys.argv[1], sys.argv[2]
 warnings.simplefilter("ignore")
 HOLDERS = ("/_stream.py", "/_pipeline.py", "/_launch.py", "/_interrupts.py")
+PROTECTIONS = (os.path.dirname(shmpipe.__file__), "/weakref.py", "/contextlib.py", "/threading.py")
 
 def alive(pid):
     try:
@@ -563,7 +567,8 @@ signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))
 left, k, interrupted, short = [], 0, 0, 0
 while short < 3 and len(left) < 3:  # (three places found is enough to fail on)
     k += 1
-    pipe = shmpipe.from_iterators([Counter(1 << 30, (64,))] * 2, timeout=30, start_method="fork",
+    pipe = shmpipe.from_iterators([Counter(1 << 30, (64,))] * (2 if during == "take" else 1), timeout=30,
+                                  start_method="fork",
                                   transport=ShmTransport(backing="posix") if during != "take" else transport)
     pids = [pid for pid in pipe.pids if pid]
     seen = [0]
@@ -572,6 +577,8 @@ while short < 3 and len(left) < 3:  # (three places found is enough to fail on)
         if event not in ("call", "c_return") or frame.f_code.co_name == "<genexpr>":
             return  # (a generator expression closed as garbage swallows what it raises)
         if during == "take" and not frame.f_code.co_filename.endswith(HOLDERS):
+            return
+        if during != "take" and not any(part in frame.f_code.co_filename for part in PROTECTIONS):
             return
         seen[0] += 1
         if seen[0] == k:
@@ -648,13 +655,15 @@ def test_a_close_after_a_ctrl_c_at_any_check_ends_the_producers(transport, durin
     assert got["interrupted"] >= 20, got
 
 
-#: A Ctrl-C (a real SIGINT) at each place in turn where Python checks for
-#: signals in rank 0's construction of a group (in the group's modules,
-#: threading's and weakref's: where the leader starts its threads and the
-#: rank's finalizer is made), until three runs in a row meet none: nothing
-#: of the group may outlive the KeyboardInterrupt (its producers, its
-#: threads, its name: the next run makes a rank 0 of the same group).
-GROUP_INTERRUPTED_AS_IT_IS_MADE = """
+#: "made": a Ctrl-C (a real SIGINT) at each place in turn where Python
+#: checks for signals in rank 0's construction of a group (in the group's
+#: modules, threading's and weakref's: where the leader starts its threads
+#: and the rank's finalizer is made), until three runs in a row meet none:
+#: nothing of the group may outlive the KeyboardInterrupt (its producers,
+#: its threads, its name: the next run makes a rank 0 of the same group).
+#: "closed": there, in rank 0's close(), a signal whose handler raises
+#: SystemExit; then the user's own close(), which must not wait for ever.
+GROUP_INTERRUPTED = """
 import json, os, signal, sys, threading, time, warnings
 import shmpipe
 from shmpipe.testing.sources import Counter
@@ -662,6 +671,8 @@ from shmpipe.testing.sources import Counter
 warnings.simplefilter("ignore")
 KEEP = ("/_group/", "/threading.py", "/weakref.py")
 group = f"interrupted-{os.getpid()}"
+during = sys.argv[1]
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))
 
 def children():
     found = set()
@@ -694,25 +705,38 @@ while short < 3 and len(left) < 3:
                 and any(part in frame.f_code.co_filename for part in KEEP):
             seen[0] += 1
             if seen[0] == k:
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT if during == "made" else signal.SIGUSR1)
 
-    pipe = None
+    pipe, cut = None, False
+    if during == "closed":
+        pipe = shmpipe.from_iterators([Counter(3, (64,))], group=group, rank=0, num_ranks=1,
+                                      group_timeout=30, start_method="fork")
+        assert len(list(pipe)) == 3  # (a whole pass: the close does not wait for the deal's end)
     sys.setprofile(fire)
     try:
-        pipe = shmpipe.from_iterators([Counter(1 << 30, (64,))] * 2, group=group, rank=0, num_ranks=1,
-                                      group_timeout=30, start_method="fork")
-    except KeyboardInterrupt:
-        pass
+        if during == "made":
+            pipe = shmpipe.from_iterators([Counter(1 << 30, (64,))], group=group, rank=0, num_ranks=1,
+                                          group_timeout=30, start_method="fork")
+        else:
+            pipe.close()
+    except (KeyboardInterrupt, SystemExit):
+        cut = True
     except shmpipe.GroupStartError as refused:  # the last run's rank 0 still holds the name
         left.append([k, str(refused)[:100]])
         break
     finally:
         sys.setprofile(None)
-    if pipe is not None:
-        short += 1
-        pipe.close()
-    else:
+    if cut:
         short, interrupted = 0, interrupted + 1
+    else:
+        short += 1
+    if pipe is not None:  # the user's own close(), within 20 s
+        closing = threading.Thread(target=pipe.close, daemon=True)
+        closing.start()
+        closing.join(20)
+        if closing.is_alive():
+            left.append([k, "the second close() waited 20 s"])
+            break
     deadline = time.monotonic() + 5
     while ours() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -724,17 +748,23 @@ print(json.dumps({"interrupted": interrupted, "left": left}))
 """
 
 
-def test_a_ctrl_c_as_rank_0_makes_its_group_leaves_nothing(tmp_path):
-    """On b238065 a Ctrl-C in rank 0 after its group's pipeline had started
-    the producers, as the leader made or started its threads, left the
-    producers, the service thread and the group's name (a new rank 0 of
-    the group was refused: 'already has a rank 0'); and one between the
+@pytest.mark.parametrize("during", ["made", "closed"])
+def test_a_signal_as_rank_0_makes_or_closes_its_group_leaves_nothing(during, tmp_path):
+    """made: on b238065 a Ctrl-C in rank 0 after its group's pipeline had
+    started the producers, as the leader made or started its threads, left
+    the producers, the service thread and the group's name (a new rank 0
+    of the group was refused: 'already has a rank 0'); and one between the
     join and the rank's finalizer left the service thread and the name
     (helper 70: 20 of 30 real SIGINTs sent 0-300 us after the producers
-    started). A failing sweep stops at three places found."""
+    started). closed: a handler's sys.exit inside the leader's
+    Condition.__enter__ or threading.Event.set (locks taken in Python code)
+    as it closed left the lock held: the leader's threads waited for good,
+    and the next close() (here from another thread) waited on it for ever
+    (helper 70; on 1102928 at place 25). A failing sweep stops at three
+    places found, or at a close() that does not return."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.run(
-        [sys.executable, "-c", GROUP_INTERRUPTED_AS_IT_IS_MADE],
+        [sys.executable, "-c", GROUP_INTERRUPTED, during],
         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

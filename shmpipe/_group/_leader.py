@@ -147,7 +147,10 @@ class Leader:
             raise
         listener.listen(self.n + 8)
         self.listener = listener
-        self.lock = threading.Condition()
+        # Taken as `with self.mutex:`, a C lock's __enter__ that a signal handler's exception cannot cut from
+        # its block (Condition.__enter__ is Python code); waited on and notified through the condition.
+        self.mutex = threading.RLock()
+        self.lock = threading.Condition(self.mutex)
         self.links: dict[int, _Link] = {}
         #: Connected, hello not yet read: socket -> (pid from SO_PEERCRED, its
         #: watch, the monotonic time by which it must have said hello);
@@ -172,7 +175,10 @@ class Leader:
         self.completed = -1
         self.ready = False
         self.failure: list[Any] | None = None  # the "error" message sent to every rank
-        self.stopping = threading.Event()
+        #: Set once by close, read by the threads: a plain flag, not an Event
+        #: (Event.set takes a lock in Python code, where a signal handler's
+        #: exception can leave it held, and the next close then waits on it).
+        self.stopping = False
         self.in_pass: int | None = None  # the pass being dealt
         self.dropped_per_pass: list[int] = []
         self.tokens = itertools.count()
@@ -207,17 +213,17 @@ class Leader:
 
     def _serve(self) -> None:
         try:
-            while not self.stopping.is_set():
+            while not self.stopping:
                 self._serve_once()
         except BaseException as exc:  # a bug here must not leave the ranks waiting
-            if not self.stopping.is_set():
+            if not self.stopping:
                 self.fail(exc)
 
     def _serve_once(self) -> None:
         """One poll: what arrived, the ranks that ended, the start deadline."""
         ended: list[_Link] = []
         for fd, _ in self.poller.poll(int(POLL_S * 1000)):
-            if self.stopping.is_set():
+            if self.stopping:
                 return
             what, obj = self.watched.get(fd, (None, None))  # obj: what `what` says it is
             if what is _Watched.LISTENER:
@@ -236,7 +242,7 @@ class Leader:
         self._expire_pending()
         self._resume_listener()
         if not self.ready and time.monotonic() > self.deadline and self.failure is None:
-            with self.lock:
+            with self.mutex:
                 missing = [r for r in range(self.n) if r not in self.links]
             self.fail(
                 GroupStartError(
@@ -252,7 +258,7 @@ class Leader:
         if now < self.next_alive_check:
             return []
         self.next_alive_check = now + POLL_S
-        with self.lock:
+        with self.mutex:
             unpolled = [link for link in self.links.values() if link.watch.fileno() is None]
             links = [link for link in unpolled if link.state is not LinkState.CLOSED]
         return [link for link in links if not link.watch.alive()]
@@ -398,7 +404,7 @@ class Leader:
         pidfd = link.watch.fileno()
         if pidfd is not None:
             self._watch(pidfd, _Watched.EXIT, link)
-        with self.lock:
+        with self.mutex:
             self.links[link.rank] = link
             if len(self.links) == self.n:
                 self.ready = True
@@ -427,13 +433,13 @@ class Leader:
     def _handle_from_rank(self, link: _Link, message: list[Any]) -> None:
         kind = message[0]
         if kind == "release" and len(message) == 2 and type(message[1]) is int:
-            with self.lock:
+            with self.mutex:
                 batch = link.held.pop(message[1], None)
             del batch  # its root held the slot: the slot is free now
         elif link.state is not LinkState.LIVE:
             return  # it said bye: only its releases count now
         elif kind == "begin" and len(message) == 3 and type(message[1]) is int and _wire.is_start(message[2]):
-            with self.lock:
+            with self.mutex:
                 self.begun[link.rank] = message[1]
                 self.starts[link.rank] = (message[1], message[2])
                 self.lock.notify_all()
@@ -457,7 +463,7 @@ class Leader:
         """A rank's "taken": of the pass it began, once that was dealt whole
         (False: a malformed message, which fails the group: a "taken" of a
         later pass would end passes whose batches the rank never read)."""
-        with self.lock:
+        with self.mutex:
             if type(pass_no) is not int or pass_no != self.begun[rank] or pass_no >= len(self.dropped_per_pass):
                 return False
             self.taken[rank] = pass_no
@@ -471,7 +477,7 @@ class Leader:
         while the pass is still dealt, once another batch is dealt to it
         (_deal_one). A rank that had all it was dealt, at its share (islice)
         before the deal's end came from the producers, fails nobody."""
-        with self.lock:
+        with self.mutex:
             link.state = LinkState.LEFT
             dealt_pass, dealt = link.dealt_in_pass
             begun = self.begun[link.rank]
@@ -506,7 +512,7 @@ class Leader:
             )
         self._unwatch(link.sock.fileno())
         self._unwatch(link.watch.fileno())
-        with self.lock:
+        with self.mutex:
             held, link.held = link.held, {}
             link.state = LinkState.CLOSED
             self.lock.notify_all()
@@ -519,7 +525,7 @@ class Leader:
         connection's sending side is shut (so a rank whose message was lost
         still sees the group end, never waits for ever), and the pipeline
         stops (producers end, slots free as batches go). Any thread."""
-        with self.lock:
+        with self.mutex:
             if self.failure is not None:
                 return
             self.failure = _wire.error_message(exc)
@@ -549,7 +555,7 @@ class Leader:
                     return
                 self._deal_pass(pass_no, current)
         except BaseException as exc:
-            if not self.stopping.is_set():
+            if not self.stopping:
                 self.fail(exc)
         finally:
             while current:  # (no loop variable: a failure's traceback keeps this frame)
@@ -558,9 +564,9 @@ class Leader:
     def _wait_until_all_began(self, pass_no: int) -> bool:
         """Waits until every rank began `pass_no` (then it is being dealt);
         False if the group failed or stops meanwhile."""
-        with self.lock:
+        with self.mutex:
             while not self._all_began(pass_no):
-                if self.failure is not None or self.stopping.is_set():
+                if self.failure is not None or self.stopping:
                     return False
                 self.lock.wait(POLL_S)
             self.in_pass = pass_no
@@ -582,7 +588,7 @@ class Leader:
         dropped = len(current) + self.schedule.dropped
         while current:
             current.pop()[0].close_fd()
-        with self.lock:
+        with self.mutex:
             self.dropped_per_pass.append(dropped)
             self.in_pass = None
             links = [link for link in self.links.values() if link.state is LinkState.LIVE]
@@ -606,7 +612,7 @@ class Leader:
         order (start_problem). One in the next pass already is not compared."""
         if isinstance(self.schedule, DatasetSchedule):
             ours = self.schedule.start_point()
-            with self.lock:
+            with self.mutex:
                 theirs = sorted((rank, start) for rank, (p, start) in self.starts.items() if p == pass_no)
             for rank, start in theirs:
                 problem = start_problem(start, ours)
@@ -625,7 +631,7 @@ class Leader:
         a later one, or left the group after p was dealt (said bye: its
         choice; a death fails the group instead). Service and dispatch
         threads."""
-        with self.lock:
+        with self.mutex:
             dealt = len(self.dropped_per_pass)  # passes dealt whole ("end" sent)
             pass_no = self.completed
             while pass_no + 1 < dealt and self.failure is None and self._all_past(pass_no + 1):
@@ -668,7 +674,7 @@ class Leader:
         assert isinstance(channel, SharingConsumerEnd)
         share, fds = channel.share_with_ranks()
         try:
-            with self.lock:
+            with self.mutex:
                 links = [link for link in self.links.values() if link.state is LinkState.LIVE]
             for link in links:
                 _wire.send_quietly(link.sock, ["ring", share], fds)
@@ -689,7 +695,7 @@ class Leader:
 
     def _deal_one(self, link: _Link, pass_no: int, batch: SharedBatch, worker: int, nbytes: int) -> None:
         token = next(self.tokens)
-        with self.lock:
+        with self.mutex:
             left = link.state is not LinkState.LIVE
             if not left:
                 link.held[token] = batch  # before the send: a release may come at once
@@ -729,7 +735,7 @@ class Leader:
         now = time.monotonic()
         waited = min(self.group_options.timeout, CLOSE_WAIT_S)
         deadline, deal_deadline = now + waited, now + DEAL_END_WAIT_S
-        with self.lock:
+        with self.mutex:
             while self.failure is None and (
                 self.in_pass is not None or self.completed < len(self.dropped_per_pass) - 1
             ):
@@ -753,11 +759,8 @@ class Leader:
 
     def _warn_closing_before(self, pass_no: int, waited: float) -> None:
         """Rank 0 closes though ranks have not ended `pass_no` (the lock held)."""
-        behind = [
-            rank
-            for rank, link in self.links.items()
-            if link.state is LinkState.LIVE and self.taken[rank] < pass_no and self.begun[rank] <= pass_no
-        ]
+        live = [rank for rank, link in self.links.items() if link.state is LinkState.LIVE]
+        behind = [rank for rank in live if self.taken[rank] < pass_no and self.begun[rank] <= pass_no]
         warnings.warn(
             f"rank 0 of group {self.group!r} closed after waiting {waited:g} s for rank(s) "
             f"{', '.join(map(str, behind))} to end pass {pass_no}: they get RankDiedError (close rank 0 last, "
@@ -768,12 +771,12 @@ class Leader:
         )
 
     def _close(self) -> None:
-        self.stopping.set()
+        self.stopping = True
         self.pipe.close()  # the producers stop before any slot is freed below
         for thread in (self.service, self.dispatch):
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(5.0)
-        with self.lock:
+        with self.mutex:
             links = list(self.links.values())
             for link in links:
                 link.held.clear()
@@ -787,7 +790,7 @@ class Leader:
         self.listener.close()
 
     def stats(self) -> GroupStats:
-        with self.lock:
+        with self.mutex:
             dealt = tuple(self.links[r].dealt if r in self.links else 0 for r in range(self.n))
             dropped = tuple(self.dropped_per_pass)
         return GroupStats(
