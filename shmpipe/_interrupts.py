@@ -79,14 +79,16 @@ def ctrl_c_held_back() -> Iterator[None]:
         ended_by_the_press = True
         raise
     finally:
-        for i, entry in enumerate(_HELD):
-            if entry is held:  # (remove() compares the tuples' items)
-                del _HELD[i]
-                break
+        # The handler first: another signal's exception in what follows
+        # must not leave `note` in place.
         # Code run in the block may have set a handler of its own: then it
         # stays, and decides what the noted press does.
         if signal.getsignal(signal.SIGINT) is note:
             signal.signal(signal.SIGINT, held[1])
+        for i, entry in enumerate(_HELD):
+            if entry is held:  # (remove() compares the tuples' items)
+                del _HELD[i]
+                break
         if pressed:
             try:
                 signal.raise_signal(signal.SIGINT)

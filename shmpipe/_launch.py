@@ -554,8 +554,8 @@ class ProcessLauncher(Launcher):
                 channel.close()  # producers waiting for room return at once
             self._send_quietly(("stop",))
         finally:
-            if self._down:
-                self._stop_the_rest(channel)
+            if self._down:  # (down since an earlier run that was cut: the channel it left is this one's)
+                self._stop_the_rest(self.channel if channel is None else channel)
 
     def _stop_the_rest(self, channel: ConsumerEnd | None) -> None:
         """_shutdown's second part: the channel's names, the producers, their

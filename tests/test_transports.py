@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import os
 
 import numpy as np
 import pytest
@@ -735,3 +737,27 @@ def test_queue_a_get_keeps_its_deadline_while_a_fast_writer_keeps_the_pipe_full(
         child.kill()
         child.wait(timeout=30)
         consumer.destroy()
+
+
+def test_a_queue_channel_closed_after_its_destroy_writes_to_no_descriptor():
+    """A shutdown cut by a signal handler's exception runs again (the
+    stream's finalizer is owed again), and may close a channel it had
+    destroyed: the queue's close() wrote its wake byte to the descriptor
+    number destroy() had closed, by then perhaps another file's (helper 72,
+    on 6f1cab7). Here that number is given to a pipe of the test's."""
+    pipe = shmpipe.from_iterators([Counter(2, (8,))], transport="queue", timeout=30, start_method="fork")
+    assert len(list(pipe)) == 2
+    channel = pipe._launcher.channel
+    assert channel is not None
+    pipe.close()  # destroys it
+    r, w = os.pipe()
+    try:
+        os.dup2(w, channel._wake_w)  # the closed number, now this pipe's
+        fcntl.fcntl(r, fcntl.F_SETFL, os.O_NONBLOCK)
+        channel.close()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+    finally:
+        os.close(channel._wake_w)
+        os.close(r)
+        os.close(w)

@@ -494,6 +494,7 @@ class QueueConsumer(ConsumerEnd):
         # is never read after it was closed (and perhaps reused).
         self._io = threading.RLock()
         self._closed = False
+        self._destroyed = False  # its descriptors closed (or being closed): none is written or closed again
 
     def handle_delivered(self) -> None:
         # Every producer has its own write end of its pipe now: the
@@ -665,19 +666,25 @@ class QueueConsumer(ConsumerEnd):
         self._wake()
 
     def _wake(self) -> None:
+        if self._destroyed:  # (a close after destroy: the numbers may be another file's now)
+            return
         try:
             os.write(self._wake_w, b"w")
         except OSError:
             pass  # full (it is awake already) or closed
 
     def destroy(self) -> None:
-        if self._closed:
+        if self._destroyed:
             return
         self._closed = True
         self._wake()
         if not self._io.acquire(timeout=DESTROY_WAIT_S):
             return  # a get() stuck elsewhere: leave the descriptors rather than close them under it
         try:
+            # Marked first: a destroy cut in the loop (a signal handler's
+            # exception) and run again leaves the rest open, never closes a
+            # number twice.
+            self._destroyed = True
             for fd in [box.fd for box in self._inbound] + [self._wake_r, self._wake_w]:
                 os.close(fd)
             for passed in self.handle.pipes + [end for pool in self.handle.tokens for end in pool]:
