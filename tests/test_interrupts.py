@@ -10,8 +10,21 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+
+
+def _json_of(script: str, *args: str, cwd: Any, timeout: float) -> tuple[Any, str]:
+    """What `script` prints last, as JSON, run by a new interpreter with
+    `args` (it must exit with 0), and what it wrote to stderr."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
+
 
 SCRIPT = """
 import json, os, signal, threading
@@ -139,6 +152,26 @@ def test_a_press_while_the_first_pipeline_loads_its_compiled_counters_is_not_swa
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+#: For the scripts below: this process's children (of every thread) that
+#: still run.
+RUNNING_CHILDREN = """
+def children():
+    found = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            found |= {int(pid) for pid in f.read().split()}
+    running = set()
+    for pid in found:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    running.add(pid)
+        except FileNotFoundError:
+            pass
+    return running
+"""
+
+
 #: close() from a signal handler that runs in the consumer's own thread
 #: while it is inside the launcher: replacing a dead producer (restart,
 #: under the launcher's lock), reading the producers' messages (a plain
@@ -156,20 +189,7 @@ from shmpipe.transports.shm import ShmTransport
 case, method = sys.argv[1], sys.argv[2]
 warnings.simplefilter("ignore")  # (the replacement's ShmpipeWarning)
 
-def children():
-    found = set()
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            found |= {int(pid) for pid in f.read().split()}
-    running = set()
-    for pid in found:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    running.add(pid)
-        except FileNotFoundError:
-            pass
-    return running
+#RUNNING_CHILDREN#
 
 # (the signal, the function it lands in, the caller it is called from)
 where = {
@@ -261,7 +281,7 @@ print(json.dumps({
 }))
 for pid in left:
     os.kill(pid, signal.SIGKILL)
-"""
+""".replace("#RUNNING_CHILDREN#", RUNNING_CHILDREN)
 
 
 @pytest.mark.parametrize(
@@ -288,19 +308,13 @@ def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_do
     another thread as the consumer finds a death was a WorkerDiedError in
     2 of 60 of a campaign's trials, a window this case does not hit every
     time: here it holds the outcome."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", HANDLER_IN_THE_LAUNCHER, case, method],
-        capture_output=True, text=True, timeout=90, cwd=tmp_path, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    got, stderr = _json_of(HANDLER_IN_THE_LAUNCHER, case, method, cwd=tmp_path, timeout=90)
     # (the pass whose end was being checked ended: its end, not an error)
     ends = {"ctrl-c in restart": "KeyboardInterrupt", "end of pass": "StopIteration"}
     ends.update(dict.fromkeys(("exit in start", "exit in stop"), "SystemExit"))
     expected = ends.get(case, "PipelineClosedError")
     assert got == {"fired": True, "error": expected, "leftovers": [], "children": [], "shm": [], "server kept": True}, got
-    assert "ResourceWarning" not in proc.stderr, proc.stderr[-3000:]  # (a link left to the collector)
+    assert "ResourceWarning" not in stderr, stderr[-3000:]  # (a link left to the collector)
 
 
 #: A SIGTERM handler that saves the state while the loop waits for a
@@ -644,13 +658,7 @@ def test_a_close_after_a_ctrl_c_at_any_check_ends_the_producers(transport, durin
     ba44d66, 25 of 304 places). Holding Ctrl-C back there (90dbfaa) left the
     same window to another signal's handler that raises (helper 71): a
     finalizer cut is owed again now, whatever cut it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERRUPT_AT_EACH_CHECK, transport, during],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    got, _ = _json_of(INTERRUPT_AT_EACH_CHECK, transport, during, cwd=tmp_path, timeout=240)
     assert got["left running at"] == [], got
     assert got["interrupted"] >= 20, got
 
@@ -674,20 +682,7 @@ group = f"interrupted-{os.getpid()}"
 during = sys.argv[1]
 signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))
 
-def children():
-    found = set()
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            found |= {int(pid) for pid in f.read().split()}
-    running = set()
-    for pid in found:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    running.add(pid)
-        except FileNotFoundError:
-            pass
-    return running
+#RUNNING_CHILDREN#
 
 def ours():
     return sorted(children() - before) + [t.name for t in threading.enumerate() if group in t.name]
@@ -745,7 +740,7 @@ while short < 3 and len(left) < 3:
         for pid in children() - before:
             os.kill(pid, 9)
 print(json.dumps({"interrupted": interrupted, "left": left}))
-"""
+""".replace("#RUNNING_CHILDREN#", RUNNING_CHILDREN)
 
 
 @pytest.mark.parametrize("during", ["made", "closed"])
@@ -762,13 +757,7 @@ def test_a_signal_as_rank_0_makes_or_closes_its_group_leaves_nothing(during, tmp
     and the next close() (here from another thread) waited on it for ever
     (helper 70; on 1102928 at place 25). A failing sweep stops at three
     places found, or at a close() that does not return."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", GROUP_INTERRUPTED, during],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.splitlines()[-1])
+    got, _ = _json_of(GROUP_INTERRUPTED, during, cwd=tmp_path, timeout=240)
     assert got["left"] == [], got
     assert got["interrupted"] >= 50, got
 
