@@ -541,21 +541,19 @@ class ProcessLauncher(Launcher):
         self._start_ended()  # what it started is stopped below with the rest
         # Each part in a finally: an exception from a signal handler (its own
         # close(), then sys.exit()) cuts the part it lands in, not the rest.
-        # Down and the channel read in one stretch with no check for signals
-        # between (a store, a load). A shutdown cut anywhere (by another
-        # signal's handler: Ctrl-C is held back) is owed again (the stream's
-        # _finalize) and runs again to its end: each part is idempotent.
-        channel: ConsumerEnd | None = None
+        # Once down, nothing changes self.channel but _stop_the_rest. A
+        # shutdown cut anywhere (by another signal's handler: Ctrl-C is held
+        # back) is owed again (the stream's _finalize) and runs again to its
+        # end: each part is idempotent.
         try:
             with self._adding:  # after what is being added: it is stopped with the rest
                 self._down = True
-                channel = self.channel
-            if channel is not None:
-                channel.close()  # producers waiting for room return at once
+            if self.channel is not None:
+                self.channel.close()  # producers waiting for room return at once
             self._send_quietly(("stop",))
         finally:
-            if self._down:  # (down since an earlier run that was cut: the channel it left is this one's)
-                self._stop_the_rest(self.channel if channel is None else channel)
+            if self._down:
+                self._stop_the_rest(self.channel)
 
     def _stop_the_rest(self, channel: ConsumerEnd | None) -> None:
         """_shutdown's second part: the channel's names, the producers, their
