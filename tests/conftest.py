@@ -24,6 +24,15 @@ from shmpipe import _process, _segments
 from shmpipe.testing.assertions import assert_same  # noqa: F401  (tests import it from here)
 from shmpipe.testing.memory import ring_descriptors
 
+#: NumPy asks for transparent huge pages for its large arrays (madvise), and
+#: with the kernel's default THP defrag (madvise) such a fault may compact
+#: memory first: a producer's 1 GiB batch took 0.16 s or 5.7 s to fill at
+#: random, one run of the same script after another. The suite's processes
+#: (each inherits this) fill with ordinary pages instead: about 0.5 s, every
+#: time. (shmpipe's rings and regions are shared memory, which this leaves as
+#: it is.)
+os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
+
 
 def _our_segments() -> set[str]:
     """shmpipe segments of this process, of its live descendants (a CLI run

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import group_members
+from conftest import Command, SharedRuns, group_members
 
 import shmpipe
 from shmpipe.testing.processes import gone, wait_until
@@ -144,7 +144,7 @@ print(json.dumps(out), flush=True)
 
 
 @pytest.mark.parametrize("case", ["cut-or-malformed", "idle"])
-def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(tmp_path, case):
+def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(request, case):
     # The standard library's loop ended the server with a traceback on the
     # first four requests (EOFError, ValueError, RuntimeError, OSError), its
     # children printed their unpickling errors, and a client that connected
@@ -153,11 +153,7 @@ def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(tmp
 
     from shmpipe._forkserver_loop import REQUEST_WAIT_S
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", BAD_REQUESTS_SCRIPT, case], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=T,
-    )
+    proc, _ = SCRIPTS.get(request, ("bad requests", case))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -197,16 +193,13 @@ print(json.dumps(out), flush=True)
 """.replace("TIMEOUT", str(T))
 
 
-def test_a_start_held_past_the_servers_wait_asks_the_same_server_again(tmp_path):
+def test_a_start_held_past_the_servers_wait_asks_the_same_server_again(request):
     # Before: the server waited for ever for it (and every later start
     # behind it); with the wait and no retry, a ShmpipeError blaming the
     # server ("did not start ... still running after 2 s").
     import json
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", HELD_START_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=T
-    )
+    proc, _ = SCRIPTS.get(request, ("held start",))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"first": 2, "held": 2, "same_server": True}, out
@@ -240,14 +233,15 @@ print(old, new, os.path.dirname(address), flush=True)
 
 
 @pytest.mark.parametrize("removed", ["socket", "folder"])
-def test_a_fork_server_whose_socket_was_removed_is_replaced(tmp_path, removed):
+def test_a_fork_server_whose_socket_was_removed_is_replaced(request, removed):
     # Before: "ShmpipeError: shmpipe's fork server (pid N) did not start
     # shmpipe-producer-0 (FileNotFoundError...) and is still running after
     # 2.0 s", for every later start of the process; the folder removed, the
     # new server's bind failed too (a bare FileNotFoundError).
     import json
 
-    proc, stdout, stderr = _run_in_a_session(tmp_path, SOCKET_REMOVED_SCRIPT, removed)
+    proc, _ = SCRIPTS.get(request, ("removed", removed))
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, stderr
     lines = stdout.strip().splitlines()
     assert json.loads(lines[-2]) == {"first": 4, "after": 4, "new_server": True, "old_runs_on": True}, lines
@@ -605,24 +599,28 @@ if __name__ == "__main__":
 """.replace("TIMEOUT", str(T))
 
 
-def _run_stopping_server(tmp_path, case, **env):
+def _stopping_server_command(folder, case):
+    (folder / "stopping_server.py").write_text(STOPPING_SERVER)
+    (folder / "run.py").write_text(STOPPING_SERVER_SCRIPT)
+    env = {
+        **os.environ, "FORK_LOG": str(folder / "forked"), "STOP_AT_FORK": str(folder / "stop-at-fork"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
+        **({"SLOW_SERVER": "3"} if case == "slow" else {}),
+    }
+    return Command([sys.executable, "run.py", case], cwd=folder, env=env, timeout=T)
+
+
+def _stopping_server(request, case):
+    """What the stopped-server script printed for `case`, and its stderr."""
     import json
 
-    (tmp_path / "stopping_server.py").write_text(STOPPING_SERVER)
-    (tmp_path / "run.py").write_text(STOPPING_SERVER_SCRIPT)
-    env = {
-        **os.environ, **env, "FORK_LOG": str(tmp_path / "forked"), "STOP_AT_FORK": str(tmp_path / "stop-at-fork"),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(
-        [sys.executable, "run.py", case], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=T
-    )
+    proc, _ = SCRIPTS.get(request, ("stopping server", case))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
 @pytest.mark.parametrize("case", ["stopped", "at-fork", "at-fork-past-a-pipe", "dataset", "ctrl-c", "restart"])
-def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
+def test_a_start_gives_up_on_a_stopped_fork_server(request, case):
     # The server's socket and pipes are buffered: a stopped server fails
     # nothing, and the start waited for its answer forever (and the close()
     # that waits for a start, and a Ctrl-C). Now: stopped for the pipeline's
@@ -634,7 +632,7 @@ def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
     # next() times out); a Ctrl-C ends it where there is no timeout. What
     # the server forks once it goes on ends by itself (a start that had
     # connected: one child), and it starts the next pipeline.
-    out, stderr = _run_stopping_server(tmp_path, case)
+    out, stderr = _stopping_server(request, case)
     assert out["stopped"], f"the server was not stopped at the end: {out}"
     name, message = out["raised"]
     if case in ("stopped", "at-fork", "at-fork-past-a-pipe"):
@@ -662,15 +660,15 @@ def test_a_start_gives_up_on_a_stopped_fork_server(tmp_path, case):
     assert out["after_continue"] == 6, out
 
 
-def test_a_start_waits_for_a_slow_fork_server_and_for_the_programs_own_ctrl_c_handler(tmp_path):
+def test_a_start_waits_for_a_slow_fork_server_and_for_the_programs_own_ctrl_c_handler(request):
     # Not given up: a server whose boot outlasts the timeout (a preload that
     # imports torch), and a Ctrl-C that goes to the program's own handler
     # (it decides what a press does, after the start, as before; the server
     # continued after 2 s): the pipeline is made and runs.
-    out, _ = _run_stopping_server(tmp_path, "slow", SLOW_SERVER="3")
+    out, _ = _stopping_server(request, "slow")
     assert "raised" not in out and out["batches"] == 6, out
     assert out["after_s"] >= 3, out
-    out, _ = _run_stopping_server(tmp_path, "own-handler")
+    out, _ = _stopping_server(request, "own-handler")
     assert "raised" not in out and out["batches"] == 6, out
     assert 1.0 <= out["handled"] < out["after_s"], out
 
@@ -721,7 +719,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("continued", [True, False], ids=["continued", "still-stopped"])
-def test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_status_is_named(tmp_path, continued):
+def test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_status_is_named(request, continued):
     # Found dead as the ring opened, it was the pipeline's failure at once,
     # whatever max_restarts said ("its control connection closed while it
     # was still running"): now it is replaced there too, as at a pass's
@@ -729,11 +727,7 @@ def test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_statu
     # is late and why, and that its replacement did not start.
     import json
 
-    (tmp_path / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
-    args = ["0.5", "10"] if continued else ["30", "2"]
-    proc = subprocess.run(
-        [sys.executable, "run.py", *args], cwd=tmp_path, capture_output=True, text=True, timeout=T
-    )
+    proc, _ = SCRIPTS.get(request, ("died before attach", *(("0.5", "10", 3, 1) if continued else ("30", "2", 3, 1))))
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if continued:
@@ -750,7 +744,7 @@ def test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_statu
         assert out["restarts"] == [0, 0, 0], out
 
 
-def test_producers_found_dead_while_the_server_is_stopped_are_told_within_the_timeout(tmp_path):
+def test_producers_found_dead_while_the_server_is_stopped_are_told_within_the_timeout(request):
     # With the fork server stopped, a producer's exit status (which the
     # server sends) cannot come: each death found as the ring opened waited
     # GRACE_S (1 s) for it, one after the other; the restart waited for it
@@ -759,13 +753,9 @@ def test_producers_found_dead_while_the_server_is_stopped_are_told_within_the_ti
     # the replacement's start, given up after the timeout, is the wait.
     import json
 
-    (tmp_path / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
     took = {}
     for producers, killed in ((3, 1), (5, 4)):
-        proc = subprocess.run(
-            [sys.executable, "run.py", "30", "2", str(producers), str(killed)],
-            cwd=tmp_path, capture_output=True, text=True, timeout=T,
-        )
+        proc, _ = SCRIPTS.get(request, ("died before attach", "30", "2", producers, killed))
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["raised"][0] == "WorkerDiedError" and "exit status has not come" in out["raised"][1], out
@@ -885,3 +875,51 @@ def test_a_child_of_a_killed_server_polled_from_two_threads_is_not_taken_for_dea
             assert p.exitcode == 255 and _forkserver.status_lost(p) is not None
     finally:
         sys.setswitchinterval(switch)
+
+
+# -- the scripts of these tests, run together -----------------------------------------
+
+def _command(key, folder):
+    kind, *args = key
+    if kind == "stopping server":
+        command = _stopping_server_command(folder, *args)
+    elif kind == "died before attach":
+        (folder / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
+        command = Command([sys.executable, "run.py", *map(str, args)], cwd=folder, timeout=T)
+    else:
+        script = {"bad requests": BAD_REQUESTS_SCRIPT, "held start": HELD_START_SCRIPT}.get(kind, SOCKET_REMOVED_SCRIPT)
+        command = Command([sys.executable, "-c", script, *args], cwd=folder, timeout=T,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    command.seconds = SECONDS.get(key, 2.0)
+    return command
+
+
+#: About how long the longer scripts take alone (seconds): the longest start first.
+SECONDS = {
+    ("held start",): 8.0, ("stopping server", "slow"): 6.0, ("stopping server", "stopped"): 5.5,
+    ("bad requests", "idle"): 5.0, ("stopping server", "ctrl-c"): 4.5, ("stopping server", "own-handler"): 3.0,
+}
+
+#: The script(s) each test of the family runs (see their calls of SCRIPTS.get).
+_KEYS = {
+    "test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent": lambda p: [("bad requests", p["case"])],
+    "test_a_start_held_past_the_servers_wait_asks_the_same_server_again": lambda p: [("held start",)],
+    "test_a_fork_server_whose_socket_was_removed_is_replaced": lambda p: [("removed", p["removed"])],
+    "test_a_start_gives_up_on_a_stopped_fork_server": lambda p: [("stopping server", p["case"])],
+    "test_a_start_waits_for_a_slow_fork_server_and_for_the_programs_own_ctrl_c_handler":
+        lambda p: [("stopping server", "slow"), ("stopping server", "own-handler")],
+    "test_a_producer_dead_before_the_ring_opens_is_replaced_and_a_late_exit_status_is_named":
+        lambda p: [("died before attach", *(("0.5", "10", 3, 1) if p["continued"] else ("30", "2", 3, 1)))],
+    "test_producers_found_dead_while_the_server_is_stopped_are_told_within_the_timeout":
+        lambda p: [("died before attach", "30", "2", 3, 1), ("died before attach", "30", "2", 5, 4)],
+}
+
+#: These scripts mostly wait (for a stopped server, a server's own wait, a
+#: timeout), each with a fork server of its own: the first test to ask runs
+#: them all, four at a time, and the others find theirs done. (Not in the
+#: background: there they held its two places while the scripts that need
+#: a core waited, and those then ran beside the busiest tests.)
+SCRIPTS = SharedRuns(
+    set(_KEYS), keys=lambda item: _KEYS[item.originalname](getattr(item, "callspec", None) and item.callspec.params),
+    command=_command, jobs=4,
+)

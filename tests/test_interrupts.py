@@ -13,15 +13,14 @@ import sys
 from typing import Any
 
 import pytest
+from conftest import Command, SharedRuns
 
 
-def _json_of(script: str, *args: str, cwd: Any, timeout: float) -> tuple[Any, str]:
-    """What `script` prints last, as JSON, run by a new interpreter with
-    `args` (it must exit with 0), and what it wrote to stderr."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
-    )
+def _json_of(request: Any, key: tuple[str, ...]) -> tuple[Any, str]:
+    """What the sweep `key` (its script's name, then its arguments; see
+    SWEEPS) printed last, as JSON (it must exit with 0), and what it wrote
+    to stderr."""
+    proc, _ = SWEEPS.get(request, key)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
@@ -158,8 +157,11 @@ RUNNING_CHILDREN = """
 def children():
     found = set()
     for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            found |= {int(pid) for pid in f.read().split()}
+        try:  # (a thread that ended since: its children went to another thread)
+            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+                found |= {int(pid) for pid in f.read().split()}
+        except FileNotFoundError:
+            pass
     running = set()
     for pid in found:
         try:
@@ -222,7 +224,10 @@ def fire(frame, event, arg):
         else:
             signal.raise_signal(signum)
 
-shm_before, children_before = set(os.listdir("/dev/shm")), children()
+def named_by_us():  # (a sweep of another process may run beside this one)
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"shmpipe-{os.getpid()}-")}
+
+shm_before, children_before = named_by_us(), children()
 pipe = None
 
 def handler(*args):
@@ -277,7 +282,7 @@ print(json.dumps({
     "fired": bool(fired), "error": type(error).__name__, "leftovers": pipe.leftovers() if pipe else [],
     "children": [open(f"/proc/{pid}/cmdline").read().replace(chr(0), " ")[:60] for pid in left],
     "server kept": server == _forkserver.server_pid() and (server is None or server in children()),
-    "shm": sorted(set(os.listdir("/dev/shm")) - shm_before),
+    "shm": sorted(named_by_us() - shm_before),
 }))
 for pid in left:
     os.kill(pid, signal.SIGKILL)
@@ -290,7 +295,7 @@ for pid in left:
      ("read", "fork"), ("status", "forkserver"), ("open_channel", "fork"), ("end of pass", "spawn"),
      ("exit in start", "fork"), ("exit in stop", "fork")],
 )
-def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_does_not_hang(case, method, tmp_path):
+def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_does_not_hang(case, method, request):
     """On the code before the close was put off to the end of the span the
     handler interrupted: with fork, restart left the replacement running
     and a Ctrl-C there left it running unrecorded; the read waited for its
@@ -308,7 +313,7 @@ def test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_do
     another thread as the consumer finds a death was a WorkerDiedError in
     2 of 60 of a campaign's trials, a window this case does not hit every
     time: here it holds the outcome."""
-    got, stderr = _json_of(HANDLER_IN_THE_LAUNCHER, case, method, cwd=tmp_path, timeout=90)
+    got, stderr = _json_of(request, ("in the launcher", case, method))
     # (the pass whose end was being checked ended: its end, not an error)
     ends = {"ctrl-c in restart": "KeyboardInterrupt", "end of pass": "StopIteration"}
     ends.update(dict.fromkeys(("exit in start", "exit in stop"), "SystemExit"))
@@ -642,7 +647,7 @@ print(json.dumps({"interrupted": interrupted, "left running at": left}))
 @pytest.mark.parametrize(
     ("transport", "during"), [("shm", "take"), ("queue", "take"), ("shm", "close"), ("shm", "exit in close")]
 )
-def test_a_close_after_a_ctrl_c_at_any_check_ends_the_producers(transport, during, tmp_path):
+def test_a_close_after_a_ctrl_c_at_any_check_ends_the_producers(transport, during, request):
     """take: a Ctrl-C that landed as a span began or ended (the depth
     raised, the try not yet entered; or the finally's leave() cut as it
     began), or as the launcher's generator-made span had taken its lock,
@@ -658,7 +663,7 @@ def test_a_close_after_a_ctrl_c_at_any_check_ends_the_producers(transport, durin
     ba44d66, 25 of 304 places). Holding Ctrl-C back there (90dbfaa) left the
     same window to another signal's handler that raises (helper 71): a
     finalizer cut is owed again now, whatever cut it."""
-    got, _ = _json_of(INTERRUPT_AT_EACH_CHECK, transport, during, cwd=tmp_path, timeout=240)
+    got, _ = _json_of(request, ("at each check", transport, during))
     assert got["left running at"] == [], got
     assert got["interrupted"] >= 20, got
 
@@ -744,7 +749,7 @@ print(json.dumps({"interrupted": interrupted, "left": left}))
 
 
 @pytest.mark.parametrize("during", ["made", "closed"])
-def test_a_signal_as_rank_0_makes_or_closes_its_group_leaves_nothing(during, tmp_path):
+def test_a_signal_as_rank_0_makes_or_closes_its_group_leaves_nothing(during, request):
     """made: on b238065 a Ctrl-C in rank 0 after its group's pipeline had
     started the producers, as the leader made or started its threads, left
     the producers, the service thread and the group's name (a new rank 0
@@ -757,7 +762,7 @@ def test_a_signal_as_rank_0_makes_or_closes_its_group_leaves_nothing(during, tmp
     and the next close() (here from another thread) waited on it for ever
     (helper 70; on 1102928 at place 25). A failing sweep stops at three
     places found, or at a close() that does not return."""
-    got, _ = _json_of(GROUP_INTERRUPTED, during, cwd=tmp_path, timeout=240)
+    got, _ = _json_of(request, ("group", during))
     assert got["left"] == [], got
     assert got["interrupted"] >= 50, got
 
@@ -806,3 +811,34 @@ def test_spans_count_the_main_thread_only_and_a_forked_child_starts_with_none():
         "forked child inside": False, "main defers": True, "run before the span's end": False,
         "run at the span's end": True, "main, after": False,
     }
+
+
+# -- the sweeps, run together --------------------------------------------------------
+
+#: name -> (the script, its timeout, about how long it takes alone in seconds)
+_SWEEP_SCRIPTS = {
+    "in the launcher": (HANDLER_IN_THE_LAUNCHER, 90, 1.5),
+    "at each check": (INTERRUPT_AT_EACH_CHECK, 240, 3.0),
+    "group": (GROUP_INTERRUPTED, 240, 6.0),
+}
+
+
+def _sweep_command(key: tuple[str, ...], folder: Any) -> Command:
+    script, timeout, seconds = _SWEEP_SCRIPTS[key[0]]
+    return Command([sys.executable, "-c", script, *key[1:]], cwd=folder, timeout=timeout, seconds=seconds,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+_SWEEP_KEYS = {
+    "test_a_close_from_a_signal_handler_inside_the_launcher_leaves_nothing_and_does_not_hang":
+        lambda p: [("in the launcher", p["case"], p["method"])],
+    "test_a_close_after_a_ctrl_c_at_any_check_ends_the_producers": lambda p: [("at each check", p["transport"], p["during"])],
+    "test_a_signal_as_rank_0_makes_or_closes_its_group_leaves_nothing": lambda p: [("group", p["during"])],
+}
+
+#: Each sweep is a process of its own that checks only what it made (its
+#: children, its threads, the names of its pid in /dev/shm): the first test
+#: to ask runs them all, two at a time (one core each), and the others find
+#: theirs done.
+SWEEPS = SharedRuns(set(_SWEEP_KEYS), keys=lambda item: _SWEEP_KEYS[item.originalname](item.callspec.params),
+                    command=_sweep_command, jobs=2)
