@@ -154,9 +154,10 @@ class ProcessWatch:
 
     With `start` (its start time: process_start_time), the watch is of the
     process (pid, start): a pid already reused by another process is seen
-    as the watched one having ended. Without, of whatever process has the
-    pid now: where its end is the caller's to reap (its own child), the pid
-    cannot be reused before.
+    as the watched one having ended. Without, of the process that has the
+    pid now, whose start time it reads: a pid taken over later, once that
+    one has ended and been reaped, is that one's end (only where the start
+    time cannot be read does it ask kill(pid, 0)).
 
     Thread-safe for alive() and wait() from any thread; close() once, when
     no thread uses the watch any more.
@@ -174,6 +175,18 @@ class ProcessWatch:
         if start is not None and process_start_time(pid) != start:
             self._ended = True  # gone already, or the pid is someone else's now
             self.close()
+        elif start is None:
+            # The start time kept for when the pidfd is closed, or where
+            # there is none: without it, alive() and send_signal() would
+            # answer for whatever process has the pid then (a teardown cut
+            # after it closed its watches, and run again, signals the
+            # producers it finds alive). Read after the pidfd
+            # opened, and kept only if the pidfd still says the process
+            # runs: then what was read is its own (its pid is not freed
+            # before it has ended).
+            read = process_start_time(pid)
+            if read is not None and (self._fd is None or self.alive()):
+                self.start = read
 
     def fileno(self) -> int | None:
         """The pidfd: readable once the process has ended (and from then on);
@@ -233,7 +246,8 @@ class ProcessWatch:
             self._ended = True
 
     def close(self) -> None:
-        """Closes the pidfd (alive() still answers, without it)."""
+        """Closes the pidfd (alive() still answers, without it: by the start
+        time, where the watch has one)."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)

@@ -635,13 +635,10 @@ def _shut_down(
         while close_hooks:
             close_hooks.pop()()
     finally:
-        took = takes is not None and takes.acquire(timeout=TAKES_END_WITHIN_S)
-        try:
+        if takes is None:
             shutdown()
-        finally:
-            if took:
-                assert takes is not None
-                takes.release()
+        else:  # (takes's acquire and its release's try, where no signal cuts between)
+            _spans.call_holding(takes, TAKES_END_WITHIN_S, shutdown)
 
 
 #: Every open stream of this process, for the fork handler below.

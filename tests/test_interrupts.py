@@ -813,6 +813,87 @@ def test_spans_count_the_main_thread_only_and_a_forked_child_starts_with_none():
     }
 
 
+@pytest.mark.parametrize("where", ["as acquire returns", "in the teardown"])
+def test_a_stream_teardown_cut_by_a_signal_leaves_its_takes_lock_free(where):
+    """A stream's teardown holds its takes' lock while it shuts down. The
+    lock was taken by ``acquire()`` before the ``try`` that released it: a
+    signal handler's exception raised as acquire() returned (Python checks
+    there) left it held, and every take of another thread waited on it for
+    good (helper 72). Here the exception comes at that very check (a
+    profile hook raises at the acquire's return, where Python would run
+    the handler), or inside the teardown: another thread takes the lock
+    within a second either way."""
+    import threading
+
+    from shmpipe._stream import _shut_down
+
+    takes = threading.RLock()
+    cut: list[str] = []
+
+    def teardown() -> None:
+        pass
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        hit = (event == "c_return" and getattr(arg, "__self__", None) is takes and arg.__name__ == "acquire"
+               if where == "as acquire returns" else event == "call" and frame.f_code is teardown.__code__)
+        if hit and not cut:
+            cut.append(event)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        _shut_down([], teardown, os.getpid(), takes)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+    if where == "in the teardown":
+        assert cut, "the hook found no teardown to cut"
+    got: list[bool] = []
+    other = threading.Thread(target=lambda: got.append(takes.acquire(timeout=1.0)))
+    other.start()
+    other.join(10)
+    assert got == [True], f"the takes' lock was left held ({cut})"
+
+
+def test_a_stream_teardown_interrupted_while_it_waits_for_a_take_holds_nothing():
+    """The other half: a handler that raises while the teardown waits for
+    another thread's take (inside acquire(), which then gives up without
+    the lock): the teardown is not run (it is owed again), and the lock is
+    not held by the interrupted thread."""
+    import threading
+
+    from shmpipe._stream import _shut_down
+
+    takes = threading.RLock()
+    taken, let_go = threading.Event(), threading.Event()
+
+    def take() -> None:
+        with takes:
+            taken.set()
+            let_go.wait(30)
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    holder = threading.Thread(target=take)
+    holder.start()
+    assert taken.wait(10)
+    ran: list[bool] = []
+    previous = signal.signal(signal.SIGUSR1, interrupted)
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _shut_down([], lambda: ran.append(True), os.getpid(), takes)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+        let_go.set()
+        holder.join(10)
+    assert ran == [] and not takes._is_owned()
+
+
 # -- the sweeps, run together --------------------------------------------------------
 
 #: name -> (the script, its timeout, about how long it takes alone in seconds)

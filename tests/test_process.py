@@ -44,17 +44,38 @@ def test_a_watch_sees_the_end_of_a_process_whoever_holds_its_pipes(sleeper):
     assert not process_alive(sleeper.pid)
 
 
-def test_without_its_pidfd_a_watch_asks_in_turn(sleeper):
-    """What a kernel without pidfds gets: the start time, or kill(pid, 0)."""
-    with ProcessWatch(sleeper.pid, process_start_time(sleeper.pid)) as by_start, ProcessWatch(sleeper.pid) as by_pid:
-        by_start.close()
-        by_pid.close()
-        assert by_start.alive() and by_pid.alive()
-        assert not by_start.wait(0.05)
+def test_without_its_pidfd_a_watch_asks_in_turn(sleeper, monkeypatch):
+    """What a kernel without pidfds gets (none is opened): the start time,
+    given or read as the watch begins."""
+    from shmpipe import _process
+
+    monkeypatch.setattr(_process, "open_pidfd", lambda pid: None)
+    with ProcessWatch(sleeper.pid, process_start_time(sleeper.pid)) as given, ProcessWatch(sleeper.pid) as read:
+        assert given.fileno() is None and read.fileno() is None
+        assert read.start == given.start == process_start_time(sleeper.pid)
+        assert given.alive() and read.alive()
+        assert not given.wait(0.05)
         sleeper.kill()
-        assert by_start.wait(10.0)  # a zombie has no start time: ended
-        sleeper.wait(timeout=10)
-        assert by_pid.wait(10.0) and not by_pid.alive()
+        assert given.wait(10.0) and read.wait(10.0)  # a zombie has no start time: ended
+        assert not read.alive()
+
+
+def test_a_watch_closed_goes_on_watching_the_same_process_by_its_start_time(sleeper):
+    """A teardown cut after it closed its watches, and run again, asks them
+    whether its producers still run and signals those that do: without
+    its pidfd, a watch that had only the pid answered for whatever process
+    had it then (kill(pid, 0)), a stranger once the pid was taken over.
+    A watch reads the start time as it begins."""
+    import signal
+
+    watch = ProcessWatch(sleeper.pid)
+    if watch.fileno() is None:
+        pytest.skip("this kernel has no pidfd: nothing to close")
+    assert watch.start == process_start_time(sleeper.pid)
+    watch.close()
+    assert watch.fileno() is None and watch.alive()
+    watch.send_signal(signal.SIGKILL)  # the same process, without its pidfd
+    assert watch.wait(10.0) and not watch.alive()  # ended: a zombie has no start time
 
 
 def test_a_watch_of_a_process_that_is_gone_or_someone_else_has_ended(sleeper):
