@@ -49,6 +49,10 @@ where an interrupt can land: under a debugger this is not guaranteed.
 Not atomic: the owed teardown is Python code, called as the outermost span
 ends; an interrupt that lands as it begins leaves it not done (the
 interrupted program's own close(), outside any span, does it).
+
+call_holding is the teardown's side of the same rule: a lock it takes with
+a timeout (no ``with`` can) and the ``try`` that releases it, with no check
+between.
 """
 
 cimport cython
