@@ -894,6 +894,65 @@ def test_a_stream_teardown_interrupted_while_it_waits_for_a_take_holds_nothing()
     assert ran == [] and not takes._is_owned()
 
 
+@pytest.mark.parametrize("meanwhile", ["a cut", "the last release"])
+def test_a_ranks_close_says_bye_whatever_comes_as_it_begins(meanwhile):
+    """A rank's connection marked itself closing before it sent its bye: a
+    signal handler's exception there left it never said (the close run
+    again returned at once), and the last batch let go in another thread
+    there closed the socket under it (the bye lost). Either way rank 0
+    took the rank for dead. Each comes here at the bye's send (a profile
+    hook), then the close runs (again): rank 0's end reads the bye, then
+    the connection's end."""
+    import socket
+
+    from shmpipe._group import _wire
+    from shmpipe._group._rank import _Connection
+
+    class Progress:  # (what the connection asks of the rank's progress)
+        def farewell(self) -> list[Any]:
+            return ["bye", 3, 7]
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn = _Connection(ours, None, Progress())  # type: ignore[arg-type]
+        release = conn.releaser(1) if meanwhile == "the last release" else None
+        came: list[bool] = []
+
+        def hook(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code is _Connection.send.__code__ and not came:
+                came.append(True)
+                if release is None:
+                    raise KeyboardInterrupt
+                release()  # (as another thread's would, let go of its batch's last array)
+
+        sys.setprofile(hook)
+        try:
+            conn.close()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        assert came, "the hook found no send"
+        conn.close()  # the user's own close, or the teardown run again
+        got: list[Any] = []
+        while len(got) < 4:
+            assert _readable(theirs), f"nothing more came within 5 s after {got}"
+            message, _ = _wire.recv(theirs)
+            got.append(message)
+            if message is None:  # the connection's end
+                break
+        assert got == ([["release", 1]] if release is not None else []) + [["bye", 3, 7], None], got
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def _readable(sock: Any, timeout: float = 5.0) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], timeout)[0])
+
+
 # -- the sweeps, run together --------------------------------------------------------
 
 #: name -> (the script, its timeout, about how long it takes alone in seconds)

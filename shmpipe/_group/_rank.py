@@ -120,15 +120,18 @@ class _Connection:
 
     def close(self) -> None:
         """The rank's end (idempotent): "bye", then the socket goes with
-        the last batch held (now, if none is)."""
-        with self.lock:
-            if self.closing:
-                return
-            self.closing = True
+        the last batch held (now, if none is). The bye goes before the
+        connection counts as closing: from then on the last release closes
+        the socket, in any thread, and a bye sent after it is lost (rank 0
+        would take the rank for dead). Every call sends it, so a close cut
+        by a signal handler's exception and run again still says it: rank 0
+        takes a second bye as nothing (once a rank said bye, only its
+        releases count); once the socket is closed, nothing is sent."""
         self.send(self.progress.farewell())
         if self.leader is not None:
             self.leader.close()
         with self.lock:
+            self.closing = True
             if self.held == 0:
                 self.sock.close()
 
