@@ -79,11 +79,12 @@ class _Connection:
     keeps a slot.
 
     Sends need no lock (a datagram is written whole, see _wire.py); the
-    lock only orders the count of batches held against the close, and is
-    reentrant because a batch can be freed by the garbage collector in this
-    very thread, inside the locked span."""
+    lock orders the count of batches held against the close (and the bye
+    against the socket's close: see close()), and is reentrant because a
+    batch can be freed by the garbage collector in this very thread, inside
+    the locked span."""
 
-    __slots__ = ("closing", "held", "leader", "lock", "progress", "sock")
+    __slots__ = ("closing", "held", "leader", "lock", "progress", "said_bye", "sock")
 
     def __init__(self, sock: socket.socket, leader: ProcessWatch | None, progress: _Progress) -> None:
         self.sock = sock
@@ -94,6 +95,7 @@ class _Connection:
         self.lock = threading.RLock()
         self.held = 0
         self.closing = False
+        self.said_bye = False
 
     def send(self, message: list[Any], _finalizing: Callable[[], bool] = sys.is_finalizing) -> bool:
         # A batch's last array, and with it its release, may go while the
@@ -122,12 +124,17 @@ class _Connection:
         """The rank's end (idempotent): "bye", then the socket goes with
         the last batch held (now, if none is). The bye goes before the
         connection counts as closing: from then on the last release closes
-        the socket, in any thread, and a bye sent after it is lost (rank 0
-        would take the rank for dead). Every call sends it, so a close cut
-        by a signal handler's exception and run again still says it: rank 0
-        takes a second bye as nothing (once a rank said bye, only its
-        releases count); once the socket is closed, nothing is sent."""
-        self.send(self.progress.farewell())
+        the socket, in any thread, and a bye sent after that is lost (rank
+        0 would take the rank for dead). It is sent under the lock, under
+        which alone the socket is closed, so no close lands in the middle
+        of the send; and noted after it, so a close cut by a signal
+        handler's exception before the note, and run again, sends it again
+        (rank 0 takes a second bye as nothing: once a rank said bye, only
+        its releases count)."""
+        with self.lock:
+            if not self.said_bye:
+                self.send(self.progress.farewell())
+                self.said_bye = True
         if self.leader is not None:
             self.leader.close()
         with self.lock:
