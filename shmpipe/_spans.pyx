@@ -128,21 +128,22 @@ cdef class TeardownAfterSpans:
 
 
 def call_holding(lock, double timeout, fn):
-    """``fn()``, with `lock` held where it could be taken within `timeout`
-    seconds (without it otherwise: a teardown must not wait for ever on a
-    take stuck in another thread), released whatever ends ``fn``. Compiled
-    for the same reason as the spans: written in Python, a signal handler's
-    exception raised as ``acquire()`` returned (Python checks after each call
-    of a builtin) came before the ``try`` that releases it, and the lock
-    stayed held, every other thread's take waiting on it for good. Here no
-    Python code runs between the acquire and the try: a handler runs inside
+    """``fn(took)``, with `lock` held where it could be taken within
+    `timeout` seconds (`took` says whether it was: a teardown must not wait
+    for ever on a lock another thread keeps, and decides what to do
+    without it), released whatever ends ``fn``. Compiled for the same
+    reason as the spans: written in Python, a signal handler's exception
+    raised as ``acquire()`` returned (Python checks after each call of a
+    builtin) came before the ``try`` that releases it, and the lock stayed
+    held, every other thread waiting on it for good. Here no Python code
+    runs between the acquire and the try: a handler runs inside
     ``acquire()`` (which then raises without the lock) or inside ``fn``.
     This rests on `lock` being one of the threading module's C locks
     (Lock, RLock): a lock whose acquire() is Python code has the check
     inside it, after the lock is taken."""
     took = lock.acquire(True, timeout)
     try:
-        return fn()
+        return fn(took)
     finally:
         if took:
             lock.release()

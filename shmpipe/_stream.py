@@ -638,7 +638,7 @@ def _shut_down(
         if takes is None:
             shutdown()
         else:  # (takes's acquire and its release's try, where no signal cuts between)
-            _spans.call_holding(takes, TAKES_END_WITHIN_S, shutdown)
+            _spans.call_holding(takes, TAKES_END_WITHIN_S, lambda took: shutdown())  # (without it: all the same)
 
 
 #: Every open stream of this process, for the fork handler below.

@@ -761,3 +761,46 @@ def test_a_queue_channel_closed_after_its_destroy_writes_to_no_descriptor():
         os.close(channel._wake_w)
         os.close(r)
         os.close(w)
+
+
+def test_a_queue_channel_destroy_cut_as_its_lock_is_taken_leaves_the_lock_free():
+    """destroy() took the channel's I/O lock with a timeout and then entered
+    the try that releases it: a signal handler's exception raised as
+    acquire() returned (Python checks there) left the lock held, and every
+    get() of another thread waited on it for good. A profile hook raises at
+    that very check; another thread takes the lock within a second."""
+    import sys
+    import threading
+
+    pipe = shmpipe.from_iterators([Counter(2, (8,))], transport="queue", timeout=30, start_method="fork")
+    try:
+        assert len(list(pipe)) == 2
+        channel = pipe._launcher.channel
+        io = channel._io
+        cut: list[bool] = []
+
+        def hook(frame, event, arg):
+            if event == "c_return" and getattr(arg, "__self__", None) is io and arg.__name__ == "acquire" and not cut:
+                cut.append(True)
+                raise KeyboardInterrupt
+
+        sys.setprofile(hook)
+        try:
+            channel.destroy()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        got: list[bool] = []
+
+        def take() -> None:
+            got.append(io.acquire(timeout=1.0))
+            if got[-1]:
+                io.release()
+
+        other = threading.Thread(target=take)
+        other.start()
+        other.join(10)
+        assert got == [True], f"the channel's I/O lock was left held ({cut})"
+    finally:
+        pipe.close()

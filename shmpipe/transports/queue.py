@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from shmpipe import _codec
+from shmpipe import _codec, _spans
 from shmpipe._control import PassFd
 from shmpipe.errors import CorruptChannelError
 from shmpipe.transport import (
@@ -678,18 +678,20 @@ class QueueConsumer(ConsumerEnd):
             return
         self._closed = True
         self._wake()
-        if not self._io.acquire(timeout=DESTROY_WAIT_S):
+        # (the acquire and its release's try with no check between: a signal
+        # handler's exception there left the lock held, every get() waiting)
+        _spans.call_holding(self._io, DESTROY_WAIT_S, self._destroy_holding_io)
+
+    def _destroy_holding_io(self, took: bool) -> None:
+        if not took:
             return  # a get() stuck elsewhere: leave the descriptors rather than close them under it
-        try:
-            # Marked first: a destroy cut in the loop (a signal handler's
-            # exception) and run again leaves the rest open, never closes a
-            # number twice.
-            self._destroyed = True
-            for fd in [box.fd for box in self._inbound] + [self._wake_r, self._wake_w]:
-                os.close(fd)
-            for passed in self.handle.pipes + [end for pool in self.handle.tokens for end in pool]:
-                passed.close()
-            for arrived in self._arrived:
-                arrived.clear()
-        finally:
-            self._io.release()
+        # Marked first: a destroy cut in the loop (a signal handler's
+        # exception) and run again leaves the rest open, never closes a
+        # number twice.
+        self._destroyed = True
+        for fd in [box.fd for box in self._inbound] + [self._wake_r, self._wake_w]:
+            os.close(fd)
+        for passed in self.handle.pipes + [end for pool in self.handle.tokens for end in pool]:
+            passed.close()
+        for arrived in self._arrived:
+            arrived.clear()
