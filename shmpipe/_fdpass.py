@@ -66,10 +66,10 @@ def send_fds(sock: socket.socket, data: bytes | memoryview, fds: Sequence[int]) 
         # Descriptors without a byte are not delivered on a stream socket,
         # and an empty datagram reads as the peer's end of the connection.
         raise ValueError("a message needs at least one byte")
-    if fds:
-        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sent = sock.sendmsg([data])
+    # MSG_NOSIGNAL: a peer gone is an error here (BrokenPipeError), never a
+    # SIGPIPE, which kills a program that restored its default action.
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sent = sock.sendmsg([data], ancillary, socket.MSG_NOSIGNAL)
     if sent != size:
         raise OSError(f"sendmsg sent {sent} of the {size} bytes of a message with descriptors")
 

@@ -42,6 +42,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
 from shmpipe._forkserver_loop import REQUEST_WAIT_S
+from shmpipe._interrupts import no_sigpipe
 from shmpipe._process import ProcessWatch, process_start_time, process_stopped
 from shmpipe.errors import PipelineTimeoutError, ShmpipeError
 
@@ -597,8 +598,13 @@ class _ServerPopen(popen_forkserver.Popen):
                 # whole one and finds its control pipe closed and ends (an
                 # orphan of a moment, never a second producer: this start
                 # is not retried).
+                # The pipe's reader, the child, may be gone (the server died
+                # with the request): a BrokenPipeError, never a SIGPIPE
+                # (no_sigpipe). Not covered: multiprocessing's sendmsg of the
+                # request in connect_to_new_process, a server dead in the
+                # microseconds since its connect.
                 os.set_blocking(w, False)
-                with buf.getbuffer() as data:
+                with buf.getbuffer() as data, no_sigpipe():
                     while written < data.nbytes:
                         wait.until_ready(w, select.POLLOUT, used, name)
                         with contextlib.suppress(BlockingIOError):  # a reader took less than POLLOUT promised

@@ -1,5 +1,6 @@
-"""Ctrl-C held back over spans that must not be cut in the middle, and
-producers born with SIGINT blocked.
+"""Ctrl-C held back over spans that must not be cut in the middle,
+producers born with SIGINT blocked, and writes to a pipe whose reader is
+gone that raise instead of delivering SIGPIPE.
 
 Python raises KeyboardInterrupt between bytecodes of the main thread, so a
 span that receives or starts something and then records it where clean-up
@@ -18,7 +19,7 @@ from typing import Any
 
 from shmpipe.errors import PipelineClosedError
 
-__all__ = ["WaitEndedByCtrlC", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending"]
+__all__ = ["WaitEndedByCtrlC", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending", "no_sigpipe"]
 
 #: Each ctrl_c_held_back open in the main thread, outermost first: the
 #: presses it noted, the handler it put aside, and its own (ctrl_c_pending
@@ -167,3 +168,45 @@ def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
         yield block_again
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+@contextlib.contextmanager
+def no_sigpipe() -> Iterator[None]:
+    """In the block, a write of this thread to a pipe whose reader is gone
+    raises BrokenPipeError and delivers no SIGPIPE.
+
+    Python ignores SIGPIPE from its start, but a program may restore the
+    default action (``signal.signal(SIGPIPE, SIG_DFL)``, common in tools
+    whose output is piped into ``head``), which kills the process at such a
+    write: the trainer, for a peer of shmpipe's that died. Sockets say so
+    per call (MSG_NOSIGNAL: _fdpass.send_fds, ProducerLink.send); a pipe,
+    or a socket written by code that is not shmpipe's (multiprocessing's),
+    cannot, so the block keeps SIGPIPE blocked in this thread (the kernel
+    makes the signal of a write pending for the writing thread), and at its
+    end takes a pending one away before the mask comes back. Nothing to do
+    where SIGPIPE is ignored (a signal ignored is discarded), or blocked
+    already (then a pending one is not this block's to take).
+
+    Not for a block that starts a process: a child is born with the mask
+    of the thread that forks it (see born_with_ctrl_c_blocked). A SIGPIPE
+    sent by another process while the block runs, to this process, goes to
+    another thread if one does not block it; to this one, it is taken away
+    with the write's. The disposition is read from Python's table: one set
+    from C behind Python's back is not seen."""
+    if signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN:
+        yield
+        return
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())  # (what to put back; changes nothing)
+    if signal.SIGPIPE in old_mask:
+        yield
+        return
+    try:
+        # Inside the try: a handler's exception at the check after the
+        # call would otherwise leave SIGPIPE blocked in this thread.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
+        yield
+    finally:
+        try:
+            signal.sigtimedwait({signal.SIGPIPE}, 0)  # a write's, if one failed; returns at once either way
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
