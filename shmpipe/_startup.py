@@ -293,33 +293,44 @@ def _preload_with_the_server(sources: Sequence[Any], transport_module: str | Non
     a user's transport: its module may keep state per process (a client, a
     pid), which producers would then share (helper 54)."""
     modules = _modules_of(sources)
+    # One look at each module, at each depth, for this pipeline: a source
+    # that uses NumPy brings its hundred submodules, each of whose globals
+    # name the others (75 ms a pipeline where a running server had to be
+    # asked, looking again at each one each time, measured).
+    heavy_frameworks_of = functools.partial(_heavy_frameworks_of, seen={})
     if transport_module is not None and transport_module.startswith("shmpipe.transports."):
-        if getattr(sys.modules.get(transport_module), "__file__", None) and not _heavy_frameworks_of(transport_module):
+        if getattr(sys.modules.get(transport_module), "__file__", None) and not heavy_frameworks_of(transport_module):
             modules.add(transport_module)
-    _forkserver.preload(modules, _heavy_frameworks_of)
+    _forkserver.preload(modules, heavy_frameworks_of)
 
 
-def _heavy_frameworks_of(name: str, depth: int = 2) -> set[str]:
+def _heavy_frameworks_of(name: str, depth: int = 2, seen: dict[tuple[str, int], set[str]] | None = None) -> set[str]:
     """The heavy frameworks (HEAVY_FRAMEWORKS) that module `name`, loaded in
     this process, is or has at its top: among its globals a module, class,
     function or object of one (`import torch`, `from torch import zeros`,
     `DEVICE = torch.device("cpu")`), or a module that has one at its top
-    (`import torchvision`: `depth` levels of modules)."""
+    (`import torchvision`: `depth` levels of modules). `seen`: what earlier
+    calls found, by module and depth, to be looked up instead of looked at
+    again (the same modules' globals, read moments apart)."""
     top = name.split(".")[0]
     if top in HEAVY_FRAMEWORKS:
         return {top}
     module = sys.modules.get(name)
     if module is None or depth == 0:
         return set()
+    if seen is not None and (name, depth) in seen:
+        return seen[name, depth]
     found: set[str] = set()
     for value in list(vars(module).values()):
         if isinstance(value, types.ModuleType):
-            found |= _heavy_frameworks_of(value.__name__, depth - 1)
+            found |= _heavy_frameworks_of(value.__name__, depth - 1, seen)
             continue
         named = isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType))
         for origin in (_module_of(value) if named else None, type(value).__module__):
             if isinstance(origin, str) and origin.split(".")[0] in HEAVY_FRAMEWORKS:
                 found.add(origin.split(".")[0])
+    if seen is not None:
+        seen[name, depth] = found
     return found
 
 
