@@ -215,7 +215,10 @@ def _rank_main(cfg: dict[str, Any]) -> None:
                     pipe.state_dict()  # as a checkpoint each step would (from to_jax's thread's side too)
                 if cfg.get("send_at") == [p, len(got)]:
                     # A message rank 0 must refuse (a broken rank's)
-                    pipe._conn.send(cfg["message"])
+                    if "raw" in cfg:  # a datagram that is no message at all
+                        pipe._conn.sock.send(cfg["raw"].encode("latin-1"))
+                    else:
+                        pipe._conn.send(cfg["message"])
                 if cfg.get("raise_at") == [p, len(got)]:
                     raise RuntimeError("the trainer's own error")
                 if cfg.get("kill_at") == [p, len(got)]:

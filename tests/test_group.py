@@ -425,23 +425,30 @@ def test_rank_0_closing_first_at_its_share_waits_for_the_others_to_end_the_pass(
 def _rank_1_sending(message: tuple[Any, ...]) -> list[dict[str, Any]]:
     """Rank 1 sends rank 0 `message` at its first batch of a long pass."""
     configs = _configs(2, sources=2, per_source=50, passes=1, step_s=0.01)
-    configs[1] |= {"send_at": [0, 1], "message": list(message)}
+    configs[1] |= {"send_at": [0, 1], **({"raw": message[1]} if message[0] == "raw" else {"message": list(message)})}
     return configs
 
 
 @pytest.mark.parametrize(
     "message",
-    [("taken", 10**30), ("taken", 0), ("taken", "0"), ("bye", 0), ("bye", "0", 1)],
-    ids=["taken-a-later-pass", "taken-while-dealt", "taken-not-an-int", "bye-short", "bye-not-ints"],
+    [("taken", 10**30), ("taken", 0), ("taken", "0"), ("bye", 0), ("bye", "0", 1), ("begin", 10**6, None),
+     ("begin", 0, None), ("bye", 0, 10**6), ("bye", 0, -1), ("raw", "\xff\x00 not JSON")],
+    ids=["taken-a-later-pass", "taken-while-dealt", "taken-not-an-int", "bye-short", "bye-not-ints",
+         "begin-a-later-pass", "begin-the-same-pass-again", "bye-having-had-more-than-dealt", "bye-having-had-less-than-0",
+         "not-json"],
 )
 @runs(lambda message: _rank_1_sending(message))
 def test_rank_0_refuses_a_malformed_taken_or_bye(message, request):
-    """A "taken" of a pass not dealt whole would end passes whose batches
-    the rank never had: a malformed message, which fails the group (never
-    a TypeError in rank 0's threads, never a pass ended early)."""
+    """A "taken" of a pass not dealt whole, or a "begin" of a later pass
+    than the next, would end passes whose batches the rank never had; a
+    "bye" having had more than it was dealt would hide a rank that left
+    with batches not taken: each is a malformed message, which fails the
+    group (never a TypeError in rank 0's threads, never a pass ended
+    early), as is a datagram that is no message (not "died": the rank
+    lives)."""
     reports = _reports(request)
     assert reports[0]["error"] is not None and reports[0]["error"][0] == "RankDiedError", reports[0]
-    assert "sent a malformed message" in reports[0]["error"][1]
+    assert "sent a malformed message" in reports[0]["error"][1], reports[0]["error"]
     assert len(reports[0]["pass_so_far"]) < 50
     for r in reports:
         _assert_clean(r)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
-import hmac
 import itertools
 import os
 import select
@@ -334,7 +333,7 @@ class Leader:
             refusal = GroupStartError(f"group {self.group!r} refused a process (pid {pid}): {malformed}")
             self._reject(sock, watch, _wire.error_message(refusal))
             return
-        foreign = self._other_launch(hello, pid)
+        foreign = _wire.other_launch(hello, pid, self.group, self.proof, self.restart, self.group_options.launch)
         if foreign is not None:
             # A leftover of another run or restart, a second job with this
             # name: not the group's to judge (its arguments may well differ)
@@ -360,26 +359,6 @@ class Leader:
             self.fail(exc)
             return
         self._join(_Link(sock, hello.rank, pid, watch))
-
-    def _other_launch(self, hello: _wire.Hello, pid: int) -> str | None:
-        """Why a hello is of another launch than the group (None: it is of
-        this one). Shows tags only: the group's proof would let the reader
-        join (docs/several-ranks.md, "Which processes may join")."""
-        same_proof = (hello.proof is None) == (self.proof is None) and (
-            hello.proof is None or hmac.compare_digest(hello.proof, self.proof or "")
-        )
-        if same_proof and hello.restart == self.restart:
-            return None
-        launch = self.group_options.launch
-        return (
-            f"group {self.group!r} is of another launch than this process (rank {hello.rank}, pid {pid}): "
-            f"it presented {_wire.describe_launch(hello.proof, hello.restart)}, the group's is "
-            f"{_wire.describe_launch(self.proof, self.restart)}"
-            + (f" (from {launch.source})" if launch is not None else "")
-            + ". A rank left over from another run or an earlier restart, or a second job given the same "
-            "group name? The group goes on without it; give each job its own group name, or the same "
-            "run_id= to every rank of one launch."
-        )
 
     def _problem_with(self, hello: _wire.Hello, pid: int) -> str | None:
         """What is wrong with a well-formed hello from `pid` of this
@@ -421,7 +400,10 @@ class Leader:
                 message, fds = _wire.recv(link.sock)
             except BlockingIOError:
                 return
-            except (GroupError, OSError):
+            except GroupError as exc:  # not JSON, too long, not an array: the rank lives, and said so
+                self._malformed(link, f": {exc}")
+                return
+            except OSError:
                 message, fds = None, []
             for fd in fds:
                 os.close(fd)  # ranks send no descriptors
@@ -438,7 +420,7 @@ class Leader:
             del batch  # its root held the slot: the slot is free now
         elif link.state is not LinkState.LIVE:
             return  # it said bye: only its releases count now
-        elif kind == "begin" and len(message) == 3 and type(message[1]) is int and _wire.is_start(message[2]):
+        elif kind == "begin" and len(message) == 3 and self._begins(link.rank, message[1], message[2]):
             with self.mutex:
                 self.begun[link.rank] = message[1]
                 self.starts[link.rank] = (message[1], message[2])
@@ -446,18 +428,35 @@ class Leader:
             self._complete_passes()  # a rank that left a pass early for the next is past it
         elif kind == "taken" and len(message) == 2 and self._takes(link.rank, message[1]):
             self._complete_passes()
-        elif kind == "bye" and len(message) == 3 and type(message[1]) is type(message[2]) is int:
+        elif kind == "bye" and len(message) == 3 and self._may_say_bye(link, message[1], message[2]):
             self._said_bye(link, message[1], message[2])
             self._complete_passes()  # a rank that left having had its batches waits for nothing
         else:
-            self.fail(
-                RankDiedError(
-                    f"rank {link.rank} (pid {link.pid}) of group {self.group!r} sent a malformed message "
-                    f"{message!r:.80}",
-                    link.rank,
-                )
-            )
-            self._connection_ended(link)
+            self._malformed(link, f" {message!r:.80}")
+
+    def _malformed(self, link: _Link, what: str) -> None:
+        self.fail(
+            RankDiedError(f"rank {link.rank} (pid {link.pid}) of group {self.group!r} sent a malformed message{what}",
+                          link.rank)
+        )
+        self._connection_ended(link)
+
+    def _begins(self, rank: int, pass_no: Any, start: Any) -> bool:
+        """A rank's "begin": of the pass after the one it began last (False: malformed; a
+        later one would make it past passes it never read, _all_past)."""
+        with self.mutex:
+            return type(pass_no) is int and pass_no == self.begun[rank] + 1 and _wire.is_start(start)
+
+    def _may_say_bye(self, link: _Link, pass_no: Any, had: Any) -> bool:
+        """A rank's "bye": of the pass it began last, or of the next (its close in another thread
+        before that pass's begin was sent), having had no more batches of it than were dealt to
+        it (False: malformed; more would hide a rank that left with batches not taken)."""
+        if type(pass_no) is not int or type(had) is not int:
+            return False
+        with self.mutex:
+            dealt_pass, dealt = link.dealt_in_pass
+            began = self.begun[link.rank]
+        return began <= pass_no <= began + 1 and 0 <= had <= (dealt if dealt_pass == pass_no else 0)
 
     def _takes(self, rank: int, pass_no: Any) -> bool:
         """A rank's "taken": of the pass it began, once that was dealt whole

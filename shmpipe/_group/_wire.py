@@ -302,6 +302,29 @@ def describe_launch(proof: str | None, restart: int | None) -> str:
     return text if restart is None else f"{text}, restart {restart}"
 
 
+def other_launch(
+    hello: Hello, pid: int, group: str, proof: str | None, restart: int | None, launch: Launch | None
+) -> str | None:
+    """Why `hello` is of another launch than group `group`'s (its `proof`
+    and `restart`, from `launch`), or None: it is of this one. Shows tags
+    only: the group's proof would let the reader join
+    (docs/several-ranks.md, "Which processes may join")."""
+    same_proof = (hello.proof is None) == (proof is None) and (
+        hello.proof is None or hmac.compare_digest(hello.proof, proof or "")
+    )
+    if same_proof and hello.restart == restart:
+        return None
+    return (
+        f"group {group!r} is of another launch than this process (rank {hello.rank}, pid {pid}): "
+        f"it presented {describe_launch(hello.proof, hello.restart)}, the group's is "
+        f"{describe_launch(proof, restart)}"
+        + (f" (from {launch.source})" if launch is not None else "")
+        + ". A rank left over from another run or an earlier restart, or a second job given the same "
+        "group name? The group goes on without it; give each job its own group name, or the same "
+        "run_id= to every rank of one launch."
+    )
+
+
 def fingerprint_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> str:
     """The fields of two fingerprints that differ, as "name: theirs vs
     ours" (a schedule's part, "batches", field by field); clipped, since
