@@ -1,12 +1,14 @@
 """shmpipe's fork server, and how a producer's process is started from it
-(or spawned) without the trainer's script.
+without the trainer's script.
 
 What each producer needs, and whether it can start without the script, is
 _startup's to decide (plan); this module is the mechanism: the server
 process (an instance of the standard library's ForkServer of our own), the
-one that new producers fork from and the ones retired, and the two Popen
-variants whose _launch is CPython 3.11's with the preparation data changed
-(the two entries that name the script dropped) and our server.
+one that new producers fork from and the ones retired, and the Popen whose
+_launch is CPython 3.11's with the preparation data changed (the two
+entries that name the script dropped: _starts.pickled_for_child) and our
+server. The other ways a producer starts (spawned, or importing the
+script) are _starts'.
 
 A start talks to the server over its socket and two pipes (the data it
 sends the child, the pid it gets back): it waits for the server only within
@@ -36,21 +38,20 @@ import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix, reduction, spawn, util
-from multiprocessing.context import set_spawning_popen
+from multiprocessing import forkserver, popen_forkserver, spawn, util
 from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from shmpipe._forkserver_loop import REQUEST_WAIT_S
-from shmpipe._interrupts import no_sigpipe
+from shmpipe._interrupts import no_sigpipe, resource_tracker_running
 from shmpipe._process import ProcessWatch, process_start_time, process_stopped
+from shmpipe._starts import pickled_for_child
 from shmpipe.errors import PipelineTimeoutError, ShmpipeError
 
 __all__ = [
     "SERVER_END_WAIT_S",
     "SERVER_PRELOAD",
     "ServerProcess",
-    "SpawnProcess",
     "StartWait",
     "launch_server",
     "preload",
@@ -124,10 +125,10 @@ class _ForkServer(forkserver.ForkServer):
         if sys.version_info >= (3, 12):
             super().ensure_running()
             return
-        from multiprocessing import connection, resource_tracker
+        from multiprocessing import connection
 
         with self._lock:  # type: ignore[attr-defined]
-            resource_tracker.ensure_running()
+            resource_tracker_running()
             if self._forkserver_pid is not None:  # type: ignore[has-type]
                 pid, _ = os.waitpid(self._forkserver_pid, os.WNOHANG)  # type: ignore[has-type]
                 if not pid:
@@ -428,28 +429,6 @@ def waiting(wait: StartWait) -> Iterator[None]:
         _WAITS.wait = before
 
 
-def _preparation_data(name: str) -> dict[str, Any]:
-    """multiprocessing's preparation data for a child, less the script."""
-    data: dict[str, Any] = spawn.get_preparation_data(name)
-    data.pop("init_main_from_path", None)
-    data.pop("init_main_from_name", None)
-    return data
-
-
-def _pickled_for_child(popen: Any, process_obj: BaseProcess) -> io.BytesIO:
-    """What a child reads first, pickled as multiprocessing pickles it: the
-    preparation data (less the script), then the process object, with
-    `popen` taking the descriptors that travel along."""
-    buf = io.BytesIO()
-    set_spawning_popen(popen)
-    try:
-        reduction.dump(_preparation_data(process_obj.name), buf)
-        reduction.dump(process_obj, buf)
-    finally:
-        set_spawning_popen(None)
-    return buf
-
-
 class _ServerPopen(popen_forkserver.Popen):
     """A child of shmpipe's fork server (popen_forkserver.Popen._launch with
     the preparation data and the server changed), whose exit status is
@@ -541,7 +520,7 @@ class _ServerPopen(popen_forkserver.Popen):
     def _launch(self, process_obj: BaseProcess) -> None:
         self._status_lock = threading.Lock()
         self._reader = threading.local()  # whether this thread is reading the status (wait)
-        buf = _pickled_for_child(self, process_obj)
+        buf = pickled_for_child(self, process_obj)
         tried: list[_ServerGone] = []
         while True:
             # The server ended after it was last seen running (killed: the
@@ -579,7 +558,13 @@ class _ServerPopen(popen_forkserver.Popen):
         used = server._forkserver_pid
         wait.while_stopped(used, name)
         try:
-            sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+            # The request's sendmsg, to a server that may have dropped this
+            # connection (a client silent for REQUEST_WAIT_S) or died, is a
+            # BrokenPipeError here, never a SIGPIPE. (Its ensure_running is
+            # ours, just run: it starts a server only where that one died
+            # since, which then unblocks SIGPIPE itself: serve.)
+            with no_sigpipe():
+                sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         except (ConnectionError, FileNotFoundError) as exc:  # the request reached no server
             _server_gone(server, used, name, exc)
         finalizer = util.Finalize(self, util.close_fds, (sentinel,))  # type: ignore[attr-defined]
@@ -599,10 +584,7 @@ class _ServerPopen(popen_forkserver.Popen):
                 # orphan of a moment, never a second producer: this start
                 # is not retried).
                 # The pipe's reader, the child, may be gone (the server died
-                # with the request): a BrokenPipeError, never a SIGPIPE
-                # (no_sigpipe). Not covered: multiprocessing's sendmsg of the
-                # request in connect_to_new_process, a server dead in the
-                # microseconds since its connect.
+                # with the request): a BrokenPipeError, never a SIGPIPE.
                 os.set_blocking(w, False)
                 with buf.getbuffer() as data, no_sigpipe():
                     while written < data.nbytes:
@@ -701,39 +683,6 @@ def _unread_without_reader(fd: int, nbytes: int) -> bool:
     return left[0] == nbytes
 
 
-class _SpawnPopen(popen_spawn_posix.Popen):
-    """A spawned child told nothing of the script (popen_spawn_posix.Popen._launch
-    with the preparation data changed)."""
-
-    def _launch(self, process_obj: BaseProcess) -> None:
-        from multiprocessing import resource_tracker
-
-        tracker_fd = resource_tracker.getfd()
-        self._fds.append(tracker_fd)  # type: ignore[attr-defined]
-        fp = _pickled_for_child(self, process_obj)
-
-        parent_r = child_w = child_r = parent_w = None
-        try:
-            parent_r, child_w = os.pipe()
-            child_r, parent_w = os.pipe()
-            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
-            self._fds.extend([child_r, child_w])  # type: ignore[attr-defined]
-            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)  # type: ignore[arg-type,attr-defined]
-            self.sentinel = parent_r
-            # Closed once written, as for the fork server's producers.
-            with open(parent_w, "wb", closefd=True) as f:
-                parent_w = None
-                f.write(fp.getbuffer())
-        finally:
-            if parent_w is not None:
-                os.close(parent_w)
-            fds_to_close = [parent_r] if parent_r is not None else []
-            self.finalizer = util.Finalize(self, util.close_fds, fds_to_close)  # type: ignore[attr-defined]
-            for fd in (child_r, child_w):
-                if fd is not None:
-                    os.close(fd)
-
-
 class ServerProcess(BaseProcess):
     """A producer forked from shmpipe's fork server."""
 
@@ -742,13 +691,3 @@ class ServerProcess(BaseProcess):
     @staticmethod
     def _Popen(process_obj: BaseProcess) -> _ServerPopen:  # noqa: N802 (multiprocessing's name)
         return _ServerPopen(process_obj)
-
-
-class SpawnProcess(BaseProcess):
-    """A producer spawned without the script."""
-
-    _start_method = "spawn"
-
-    @staticmethod
-    def _Popen(process_obj: BaseProcess) -> _SpawnPopen:  # noqa: N802 (multiprocessing's name)
-        return _SpawnPopen(process_obj)

@@ -23,6 +23,7 @@ import errno
 import fcntl
 import os
 import pickle
+import signal
 import socket
 import stat
 from multiprocessing import forkserver, reduction, spawn
@@ -77,6 +78,10 @@ def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
         return code
 
     reduction.recvfds, forkserver._serve_one = request, child  # type: ignore[attr-defined]
+    # A server started inside the trainer's _interrupts.no_sigpipe (where the
+    # one it asked died that moment) is born with SIGPIPE blocked; its
+    # producers, forked from it, must not be.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGPIPE})
     forkserver.main(listener_fd, alive_r, [], **data)
 
 

@@ -19,7 +19,10 @@ from typing import Any
 
 from shmpipe.errors import PipelineClosedError
 
-__all__ = ["WaitEndedByCtrlC", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending", "no_sigpipe"]
+__all__ = [
+    "WaitEndedByCtrlC", "born_with_ctrl_c_blocked", "ctrl_c_held_back", "ctrl_c_pending", "no_sigpipe",
+    "resource_tracker_running",
+]
 
 #: Each ctrl_c_held_back open in the main thread, outermost first: the
 #: presses it noted, the handler it put aside, and its own (ctrl_c_pending
@@ -153,9 +156,7 @@ def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
     the moment between their birth and producer_main.
     """
     if start_method in ("spawn", "forkserver"):
-        from multiprocessing import resource_tracker  # (here: `import shmpipe` starts nothing of multiprocessing)
-
-        resource_tracker.ensure_running()
+        resource_tracker_running()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())  # (what to put back; changes nothing)
 
     def block_again() -> None:
@@ -210,3 +211,18 @@ def no_sigpipe() -> Iterator[None]:
             signal.sigtimedwait({signal.SIGPIPE}, 0)  # a write's, if one failed; returns at once either way
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def resource_tracker_running() -> None:
+    """multiprocessing's resource tracker, started where it is not running.
+
+    Its ensure_running() asks a tracker it started whether it still runs by
+    writing to the tracker's pipe: a tracker killed meanwhile would be a
+    SIGPIPE (no_sigpipe). So it is asked inside no_sigpipe, against that
+    function's rule: a tracker it then starts again is born with SIGPIPE
+    blocked, which for a Python process that ignores SIGPIPE, reads its pipe
+    and starts nothing, changes nothing."""
+    from multiprocessing import resource_tracker  # (here: `import shmpipe` starts nothing of multiprocessing)
+
+    with no_sigpipe():
+        resource_tracker.ensure_running()

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from shmpipe import _byvalue, _forkserver
+from shmpipe import _byvalue, _forkserver, _starts
 from shmpipe.errors import ShmpipeWarning, users_stacklevel
 
 __all__ = [
@@ -156,10 +156,16 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Sh
     n = len(sources)
     if method == "fork":
         return Plan([ctx.Process] * n, list(sources), [None] * n)  # type: ignore[attr-defined]
+    # The script's producers start as multiprocessing's would (its own fork
+    # server, or spawn), through _starts' classes (a peer that dies in
+    # its start is an error there, never a SIGPIPE or a wait for ever).
+    with_script: Callable[..., Any] = (
+        _starts.ScriptServerProcess if method == "forkserver" else _starts.ScriptSpawnProcess
+    )
     if type(transport).__module__ in _byvalue.MAIN_NAMES:
         why = f"the transport {type(transport).__qualname__} is a class of the script"
-        return Plan([ctx.Process] * n, list(sources), [why] * n)  # type: ignore[attr-defined]
-    clean: Callable[..., Any] = _forkserver.ServerProcess if method == "forkserver" else _forkserver.SpawnProcess
+        return Plan([with_script] * n, list(sources), [why] * n)
+    clean: Callable[..., Any] = _forkserver.ServerProcess if method == "forkserver" else _starts.SpawnProcess
     if method == "forkserver":
         _preload_with_the_server(sources, type(transport).__module__)
     shipments = shipments or Shipments()
@@ -174,7 +180,7 @@ def plan(ctx: BaseContext, sources: Sequence[Any], transport: Any, shipments: Sh
             out.sources.append(item)
             out.imports_script.append(None)
         else:
-            out.process_types.append(ctx.Process)  # type: ignore[attr-defined]
+            out.process_types.append(with_script)
             out.sources.append(source)
             out.imports_script.append(item)
     _warn_if_heavy(out.imports_script, sources)

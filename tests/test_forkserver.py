@@ -169,7 +169,7 @@ def test_the_fork_server_outlives_requests_cut_short_malformed_or_never_sent(req
 #: for longer than the server waits: the server drops the request, and
 #: the start asks the same server again.
 HELD_START_SCRIPT = """
-import json, sys, time
+import json, signal, sys, time
 import shmpipe
 from shmpipe import _forkserver
 from shmpipe._forkserver_loop import REQUEST_WAIT_S
@@ -184,6 +184,9 @@ def batches():
     with shmpipe.from_iterators([Counter(2)], start_method="forkserver", timeout=TIMEOUT) as pipe:
         return len(list(pipe))
 
+# With SIGPIPE's default action (tests/test_sigpipe.py): the request's write
+# to a server that dropped the connection killed the trainer (-13).
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 out = {"first": batches()}
 server = _forkserver.server_pid()
 sys.setprofile(held_at_the_request)

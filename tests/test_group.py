@@ -431,25 +431,40 @@ def _rank_1_sending(message: tuple[Any, ...]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     "message",
-    [("taken", 10**30), ("taken", 0), ("taken", "0"), ("bye", 0), ("bye", "0", 1), ("begin", 10**6, None),
-     ("begin", 0, None), ("bye", 0, 10**6), ("bye", 0, -1), ("raw", "\xff\x00 not JSON")],
+    [("taken", 10**30), ("taken", 0), ("taken", "0"), ("bye", 0), ("bye", "0", 1), ("begin", -1, None),
+     ("begin", 0, None), ("bye", -1, 0), ("bye", 0, 10**6), ("bye", 0, -1), ("raw", "\xff\x00 not JSON")],
     ids=["taken-a-later-pass", "taken-while-dealt", "taken-not-an-int", "bye-short", "bye-not-ints",
-         "begin-a-later-pass", "begin-the-same-pass-again", "bye-having-had-more-than-dealt", "bye-having-had-less-than-0",
-         "not-json"],
+         "begin-an-earlier-pass", "begin-the-same-pass-again", "bye-of-an-earlier-pass", "bye-having-had-more-than-dealt",
+         "bye-having-had-less-than-0", "not-json"],
 )
 @runs(lambda message: _rank_1_sending(message))
 def test_rank_0_refuses_a_malformed_taken_or_bye(message, request):
-    """A "taken" of a pass not dealt whole, or a "begin" of a later pass
-    than the next, would end passes whose batches the rank never had; a
-    "bye" having had more than it was dealt would hide a rank that left
-    with batches not taken: each is a malformed message, which fails the
-    group (never a TypeError in rank 0's threads, never a pass ended
-    early), as is a datagram that is no message (not "died": the rank
-    lives)."""
+    """A "taken" of a pass not dealt whole would end passes whose batches
+    the rank never had; a rank's passes only go forward; a "bye" having
+    had more than it was dealt would hide a rank that left with batches
+    not taken: each is a malformed message, which fails the group (never a
+    TypeError in rank 0's threads, never a pass ended early), as is a
+    datagram that is no message (not "died": the rank lives)."""
     reports = _reports(request)
     assert reports[0]["error"] is not None and reports[0]["error"][0] == "RankDiedError", reports[0]
     assert "sent a malformed message" in reports[0]["error"][1], reports[0]["error"]
     assert len(reports[0]["pass_so_far"]) < 50
+    for r in reports:
+        _assert_clean(r)
+
+
+@runs(lambda: [cfg | ({"cut_begin_of_pass": 1} if cfg["rank"] == 1 else {})
+               for cfg in _configs(2, sources=2, per_source=8, passes=3, ordered=True)])
+def test_a_rank_whose_begin_was_cut_leaves_that_pass_and_the_group_goes_on(request):
+    """Rank 1's program catches an exception that its signal handler raised
+    as its pipeline began pass 1, before the pass's "begin" was sent, and
+    iterates again: it begins pass 2, leaving pass 1 as a break would (its
+    share of pass 1 is not had), and the group goes on (a begin of a later
+    pass than the next was refused as malformed for a moment, helper 77)."""
+    reports = _reports(request)
+    assert reports[0]["error"] is None and [len(p) for p in reports[0]["passes"]] == [8, 8, 8], reports[0]
+    assert reports[1]["error"] is None, reports[1]
+    assert [p if p == "interrupted" else len(p) for p in reports[1]["passes"]] == [8, "interrupted", 8]
     for r in reports:
         _assert_clean(r)
 

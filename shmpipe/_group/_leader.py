@@ -442,21 +442,22 @@ class Leader:
         self._connection_ended(link)
 
     def _begins(self, rank: int, pass_no: Any, start: Any) -> bool:
-        """A rank's "begin": of the pass after the one it began last (False: malformed; a
-        later one would make it past passes it never read, _all_past)."""
+        """A rank's "begin": of a pass after the one it began last (False: malformed). Usually
+        the next; a later one leaves the passes between, as a break leaves the rest of a pass (a
+        begin its program's signal handler cut before it was sent: _rank's _begin_pass)."""
         with self.mutex:
-            return type(pass_no) is int and pass_no == self.begun[rank] + 1 and _wire.is_start(start)
+            return type(pass_no) is int and pass_no > self.begun[rank] and _wire.is_start(start)
 
     def _may_say_bye(self, link: _Link, pass_no: Any, had: Any) -> bool:
-        """A rank's "bye": of the pass it began last, or of the next (its close in another thread
-        before that pass's begin was sent), having had no more batches of it than were dealt to
-        it (False: malformed; more would hide a rank that left with batches not taken)."""
+        """A rank's "bye": of the pass it began last or a later one (its close before that
+        pass's begin was sent), having had no more batches of it than were dealt to it (False:
+        malformed; more would hide a rank that left with batches not taken)."""
         if type(pass_no) is not int or type(had) is not int:
             return False
         with self.mutex:
             dealt_pass, dealt = link.dealt_in_pass
             began = self.begun[link.rank]
-        return began <= pass_no <= began + 1 and 0 <= had <= (dealt if dealt_pass == pass_no else 0)
+        return pass_no >= began and 0 <= had <= (dealt if dealt_pass == pass_no else 0)
 
     def _takes(self, rank: int, pass_no: Any) -> bool:
         """A rank's "taken": of the pass it began, once that was dealt whole
