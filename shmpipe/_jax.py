@@ -35,8 +35,12 @@ Lifetime rules:
   a gc callback; jax-ml/jax#14882). Until then the slot stays held: a
   trainer that drops its batches and waits would wait for slots nothing
   gives back. So each wait for a batch, here or on the thread, begins
-  with jaxlib's collection (``_collector``, 0.2 µs); and the thread
-  collects after it drops a host batch whose copy is done.
+  with jaxlib's collection (``_collector``, 0.2 µs), which runs again each
+  POLL_S the wait lasts (``call_while_waiting``: a step dispatched
+  asynchronously holds its batch until it has run, after that first
+  collection, and a loop whose jitted step compiled again stalled on its
+  own slots for good); and the thread collects after it drops a host batch
+  whose copy is done.
 * Where JAX copies on the host (a 64-bit dtype without ``jax_enable_x64``,
   an unaligned or strided array) it copies during the call, and the
   jax.Array holds no slot. The first batch of a ``to_jax()`` is checked,
@@ -145,8 +149,10 @@ class JaxBatches:
         if self.ahead and self.target.on_host:
             _check_room(pipe, prefetch)
         self._copies_checked = False
-        #: Makes JAX let go now of host arrays whose jax.Arrays died (the module doc).
+        #: Makes JAX let go now of host arrays whose jax.Arrays died (the module doc):
+        #: before each wait for a batch, and while it waits.
         self.collect = _collector()
+        pipe.call_while_waiting(self.collect)
         #: How the thread ahead waits until a batch's copies have read its
         #: slot. Tests, which have no accelerator, put a slower one here.
         self.wait_for_copies: Callable[[Any], Any] = jax.block_until_ready
@@ -183,6 +189,7 @@ class JaxBatches:
         return out
 
 
+@functools.cache  # (one hook per stream, however many to_jax() calls: call_while_waiting)
 def _collector() -> Callable[[], Any]:
     """jaxlib's collection of the host arrays JAX no longer needs; where it
     is gone, a collection of Python's youngest generation, which runs it

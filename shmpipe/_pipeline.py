@@ -739,6 +739,7 @@ class Pipeline(FrameworkStream):
         itself holds the slots the producers need."""
         if self._closed:  # close() from another thread while this one waited
             raise PipelineClosedError("the pipeline was closed while waiting for a batch")
+        self._waited()  # what lets go of the slots the trainer dropped (to_jax)
         now = time.perf_counter_ns()
         self._poll_producers(now)  # a failure is raised once all is delivered
         if now - t0 >= STALL_WARNING_NS and self._stall_warned != self._pass_no:  # once per pass

@@ -245,6 +245,8 @@ class BatchStream(abc.ABC):
         # adapters did to its memory is undone there (to_torch's CUDA
         # registration).
         self._close_hooks: list[Callable[[], None]] = []
+        #: Run each POLL_S a take waits (call_while_waiting).
+        self._waiting_hooks: list[Callable[[], object]] = []
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._owner_pid = os.getpid()
         self._forked_from: int | None = None  # set in a child forked from the owner
@@ -390,6 +392,22 @@ class BatchStream(abc.ABC):
         if self._closed:
             raise PipelineClosedError("this pipeline is closed")
         self._close_hooks.append(hook)
+
+    def call_while_waiting(self, hook: Callable[[], object]) -> None:
+        """Runs `hook` in the thread that waits for a batch, each time it has
+        waited POLL_S for one (once per hook, however often it is given).
+        For adapters whose dropped batches let go of their slots only when
+        something runs: jaxlib lets go of the host array of a jax.Array that
+        died at its next collection, and a trainer waiting for its next batch
+        runs none, while the slots it waits for are those (the wait lasted
+        for ever). The hook must be cheap and must not refer to the stream."""
+        if hook not in self._waiting_hooks:
+            self._waiting_hooks.append(hook)
+
+    def _waited(self) -> None:
+        """A take has waited POLL_S (call_while_waiting)."""
+        for hook in self._waiting_hooks:
+            hook()
 
     def __enter__(self: _Stream) -> _Stream:
         return self

@@ -184,6 +184,23 @@ def test_a_small_ring_whose_batches_are_dropped_never_waits_on_jax(no_gc):
         del b, it
 
 
+def test_batches_let_go_of_while_the_trainer_waits_give_their_slots_back(no_gc):
+    # As a jitted step dispatched asynchronously holds its batch until it has
+    # run (a loop whose step compiled again, helper 75): the trainer holds
+    # every slot, and the batches are let go of only after next() collected
+    # and began to wait. JAX lets go of their memory at its next collection,
+    # which nothing ran: next() waited for good (here: its timeout).
+    with shmpipe.from_iterators([Counter(30, shape=(64,))], capacity=4, timeout=20) as pipe:
+        it = iter(pipe.to_jax())
+        kept = [next(it) for _ in range(pipe.capacity)]
+        dropping = threading.Timer(0.5, kept.clear)  # the batches die meanwhile, in another thread
+        dropping.start()
+        b = next(it)  # before: PipelineTimeoutError after 20 s, every slot held by the batches let go of
+        dropping.join(T)
+        assert b["seq"] == pipe.capacity and not kept
+        del b, it
+
+
 def test_nesting_numpy_scalars_python_values_and_new_passes():
     batch = {"t": (np.arange(3, dtype=np.int16), [np.float64(2.5), "s"]), "n": np.int64(7), "u": np.zeros(2, np.uint8)}
     with shmpipe.from_iterators([Fixed([batch, batch])], timeout=T) as pipe:

@@ -472,6 +472,7 @@ class RankPipeline(FrameworkStream):
                 return got
             if events:
                 continue
+            self._waited()  # what lets go of the slots the trainer dropped (to_jax)
             if self._leader_gone_unpolled(self._conn):
                 self._fail(RankDiedError(f"rank 0 (pid {self._leader_pid}) of group {self.group!r} died", 0))
             self._raise_if_timed_out(t0, time.perf_counter_ns(), lambda: f" (rank {self.rank} of group {self.group!r})")
