@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 from shmpipe._group import check_capacity, check_group, default_capacity
-from shmpipe._nodes import check_nodes, check_sampler_for_nodes
+from shmpipe._nodes import check_nodes, check_sampler_for_nodes, shard_of
 from shmpipe._options import PipelineOptions, Source, check_options, is_int
 from shmpipe._pipeline import Pipeline
 from shmpipe._schedule import DatasetSchedule
@@ -395,7 +395,8 @@ def from_dataset(
         run_id=run_id,
         ray_remote_args=ray_remote_args,
     )
-    layout = check_nodes(num_nodes, node_rank, grouped.num_ranks if grouped is not None else 1, grouped is not None)
+    ranks = grouped.num_ranks if grouped is not None else 1
+    layout = check_nodes(num_nodes, node_rank, ranks, grouped is not None, shard_of(sampler, batch_sampler) is not None)
     check_sampler_for_nodes(layout, sampler, batch_sampler)
     if layout.num_nodes > 1 and not options.seed_given:
         raise ShmpipeValueError(

@@ -31,7 +31,7 @@ import numpy as np
 from shmpipe._options import is_int
 from shmpipe.errors import ShmpipeValueError, ShmpipeWarning, out_of_range, users_stacklevel
 
-__all__ = ["ONE_NODE", "NodeLayout", "check_nodes", "check_sampler_for_nodes"]
+__all__ = ["ONE_NODE", "NodeLayout", "check_nodes", "check_sampler_for_nodes", "shard_of"]
 
 #: torchrun's name for the node's rank, and the name other launchers use.
 _NODE_RANK_VARIABLES = ("GROUP_RANK", "NODE_RANK")
@@ -103,11 +103,14 @@ def _node_rank_from_environment() -> tuple[int | None, str]:
     return None, ""
 
 
-def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: int, grouped: bool) -> NodeLayout:
+def check_nodes(
+    num_nodes: int | None, node_rank: int | None, ranks_per_node: int, grouped: bool, sharded: bool = False
+) -> NodeLayout:
     """The layout from from_dataset's node arguments, their defaults from
     torchrun's environment (one node where it sets none), or a
     ShmpipeValueError naming what is wrong. `ranks_per_node`: the group's
-    size (1 without a group).
+    size (1 without a group); `sharded`: the sampler is a shard of the job
+    (shard_of).
 
     ``num_nodes=1`` given explicitly always holds, whatever the launcher
     says: each node then deals its own whole epoch (the layout of a job
@@ -132,6 +135,8 @@ def check_nodes(num_nodes: int | None, node_rank: int | None, ranks_per_node: in
     if num_nodes == 1:
         layout = _the_only_node(node_rank, ranks_per_node, "one node")
         _refuse_a_lone_node_rank(env_nodes_says)  # node_rank=0 given or not
+        if not grouped and not sharded:
+            _refuse_ranks_reading_the_same_epoch()
         return layout
     if node_rank is not None and not is_int(node_rank):
         raise out_of_range(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}", node_rank)
@@ -192,6 +197,21 @@ def _check_ranks_per_node(ranks_per_node: int, grouped: bool, nodes_said: str, l
     )
 
 
+def _refuse_ranks_reading_the_same_epoch() -> None:
+    """One node by default, whose launcher runs several ranks on it
+    (LOCAL_WORLD_SIZE > 1), each calling from_dataset without a group or a
+    sampler that shards the epoch: each would read the whole epoch, and the
+    job every sample as many times (helper 75)."""
+    local = _env_int("LOCAL_WORLD_SIZE")
+    if local is None or local <= 1:
+        return
+    raise ShmpipeValueError(
+        f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset, and each would read "
+        f"the whole epoch: they must share the node's pipeline (group=..., num_ranks={local}), or each read a shard "
+        "of it (sampler=DistributedSampler(...)); pass num_nodes=1 where each rank is to read the whole epoch"
+    )
+
+
 def _the_only_node(node_rank: int | None, ranks_per_node: int, why: str) -> NodeLayout:
     """The layout of one node, where `node_rank` is None or 0 (an int: not
     False, not 0.0)."""
@@ -223,16 +243,26 @@ def check_sampler_for_nodes(layout: NodeLayout, sampler: object, batch_sampler: 
     DistributedSampler, or any with ``num_replicas > 1``) in a job whose
     epoch shmpipe deals over the nodes: sharded twice, most samples would
     never be read."""
-    if layout.num_nodes == 1:
+    shard = shard_of(sampler, batch_sampler)
+    if layout.num_nodes == 1 or shard is None:
         return
+    name, candidate, replicas = shard
+    raise ShmpipeValueError(
+        f"the {name} is a shard of the job already ({type(candidate).__name__} with "
+        f"num_replicas={replicas}), and with num_nodes={layout.num_nodes} shmpipe deals the epoch "
+        "over the nodes itself: pass the whole order (shuffle=True, or a sampler of every index), or "
+        "num_nodes=1 to keep your own sharding (each node then deals its own epoch)"
+    )
+
+
+def shard_of(sampler: object, batch_sampler: object) -> tuple[str, object, int] | None:
+    """Where the sampler (or the batch_sampler's) is a shard of the job (a
+    DistributedSampler, or any with ``num_replicas > 1``): which argument,
+    the sampler, its num_replicas."""
     for name, chosen in (("sampler", sampler), ("batch_sampler", batch_sampler)):
         inner = getattr(chosen, "sampler", None) if name == "batch_sampler" else None
         for candidate in (chosen, inner):
             replicas: object = getattr(candidate, "num_replicas", None)
             if isinstance(replicas, int) and replicas > 1:
-                raise ShmpipeValueError(
-                    f"the {name} is a shard of the job already ({type(candidate).__name__} with "
-                    f"num_replicas={replicas}), and with num_nodes={layout.num_nodes} shmpipe deals the epoch "
-                    "over the nodes itself: pass the whole order (shuffle=True, or a sampler of every index), or "
-                    "num_nodes=1 to keep your own sharding (each node then deals its own epoch)"
-                )
+                return name, candidate, replicas
+    return None

@@ -326,6 +326,7 @@ def test_the_environment_gives_the_defaults(monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's name comes first
     assert check_nodes(None, None, 2, True) == NodeLayout(3, 1, 2)
     monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # (2 ranks on the node without a group: refused, below)
     for name in ("GROUP_RANK", "NODE_RANK"):
         monkeypatch.delenv(name)
     assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "one node where the launcher says nothing"
@@ -363,6 +364,26 @@ def test_a_group_that_is_not_the_launchers_node_is_refused_unless_the_layout_is_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(num_ranks))
     monkeypatch.setenv("WORLD_SIZE", str(2 * num_ranks))
     assert check_nodes(None, None, num_ranks, True) == NodeLayout(2, 1, num_ranks), "the launcher's node"
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"},
+                                 {"LOCAL_WORLD_SIZE": "2"}], ids=["torchrun", "local-only"])
+def test_ranks_of_one_node_that_would_each_read_the_whole_epoch_are_refused(monkeypatch, env):
+    # One node of 2 ranks, each calling from_dataset without a group: each
+    # read the whole epoch, silently (helper 75), where several nodes of
+    # such ranks were refused. A group of the node's ranks, a sampler that
+    # shards the epoch, or num_nodes=1 (each rank its own epoch) hold.
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(shmpipe.ShmpipeValueError, match=r"this node runs 2 ranks \(LOCAL_WORLD_SIZE=2\), each calling "
+                       r"from_dataset, and each would read the whole epoch: .*group=\.\.\., num_ranks=2.*num_nodes=1"):
+        shmpipe.from_dataset(Numbered(N), num_workers=1, seed=0)
+    assert check_nodes(None, None, 1, False, sharded=True) == NodeLayout(1, 0, 1)
+    assert check_nodes(None, None, 2, True) == NodeLayout(1, 0, 2)
+    with shmpipe.from_dataset(Numbered(N), num_workers=1, num_nodes=1, timeout=60.0) as pipe:
+        assert sum(len(b["i"]) for b in pipe) == N
 
 
 def test_a_launcher_of_one_task_a_node_is_no_node_of_ranks(monkeypatch):
