@@ -127,8 +127,8 @@ def check_options(
     seed_given = seed is not None
     if seed is None:
         seed = secrets.randbits(63)
-    elif not is_int(seed) or seed < 0:
-        raise out_of_range(f"seed must be a non-negative int or None, got {seed!r}", seed)
+    elif not is_int(seed) or not 0 <= seed < 1 << 63:  # (what a state holds, as a JSON-safe int64)
+        raise out_of_range(f"seed must be an int in [0, 2**63) or None, got {seed!r}", seed)
     if not is_int(max_restarts) or max_restarts < 0:
         raise out_of_range(f"max_restarts must be a non-negative int, got {max_restarts!r}", max_restarts)
     if max_restarts and not resolved.capabilities.restarts_producers:

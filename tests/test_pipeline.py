@@ -475,6 +475,8 @@ def test_unpicklable_source_is_a_clear_error():
         (dict(ordered="yes"), TypeError, "ordered must be True or False"),
         (dict(capacity=5000), ValueError, "capacity must be at most 4096"),
         (dict(seed=-3), ValueError, "seed"),
+        # a state holds its seed as an int64: one past it made states no pipeline could load (helper 75)
+        (dict(seed=1 << 63), ValueError, r"seed must be an int in \[0, 2\*\*63\) or None, got 9223372036854775808"),
         (dict(start_method="teleport"), ValueError, "start_method"),
     ],
 )
