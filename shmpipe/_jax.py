@@ -145,6 +145,7 @@ class JaxBatches:
         self.pipe = pipe
         self.prefetch = prefetch
         self.target = _Target(jax, sharding, device)
+        self.target.sizes_vary = pipe._batch_sizes_vary
         self.ahead = (not self.target.on_host) if ahead is None else bool(ahead)
         if self.ahead and self.target.on_host:
             _check_room(pipe, prefetch)
@@ -358,6 +359,8 @@ class _Target:
         self.on_host = all(d.platform == "cpu" for d in devices)
         #: Several processes: each leaf is this process's share of a global array.
         self.global_ = not self.sharding.is_fully_addressable
+        #: The pipeline's batches may differ in size (from_dataset's partial last batch).
+        self.sizes_vary = False
         probe = _probe(jax, devices[0])
         self.fast = probe.fast and not self.global_
         #: JAX aliases host arrays here but would not keep them alive: we do.
@@ -434,9 +437,14 @@ class _Target:
                 sharding.shard_shape(leaf.shape)
                 index_map = sharding.addressable_devices_indices_map(leaf.shape)
             except ValueError as exc:
+                fix = (
+                    "the batches differ in size: an epoch's last batch is short where the dataset's length is not "
+                    "a multiple of batch_size; pass drop_last=True, or make every batch's size a multiple of them"
+                    if self.sizes_vary else "make the batch size a multiple of them"
+                )
                 raise ShmpipeValueError(
                     f"{path}: its first axis has {leaf.shape[0]} rows, which the sharding cannot split evenly "
-                    f"over its devices{_parts(sharding)}; make the batch size a multiple of them ({exc})"
+                    f"over its devices{_parts(sharding)}; {fix} ({exc})"
                 ) from None
             devices = list(index_map)
             whole = len(devices) == 1 or sharding.is_fully_replicated

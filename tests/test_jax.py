@@ -643,6 +643,13 @@ DEVICES = textwrap.dedent(
     def report(name, **values):
         print(json.dumps({"case": name, **values}), flush=True)
 
+    class TenRows:
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, k):
+            return {"x": np.full(16, k, np.float32)}
+
     if __name__ == "__main__":
         mesh = jax.make_mesh((4,), ("data",))
         data = NamedSharding(mesh, P("data"))
@@ -674,6 +681,15 @@ DEVICES = textwrap.dedent(
                         report(name, ahead=ahead, error=None)
                     except shmpipe.ShmpipeValueError as exc:
                         report(name, ahead=ahead, error=str(exc))
+        # batches of 8, and a last one of 2 rows
+        with shmpipe.from_dataset(TenRows(), batch_size=8, num_workers=1, timeout=60) as pipe:
+            had = 0
+            try:
+                for b in pipe.to_jax(sharding=data):
+                    had += 1
+                report("short last batch", had=had, error=None)
+            except shmpipe.ShmpipeValueError as exc:
+                report("short last batch", had=had, error=str(exc))
     """
 )
 
@@ -796,6 +812,13 @@ def test_a_sharding_that_cannot_split_a_leaf_is_refused_with_its_path(children):
         assert "4 shards along it" in c["error"], c
     for c in scalar:
         assert c["error"].startswith("batch['n']: a 0-d array"), c
+    for c in rows:
+        assert "make the batch size a multiple of them" in c["error"], c
+    # An epoch's short last batch is refused as it comes, with the way out
+    # (helper 75: the error said to make the batch size, 8, a multiple of 4).
+    (short,) = [c for c in cases if c["case"] == "short last batch"]
+    assert short["had"] == 1 and short["error"].startswith("batch['x']: its first axis has 2 rows"), short
+    assert "pass drop_last=True" in short["error"], short
 
 
 def test_several_processes_each_give_their_share_of_the_global_batch(children):
