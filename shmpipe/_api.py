@@ -9,6 +9,7 @@ memory is made.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -18,7 +19,7 @@ from shmpipe._options import PipelineOptions, Source, check_options, is_int
 from shmpipe._pipeline import Pipeline
 from shmpipe._schedule import DatasetSchedule
 from shmpipe._sources import DatasetSource, IteratorSource
-from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, out_of_range
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning, out_of_range, users_stacklevel
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import Transport
 
@@ -375,6 +376,11 @@ def from_dataset(
             num_workers,
         )
     _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
+    if sampler is None and batch_sampler is None and (length == 0 or (drop_last and length < batch_size)):
+        # Each epoch's loop would end at once, every epoch, silently (helper 75).
+        why = "the dataset is empty" if length == 0 else f"its {length} samples make no whole batch of {batch_size}"
+        warnings.warn(f"every epoch of this pipeline has no batches: {why}", ShmpipeWarning,
+                      stacklevel=users_stacklevel())
     if collate_fn is not None and not callable(collate_fn):
         raise ShmpipeTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
     sources = [DatasetSource(dataset, collate_fn)] * num_workers

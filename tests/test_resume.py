@@ -309,6 +309,17 @@ def test_drop_last_drops_the_short_batch():
         assert take(pipe) == [list(range(i, i + 4)) for i in range(0, 20, 4)]
 
 
+@pytest.mark.parametrize(("length", "says"), [(3, "its 3 samples make no whole batch of 4"), (0, "the dataset is empty")])
+def test_an_epoch_without_batches_is_said(length, says):
+    # Each epoch's loop ended at once, silently (helper 75); several nodes
+    # already said so of an epoch no rank gets.
+    with pytest.warns(shmpipe.ShmpipeWarning, match=f"every epoch of this pipeline has no batches: {says}") as seen:
+        pipe = shmpipe.from_dataset(Numbered(length), batch_size=4, drop_last=True, num_workers=1, timeout=T)
+    assert seen[0].filename == __file__  # the caller's line
+    with pipe:
+        assert take(pipe) == [] and take(pipe) == []
+
+
 def test_a_collate_fn_makes_the_batch_and_the_default_says_what_it_cannot_stack():
     with shmpipe.from_dataset(ShapeByIndex(), batch_size=3, num_workers=1, timeout=T) as pipe:
         with pytest.raises(shmpipe.ShmpipeTypeError, match=r"shape \(2,\), sample 0 has \(1,\)"):
@@ -556,8 +567,8 @@ def test_a_state_of_an_epoch_without_batches_is_the_one_loaded_until_its_pass_en
         assert pipe.state_dict()["epoch"] == 2
         assert [b["i"].tolist() for b in pipe] == [[0, 1], [2, 3]]
     small = dict(batch_size=3, shuffle=True, drop_last=True, seed=5, num_workers=1, timeout=T)
-    with shmpipe.from_dataset(Numbered(2), **small) as pipe:
+    with pytest.warns(shmpipe.ShmpipeWarning, match="no batches"), shmpipe.from_dataset(Numbered(2), **small) as pipe:
         state = pipe.state_dict()  # every epoch empty: fewer samples than a batch, drop_last
-    with shmpipe.from_dataset(Numbered(2), **small) as pipe:
+    with pytest.warns(shmpipe.ShmpipeWarning, match="no batches"), shmpipe.from_dataset(Numbered(2), **small) as pipe:
         pipe.load_state_dict(state)
         assert pipe.state_dict()["epoch"] == 0
