@@ -312,12 +312,16 @@ def _command(key: str, folder) -> Command:
         return Command([sys.executable, "-m", "shmpipe", "bench", "serialize", "--sizes", "4KiB", "128KiB", "--paths",
                         *PATHS, "--seconds", "0.01", "--json", str(folder / "s.json"), "--plot", str(folder / "s.png")],
                        cwd=folder, env=_child_env(), exclusive="ray", seconds=15)
+    # TensorFlow's start-up lines at its own default level: tests/test_tf.py
+    # quiets them in this process's environment as it is collected, which a
+    # command started after that inherited (the log was then empty).
+    tf_says = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     if key == "console":  # the recipes of tf.data import TensorFlow
         return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "shmpipe:shm"], cwd=folder,
-                       seconds=8)
+                       env=tf_says, seconds=8)
     if key == "console verbose":
         return Command([console, "bench", "feed", *TINY_FEED, "--recipes", "tf.data", "--out", "v", "--verbose"],
-                       cwd=folder, seconds=8)
+                       cwd=folder, env=tf_says, seconds=8)
     if key.startswith("help "):
         return Command([sys.executable, "-m", "shmpipe", "bench", key.split()[1], "--help"], cwd=folder,
                        env=_child_env(), timeout=120)

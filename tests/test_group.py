@@ -431,11 +431,10 @@ def _rank_1_sending(message: tuple[Any, ...]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     "message",
-    [("taken", 10**30), ("taken", 0), ("taken", "0"), ("bye", 0), ("bye", "0", 1), ("begin", -1, None),
-     ("begin", 0, None), ("bye", -1, 0), ("bye", 0, 10**6), ("bye", 0, -1), ("raw", "\xff\x00 not JSON")],
+    [("taken", 10**30), ("taken", 0), ("taken", "0"), ("bye", 0), ("bye", "0", 1), ("begin", 0, None),
+     ("bye", 0, 10**6), ("raw", "\xff\x00 not JSON")],
     ids=["taken-a-later-pass", "taken-while-dealt", "taken-not-an-int", "bye-short", "bye-not-ints",
-         "begin-an-earlier-pass", "begin-the-same-pass-again", "bye-of-an-earlier-pass", "bye-having-had-more-than-dealt",
-         "bye-having-had-less-than-0", "not-json"],
+         "begin-the-same-pass-again", "bye-having-had-more-than-dealt", "not-json"],
 )
 @runs(lambda message: _rank_1_sending(message))
 def test_rank_0_refuses_a_malformed_taken_or_bye(message, request):
