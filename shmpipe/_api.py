@@ -376,11 +376,6 @@ def from_dataset(
             num_workers,
         )
     _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
-    if sampler is None and batch_sampler is None and (length == 0 or (drop_last and length < batch_size)):
-        # Each epoch's loop would end at once, every epoch, silently (helper 75).
-        why = "the dataset is empty" if length == 0 else f"its {length} samples make no whole batch of {batch_size}"
-        warnings.warn(f"every epoch of this pipeline has no batches: {why}", ShmpipeWarning,
-                      stacklevel=users_stacklevel())
     if collate_fn is not None and not callable(collate_fn):
         raise ShmpipeTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
     sources = [DatasetSource(dataset, collate_fn)] * num_workers
@@ -412,6 +407,12 @@ def from_dataset(
                "producers' seeds from it, and every rank's state_dict() at the same step must be the job's one "
                "position (nodes that each drew a seed would hold different ones)")
         )
+    if sampler is None and batch_sampler is None and (length == 0 or (drop_last and length < batch_size)):
+        # Each epoch's loop would end at once, every epoch, silently (helper 75). (Said once the
+        # arguments are known good: under warnings as errors, a bad one's error comes first.)
+        why = "the dataset is empty" if length == 0 else f"its {length} samples make no whole batch of {batch_size}"
+        warnings.warn(f"every epoch of this pipeline has no batches: {why}", ShmpipeWarning,
+                      stacklevel=users_stacklevel())
     schedule = DatasetSchedule(
         num_workers,
         options.seed,

@@ -439,7 +439,8 @@ class _Target:
             except ValueError as exc:
                 fix = (
                     "the batches differ in size: an epoch's last batch is short where the dataset's length is not "
-                    "a multiple of batch_size; pass drop_last=True, or make every batch's size a multiple of them"
+                    "a multiple of batch_size (pass drop_last=True), and a batch_sampler's are its own (make each "
+                    "a multiple of them)"
                     if self.sizes_vary else "make the batch size a multiple of them"
                 )
                 raise ShmpipeValueError(

@@ -136,7 +136,7 @@ def check_nodes(
         layout = _the_only_node(node_rank, ranks_per_node, "one node")
         _refuse_a_lone_node_rank(env_nodes_says)  # node_rank=0 given or not
         if not grouped and not sharded:
-            _refuse_ranks_reading_the_same_epoch()
+            _warn_of_ranks_reading_the_same_epoch()
         return layout
     if node_rank is not None and not is_int(node_rank):
         raise out_of_range(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}", node_rank)
@@ -197,18 +197,25 @@ def _check_ranks_per_node(ranks_per_node: int, grouped: bool, nodes_said: str, l
     )
 
 
-def _refuse_ranks_reading_the_same_epoch() -> None:
+def _warn_of_ranks_reading_the_same_epoch() -> None:
     """One node by default, whose launcher runs several ranks on it
     (LOCAL_WORLD_SIZE > 1), each calling from_dataset without a group or a
-    sampler that shards the epoch: each would read the whole epoch, and the
-    job every sample as many times (helper 75)."""
+    sampler that shards the epoch: where they are data-parallel ranks, each
+    reads the whole epoch, and the job every sample as many times (helper
+    75). A warning, not a refusal: ranks that shard the dataset themselves
+    (a Subset, a sampler of their own indices), a pipeline of rank 0's
+    alone, tensor or pipeline parallel peers are all this too (helper 78);
+    num_nodes=1 says so and silences it."""
     local = _env_int("LOCAL_WORLD_SIZE")
     if local is None or local <= 1:
         return
-    raise ShmpipeValueError(
-        f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}), each calling from_dataset, and each would read "
-        f"the whole epoch: they must share the node's pipeline (group=..., num_ranks={local}), or each read a shard "
-        "of it (sampler=DistributedSampler(...)); pass num_nodes=1 where each rank is to read the whole epoch"
+    warnings.warn(
+        f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}) and this pipeline deals the whole epoch: where "
+        f"each data-parallel rank calls from_dataset like this, each reads every sample. Share the node's pipeline "
+        f"(group=..., num_ranks={local}) or give each rank a shard (sampler=DistributedSampler(...)); where this "
+        "is meant (the ranks shard the dataset themselves, or are not data-parallel), pass num_nodes=1",
+        ShmpipeWarning,
+        stacklevel=users_stacklevel(),
     )
 
 

@@ -326,7 +326,7 @@ def test_the_environment_gives_the_defaults(monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's name comes first
     assert check_nodes(None, None, 2, True) == NodeLayout(3, 1, 2)
     monkeypatch.delenv("WORLD_SIZE")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # (2 ranks on the node without a group: refused, below)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # (2 ranks on the node without a group: a warning, below)
     for name in ("GROUP_RANK", "NODE_RANK"):
         monkeypatch.delenv(name)
     assert check_nodes(None, None, 1, False) == NodeLayout(1, 0, 1), "one node where the launcher says nothing"
@@ -368,22 +368,27 @@ def test_a_group_that_is_not_the_launchers_node_is_refused_unless_the_layout_is_
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"},
                                  {"LOCAL_WORLD_SIZE": "2"}], ids=["torchrun", "local-only"])
-def test_ranks_of_one_node_that_would_each_read_the_whole_epoch_are_refused(monkeypatch, env):
-    # One node of 2 ranks, each calling from_dataset without a group: each
-    # read the whole epoch, silently (helper 75), where several nodes of
-    # such ranks were refused. A group of the node's ranks, a sampler that
-    # shards the epoch, or num_nodes=1 (each rank its own epoch) hold.
+def test_ranks_of_one_node_that_may_each_read_the_whole_epoch_are_told(monkeypatch, env):
+    # One node of 2 ranks, each calling from_dataset without a group: as
+    # data-parallel ranks each read the whole epoch, silently (helper 75).
+    # Said, not refused: ranks that shard the dataset themselves, rank 0's
+    # pipeline alone, tensor parallel peers do the same (helper 78). A group
+    # of the node's ranks, a sampler that shards, num_nodes=1 say nothing.
     for name in ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(shmpipe.ShmpipeValueError, match=r"this node runs 2 ranks \(LOCAL_WORLD_SIZE=2\), each calling "
-                       r"from_dataset, and each would read the whole epoch: .*group=\.\.\., num_ranks=2.*num_nodes=1"):
-        shmpipe.from_dataset(Numbered(N), num_workers=1, seed=0)
-    assert check_nodes(None, None, 1, False, sharded=True) == NodeLayout(1, 0, 1)
-    assert check_nodes(None, None, 2, True) == NodeLayout(1, 0, 2)
-    with shmpipe.from_dataset(Numbered(N), num_workers=1, num_nodes=1, timeout=60.0) as pipe:
+    with pytest.warns(shmpipe.ShmpipeWarning, match=r"this node runs 2 ranks \(LOCAL_WORLD_SIZE=2\) and this pipeline "
+                      r"deals the whole epoch: .*group=\.\.\., num_ranks=2.*pass num_nodes=1") as seen:
+        pipe = shmpipe.from_dataset(Numbered(N), num_workers=1, seed=0, timeout=60.0)
+    assert seen[0].filename == __file__  # the caller's line
+    with pipe:
         assert sum(len(b["i"]) for b in pipe) == N
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_nodes(None, None, 1, False, sharded=True) == NodeLayout(1, 0, 1)
+        assert check_nodes(None, None, 2, True) == NodeLayout(1, 0, 2)
+        assert check_nodes(1, None, 1, False) == NodeLayout(1, 0, 1)
 
 
 def test_a_launcher_of_one_task_a_node_is_no_node_of_ranks(monkeypatch):

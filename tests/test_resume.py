@@ -318,6 +318,9 @@ def test_an_epoch_without_batches_is_said(length, says):
     assert seen[0].filename == __file__  # the caller's line
     with pipe:
         assert take(pipe) == [] and take(pipe) == []
+    # said once the arguments are known good: a bad one's error comes first, under warnings as errors too
+    with pytest.raises(shmpipe.ShmpipeValueError, match="known transports"):
+        shmpipe.from_dataset(Numbered(length), batch_size=4, drop_last=True, num_workers=1, transport="nope")
 
 
 def test_a_collate_fn_makes_the_batch_and_the_default_says_what_it_cannot_stack():
