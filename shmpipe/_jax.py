@@ -167,6 +167,7 @@ class JaxBatches:
 
     def _convert(self, batch: Any) -> Any:
         """`batch` with each array leaf (and NumPy scalar) a jax.Array."""
+        self.target.follow_x64()
         try:
             try:
                 # Without paths: naming each leaf costs more than putting it.
@@ -366,12 +367,24 @@ class _Target:
         #: JAX aliases host arrays here but would not keep them alive: we do.
         self.hold = self.on_host and probe.aliases and not probe.keeps_alive
         self.plans: dict[tuple[tuple[int, ...], np.dtype[Any]], _Plan] = {}
+        #: JAX's 64-bit mode when the plans were made (follow_x64)
+        self.x64 = bool(jax.config.jax_enable_x64)
         if self.fast:
             from jax._src import core
             from jax._src.lib import xla_client
 
             self._abstractify: Callable[[np.ndarray], Any] = core.shaped_abstractify
             self._batched_put: Callable[..., Any] = xla_client.batched_device_put
+
+    def follow_x64(self) -> None:
+        """Forgets the plans if JAX's 64-bit mode changed since they were
+        made (``jax.enable_x64``, the config): a plan's aval, and what a
+        64-bit leaf becomes, depend on it. (Read per batch, in the thread
+        that puts it, as JAX reads it there: about 0.2 us.)"""
+        x64 = bool(self.jax.config.jax_enable_x64)
+        if x64 != self.x64:
+            self.plans.clear()
+            self.x64 = x64
 
     def put(self, leaf: Any) -> Any:
         """`leaf` as a jax.Array on the target, if it is an array or a
@@ -672,6 +685,8 @@ class _Feeder:
             except queue.Empty:
                 if not thread.is_alive() and self.ready.empty():
                     self.stream._check_pass(self.pass_no)  # it ended as a later pass began: the stream's error
+                    if self.stop.is_set():  # the pass was abandoned as this waited: close() from another thread
+                        raise StopIteration from None
                     raise RuntimeError("to_jax's thread ended without a batch, an end or an error") from None
                 continue
             self.permits.release()
@@ -700,7 +715,8 @@ class _AheadPass:
         # the pass just begun: iter(pipe)). The thread takes at most
         # `prefetch` + 1 batches the trainer has not had: one permit each,
         # given back as next() takes the batch, before it counts it.
-        position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1, sees_asks=True)
+        with batches.pipe._spans:  # (a span: see __next__)
+            position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1, sees_asks=True)
         self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe, position)
         self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
         self.thread.start()
@@ -722,15 +738,23 @@ class _AheadPass:
             raise
         feeder.collect()  # the slots of arrays the trainer dropped go back while it waits
         position = feeder.position
+        # The trainer's notes are made in spans of the stream: each holds a
+        # lock a state is made under, and a signal handler run by this
+        # thread there that asks for a state must get the stream's error,
+        # not wait for ever for this thread's own lock.
+        spans = feeder.stream._spans
         if position is not None:
-            position.asking()
+            with spans:
+                position.asking()
         item = feeder.take(self.thread)
         if type(item) is tuple:
             if position is not None:
-                position.had_one()
+                with spans:
+                    position.had_one()
             return item[0]
         if item is _END and position is not None:
-            position.had_end()
+            with spans:
+                position.had_end()
         self.finished = True
         self.thread.join(timeout=POLL_S * 10)  # it has put its last item: it is returning
         if item is _END:

@@ -623,6 +623,39 @@ def test_ahead_a_state_from_another_thread_never_counts_a_batch_put_ahead():
         assert not wrong, wrong[:3]
 
 
+def test_ahead_a_close_from_another_thread_ends_the_wait_of_next():
+    # The thread ended without a last item, and the waiting next() raised
+    # "RuntimeError: to_jax's thread ended without a batch, an end or an
+    # error" (5 of 5 runs, helper 79).
+    with shmpipe.from_iterators([Counter(100, shape=(64,), delay=0.5)], capacity=8, timeout=T) as pipe:
+        it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
+        assert int(next(it)["seq"]) == 0
+        closer = threading.Timer(0.2, it.close)  # a watchdog abandons the pass while next() waits
+        closer.start()
+        try:
+            with pytest.raises(StopIteration):
+                next(it)
+            with pytest.raises(StopIteration):  # and it stays over
+                next(it)
+        finally:
+            closer.join(T)
+        assert wait_until(lambda: not feeders(), 5.0)
+
+
+def test_a_to_jax_used_again_after_jaxs_64_bit_mode_changed_gives_what_a_new_one_gives():
+    # Its plans (made with the first batches) kept the 32-bit avals: the
+    # arrays said int32 over 64-bit buffers, and a jitted step refused them
+    # (helper 79).
+    batch = {"y": np.arange(8, dtype=np.int64), "x": np.linspace(0, 1, 8)}
+    with shmpipe.from_iterators([Fixed([batch] * 2)], timeout=T) as pipe:
+        batches = pipe.to_jax()
+        first = [(b["y"].dtype, b["x"].dtype) for b in batches]
+        with jax.enable_x64():
+            second = [(b["y"].dtype, b["x"].dtype, np.asarray(jax.jit(lambda v: v * 1)(b["y"])).tolist()) for b in batches]
+    assert first == [(np.int32, np.float32)] * 2
+    assert second == [(np.int64, np.float64, list(range(8)))] * 2
+
+
 # -- several devices, several processes: child interpreters -------------------------
 
 
@@ -758,6 +791,32 @@ AT_EXIT = textwrap.dedent("""
 """)
 
 
+#: A signal handler that asks for a state, at every 0.5 ms, while the
+#: trainer loops over a pass put ahead (in a child: a hang is its timeout).
+HANDLER_STATE = textwrap.dedent("""
+    import json, signal
+    import numpy as np
+    import shmpipe
+    from shmpipe._jax import JaxBatches
+    from shmpipe.testing.datasets import Numbered
+
+    answers = {"states": 0, "refused": 0, "other": []}
+    with shmpipe.from_dataset(Numbered(4000, shape=(4,)), batch_size=1, num_workers=1, capacity=16, timeout=60) as pipe:
+        def handler(signum, frame):
+            try:
+                pipe.state_dict()
+                answers["states"] += 1
+            except shmpipe.ShmpipeError as exc:
+                answers["refused" if "signal handler" in str(exc) else "other"] += 1
+
+        signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+        seen = [int(np.asarray(b["i"])[0]) for b in JaxBatches(pipe, prefetch=4, ahead=True)]
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+    print(json.dumps({"whole": seen == list(range(4000)), **answers}))
+""")
+
+
 @pytest.fixture(scope="module")
 def children(tmp_path_factory):
     """The child interpreters' output, all three run at once (the two
@@ -770,6 +829,7 @@ def children(tmp_path_factory):
         **{p: Command([sys.executable, "-c", DISTRIBUTED, str(p), port], cwd=folder, env=env, timeout=120)
            for p in (0, 1)},
         "at exit": Command([sys.executable, "-c", AT_EXIT], cwd=folder, env=env, timeout=120),
+        "handler state": Command([sys.executable, "-c", HANDLER_STATE], cwd=folder, env=env, timeout=60),
     }
     return run_together(commands, jobs=3)
 
@@ -781,6 +841,17 @@ def test_a_pass_put_ahead_that_the_interpreters_exit_ends_says_nothing(children)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("took "), proc.stdout
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ahead_a_state_asked_by_a_signal_handler_is_an_answer_or_the_error_never_a_hang(children):
+    # The trainer's notes (asking, had_one, had_end) held the lock a state is
+    # made under outside a span: a handler that ran there and asked for a
+    # state waited for ever for its own thread's lock (3 of 3 runs, helper
+    # 79; here: killed at the child's timeout, -9).
+    proc = children["handler state"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["whole"] and out["other"] == [] and out["states"] > 100, out
 
 
 def _cases(proc) -> list[dict]:
