@@ -1020,10 +1020,10 @@ def _finish_group(group: str, made: dict[int, Any], threads: list[Any]) -> None:
 
 @pytest.mark.parametrize("how", ["silent", "crowd"])
 def test_connections_that_never_say_hello_are_closed(monkeypatch, how):
-    from shmpipe._group import _leader
+    from shmpipe._group import _door
 
-    monkeypatch.setattr(_leader, "HELLO_TIMEOUT_S", 0.5 if how == "silent" else 60.0)
-    monkeypatch.setattr(_leader, "MAX_PENDING", 2)
+    monkeypatch.setattr(_door, "HELLO_TIMEOUT_S", 0.5 if how == "silent" else 60.0)
+    monkeypatch.setattr(_door, "MAX_PENDING", 2)
     group = _group()
     made: dict[int, Any] = {}
     threads = [_rank_in_thread(group, 0, made)]

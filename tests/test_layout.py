@@ -24,6 +24,7 @@ CORE = [
     "_group",
     "_group._options",
     "_group._wire",
+    "_group._door",
     "_group._leader",
     "_group._rank",
     "_launch",

@@ -1,8 +1,9 @@
 """Several ranks of one node fed by one pipeline: ``from_iterators(group=...)``.
 
 The package, by job: _options.py (the group's arguments), _wire.py (the
-messages and how they travel), _leader.py (rank 0's leader and the
-pipeline it deals from), _rank.py (every rank's client: RankPipeline).
+messages and how they travel), _door.py (rank 0's listening socket and the
+hellos it reads), _leader.py (rank 0's leader and the pipeline it deals
+from), _rank.py (every rank's client: RankPipeline).
 
 One process per GPU (``torchrun``) calls the same line; rank 0 runs the
 pipeline (its producers, one per source, and the channel's only consumer)

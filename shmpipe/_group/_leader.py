@@ -1,15 +1,15 @@
 """Rank 0's side of a group: the leader.
 
 It runs the group's pipeline (a DealingPipeline: its batches come
-undecoded), listens for the ranks, and has two threads: the service thread
-(joins, releases, barriers, deaths: it alone reads sockets) and the
-dispatch thread (dealing rounds of batches). See the package doc."""
+undecoded), lets the ranks in (its door, _door.py, reads their hellos; the
+leader judges them), and has two threads: the service thread (joins,
+releases, barriers, deaths: it alone reads sockets) and the dispatch thread
+(dealing rounds of batches). See the package doc."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import errno
 import itertools
 import os
 import select
@@ -20,6 +20,7 @@ import warnings
 from typing import Any
 
 from shmpipe._group import _wire
+from shmpipe._group._door import Door
 from shmpipe._group._options import GroupOptions
 from shmpipe._options import PipelineOptions
 from shmpipe._pipeline import Pipeline
@@ -40,13 +41,6 @@ from shmpipe.transport import ConsumerEnd, SharedBatch, SharingConsumerEnd
 
 __all__ = ["DealingPipeline", "Leader"]
 
-#: How long a connection may take to say hello: a rank sends it at once, so
-#: this is generous; a connection that says nothing is closed after it (it
-#: would hold two descriptors for ever).
-HELLO_TIMEOUT_S = 5.0
-#: Connections waiting to say hello, at most (beyond the ranks to come): a
-#: new one beyond it closes the oldest.
-MAX_PENDING = 16
 #: How long rank 0's close waits, at most, for the other ranks to end a
 #: pass (less if group_timeout is less): a rank that stopped at its share
 #: and waits in a collective for rank 0 would otherwise hold it for ever.
@@ -88,8 +82,7 @@ class LinkState(enum.Enum):
 class _Watched(enum.Enum):
     """What a descriptor the service thread polls is."""
 
-    LISTENER = "listener"
-    HELLO = "hello"  # a connection whose hello has not been read
+    DOOR = "door"  # the listener, or a connection whose hello has not been read (_door)
     RANK = "rank"  # a rank's connection
     EXIT = "exit"  # a rank's process watch (its pidfd)
 
@@ -116,8 +109,9 @@ class _Link:
 
 
 class Leader:
-    """Rank 0's side of a group: the listening socket, the pipeline, the
-    service thread and the dispatch thread. See the package doc.
+    """Rank 0's side of a group: its door (the listening socket), the
+    pipeline, the service thread and the dispatch thread. See the package
+    doc.
 
     Threads. The service thread alone reads sockets, and alone registers,
     unregisters and closes what it polls (a descriptor closed while another
@@ -133,35 +127,15 @@ class Leader:
         #: This launch's proof and restart count: a hello must show both.
         self.proof = _wire.launch_proof(group.name, group.launch)
         self.restart = group.launch.restart if group.launch is not None else None
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            listener.bind(_wire.socket_address(group.name))
-        except OSError as exc:
-            listener.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise GroupStartError(
-                    f"group {self.group!r} already has a rank 0 on this node (another run with the "
-                    "same group name, or two processes given rank 0)"
-                ) from None
-            raise
-        listener.listen(self.n + 8)
-        self.listener = listener
+        # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE), which a trainer with many open files has.
+        self.poller = select.poll()
+        self.watched: dict[int, tuple[_Watched | None, Any]] = {}  # fd -> (what, its object)
+        self.door = Door(group.name, self.n + 8, lambda fd, obj: self._watch(fd, _Watched.DOOR, obj), self._unwatch)
         # Taken as `with self.mutex:`, a C lock's __enter__ that a signal handler's exception cannot cut from
         # its block (Condition.__enter__ is Python code); waited on and notified through the condition.
         self.mutex = threading.RLock()
         self.lock = threading.Condition(self.mutex)
         self.links: dict[int, _Link] = {}
-        #: Connected, hello not yet read: socket -> (pid from SO_PEERCRED, its
-        #: watch, the monotonic time by which it must have said hello);
-        #: oldest first.
-        self.pending: dict[socket.socket, tuple[int, ProcessWatch, float]] = {}
-        #: When accept() failed (out of descriptors), the listener is not
-        #: polled until then: it stays readable, and polling it would spin.
-        self.listener_resumes: float | None = None
-        # poll, not select: select fails on a descriptor >= 1024 (FD_SETSIZE), which a trainer with many open files has.
-        self.poller = select.poll()
-        self.watched: dict[int, tuple[_Watched | None, Any]] = {}  # fd -> (what, its object)
-        self._watch(listener.fileno(), _Watched.LISTENER, listener)
         self.begun = [-1] * self.n  # the last pass each rank began
         self.told_orders: set[int] = set()  # ranks whose sampler drew another order: said once
         #: each rank's last "begin": (pass, DatasetSchedule.start_point), checked as it is dealt
@@ -195,9 +169,9 @@ class Leader:
             self.service.start()
         except BaseException:  # a Ctrl-C too: nothing of a half-made leader outlives the call
             if "pipe" in vars(self):
-                self._close()  # the producers, the service thread if it began, the listener
+                self._close()  # the producers, the service thread if it began, the door
             else:
-                listener.close()
+                self.door.close()
             raise
 
     # -- the service thread ------------------------------------------------------
@@ -225,10 +199,10 @@ class Leader:
             if self.stopping:
                 return
             what, obj = self.watched.get(fd, (None, None))  # obj: what `what` says it is
-            if what is _Watched.LISTENER:
-                self._accept()
-            elif what is _Watched.HELLO:
-                self._hello(obj)
+            if what is _Watched.DOOR:
+                knock = self.door.knocked(obj)
+                if knock is not None:
+                    self._admit(*knock)
             elif what is _Watched.RANK:
                 self._from_rank(obj)
             elif what is _Watched.EXIT:
@@ -238,8 +212,7 @@ class Leader:
                 self._from_rank(link)  # its last words (releases, bye) first
             if link.state is not LinkState.CLOSED:  # a child it forked holds its socket open
                 self._connection_ended(link)
-        self._expire_pending()
-        self._resume_listener()
+        self.door.tick()
         if not self.ready and time.monotonic() > self.deadline and self.failure is None:
             with self.mutex:
                 missing = [r for r in range(self.n) if r not in self.links]
@@ -262,100 +235,34 @@ class Leader:
             links = [link for link in unpolled if link.state is not LinkState.CLOSED]
         return [link for link in links if not link.watch.alive()]
 
-    def _expire_pending(self) -> None:
-        """Closes the connections that did not say hello in time."""
-        now = time.monotonic()
-        for sock, (_, watch, deadline) in list(self.pending.items()):
-            if now > deadline:
-                self._unwatch(sock.fileno())
-                del self.pending[sock]
-                self._reject(sock, watch, None)
-
-    def _resume_listener(self) -> None:
-        if self.listener_resumes is not None and time.monotonic() >= self.listener_resumes:
-            self.listener_resumes = None
-            self._watch(self.listener.fileno(), _Watched.LISTENER, self.listener)
-
-    def _accept(self) -> None:
-        try:
-            sock, _ = self.listener.accept()
-        except OSError:
-            # Out of descriptors (EMFILE, ENFILE) or a connection gone at
-            # once: the listener stays readable. Look at it again in a
-            # moment, not at once (that would spin this thread).
-            self._unwatch(self.listener.fileno())
-            self.listener_resumes = time.monotonic() + POLL_S
-            return
-        try:
-            pid, uid = _wire.peer(sock)
-        except OSError:
-            pid, uid = 0, -1
-        if uid != os.getuid():
-            sock.close()  # only this user's processes may join (the name is no protection)
-            return
-        if len(self.pending) >= MAX_PENDING:  # the oldest goes: a rank says hello at once
-            oldest = next(iter(self.pending))
-            _, watch, _ = self.pending.pop(oldest)
-            self._unwatch(oldest.fileno())
-            self._reject(oldest, watch, None)
-        self.pending[sock] = (pid, ProcessWatch(pid), time.monotonic() + HELLO_TIMEOUT_S)
-        self._watch(sock.fileno(), _Watched.HELLO, sock)
-
-    def _reject(self, sock: socket.socket, watch: ProcessWatch, message: list[Any] | None) -> None:
-        if message is not None:
-            _wire.send_quietly(sock, message)
-        sock.close()
-        watch.close()
-
-    def _hello(self, sock: socket.socket) -> None:
-        self._unwatch(sock.fileno())
-        pid, watch, deadline = self.pending.pop(sock)
-        try:
-            message, fds = _wire.recv(sock)
-        except BlockingIOError:  # woken for a descriptor number now another's: not yet
-            self.pending[sock] = (pid, watch, deadline)
-            self._watch(sock.fileno(), _Watched.HELLO, sock)
-            return
-        except (GroupError, OSError):
-            self._reject(sock, watch, None)
-            return
-        for fd in fds:
-            os.close(fd)
-        if message is None or message[0] != "hello":
-            self._reject(sock, watch, None)  # not one of ours
-            return
-        # From here on, whatever a hello holds turns that connection away at
-        # worst, never the group: anyone of this user can connect and say
-        # anything, and only a rank of this launch is one of the group's.
-        try:
-            hello = _wire.parse_hello(message)
-        except (GroupError, *_wire.MALFORMED) as malformed:  # MALFORMED: a check missed something
-            refusal = GroupStartError(f"group {self.group!r} refused a process (pid {pid}): {malformed}")
-            self._reject(sock, watch, _wire.error_message(refusal))
-            return
+    def _admit(self, sock: socket.socket, pid: int, watch: ProcessWatch, hello: _wire.Hello) -> None:
+        """A well-formed hello from `pid` (the door's): the rank joins, or
+        is turned away (a foreign launch, a group failed or started), or,
+        before the start, its disagreement with the group fails the group."""
+        reject = self.door.reject
         foreign = _wire.other_launch(hello, pid, self.group, self.proof, self.restart, self.group_options.launch)
         if foreign is not None:
             # A leftover of another run or restart, a second job with this
             # name: not the group's to judge (its arguments may well differ)
             # nor to fail; the real rank may still come.
-            self._reject(sock, watch, _wire.error_message(GroupLaunchError(foreign)))
+            reject(sock, watch, _wire.error_message(GroupLaunchError(foreign)))
             return
         if self.failure is not None:  # tell it why the group failed, as the others heard
-            self._reject(sock, watch, self.failure)
+            reject(sock, watch, self.failure)
             return
         problem = self._problem_with(hello, pid)
         if self.ready:
             # The group runs, in step: a latecomer (a stray process, a rank
             # started twice) is turned away, the group goes on.
             problem = problem or f"rank {hello.rank} (pid {pid}) joined a group that already started"
-            self._reject(sock, watch, _wire.error_message(GroupStartError(f"group {self.group!r}: {problem}")))
+            reject(sock, watch, _wire.error_message(GroupStartError(f"group {self.group!r}: {problem}")))
             return
         if problem is not None:
             # Before the start, the group itself is misconfigured (ranks of
             # one launch disagree): every rank hears it now rather than at
             # the timeout.
             exc = GroupStartError(f"group {self.group!r}: {problem}")
-            self._reject(sock, watch, _wire.error_message(exc))
+            reject(sock, watch, _wire.error_message(exc))
             self.fail(exc)
             return
         self._join(_Link(sock, hello.rank, pid, watch))
@@ -784,10 +691,7 @@ class Leader:
         for link in links:
             link.sock.close()
             link.watch.close()
-        for sock, (_, watch, _) in list(self.pending.items()):
-            self._reject(sock, watch, None)
-        self.pending.clear()
-        self.listener.close()
+        self.door.close()
 
     def stats(self) -> GroupStats:
         with self.mutex:
