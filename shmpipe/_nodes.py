@@ -135,8 +135,8 @@ def check_nodes(
     if num_nodes == 1:
         layout = _the_only_node(node_rank, ranks_per_node, "one node")
         _refuse_a_lone_node_rank(env_nodes_says)  # node_rank=0 given or not
-        if not grouped and not sharded:
-            _warn_of_ranks_reading_the_same_epoch()
+        if not sharded:
+            _warn_of_ranks_reading_the_same_epoch(ranks_per_node if grouped else None)
         return layout
     if node_rank is not None and not is_int(node_rank):
         raise out_of_range(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}", node_rank)
@@ -197,23 +197,33 @@ def _check_ranks_per_node(ranks_per_node: int, grouped: bool, nodes_said: str, l
     )
 
 
-def _warn_of_ranks_reading_the_same_epoch() -> None:
+def _warn_of_ranks_reading_the_same_epoch(group_size: int | None) -> None:
     """One node by default, whose launcher runs several ranks on it
-    (LOCAL_WORLD_SIZE > 1), each calling from_dataset without a group or a
-    sampler that shards the epoch: where they are data-parallel ranks, each
-    reads the whole epoch, and the job every sample as many times (helper
-    75). A warning, not a refusal: ranks that shard the dataset themselves
-    (a Subset, a sampler of their own indices), a pipeline of rank 0's
-    alone, tensor or pipeline parallel peers are all this too (helper 78);
+    (LOCAL_WORLD_SIZE > 1), and a pipeline that deals the whole epoch to
+    fewer of them than that: a rank without a group (`group_size` None) or
+    a group that is not every rank of the node, and no sampler that shards
+    the epoch. Where the others are data-parallel ranks, each rank or group
+    reads the whole epoch, and the job every sample as many times (helpers
+    75, 80). A warning, not a refusal (as on several nodes, where the
+    layout decides the shares): ranks that shard the dataset themselves (a
+    Subset, a sampler of their own indices), a pipeline of rank 0's alone,
+    tensor or pipeline parallel peers are all this too (helper 78);
     num_nodes=1 says so and silences it."""
     local = _env_int("LOCAL_WORLD_SIZE")
-    if local is None or local <= 1:
+    if local is None or local <= 1 or local == group_size:
         return
+    if group_size is None:
+        what = "this pipeline deals the whole epoch: where each data-parallel rank calls from_dataset like this"
+    else:
+        what = (
+            f"this pipeline's group has {group_size}, and deals it the whole epoch: where the node's other "
+            "data-parallel ranks read through groups of their own"
+        )
     warnings.warn(
-        f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}) and this pipeline deals the whole epoch: where "
-        f"each data-parallel rank calls from_dataset like this, each reads every sample. Share the node's pipeline "
-        f"(group=..., num_ranks={local}) or give each rank a shard (sampler=DistributedSampler(...)); where this "
-        "is meant (the ranks shard the dataset themselves, or are not data-parallel), pass num_nodes=1",
+        f"this node runs {local} ranks (LOCAL_WORLD_SIZE={local}) and {what}, each reads every sample. Share the "
+        f"node's pipeline (every rank of the node in one group: group=..., num_ranks={local}) or give each rank a "
+        "shard (sampler=DistributedSampler(...)); where this is meant (the ranks shard the dataset themselves, or "
+        "are not data-parallel), pass num_nodes=1",
         ShmpipeWarning,
         stacklevel=users_stacklevel(),
     )

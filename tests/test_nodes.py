@@ -389,6 +389,30 @@ def test_ranks_of_one_node_that_may_each_read_the_whole_epoch_are_told(monkeypat
         assert check_nodes(None, None, 1, False, sharded=True) == NodeLayout(1, 0, 1)
         assert check_nodes(None, None, 2, True) == NodeLayout(1, 0, 2)
         assert check_nodes(1, None, 1, False) == NodeLayout(1, 0, 1)
+        assert check_nodes(1, None, 1, True) == NodeLayout(1, 0, 1)
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"},
+                                 {"LOCAL_WORLD_SIZE": "4"}], ids=["torchrun", "local-only"])
+def test_a_group_that_is_not_every_rank_of_one_node_is_told(monkeypatch, env):
+    # A group per rank, or two groups on a node: each group read the whole
+    # epoch, silently, where the same on several nodes is refused and ranks
+    # without a group are told (helper 80).
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    local = int(env["LOCAL_WORLD_SIZE"])
+    told = rf"this node runs {local} ranks \(LOCAL_WORLD_SIZE={local}\) and this pipeline's group has 1, .*num_ranks={local}"
+    with pytest.warns(shmpipe.ShmpipeWarning, match=told + r".*pass num_nodes=1") as seen:
+        pipe = shmpipe.from_dataset(Numbered(N), num_workers=1, seed=0, timeout=60.0,
+                                    group=f"nodes-{os.getpid()}-{uuid.uuid4().hex[:8]}", rank=0, num_ranks=1)
+    assert seen[0].filename == __file__  # the caller's line
+    with pipe:
+        assert sum(len(b["i"]) for b in pipe) == N
+    if local == 4:  # two groups of 2 on a node of 4
+        with pytest.warns(shmpipe.ShmpipeWarning, match=r"group has 2"):
+            assert check_nodes(None, None, 2, True) == NodeLayout(1, 0, 2)
 
 
 def test_a_launcher_of_one_task_a_node_is_no_node_of_ranks(monkeypatch):
