@@ -376,17 +376,13 @@ class SharedRuns(_Shared):
     processes (the suite used half a core outside these scripts), and its
     tests run last; a script that needs a machine-wide resource alone
     (Command.exclusive: a local Ray) is still run by the first test that
-    asks. They share the background's two places with the other families'
-    scripts (which keep a core busy), or, with `own_lane`, run `jobs` at a
-    time in a lane of their own (scripts that mostly wait: for a stopped
-    server, a timeout)."""
+    asks."""
 
     def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
-                 command: Callable[[Hashable, Any], Command], jobs: int = 2, background: bool = False,
-                 own_lane: bool = False) -> None:
+                 command: Callable[[Hashable, Any], Command], jobs: int = 2, background: bool = False) -> None:
         super().__init__(tests, keys, jobs)
         self.command = command
-        self.background, self.own_lane = background, own_lane
+        self.background = background
         #: key -> its folder, for the scripts the background runs; set once they have all ended
         self.in_background: dict[Hashable, Any] = {}
         self.background_done = threading.Event()
@@ -432,60 +428,52 @@ def background_families(items: list[pytest.Item]) -> list[tuple[SharedRuns, Any]
 
 class BackgroundRuns:
     """The scripts of every background family this session runs, started at
-    the session's start in threads of this process (run_together, the
-    longest first): one lane for the families that share the background's
-    `jobs` places, one of its own for each family with `own_lane` (its
-    family's `jobs` at a time). Each family's results are handed to it as
+    the session's start in a thread of this process (run_together, `jobs`
+    at a time, the longest first), each family's results handed to it as
     its scripts end. stop() kills what is still running."""
 
     def __init__(self, items: list[pytest.Item], factory: pytest.TempPathFactory, jobs: int = 2) -> None:
-        #: lane -> (its places, its commands: (id(family), key) -> the command)
-        self.lanes: dict[Hashable, tuple[int, dict[Hashable, Command]]] = {}
+        self.jobs = jobs
+        self.commands: dict[Hashable, Command] = {}
         self.owner: dict[Hashable, tuple[SharedRuns, Hashable]] = {}
         found = background_families(items)
         self.families = [family for family, _ in found]
         for family, module in found:
-            lane: Hashable = id(family) if family.own_lane else "shared"
-            places = family.jobs if family.own_lane else jobs
             for key in family.wanted_by(items, module):
                 folder = _folder(factory, key)
                 command = family.command(key, folder)
                 if command.exclusive is not None:
                     continue  # run by the first test that asks, as without a background
                 family.in_background[key] = folder
-                self.lanes.setdefault(lane, (places, {}))[1][(id(family), key)] = command
+                self.commands[(id(family), key)] = command
                 self.owner[(id(family), key)] = (family, key)
         #: each family's scripts not ended yet: its tests wait for its own only
         self.left = {id(family): len(family.in_background) for family in self.families}
         self.pids: dict[Hashable, int] = {}
         self.stop_event = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=lane, name="shared runs", daemon=True)
-                        for lane in self.lanes.values()]
+        self.thread = threading.Thread(target=self._run, name="shared runs", daemon=True)
 
     def start(self) -> None:
         for family in self.families:
             if not self.left[id(family)]:
                 family.background_done.set()
-        for thread in self.threads:
-            thread.start()
+        if self.commands:
+            self.thread.start()
 
-    def _run(self, places: int, commands: dict[Hashable, Command]) -> None:
+    def _run(self) -> None:
         error: BaseException | None = None
         try:
-            run_together(commands, places, stop=self.stop_event, on_start=self._started, on_done=self._done)
+            run_together(self.commands, self.jobs, stop=self.stop_event, on_start=self._started, on_done=self._done)
         except BaseException as exc:  # handed to the tests that wait, which raise it
             error = exc
         finally:
-            self._finish({id(self.owner[key][0]) for key in commands}, error)
+            self._finish(error)
 
     def _started(self, key: Hashable, pid: int) -> None:
         self.pids[key] = pid
         _BACKGROUND_PIDS.add(pid)
 
     def _done(self, key: Hashable, result: subprocess.CompletedProcess) -> None:
-        # Called from each lane's thread: a family is in one lane only, so
-        # its count is changed by one thread; the dicts' and set's single
-        # operations are atomic.
         family, k = self.owner[key]
         family.results[k] = (result, family.in_background[k])
         _BACKGROUND_PIDS.discard(self.pids.pop(key, -1))
@@ -493,20 +481,17 @@ class BackgroundRuns:
         if not self.left[id(family)]:
             family.background_done.set()
 
-    def _finish(self, families: set[int], error: BaseException | None) -> None:
-        """The wait of each of `families` (those of a lane) ends (with
-        `error`, where the lane's run failed or was stopped, for the scripts
-        that did not end)."""
+    def _finish(self, error: BaseException | None) -> None:
+        """Every family's wait ends (with `error`, where the run failed or
+        was stopped, for the scripts that did not end)."""
         for family in self.families:
-            if id(family) in families:
-                family.background_error = error
-                family.background_done.set()
+            family.background_error = error
+            family.background_done.set()
 
     def stop(self) -> None:
         self.stop_event.set()
-        for thread in self.threads:
-            if thread.is_alive():
-                thread.join(60)
+        if self.thread.is_alive():
+            self.thread.join(60)
 
 
 class SharedJobs(_Shared):

@@ -918,10 +918,11 @@ _KEYS = {
 }
 
 #: These scripts mostly wait (for a stopped server, a server's own wait, a
-#: timeout), each with a fork server of its own: they run from the session's
-#: start, four at a time, in a background lane of their own (in the shared
-#: one they held its two places while the scripts that need a core waited).
+#: timeout), each with a fork server of its own: the first test to ask runs
+#: them all, four at a time, and the others find theirs done. (Not in the
+#: background: there they held its two places while the scripts that need
+#: a core waited, and those then ran beside the busiest tests.)
 SCRIPTS = SharedRuns(
     set(_KEYS), keys=lambda item: _KEYS[item.originalname](getattr(item, "callspec", None) and item.callspec.params),
-    command=_command, jobs=4, background=True, own_lane=True,
+    command=_command, jobs=4,
 )
