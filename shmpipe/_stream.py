@@ -255,7 +255,9 @@ class BatchStream(abc.ABC):
         #: traceback's frames hold the channel.
         self._stopped_by: str | None = None
         #: What adapters made of the stream keep alive while it lives
-        #: (to_tf_dataset's owners: _tf._Owner says why).
+        #: (to_tf_dataset's owners: _tf._Owner says why); each is told when
+        #: a pass begins (``pass_began(pass_no)``), to let go of the batches
+        #: of an earlier pass it holds (they hold slots).
         self._adapters_keep: list[Any] = []
         #: The pass's batches that the trainer has had, where an adapter
         #: takes them ahead of it (_position_for_adapter); None: all it took.
@@ -427,6 +429,8 @@ class BatchStream(abc.ABC):
             pass_no = self._begin_pass()
             with self._position_lock:
                 self._trainer_position = None  # the new pass's batches are taken by whoever iterates it
+            for kept in self._adapters_keep:
+                kept.pass_began(pass_no)  # what they hold of an earlier pass can never be delivered now
             self._counters.pass_started()
             return self._new_pass(pass_no)
 
@@ -511,7 +515,7 @@ class BatchStream(abc.ABC):
         `sees_asks`: the adapter tells when the trainer asks (asking())."""
         self._states_needed_behind(ahead)
         position = TrainerPosition(self._pass_no, sees_asks)
-        with self._position_lock:
+        with self._spans, self._position_lock:  # (a span: see _take_ahead)
             self._trainer_position = position
         return position
 
@@ -520,7 +524,7 @@ class BatchStream(abc.ABC):
         `position`, and the adapter takes no more ahead (to_tf_dataset's
         peek, once tf.data has taken the peeked batches): the stream's own
         count is the trainer's again."""
-        with self._position_lock:
+        with self._spans, self._position_lock:  # (a span: see _take_ahead)
             if self._trainer_position is position:
                 self._trainer_position = None
 
@@ -535,14 +539,22 @@ class BatchStream(abc.ABC):
 
     def _take_ahead(self, it: Pass, position: TrainerPosition) -> Any:
         """The next batch of pass `it`, taken by an adapter ahead of the
-        trainer and noted in `position` (StopIteration at the pass's end)."""
-        noted = self._note_taking(position)
+        trainer and noted in `position` (StopIteration at the pass's end).
+        The notes take the lock a state is made under: in the main thread
+        (to_tf_dataset's peek) they are spans, so that a signal handler run
+        there that asks for a state gets the stream's error, not a wait for
+        ever for its own thread's lock (helper 81; another thread's spans
+        count for nothing: no handler interrupts it)."""
+        with self._spans:
+            noted = self._note_taking(position)
         try:
             batch = next(it)
         except BaseException:
-            position.not_taken(noted)
+            with self._spans:
+                position.not_taken(noted)
             raise
-        position.took(noted, it.last_worker)
+        with self._spans:
+            position.took(noted, it.last_worker)
         return batch
 
     def _check_usable(self) -> None:

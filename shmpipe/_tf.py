@@ -183,6 +183,17 @@ class _Owner:
     def __init__(self, pipe: BatchStream, peeked: _Peeked | None) -> None:
         self.pipe, self.peeked = pipe, peeked
 
+    def pass_began(self, pass_no: int) -> None:
+        """The stream began pass `pass_no`: batches peeked of an earlier
+        pass for a dataset not iterated yet can never be delivered (that
+        pass is over: its iterator gives nothing more), and their slots go
+        back now, not when the pipeline is collected (it keeps this owner).
+        Such a dataset's first iteration runs a pass of its own, as a
+        later one does."""
+        peeked = self.peeked
+        if peeked is not None and peeked.it.pass_no != pass_no:
+            self.peeked = None
+
 
 class _Feeder:
     """The generator function tf.data calls once per iteration: each call

@@ -247,6 +247,23 @@ def test_each_iteration_of_the_dataset_is_a_new_pass():
         assert pipe.stats().passes == 3
 
 
+def test_datasets_made_and_never_iterated_give_their_peeked_slots_back_when_a_pass_begins():
+    # The pipeline keeps each dataset's owner, and the owner the batches
+    # peeked for the signature: a dataset made and never iterated (made to
+    # look at its element_spec, say) held them for the pipeline's life, and
+    # a few such datasets held every slot (helper 81's probe: "no batch
+    # within 30 s: of 16 slots 10 are held by batches the consumer still
+    # references").
+    with shmpipe.from_iterators([Counter(40, shape=(8,))] * 2, capacity=8, timeout=10.0) as pipe:
+        for _ in range(6):  # each peeks 2 batches (one per worker) of a pass of its own
+            pipe.to_tf_dataset()
+        assert sum(1 for _ in pipe) == 80  # a pass of the pipeline itself, every slot free to it
+        ds = pipe.to_tf_dataset()
+        early = pipe.to_tf_dataset()  # peeked, then its pass superseded by the iteration below
+        assert sum(1 for _ in ds) == 80
+        assert sum(1 for _ in early) == 80  # its first iteration runs a pass of its own, whole
+
+
 def test_a_forgotten_dataset_takes_its_pipeline_with_it():
     # TensorFlow keeps from_generator's function for the life of the
     # process (eager mode files it with the global default graph): when the
