@@ -378,9 +378,11 @@ class _Target:
 
     def follow_x64(self) -> None:
         """Forgets the plans if JAX's 64-bit mode changed since they were
-        made (``jax.enable_x64``, the config): a plan's aval, and what a
-        64-bit leaf becomes, depend on it. (Read per batch, in the thread
-        that puts it, as JAX reads it there: about 0.2 us.)"""
+        made: a plan's aval, and what a 64-bit leaf becomes, depend on it.
+        Read per batch (about 0.2 us) in the thread that puts it, as JAX
+        reads it there: the config's mode (``jax.config.update``) reaches
+        the thread of the ahead path; a ``with jax.enable_x64():`` of the
+        trainer's thread, JAX's thread-local mode, does not (docs/jax.md)."""
         x64 = bool(self.jax.config.jax_enable_x64)
         if x64 != self.x64:
             self.plans.clear()
@@ -715,8 +717,7 @@ class _AheadPass:
         # the pass just begun: iter(pipe)). The thread takes at most
         # `prefetch` + 1 batches the trainer has not had: one permit each,
         # given back as next() takes the batch, before it counts it.
-        with batches.pipe._spans:  # (a span: see __next__)
-            position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1, sees_asks=True)
+        position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1, sees_asks=True)
         self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe, position)
         self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
         self.thread.start()

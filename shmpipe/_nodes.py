@@ -210,13 +210,13 @@ def _warn_of_ranks_reading_the_same_epoch(group_size: int | None) -> None:
     tensor or pipeline parallel peers are all this too (helper 78);
     num_nodes=1 says so and silences it."""
     local = _env_int("LOCAL_WORLD_SIZE")
-    if local is None or local <= 1 or local == group_size:
-        return
+    if local is None or local <= 1 or (group_size is not None and group_size >= local):
+        return  # (a group larger than the node cannot fill: its start says so)
     if group_size is None:
         what = "this pipeline deals the whole epoch: where each data-parallel rank calls from_dataset like this"
     else:
         what = (
-            f"this pipeline's group has {group_size}, and deals it the whole epoch: where the node's other "
+            f"this pipeline's group has {group_size} of them, and deals it the whole epoch: where the node's other "
             "data-parallel ranks read through groups of their own"
         )
     warnings.warn(

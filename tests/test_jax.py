@@ -642,16 +642,23 @@ def test_ahead_a_close_from_another_thread_ends_the_wait_of_next():
         assert wait_until(lambda: not feeders(), 5.0)
 
 
-def test_a_to_jax_used_again_after_jaxs_64_bit_mode_changed_gives_what_a_new_one_gives():
+@pytest.mark.parametrize("ahead", [False, True], ids=["host", "ahead"])
+def test_a_to_jax_used_again_after_jaxs_64_bit_mode_changed_gives_what_a_new_one_gives(ahead):
     # Its plans (made with the first batches) kept the 32-bit avals: the
     # arrays said int32 over 64-bit buffers, and a jitted step refused them
-    # (helper 79).
+    # (helper 79). The config's mode, which the ahead path's thread sees too
+    # (jax.enable_x64() is the calling thread's alone, and JAX 0.8's).
     batch = {"y": np.arange(8, dtype=np.int64), "x": np.linspace(0, 1, 8)}
+    assert not jax.config.jax_enable_x64
     with shmpipe.from_iterators([Fixed([batch] * 2)], timeout=T) as pipe:
-        batches = pipe.to_jax()
+        batches = JaxBatches(pipe, prefetch=2, ahead=True) if ahead else pipe.to_jax()
         first = [(b["y"].dtype, b["x"].dtype) for b in batches]
-        with jax.enable_x64():
-            second = [(b["y"].dtype, b["x"].dtype, np.asarray(jax.jit(lambda v: v * 1)(b["y"])).tolist()) for b in batches]
+        jax.config.update("jax_enable_x64", True)
+        try:
+            second = [(b["y"].dtype, b["x"].dtype, np.asarray(jax.jit(lambda v: v * 1)(b["y"])).tolist())
+                      for b in batches]
+        finally:
+            jax.config.update("jax_enable_x64", False)
     assert first == [(np.int32, np.float32)] * 2
     assert second == [(np.int64, np.float64, list(range(8)))] * 2
 

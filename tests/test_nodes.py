@@ -403,7 +403,7 @@ def test_a_group_that_is_not_every_rank_of_one_node_is_told(monkeypatch, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     local = int(env["LOCAL_WORLD_SIZE"])
-    told = rf"this node runs {local} ranks \(LOCAL_WORLD_SIZE={local}\) and this pipeline's group has 1, .*num_ranks={local}"
+    told = rf"this node runs {local} ranks \(LOCAL_WORLD_SIZE={local}\) and this pipeline's group has 1 of them, .*num_ranks={local}"
     with pytest.warns(shmpipe.ShmpipeWarning, match=told + r".*pass num_nodes=1") as seen:
         pipe = shmpipe.from_dataset(Numbered(N), num_workers=1, seed=0, timeout=60.0,
                                     group=f"nodes-{os.getpid()}-{uuid.uuid4().hex[:8]}", rank=0, num_ranks=1)
@@ -411,8 +411,12 @@ def test_a_group_that_is_not_every_rank_of_one_node_is_told(monkeypatch, env):
     with pipe:
         assert sum(len(b["i"]) for b in pipe) == N
     if local == 4:  # two groups of 2 on a node of 4
-        with pytest.warns(shmpipe.ShmpipeWarning, match=r"group has 2"):
+        with pytest.warns(shmpipe.ShmpipeWarning, match=r"group has 2 of them"):
             assert check_nodes(None, None, 2, True) == NodeLayout(1, 0, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_nodes(None, None, local, True) == NodeLayout(1, 0, local)  # every rank of the node
+        assert check_nodes(None, None, 8, True) == NodeLayout(1, 0, 8)  # more: its start says so
 
 
 def test_a_launcher_of_one_task_a_node_is_no_node_of_ranks(monkeypatch):

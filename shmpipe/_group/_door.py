@@ -9,8 +9,10 @@ sends first). What a hello *says* (its launch, its arguments, the group's
 state) the leader judges (_leader.Leader._admit), and turns away through
 reject() here.
 
-The service thread alone uses the door: it polls what the door asks it to
-watch and hands each readable one back to knocked()."""
+While it runs, the service thread alone uses the door: it polls what the
+door asks it to watch and hands each readable one back to knocked(). (The
+leader makes the door before that thread starts, and closes it after the
+thread ended or its join timed out.)"""
 
 from __future__ import annotations
 
