@@ -257,6 +257,14 @@ def test_an_unordered_node_cannot_tell_the_jobs_position():
 ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
 
 
+def _launched_with(monkeypatch, env: dict[str, str]) -> None:
+    """The launcher's variables (ENV) are `env`'s, and none other of them."""
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 def test_an_epoch_of_fewer_batches_than_ranks_is_said_to_go_to_no_rank():
     # Complete rounds only: 2 batches on 3 nodes give every rank nothing,
     # every epoch (helper 51: a job that silently trained on nothing).
@@ -305,10 +313,7 @@ def test_an_epoch_of_fewer_batches_than_ranks_is_said_to_go_to_no_rank():
     ],
 )
 def test_bad_node_arguments_are_refused(monkeypatch, env, kw, match):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _launched_with(monkeypatch, env)
     # A node argument that is no int at all (a str, a bool, a float) is a
     # TypeError; an int out of range, or a layout that does not hold, a ValueError.
     wrong_type = any(k in ("num_nodes", "node_rank") and type(v) is not int for k, v in kw.items())
@@ -347,10 +352,7 @@ def test_the_environment_gives_the_defaults(monkeypatch):
 def test_a_group_that_is_not_the_launchers_node_is_refused_unless_the_layout_is_given(
     monkeypatch, env, num_ranks, match
 ):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _launched_with(monkeypatch, env)
     with pytest.raises(shmpipe.ShmpipeValueError, match=match):
         check_nodes(None, None, num_ranks, True)
     with pytest.raises(shmpipe.ShmpipeValueError, match=match):
@@ -374,10 +376,7 @@ def test_ranks_of_one_node_that_may_each_read_the_whole_epoch_are_told(monkeypat
     # Said, not refused: ranks that shard the dataset themselves, rank 0's
     # pipeline alone, tensor parallel peers do the same (helper 78). A group
     # of the node's ranks, a sampler that shards, num_nodes=1 say nothing.
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _launched_with(monkeypatch, env)
     with pytest.warns(shmpipe.ShmpipeWarning, match=r"this node runs 2 ranks \(LOCAL_WORLD_SIZE=2\) and this pipeline "
                       r"deals the whole epoch: .*group=\.\.\., num_ranks=2.*pass num_nodes=1") as seen:
         pipe = shmpipe.from_dataset(Numbered(N), num_workers=1, seed=0, timeout=60.0)
@@ -398,10 +397,7 @@ def test_a_group_that_is_not_every_rank_of_one_node_is_told(monkeypatch, env):
     # A group per rank, or two groups on a node: each group read the whole
     # epoch, silently, where the same on several nodes is refused and ranks
     # without a group are told (helper 80).
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _launched_with(monkeypatch, env)
     local = int(env["LOCAL_WORLD_SIZE"])
     told = rf"this node runs {local} ranks \(LOCAL_WORLD_SIZE={local}\) and this pipeline's group has 1 of them, .*num_ranks={local}"
     with pytest.warns(shmpipe.ShmpipeWarning, match=told + r".*pass num_nodes=1") as seen:
