@@ -738,24 +738,16 @@ class _AheadPass:
             self._stop()  # (not finished: a later next() says the same again)
             raise
         feeder.collect()  # the slots of arrays the trainer dropped go back while it waits
-        position = feeder.position
-        # The trainer's notes are made in spans of the stream: each holds a
-        # lock a state is made under, and a signal handler run by this
-        # thread there that asks for a state must get the stream's error,
-        # not wait for ever for this thread's own lock.
-        spans = feeder.stream._spans
+        position = feeder.position  # (its notes are spans of the stream: TrainerPosition)
         if position is not None:
-            with spans:
-                position.asking()
+            position.asking()
         item = feeder.take(self.thread)
         if type(item) is tuple:
             if position is not None:
-                with spans:
-                    position.had_one()
+                position.had_one()
             return item[0]
         if item is _END and position is not None:
-            with spans:
-                position.had_end()
+            position.had_end()
         self.finished = True
         self.thread.join(timeout=POLL_S * 10)  # it has put its last item: it is returning
         if item is _END:

@@ -129,12 +129,22 @@ class TrainerPosition:
     state made on the thread (which would cost O(epoch) per batch, and at
     an epoch's end draw the next epoch's sampler). Lock order: this lock,
     then the stream's own.
+
+    The lock is taken in a span of the stream (`spans`, its
+    TeardownAfterSpans) wherever it is taken: a signal handler run there
+    by the main thread (the trainer's side, to_tf_dataset's peek) that asks
+    for a state then gets the stream's error, not a wait for ever for its
+    own thread's lock. (Another thread's spans count for nothing: no
+    handler interrupts it.)
     """
 
-    __slots__ = ("_ahead", "_asking", "_delivered", "_finished", "_had", "_made_here", "lock", "pass_no", "sees_asks")
+    __slots__ = (
+        "_ahead", "_asking", "_delivered", "_finished", "_had", "_made_here", "lock", "pass_no", "sees_asks", "spans",
+    )
 
-    def __init__(self, pass_no: int, sees_asks: bool = False) -> None:
+    def __init__(self, pass_no: int, spans: _spans.TeardownAfterSpans, sees_asks: bool = False) -> None:
         self.lock = threading.Lock()
+        self.spans = spans
         #: The pass it counts: once another began, it counts nothing of it.
         self.pass_no = pass_no
         #: Whether the trainer's side says when it asks (``asking``: to_jax's
@@ -163,12 +173,12 @@ class TrainerPosition:
         return entry
 
     def took(self, entry: list[int | None], worker: int) -> None:
-        with self.lock:
+        with self.spans, self.lock:
             entry[1] = worker
 
     def not_taken(self, entry: list[int | None]) -> None:
         """The ask gave no batch (the pass's end, an error)."""
-        with self.lock:
+        with self.spans, self.lock:
             if self._ahead and self._ahead[-1] is entry:
                 self._ahead.pop()
 
@@ -176,12 +186,12 @@ class TrainerPosition:
 
     def asking(self) -> None:
         """The trainer asks for its next batch (or the pass's end)."""
-        with self.lock:
+        with self.spans, self.lock:
             self._asking = True
 
     def had_one(self) -> None:
         """The trainer was given the oldest batch taken ahead."""
-        with self.lock:
+        with self.spans, self.lock:
             self._asking = False
             self._had += 1
             worker = self._ahead.popleft()[1]
@@ -193,7 +203,7 @@ class TrainerPosition:
 
     def had_end(self) -> None:
         """The trainer was given the pass's end."""
-        with self.lock:
+        with self.spans, self.lock:
             self._finished = True
 
     # -- reads without the lock (a group's rank makes them under its own
@@ -514,8 +524,8 @@ class BatchStream(abc.ABC):
         start, never a count of batches the trainer has not had.
         `sees_asks`: the adapter tells when the trainer asks (asking())."""
         self._states_needed_behind(ahead)
-        position = TrainerPosition(self._pass_no, sees_asks)
-        with self._spans, self._position_lock:  # (a span: see _take_ahead)
+        position = TrainerPosition(self._pass_no, self._spans, sees_asks)
+        with self._spans, self._position_lock:  # (a span: see TrainerPosition)
             self._trainer_position = position
         return position
 
@@ -524,7 +534,7 @@ class BatchStream(abc.ABC):
         `position`, and the adapter takes no more ahead (to_tf_dataset's
         peek, once tf.data has taken the peeked batches): the stream's own
         count is the trainer's again."""
-        with self._spans, self._position_lock:  # (a span: see _take_ahead)
+        with self._spans, self._position_lock:  # (a span: see TrainerPosition)
             if self._trainer_position is position:
                 self._trainer_position = None
 
@@ -534,27 +544,19 @@ class BatchStream(abc.ABC):
 
     def _note_taking(self, position: TrainerPosition) -> list[int | None]:
         """The adapter's thread, about to ask for a batch of the pass."""
-        with position.lock:
+        with self._spans, position.lock:  # (a span: see TrainerPosition)
             return position.taking(self._next_turn())
 
     def _take_ahead(self, it: Pass, position: TrainerPosition) -> Any:
         """The next batch of pass `it`, taken by an adapter ahead of the
-        trainer and noted in `position` (StopIteration at the pass's end).
-        The notes take the lock a state is made under: in the main thread
-        (to_tf_dataset's peek) they are spans, so that a signal handler run
-        there that asks for a state gets the stream's error, not a wait for
-        ever for its own thread's lock (helper 81; another thread's spans
-        count for nothing: no handler interrupts it)."""
-        with self._spans:
-            noted = self._note_taking(position)
+        trainer and noted in `position` (StopIteration at the pass's end)."""
+        noted = self._note_taking(position)
         try:
             batch = next(it)
         except BaseException:
-            with self._spans:
-                position.not_taken(noted)
+            position.not_taken(noted)
             raise
-        with self._spans:
-            position.took(noted, it.last_worker)
+        position.took(noted, it.last_worker)
         return batch
 
     def _check_usable(self) -> None:
