@@ -551,6 +551,26 @@ def test_a_rank_leaving_a_pass_early_for_the_next_lets_the_others_end_it(request
     assert [len(p) for p in reports[1]["passes"]] == [2, 6]
 
 
+def test_a_pass_every_rank_left_for_the_next_is_not_made_to_its_end(tmp_path):
+    """Rank 0 dealt a pass to its end, whoever had left it: a break, then
+    the next pass's first batch came only once the producers had made the
+    rest of the epoch (0.27 s for 1,000 batches, 2.7 s for 10,000; one
+    pipeline: 0.001 and 0.007 s). Now the rest is no one's once every
+    rank began a later pass."""
+    from shmpipe.testing.datasets import FetchLog, Numbered
+
+    log = str(tmp_path / "fetched")
+    with shmpipe.from_dataset(Numbered(4000, log=log), batch_size=4, num_workers=2, timeout=60,
+                              group=_group(), rank=0, num_ranks=1, group_timeout=30) as pipe:
+        for _ in range(3):
+            for b in pipe:
+                assert b["i"].tolist() == [0, 1, 2, 3]
+                break
+        del b
+    fetched = FetchLog(log).fetched()
+    assert 12 <= len(fetched) < 2000, f"{len(fetched)} samples fetched for the three passes' first batches"
+
+
 @runs(lambda child: _one_killed(child, 0))
 @pytest.mark.parametrize("child", [False, True], ids=["alone", "with-a-child-holding-its-sockets"])
 def test_rank_0_killed_fails_the_others_and_its_producers_exit(child, request):

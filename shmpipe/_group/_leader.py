@@ -483,10 +483,17 @@ class Leader:
         """Deals pass `pass_no` in complete rounds; the incomplete last
         round is dropped (its slots go back) and counted, with the batches
         the schedule dropped before any was fetched (a dataset's: the
-        incomplete last round of the job's, see shmpipe/_nodes.py)."""
+        incomplete last round of the job's, see shmpipe/_nodes.py). A pass
+        every rank left for a later one ends there."""
         batches = iter(self.pipe)  # begins the pipeline's pass: the first, pass 0, then the next
         self._check_starts(pass_no)
         for batch in batches:
+            if self._left_by_every_rank(pass_no):
+                # Each rank left this pass for a later one (a break): the rest
+                # of it is no one's, and the next pass begins now, as it does
+                # for one pipeline, not once the producers made the rest.
+                batch.close_fd()
+                break
             self._hold(batch, current)
             del batch
             if len(current) == self.n:
@@ -502,6 +509,11 @@ class Leader:
         for link in links:
             _wire.send_quietly(link.sock, ["end", pass_no, dropped])
         self._complete_passes()  # every rank may have left it early for the next
+
+    def _left_by_every_rank(self, pass_no: int) -> bool:
+        """Every rank began a pass after `pass_no` (a rank that left the group began none)."""
+        with self.mutex:
+            return all(began > pass_no for began in self.begun)
 
     def _hold(self, batch: SharedBatch, current: list[tuple[SharedBatch, int, int]]) -> None:
         """The batch just taken, to the round being made (not in _deal_pass: a local there naming
