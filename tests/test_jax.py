@@ -599,21 +599,27 @@ def test_ahead_a_state_from_another_thread_never_counts_a_batch_put_ahead():
         stage = [0, False]  # the pass, and whether the trainer asked for a batch of it
         stop = threading.Event()
         wrong: list[tuple[int, dict]] = []
+        checked = [0]  # states taken in a pass before the trainer asked for its first batch
 
         def watch() -> None:
             while not stop.is_set():
                 before = tuple(stage)
                 state = pipe.state_dict()
                 if tuple(stage) == before and not before[1] and state["epoch"] == before[0]:
+                    checked[0] += 1
                     if state["done_below"] or state["done"]:
                         wrong.append((before[0], state))
+                # Lets the trainer's threads in: states taken back to back
+                # starved them (0.2 s a pass, where this takes 10 ms).
+                time.sleep(0)
 
+        batches = JaxBatches(pipe, prefetch=2, ahead=True)
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
             for p in range(60):
                 stage[:] = [p, False]
-                it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
+                it = iter(batches)
                 time.sleep(0.005)  # the step before the first next(): the thread puts batches ahead
                 stage[1] = True
                 assert len(list(it)) == 3
@@ -621,6 +627,7 @@ def test_ahead_a_state_from_another_thread_never_counts_a_batch_put_ahead():
             stop.set()
             watcher.join(T)
         assert not wrong, wrong[:3]
+        assert checked[0] > 0, "no state was taken while the thread ran ahead of the trainer"
 
 
 def test_ahead_a_close_from_another_thread_ends_the_wait_of_next():
