@@ -556,19 +556,39 @@ def test_a_pass_every_rank_left_for_the_next_is_not_made_to_its_end(tmp_path):
     the next pass's first batch came only once the producers had made the
     rest of the epoch (0.27 s for 1,000 batches, 2.7 s for 10,000; one
     pipeline: 0.001 and 0.007 s). Now the rest is no one's once every
-    rank began a later pass."""
+    rank began a later pass, and such a pass counts none dropped (it has
+    no last round; helper 82 saw the round cut off counted, 0 or 1 by
+    timing). Two ranks, each in a thread of this process."""
+    import threading
+
     from shmpipe.testing.datasets import FetchLog, Numbered
 
-    log = str(tmp_path / "fetched")
-    with shmpipe.from_dataset(Numbered(4000, log=log), batch_size=4, num_workers=2, timeout=60,
-                              group=_group(), rank=0, num_ranks=1, group_timeout=30) as pipe:
-        for _ in range(3):
-            for b in pipe:
-                assert b["i"].tolist() == [0, 1, 2, 3]
-                break
-        del b
+    log, group = str(tmp_path / "fetched"), _group()
+    got: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        with shmpipe.from_dataset(Numbered(4002, log=log), batch_size=4, num_workers=2, timeout=60,
+                                  group=group, rank=r, num_ranks=2, group_timeout=30) as pipe:
+            firsts = []
+            for _ in range(3):
+                for b in pipe:
+                    firsts.append(b["i"].tolist())
+                    break
+            whole = sum(1 for _ in pipe)
+            got[r] = (firsts, whole, pipe.stats().extra["dropped_per_pass"],
+                      pipe.group_stats().dropped_per_pass if r == 0 else None)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads) and sorted(got) == [0, 1], got
+    for r in range(2):  # 1,001 batches a pass: 500 each, the last round (1) dropped
+        assert got[r][:3] == ([[4 * r + k for k in range(4)]] * 3, 500, [1]), got[r]
+    assert got[0][3] == (0, 0, 0, 1)
     fetched = FetchLog(log).fetched()
-    assert 12 <= len(fetched) < 2000, f"{len(fetched)} samples fetched for the three passes' first batches"
+    assert 4002 + 24 <= len(fetched) < 4002 + 2000, f"{len(fetched)} samples fetched for three first batches and a pass"
 
 
 @runs(lambda child: _one_killed(child, 0))

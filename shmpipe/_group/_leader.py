@@ -487,19 +487,24 @@ class Leader:
         every rank left for a later one ends there."""
         batches = iter(self.pipe)  # begins the pipeline's pass: the first, pass 0, then the next
         self._check_starts(pass_no)
+        left = False
         for batch in batches:
-            if self._left_by_every_rank(pass_no):
+            left = self._left_by_every_rank(pass_no)
+            if left:
                 # Each rank left this pass for a later one (a break): the rest
                 # of it is no one's, and the next pass begins now, as it does
                 # for one pipeline, not once the producers made the rest.
                 batch.close_fd()
+                del batch
                 break
             self._hold(batch, current)
             del batch
             if len(current) == self.n:
                 self._deal(pass_no, current)
         # The schedule's pass begun last is this one: the next begins only when the pipeline is iterated again.
-        dropped = len(current) + self.schedule.dropped
+        # A pass every rank left has no last round: it counts none dropped (the
+        # round it was making when it saw that is a matter of timing).
+        dropped = 0 if left else len(current) + self.schedule.dropped
         while current:
             current.pop()[0].close_fd()
         with self.mutex:
