@@ -17,15 +17,66 @@ first batch.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Drawn", "EpochDraws", "digest", "subplan"]
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError
+
+__all__ = ["Drawn", "EpochDraws", "digest", "indices_of", "read_whole", "subplan"]
 
 #: An epoch's batches: (indices, bounds), batch b being indices[bounds[b]:bounds[b + 1]].
 Plan = tuple[np.ndarray, np.ndarray]
+
+
+#: An epoch is read from its sampler whole, before its first batch (its
+#: order fixes which batch is which). A sampler without len() may give at
+#: most this many items per sample of the dataset (and at least
+#: _MOST_ITEMS_FLOOR): more means one that never ends, whose reading would
+#: fill memory, or runs away (detectron2's TrainingSampler is endless).
+_MOST_ITEMS_PER_SAMPLE = 16
+_MOST_ITEMS_FLOOR = 1 << 22
+
+
+def read_whole(sampler: Iterable[Any], what: str, items: str, length: int) -> list[Any]:
+    """One epoch of `sampler` (a sampler's indices or a batch sampler's
+    batches), as a list; a clear error where it gives more than its len()
+    says, or, without len(), more than an epoch can hold."""
+    try:
+        declared: int | None = int(len(sampler))  # type: ignore[arg-type]
+    except (TypeError, ValueError, NotImplementedError):  # no len() (a generator, an endless sampler), or none usable
+        declared = None
+    most = declared if declared is not None else max(_MOST_ITEMS_PER_SAMPLE * length, _MOST_ITEMS_FLOOR)
+    got = list(itertools.islice(sampler, most + 1))
+    if len(got) > most:
+        if declared is not None:
+            said = f"its len() says {declared}"
+        else:
+            said = f"it has no len(), and an epoch of a dataset of {length} samples may have at most {most}"
+        raise ShmpipeValueError(
+            f"the {what} gave more than {most} {items} for one epoch ({said}): shmpipe reads each epoch's "
+            f"{items} whole before its first batch, so an endless {what} cannot be used; give one epoch's "
+            "(and set_epoch for the next), as torch's samplers do"
+        )
+    return got
+
+
+def indices_of(values: Any, what: str) -> np.ndarray:
+    """`values` (a sampler's epoch, or one batch of a batch sampler's) as
+    int64 indices; a clear error for anything that is not a sequence of
+    ints (an index past int64 too: it is no dataset's)."""
+    try:
+        array = np.asarray(values)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not indices"
+        raise ShmpipeTypeError(f"the {what} is not a sequence of ints: {exc}") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ShmpipeTypeError(f"the {what} must be a sequence of ints, got {array.dtype} of shape {array.shape}")
+    if array.size and array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
+        raise ShmpipeValueError(f"the {what} gave index {int(array.max())}, outside any dataset")
+    return array.astype(np.int64, copy=False)
 
 
 class Drawn:

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shmpipe._epochs import Drawn, EpochDraws, subplan
+from shmpipe._epochs import Drawn, EpochDraws, indices_of, read_whole, subplan
 from shmpipe._nodes import ONE_NODE, NodeLayout
 from shmpipe._producer_context import PassWork, seed_for
 from shmpipe._sources import DatasetPlan
@@ -416,7 +416,8 @@ class DatasetSchedule(Schedule):
         (this pipeline's by default)."""
         if self.batch_sampler is not None:
             _set_epoch(self.batch_sampler, epoch)
-            batches = [_indices(b, f"batch_sampler's batch {i}") for i, b in enumerate(self.batch_sampler)]
+            batches = [indices_of(b, f"batch_sampler's batch {i}") for i, b in enumerate(read_whole(
+                self.batch_sampler, "batch_sampler", "batches", self.length))]
             lengths = np.fromiter((len(b) for b in batches), np.int64, len(batches))
             if np.any(lengths == 0):
                 raise ShmpipeValueError(f"batch_sampler gave an empty batch (batch {int(np.argmin(lengths))})")
@@ -425,7 +426,7 @@ class DatasetSchedule(Schedule):
         else:
             if self.sampler is not None:
                 _set_epoch(self.sampler, epoch)
-                order = _indices(list(self.sampler), "sampler")
+                order = indices_of(read_whole(self.sampler, "sampler", "indices", self.length), "sampler")
             elif self.shuffle:
                 seed = self.seed if seed is None else seed
                 rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(epoch,)))
@@ -698,16 +699,6 @@ def start_problem(theirs: str | None, ours: str) -> tuple[bool, str] | None:
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' if n != 1 else ''}"
-
-
-def _indices(values: Any, what: str) -> np.ndarray:
-    try:
-        array = np.asarray(values)
-    except Exception as exc:  # noqa: BLE001 - any failure means "not indices"
-        raise ShmpipeTypeError(f"the {what} is not a sequence of ints: {exc}") from None
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ShmpipeTypeError(f"the {what} must be a sequence of ints, got {array.dtype} of shape {array.shape}")
-    return array.astype(np.int64, copy=False)
 
 
 def _set_epoch(sampler: Any, epoch: int) -> None:

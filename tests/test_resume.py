@@ -3,6 +3,7 @@ pipelines (real producer processes, every transport that runs here)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -388,6 +389,46 @@ def test_from_datasets_arguments_follow_the_dataloaders_rules():
 def test_a_sampler_index_outside_the_dataset_is_an_error():
     with shmpipe.from_dataset(Numbered(N), sampler=[0, N], num_workers=1, timeout=T) as pipe:
         with pytest.raises(shmpipe.ShmpipeValueError, match=f"index {N}"):
+            next(iter(pipe))
+    # An index past int64 was named as it wrapped (-9223372036854775807, helper 83).
+    big = np.array([0, 2**63 + 1], np.uint64)
+    with shmpipe.from_dataset(Numbered(N), sampler=big, num_workers=1, timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=f"index {2**63 + 1}, outside"):
+            next(iter(pipe))
+
+
+class _Endless:
+    """A sampler that never ends (detectron2's TrainingSampler is one)."""
+
+    def __init__(self, n: int, declared: int | None = None) -> None:
+        self.n, self.declared = n, declared
+
+    def __iter__(self):
+        return (i % self.n for i in itertools.count())
+
+    def __len__(self) -> int:
+        if self.declared is None:
+            raise TypeError("endless")
+        return self.declared
+
+
+class _EndlessBatches(_Endless):
+    def __iter__(self):
+        return ([i % self.n] for i in itertools.count())
+
+
+@pytest.mark.parametrize("kind", ["sampler", "sampler with len", "batch_sampler"])
+def test_an_endless_sampler_is_a_clear_error_not_a_hang(kind):
+    # shmpipe reads an epoch whole: its reading filled memory (1.3 GiB in
+    # 10 s, then killed) with no word and no timeout (helper 83).
+    if kind == "batch_sampler":
+        args, match = dict(batch_sampler=_EndlessBatches(N)), f"batch_sampler gave more than {1 << 22} batches"
+    elif kind == "sampler":
+        args, match = dict(sampler=_Endless(N)), f"sampler gave more than {1 << 22} indices .*it has no len"
+    else:
+        args, match = dict(sampler=_Endless(N, declared=5)), r"sampler gave more than 5 indices .*its len\(\) says 5"
+    with shmpipe.from_dataset(Numbered(N), num_workers=1, timeout=T, **args) as pipe:
+        with pytest.raises(shmpipe.ShmpipeValueError, match=match):
             next(iter(pipe))
 
 
