@@ -517,12 +517,12 @@ class DatasetSchedule(Schedule):
 
     # -- the state ----------------------------------------------------------------
 
-    def _fields(self, epoch: int, digest: str, batches: int, done: np.ndarray | None) -> dict[str, Any]:
+    def _fields(self, epoch: int, digest: str | None, batches: int | None, done: np.ndarray | None) -> dict[str, Any]:
         if done is None or not done.any():
             below, extra = 0, []
         else:
             missing = np.flatnonzero(~done)
-            below = int(missing[0]) if len(missing) else batches
+            below = int(missing[0]) if len(missing) else len(done)
             extra = (np.flatnonzero(done[below:]) + below).tolist()
         return {
             "length": self.length,
@@ -538,14 +538,18 @@ class DatasetSchedule(Schedule):
         }
 
     def _fresh(self, epoch: int) -> dict[str, Any]:
-        drawn = self._drawn(epoch)
-        return self._fields(epoch, drawn.digest, len(drawn.plan[1]) - 1, None)
+        # The epoch alone ('plan' and 'batches' null): none of its batches
+        # is done, and its pass draws it as it begins, as in a run that took
+        # no state. Drawn for the state, the sampler ran early: what the
+        # program changed in it between epochs (a curriculum, weights, a
+        # global RNG it draws from) came an epoch late in runs that took
+        # states, and one that could not draw yet failed the checkpoint.
+        return self._fields(epoch, None, None, None)
 
     def _drawn(self, epoch: int) -> Drawn:
-        """Epoch `epoch`'s batches and their digest, drawn once (_draw):
-        a state that names the next epoch (taken at an epoch's end, or
-        before the first pass) draws them, and that pass's begin() takes
-        the same."""
+        """Epoch `epoch`'s batches and their digest, drawn once (_draw), by
+        the begin() of its pass (a state of an epoch none of whose batches
+        is done names the epoch alone: _fresh)."""
         return self._draw(epoch, self.seed)
 
     def _draw(self, epoch: int, seed: int) -> Drawn:
@@ -595,6 +599,8 @@ class DatasetSchedule(Schedule):
         # its pass ends: a state right after a load is the one loaded.)
         if len(done) and done.all():
             return self._fresh(epoch + 1)
+        if not done.any():  # begun ahead of the trainer (a load's, an iter()'s): none of it done yet
+            return self._fresh(epoch)
         return self._fields(epoch, self._drawn_now.digest, len(done), done)
 
     def state_after_rounds(self, rounds: int) -> dict[str, Any]:
@@ -639,6 +645,14 @@ class DatasetSchedule(Schedule):
                 "another loader"
             )
         epoch = fields.integer("epoch", 0, 1 << 62)
+        if fields.value("plan") is None:  # the epoch alone (_fresh): its pass draws it
+            if fields.value("batches") is not None or fields.integer("done_below", 0, 0) or fields.integers(
+                    "done", 0, 0, 0):
+                raise ShmpipeValueError("malformed state: 'batches' must be null where 'plan' is")
+            fields.done()
+            self.next_epoch = epoch
+            self._loaded = None
+            return
         batches = fields.integer("batches", 0, 1 << 62)
         digest = fields.text("plan")
         below = fields.integer("done_below", 0, batches)

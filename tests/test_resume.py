@@ -142,7 +142,11 @@ def test_the_state_at_an_epochs_end_is_the_next_epochs_start(reference):
 
 def test_a_state_that_does_not_fit_is_refused_naming_the_field():
     with dataset_pipe(2) as pipe:
-        good = pipe.state_dict()
+        first = next(iter(pipe))["i"].tolist()
+        good = pipe.state_dict()  # epoch 0's first batch out: the state names its batches (plan, count)
+    assert (good["done_below"], good["batches"], type(good["plan"])) == (1, 6, str)
+    with dataset_pipe(2) as pipe:
+        fresh = pipe.state_dict()
 
         def refused(change: dict, match: str, error: type = shmpipe.ShmpipeValueError) -> None:
             with pytest.raises(error, match=match):
@@ -168,6 +172,11 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_field():
             pipe.load_state_dict([good])  # type: ignore[arg-type]
         refused({"plan": "0" * 16}, "other batches")
         refused({"epoch": 5}, "the state's epoch 5 had other batches")  # epoch 0's plan
+        # A state of an epoch none of whose batches is done names it alone.
+        assert (fresh["plan"], fresh["batches"], fresh["done_below"], fresh["done"]) == (None, None, 0, [])
+        for change in ({"batches": 6}, {"done_below": 1}, {"done": [2]}):
+            with pytest.raises(shmpipe.ShmpipeValueError, match="malformed state"):
+                pipe.load_state_dict({**fresh, **change})
         # Its count is checked against the epoch before anything is sized
         # from it (a mask of 2**62 batches was a MemoryError).
         refused({"batches": 1 << 62, "done_below": 1}, "other batches")
@@ -187,12 +196,13 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_field():
         refused({"drop_last": 0}, "drop_last")
         refused({"version": True}, "version")
         # Every refusal left the pipeline as it was: the epoch from its start.
-        assert pipe.state_dict() == good
-        assert take(pipe) == [b for b in take_reference()]
+        assert pipe.state_dict() == fresh
+        reference = take(pipe)
+        assert reference == take_reference() and reference[0] == first
     # And a new pipeline loads the good state.
     with dataset_pipe(2) as pipe:
         pipe.load_state_dict(good)
-        assert len(take(pipe)) == 6
+        assert take(pipe) == reference[1:]
 
 
 def take_reference() -> list[list[int]]:
@@ -277,9 +287,10 @@ class _GeneratorSampler:
 
 
 def test_a_state_taken_at_each_epochs_end_draws_no_sampler_twice():
-    """A state at an epoch's end names the next epoch's batches (their
-    digest), so it draws them; the next pass takes those, and the sampler
-    is drawn once an epoch as without the states."""
+    """A state at an epoch's end names the next epoch alone: it draws
+    nothing (it drew the next epoch's batches, and the sampler ran an
+    epoch early: helper 83), and the sampler is drawn once an epoch, when
+    its pass begins, as without the states."""
     def epochs(take_states: bool) -> tuple[list[list[int]], int]:
         sampler = _GeneratorSampler(N)
         with shmpipe.from_dataset(Numbered(N), batch_size=4, sampler=sampler, num_workers=2, timeout=T) as pipe:
@@ -294,7 +305,7 @@ def test_a_state_taken_at_each_epochs_end_draws_no_sampler_twice():
     plain, plain_draws = epochs(False)
     with_states, draws = epochs(True)
     assert with_states == plain
-    assert (plain_draws, draws) == (3, 4)  # the states drew epoch 3, once
+    assert (plain_draws, draws) == (3, 3)  # (the states drew epoch 3 before: 4)
 
 
 def test_a_batch_sampler_gives_the_batches():
@@ -302,7 +313,7 @@ def test_a_batch_sampler_gives_the_batches():
     with shmpipe.from_dataset(Numbered(N), batch_sampler=batches, num_workers=2, timeout=T) as pipe:
         assert take(pipe) == batches
         state = pipe.state_dict()
-    assert state["batches"] == 4 and state["epoch"] == 1
+    assert (state["epoch"], state["batches"], state["plan"]) == (1, None, None)  # epoch 1 alone, not drawn
 
 
 def test_drop_last_drops_the_short_batch():
@@ -603,7 +614,7 @@ def test_a_state_of_an_epoch_without_batches_is_the_one_loaded_until_its_pass_en
     with shmpipe.from_dataset(Numbered(4), sampler=_EmptyEpoch1(), **kw) as pipe:
         list(pipe)
         state = pipe.state_dict()
-    assert (state["epoch"], state["batches"]) == (1, 0)
+    assert (state["epoch"], state["batches"]) == (1, None)  # epoch 1 alone, not drawn
     with shmpipe.from_dataset(Numbered(4), sampler=_EmptyEpoch1(), **kw) as pipe:
         pipe.load_state_dict(state)
         assert pipe.state_dict() == state
