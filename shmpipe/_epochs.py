@@ -5,7 +5,7 @@ A dataset's schedule (shmpipe/_schedule.py) draws each epoch's batches of
 indices from its sampler or its shuffle. What is drawn is kept here, for
 two reasons. A sampler with a generator of its own (torch's
 ``RandomSampler(generator=g)``) gives another order at each draw: drawn
-again for a state, for a load or for a second reader of the same schedule
+again for a load or for a second reader of the same schedule
 (a group's rank 0 keeps the rank's position beside the leader's pipeline),
 a state would name an order that was never dealt, or the next epochs would
 come in another order than in a run that took no state. And the digest
@@ -17,7 +17,6 @@ first batch.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,36 +31,46 @@ __all__ = ["Drawn", "EpochDraws", "digest", "indices_of", "read_whole", "subplan
 Plan = tuple[np.ndarray, np.ndarray]
 
 
-#: An epoch is read from its sampler whole, before its first batch (its
-#: order fixes which batch is which). A sampler without len() may give at
-#: most this many items per sample of the dataset (and at least
-#: _MOST_ITEMS_FLOOR): more means one that never ends, whose reading would
-#: fill memory, or runs away (detectron2's TrainingSampler is endless).
-_MOST_ITEMS_PER_SAMPLE = 16
-_MOST_ITEMS_FLOOR = 1 << 22
+#: An epoch is read whole from its sampler, before its first batch (its
+#: order fixes which batch is which). It may hold at most this many indices
+#: per sample of the dataset (and at least _MOST_INDICES_FLOOR), or what
+#: the sampler's len() says where that is more: past it, the sampler is one
+#: that never ends (detectron2's TrainingSampler), whose reading would fill
+#: memory. (A len() is not trusted to be exact: some are approximate, or
+#: stale until the sampler is iterated.)
+_MOST_INDICES_PER_SAMPLE = 16
+_MOST_INDICES_FLOOR = 1 << 22
 
 
-def read_whole(sampler: Iterable[Any], what: str, items: str, length: int) -> list[Any]:
-    """One epoch of `sampler` (a sampler's indices or a batch sampler's
-    batches), as a list; a clear error where it gives more than its len()
-    says, or, without len(), more than an epoch can hold."""
-    try:
-        declared: int | None = int(len(sampler))  # type: ignore[arg-type]
-    except (TypeError, ValueError, NotImplementedError):  # no len() (a generator, an endless sampler), or none usable
-        declared = None
-    most = declared if declared is not None else max(_MOST_ITEMS_PER_SAMPLE * length, _MOST_ITEMS_FLOOR)
-    got = list(itertools.islice(sampler, most + 1))
-    if len(got) > most:
-        if declared is not None:
-            said = f"its len() says {declared}"
-        else:
-            said = f"it has no len(), and an epoch of a dataset of {length} samples may have at most {most}"
-        raise ShmpipeValueError(
-            f"the {what} gave more than {most} {items} for one epoch ({said}): shmpipe reads each epoch's "
-            f"{items} whole before its first batch, so an endless {what} cannot be used; give one epoch's "
-            "(and set_epoch for the next), as torch's samplers do"
-        )
+def read_whole(sampler: Iterable[Any], what: str, length: int, batches: bool = False) -> list[Any]:
+    """One epoch of `sampler` (its indices, or with `batches` a batch
+    sampler's batches, counted by their indices), as a list; a clear error
+    where it gives more indices than an epoch may hold."""
+    declared = _declared_len(sampler)
+    most = max(_MOST_INDICES_PER_SAMPLE * length, _MOST_INDICES_FLOOR)
+    if declared is not None and not batches:
+        most = max(most, declared)
+    got: list[Any] = []
+    count = 0
+    for item in sampler:
+        got.append(item)
+        count += (_declared_len(item) or 1) if batches else 1
+        if count > most:
+            said = "" if declared is None else f", where its len() says {declared}"
+            raise ShmpipeValueError(
+                f"the {what} gave more than {most} indices for one epoch of a dataset of {length} samples"
+                f"{said}: shmpipe reads each epoch whole before its first batch, so an endless {what} "
+                "cannot be used; give one epoch's (and set_epoch for the next), as torch's samplers do"
+            )
     return got
+
+
+def _declared_len(obj: Any) -> int | None:
+    """len(obj), or None where it has none usable."""
+    try:
+        return int(len(obj))
+    except (TypeError, ValueError, OverflowError, NotImplementedError):  # (an endless sampler has none)
+        return None
 
 
 def indices_of(values: Any, what: str) -> np.ndarray:

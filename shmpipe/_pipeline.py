@@ -376,11 +376,16 @@ class Pipeline(FrameworkStream):
                 raise ShmpipeValueError(
                     "load_state_dict() must come before the first pass: make a new pipeline to resume"
                 )
+            saved, begun = self._schedule.saved(), self._begun
             self._schedule.load(state)
             try:
                 self._begin_ahead()  # the resumed pass's first batches are made meanwhile
             except WorkerError as exc:
                 failure = exc
+            except BaseException:
+                if self._begun == begun:  # its draw failed (an epoch alone is drawn here): refused, as it was
+                    self._schedule.restore(saved)
+                raise
             else:
                 return
         self._close_and_raise(failure)

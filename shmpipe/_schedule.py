@@ -417,7 +417,7 @@ class DatasetSchedule(Schedule):
         if self.batch_sampler is not None:
             _set_epoch(self.batch_sampler, epoch)
             batches = [indices_of(b, f"batch_sampler's batch {i}") for i, b in enumerate(read_whole(
-                self.batch_sampler, "batch_sampler", "batches", self.length))]
+                self.batch_sampler, "batch_sampler", self.length, batches=True))]
             lengths = np.fromiter((len(b) for b in batches), np.int64, len(batches))
             if np.any(lengths == 0):
                 raise ShmpipeValueError(f"batch_sampler gave an empty batch (batch {int(np.argmin(lengths))})")
@@ -426,7 +426,7 @@ class DatasetSchedule(Schedule):
         else:
             if self.sampler is not None:
                 _set_epoch(self.sampler, epoch)
-                order = indices_of(read_whole(self.sampler, "sampler", "indices", self.length), "sampler")
+                order = indices_of(read_whole(self.sampler, "sampler", self.length), "sampler")
             elif self.shuffle:
                 seed = self.seed if seed is None else seed
                 rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(epoch,)))
@@ -596,7 +596,7 @@ class DatasetSchedule(Schedule):
             return self._after_rounds(epoch, taken // self.layout.ranks_per_node)
         # Its last batch is out: a resumed run begins the next epoch, not this
         # one's empty end. (An epoch of no batches is where it began until
-        # its pass ends: a state right after a load is the one loaded.)
+        # its pass ends: the epoch alone, as a state of it loaded says.)
         if len(done) and done.all():
             return self._fresh(epoch + 1)
         if not done.any():  # begun ahead of the trainer (a load's, an iter()'s): none of it done yet
@@ -625,6 +625,8 @@ class DatasetSchedule(Schedule):
             return self._fresh(epoch + 1)
         done = self._done.copy()
         done[self._left[:taken]] = True
+        if not done.any():  # none of it out: the epoch alone, as _within says it (the same in every rank)
+            return self._fresh(epoch)
         return self._fields(epoch, self._drawn_now.digest, len(done), done)
 
     def _load(self, fields: _Fields, seed: int) -> None:

@@ -596,7 +596,7 @@ def test_ahead_a_state_from_another_thread_never_counts_a_batch_put_ahead():
     thread runs ahead: while the trainer has had no batch of a pass, no
     state counts one of it."""
     with shmpipe.from_dataset(Numbered(12), batch_size=4, num_workers=1, capacity=6, timeout=T) as pipe:
-        stage = [0, False]  # the pass, and whether the trainer asked for a batch of it
+        stage = [0, False, False]  # the pass, whether the trainer asked for a batch of it, whether it began
         stop = threading.Event()
         wrong: list[tuple[int, dict]] = []
         checked = [0]  # states taken in a pass before the trainer asked for its first batch
@@ -605,7 +605,7 @@ def test_ahead_a_state_from_another_thread_never_counts_a_batch_put_ahead():
             while not stop.is_set():
                 before = tuple(stage)
                 state = pipe.state_dict()
-                if tuple(stage) == before and not before[1] and state["epoch"] == before[0]:
+                if tuple(stage) == before and before[2] and not before[1] and state["epoch"] == before[0]:
                     checked[0] += 1
                     if state["done_below"] or state["done"]:
                         wrong.append((before[0], state))
@@ -618,8 +618,9 @@ def test_ahead_a_state_from_another_thread_never_counts_a_batch_put_ahead():
         watcher.start()
         try:
             for p in range(60):
-                stage[:] = [p, False]
+                stage[:] = [p, False, False]
                 it = iter(batches)
+                stage[2] = True  # begun: its thread puts batches ahead from now
                 time.sleep(0.005)  # the step before the first next(): the thread puts batches ahead
                 stage[1] = True
                 assert len(list(it)) == 3
