@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe.testing.datasets import Numbered
+from shmpipe.testing.datasets import FailsAtEpoch, Numbered
 
 HERE = os.path.abspath(__file__)
 N, BATCH = 50, 4  # 13 batches an epoch (the last one short)
@@ -112,22 +112,6 @@ class _Flips:
         return iter(range(N) if self.drawn % 2 else range(N - 1, -1, -1))
 
 
-class _FailsAtEpoch1:
-    fail = False
-    epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return N
-
-    def __iter__(self):
-        if self.fail and self.epoch == 1:
-            raise RuntimeError("the sampler failed at epoch 1")
-        return iter(range(N))
-
-
 def _one_rank_group(sampler: Any) -> Any:
     """A group of one rank in this process: its position and its leader's
     pipeline both draw the sampler."""
@@ -160,7 +144,7 @@ def test_a_sampler_is_drawn_once_an_epoch_by_a_ranks_count_and_its_leader():
 
 @pytest.mark.timeout(120)
 def test_a_pass_whose_sampler_fails_is_not_begun_in_a_rank():
-    sampler = _FailsAtEpoch1()
+    sampler = FailsAtEpoch(N)
     with _one_rank_group(sampler) as pipe:
         assert len([b["i"].tolist() for b in pipe]) == 13
         sampler.fail = True  # before anything drew epoch 1

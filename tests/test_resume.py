@@ -15,7 +15,7 @@ import pytest
 
 import shmpipe
 from shmpipe._sources import collate_into_ring
-from shmpipe.testing.datasets import EpochSampler, FetchLog, Numbered, ShapeByIndex
+from shmpipe.testing.datasets import EpochSampler, FailsAtEpoch, FetchLog, Numbered, ShapeByIndex
 from shmpipe.testing.sources import Reserver, StatefulCounter
 
 T = 30.0  # no single batch may take longer than this in these tests
@@ -209,34 +209,18 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_field():
         assert take(pipe) == reference
 
 
-class _FailsAtEpoch1:
-    def __init__(self, fail: bool) -> None:
-        self.fail, self.epoch = fail, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return N
-
-    def __iter__(self):
-        if self.fail and self.epoch == 1:
-            raise RuntimeError("cannot draw epoch 1")
-        return iter(range(N))
-
-
 def test_a_state_of_an_epoch_alone_whose_draw_fails_is_refused_and_changes_nothing():
     # Such a state is drawn as its pass begins, within load_state_dict:
     # the sampler's failure there left the state applied (helper 84).
     kw = dict(batch_size=4, num_workers=1, timeout=T, seed=3)
-    with shmpipe.from_dataset(Numbered(N), sampler=_FailsAtEpoch1(False), **kw) as pipe:
+    with shmpipe.from_dataset(Numbered(N), sampler=FailsAtEpoch(N), **kw) as pipe:
         first = take(pipe)
         state = pipe.state_dict()
     assert (state["epoch"], state["plan"]) == (1, None)
-    sampler = _FailsAtEpoch1(True)
+    sampler = FailsAtEpoch(N, fail=True)
     with shmpipe.from_dataset(Numbered(N), sampler=sampler, **kw) as pipe:
         before = pipe.state_dict()
-        with pytest.raises(RuntimeError, match="cannot draw epoch 1"):
+        with pytest.raises(RuntimeError, match="failed at epoch 1"):
             pipe.load_state_dict(state)
         assert pipe.state_dict() == before
         assert take(pipe) == first  # epoch 0, its own

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Augmented", "EpochSampler", "FetchLog", "Numbered", "OnRayNode", "ShapeByIndex", "log_fetch"]
+__all__ = [
+    "Augmented", "EpochSampler", "FailsAtEpoch", "FetchLog", "Numbered", "OnRayNode", "ShapeByIndex", "log_fetch",
+]
 
 
 class Numbered:
@@ -125,6 +127,26 @@ class ShapeByIndex:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return np.full(1 + i % 3, i, np.int32)
+
+
+class FailsAtEpoch:
+    """The indices 0..n-1 in order, each epoch (told by set_epoch); while
+    `fail` is set, drawing epoch `epoch` raises RuntimeError (a sampler
+    that cannot draw that epoch yet)."""
+
+    def __init__(self, n: int, epoch: int = 1, fail: bool = False) -> None:
+        self.n, self.failing_epoch, self.fail, self.epoch = n, epoch, fail, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        if self.fail and self.epoch == self.failing_epoch:
+            raise RuntimeError(f"the sampler failed at epoch {self.epoch}")
+        return iter(range(self.n))
 
 
 class EpochSampler:
