@@ -517,13 +517,23 @@ class DatasetSchedule(Schedule):
 
     # -- the state ----------------------------------------------------------------
 
-    def _fields(self, epoch: int, digest: str | None, batches: int | None, done: np.ndarray | None) -> dict[str, Any]:
+    def _fields(self, epoch: int, digest: str | None, done: np.ndarray | None) -> dict[str, Any]:
+        """The state at `epoch`, `done` its batches out of the epoch drawn
+        as `digest`. Where none is out (or the epoch is not drawn: None),
+        it names the epoch alone ('plan' and 'batches' null), and the pass
+        draws it as it begins, as in a run that took no state: drawn for
+        the state, the sampler ran early, so what the program changed in it
+        between epochs (a curriculum, weights, a global RNG it draws from)
+        came an epoch late in runs that took states, and one that could
+        not draw yet failed the checkpoint."""
+        below, extra = 0, []
         if done is None or not done.any():
-            below, extra = 0, []
+            digest, batches = None, None
         else:
             missing = np.flatnonzero(~done)
             below = int(missing[0]) if len(missing) else len(done)
             extra = (np.flatnonzero(done[below:]) + below).tolist()
+            batches = len(done)
         return {
             "length": self.length,
             "batch_size": self.batch_size,
@@ -538,18 +548,12 @@ class DatasetSchedule(Schedule):
         }
 
     def _fresh(self, epoch: int) -> dict[str, Any]:
-        # The epoch alone ('plan' and 'batches' null): none of its batches
-        # is done, and its pass draws it as it begins, as in a run that took
-        # no state. Drawn for the state, the sampler ran early: what the
-        # program changed in it between epochs (a curriculum, weights, a
-        # global RNG it draws from) came an epoch late in runs that took
-        # states, and one that could not draw yet failed the checkpoint.
-        return self._fields(epoch, None, None, None)
+        return self._fields(epoch, None, None)
 
     def _drawn(self, epoch: int) -> Drawn:
         """Epoch `epoch`'s batches and their digest, drawn once (_draw), by
         the begin() of its pass (a state of an epoch none of whose batches
-        is done names the epoch alone: _fresh)."""
+        is done names the epoch alone: _fields)."""
         return self._draw(epoch, self.seed)
 
     def _draw(self, epoch: int, seed: int) -> Drawn:
@@ -574,7 +578,7 @@ class DatasetSchedule(Schedule):
         if self._loaded is None:
             return self._fresh(self.next_epoch)
         _, digest, done = self._loaded
-        return self._fields(self.next_epoch, digest, len(done), done)
+        return self._fields(self.next_epoch, digest, done)
 
     def _within(self, epoch: int, progress: Progress) -> dict[str, Any]:
         done = self._done.copy()
@@ -599,9 +603,7 @@ class DatasetSchedule(Schedule):
         # its pass ends: the epoch alone, as a state of it loaded says.)
         if len(done) and done.all():
             return self._fresh(epoch + 1)
-        if not done.any():  # begun ahead of the trainer (a load's, an iter()'s): none of it done yet
-            return self._fresh(epoch)
-        return self._fields(epoch, self._drawn_now.digest, len(done), done)
+        return self._fields(epoch, self._drawn_now.digest, done)
 
     def state_after_rounds(self, rounds: int) -> dict[str, Any]:
         """The checkpoint once `rounds` rounds of the pass begun last are
@@ -625,9 +627,7 @@ class DatasetSchedule(Schedule):
             return self._fresh(epoch + 1)
         done = self._done.copy()
         done[self._left[:taken]] = True
-        if not done.any():  # none of it out: the epoch alone, as _within says it (the same in every rank)
-            return self._fresh(epoch)
-        return self._fields(epoch, self._drawn_now.digest, len(done), done)
+        return self._fields(epoch, self._drawn_now.digest, done)
 
     def _load(self, fields: _Fields, seed: int) -> None:
         for name, mine in (("length", self.length), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
@@ -647,10 +647,11 @@ class DatasetSchedule(Schedule):
                 "another loader"
             )
         epoch = fields.integer("epoch", 0, 1 << 62)
-        if fields.value("plan") is None:  # the epoch alone (_fresh): its pass draws it
-            if fields.value("batches") is not None or fields.integer("done_below", 0, 0) or fields.integers(
-                    "done", 0, 0, 0):
+        if fields.value("plan") is None:  # the epoch alone (_fields): its pass draws it
+            if fields.value("batches") is not None:
                 raise ShmpipeValueError("malformed state: 'batches' must be null where 'plan' is")
+            fields.integer("done_below", 0, 0)  # none of it done (each names its field where it is not so)
+            fields.integers("done", 0, 0, 0)
             fields.done()
             self.next_epoch = epoch
             self._loaded = None
