@@ -206,23 +206,55 @@ def test_an_error_message_is_always_a_shmpipe_error_never_a_crash(message):
     str(exc)
 
 
+def _open_ends_of(pipes: set[str]) -> list[int]:
+    """This process's descriptors that refer to one of `pipes` (readlink
+    names, "pipe:[inode]"). Only these: other threads of the session open
+    and close descriptors of their own at any time (a background script's
+    output files), so a count of every descriptor is no test."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") in pipes:
+                found.append(int(name))
+        except FileNotFoundError:  # closed by another thread since the listing
+            pass
+    return found
+
+
 @FUZZ
-@given(data=st.one_of(st.binary(max_size=512), _json.map(lambda v: json.dumps(v).encode())))
-def test_a_datagram_is_a_message_or_a_group_error(data):
+@given(data=st.one_of(st.binary(max_size=512), _json.map(lambda v: json.dumps(v).encode())),
+       n_fds=st.integers(0, _wire.MAX_FDS + 2))
+def test_a_datagram_is_a_message_or_a_group_error(data, n_fds):
     """What recv gives: a non-empty list whose first item is a str, the end
-    of the connection (None), or a GroupError; descriptors never leak."""
+    of the connection (None), or a GroupError; the descriptors a datagram
+    carries are handed over with a message, or closed, never left open
+    (more than MAX_FDS of them is a GroupError)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b:
-        fds_before = len(os.listdir("/proc/self/fd"))
-        a.send(data) if data else a.sendmsg([b""])
+        ends = [end for _ in range(n_fds) for end in os.pipe()]
+        sent = ends[0::2]
         try:
-            message, fds = _wire.recv(b)
+            pipes = {os.readlink(f"/proc/self/fd/{fd}") for fd in sent}
+            socket.send_fds(a, [data], sent)
+        finally:
+            for fd in ends:
+                os.close(fd)
+        got: list[int] = []
+        try:
+            message, got = _wire.recv(b)
         except GroupError:
             pass
         except BlockingIOError:
             assert not data
         else:
-            assert fds == []
-            if message is not None:
+            if message is None:
+                assert got == [] and not data
+            else:
                 assert type(message) is list and message and type(message[0]) is str
-        assert len(os.listdir("/proc/self/fd")) == fds_before
+                assert len(got) == n_fds <= _wire.MAX_FDS
+        handed = set(got)
+        try:
+            assert set(_open_ends_of(pipes)) == handed  # every other one was closed by recv
+        finally:
+            for fd in got:
+                os.close(fd)
