@@ -46,7 +46,7 @@ def read_whole(sampler: Iterable[Any], what: str, length: int, batches: bool = F
     """One epoch of `sampler` (its indices, or with `batches` a batch
     sampler's batches, counted by their indices), as a list; a clear error
     where it gives more indices than an epoch may hold."""
-    declared = _declared_len(sampler)
+    declared = declared_len(sampler)
     most = max(_MOST_INDICES_PER_SAMPLE * length, _MOST_INDICES_FLOOR)
     if declared is not None and not batches:
         most = max(most, declared)
@@ -54,7 +54,7 @@ def read_whole(sampler: Iterable[Any], what: str, length: int, batches: bool = F
     count = 0
     for item in sampler:
         got.append(item)
-        count += (_declared_len(item) or 1) if batches else 1
+        count += (declared_len(item) or 1) if batches else 1
         if count > most:
             said = "" if declared is None else f", where its len() says {declared}"
             raise ShmpipeValueError(
@@ -65,7 +65,7 @@ def read_whole(sampler: Iterable[Any], what: str, length: int, batches: bool = F
     return got
 
 
-def _declared_len(obj: Any) -> int | None:
+def declared_len(obj: Any) -> int | None:
     """len(obj), or None where it has none usable."""
     try:
         return int(len(obj))

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from shmpipe._epochs import Drawn, EpochDraws, indices_of, read_whole, subplan
+from shmpipe._epochs import Drawn, EpochDraws, declared_len, indices_of, read_whole, subplan
 from shmpipe._nodes import ONE_NODE, NodeLayout
 from shmpipe._producer_context import PassWork, seed_for
 from shmpipe._sources import DatasetPlan
@@ -388,11 +388,9 @@ class DatasetSchedule(Schedule):
         assert self.batch_size is not None
         if self.sampler is None:
             partial = self.length % self.batch_size != 0
-        else:
-            try:  # a sampler may give any number of indices; one with a length says
-                partial = len(self.sampler) % self.batch_size != 0  # type: ignore[arg-type]
-            except TypeError:
-                partial = True
+        else:  # a sampler may give any number of indices; one with a usable length says
+            declared = declared_len(self.sampler)
+            partial = declared is None or declared % self.batch_size != 0
         if not partial or self.layout.world == 1:
             return partial
         # The partial batch is the epoch's last, so the last of the batches

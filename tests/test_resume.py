@@ -468,6 +468,24 @@ def test_an_endless_sampler_is_a_clear_error_not_a_hang(kind):
             next(iter(pipe))
 
 
+class _NoLength:
+    """A sampler whose __len__ says it has none the way some do (torch's
+    Sampler base class of old): NotImplementedError, not TypeError."""
+
+    def __iter__(self):
+        return iter(range(10))
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+def test_a_sampler_whose_len_raises_not_implemented_is_read_as_one_without():
+    # It was the sampler's raw NotImplementedError from from_dataset().
+    with shmpipe.from_dataset(Numbered(N), batch_size=4, sampler=_NoLength(), num_workers=1, timeout=T) as pipe:
+        got = [list(b["i"]) for b in pipe]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
 # -- from_iterators: resume by count -----------------------------------------
 
 
