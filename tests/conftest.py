@@ -373,8 +373,8 @@ class SharedRuns(_Shared):
 
     With `background`, the family's scripts start when the session does
     (BackgroundRuns), beside the other tests, which mostly wait on their
-    processes (the suite used half a core outside these scripts), and its
-    tests run last; a script that needs a machine-wide resource alone
+    processes (the suite used half a core outside these scripts), and below
+    them in priority (BACKGROUND_NICE); the family's tests run last; a script that needs a machine-wide resource alone
     (Command.exclusive: a local Ray) is still run by the first test that
     asks."""
 
@@ -408,6 +408,61 @@ class SharedRuns(_Shared):
 
 def _folder(factory: pytest.TempPathFactory, key: Hashable) -> Any:
     return factory.mktemp(re.sub(r"\W+", "_", str(key))[:30] or "run")
+
+
+#: The niceness of the background's scripts (and what they start): 10 leaves
+#: them about a tenth of a core the foreground wants, and every idle one.
+BACKGROUND_NICE = 10
+
+
+def _lower_priority(pid: int) -> None:
+    """Makes `pid`, which leads a session of its own, BACKGROUND_NICE. Where
+    the kernel groups the scheduling by session (autogroup, the default on
+    most distributions: /proc/PID/autogroup), a process's nice ranks it only
+    within its session, and sessions share the cores equally whatever their
+    processes' nice: the session's group is made nice too, or nothing
+    changes."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, BACKGROUND_NICE)
+    for _ in range(3):
+        try:
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(BACKGROUND_NICE))
+            return
+        except BlockingIOError:  # EAGAIN: without CAP_SYS_ADMIN, one such change per 0.1 s machine-wide
+            time.sleep(0.11)
+        except OSError:  # no autogroup here, or the process has ended
+            return
+
+
+def _sessions_below(roots: Collection[int]) -> dict[int, int]:
+    """The sessions that descendants of `roots` lead or are in, other than
+    the roots' own: {session id: a process in it}. (A bench's script starts
+    each process it measures in a session of its own, which a session's
+    group priority does not reach.)"""
+    parent: dict[int, int] = {}
+    session: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # ended since the listing
+        parent[int(name)], session[int(name)] = int(fields[1]), int(fields[3])
+    found: dict[int, int] = {}
+    for pid in parent:
+        ancestor = parent[pid]
+        for _ in range(64):
+            if ancestor in roots:
+                if session[pid] not in roots:
+                    found.setdefault(session[pid], pid)
+                break
+            if ancestor <= 1 or ancestor not in parent:
+                break
+            ancestor = parent[ancestor]
+    return found
 
 
 #: The most a test waits for the background runs (each script has its own
@@ -452,6 +507,7 @@ class BackgroundRuns:
         self.pids: dict[Hashable, int] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shared runs", daemon=True)
+        self.demoting = threading.Thread(target=self._demote, name="shared runs' priority", daemon=True)
 
     def start(self) -> None:
         for family in self.families:
@@ -459,6 +515,17 @@ class BackgroundRuns:
                 family.background_done.set()
         if self.commands:
             self.thread.start()
+            self.demoting.start()
+
+    def _demote(self) -> None:
+        """Brings the sessions that the scripts' processes start below the
+        foreground too, within a second of their start, while scripts run."""
+        done: set[int] = set()
+        while self.thread.is_alive() and not self.stop_event.wait(1.0):
+            for sid, pid in _sessions_below(set(self.pids.values())).items():
+                if sid not in done:
+                    done.add(sid)
+                    _lower_priority(pid)
 
     def _run(self) -> None:
         error: BaseException | None = None
@@ -472,6 +539,14 @@ class BackgroundRuns:
     def _started(self, key: Hashable, pid: int) -> None:
         self.pids[key] = pid
         _BACKGROUND_PIDS.add(pid)
+        # Below the tests in the foreground, which are what the session waits
+        # for: these use a core when the foreground leaves it idle (it mostly
+        # waits on its processes, or keeps one core of two busy) instead of
+        # slowing it down (test_conformance alone beside two busy loops: 104 s
+        # at the same priority, 64 s below it, 62 s with nothing beside it).
+        # Set at once, before the script (which has just exec'd its
+        # interpreter) starts processes of its own, which inherit it.
+        _lower_priority(pid)
 
     def _done(self, key: Hashable, result: subprocess.CompletedProcess) -> None:
         family, k = self.owner[key]
@@ -492,6 +567,8 @@ class BackgroundRuns:
         self.stop_event.set()
         if self.thread.is_alive():
             self.thread.join(60)
+        if self.demoting.is_alive():
+            self.demoting.join(10)
 
 
 class SharedJobs(_Shared):

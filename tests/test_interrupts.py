@@ -977,8 +977,8 @@ _SWEEP_KEYS = {
 }
 
 #: Each sweep is a process of its own that checks only what it made (its
-#: children, its threads, the names of its pid in /dev/shm): the first test
-#: to ask runs them all, two at a time (one core each), and the others find
-#: theirs done.
+#: children, its threads, the names of its pid in /dev/shm), so they run in
+#: the background from the session's start (conftest.BackgroundRuns), below
+#: the tests in the foreground; the tests find theirs done.
 SWEEPS = SharedRuns(set(_SWEEP_KEYS), keys=lambda item: _SWEEP_KEYS[item.originalname](item.callspec.params),
-                    command=_sweep_command, jobs=2)
+                    command=_sweep_command, jobs=2, background=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -15,6 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import Command, SharedRuns
 
 import shmpipe
 from shmpipe import _process, _tf
@@ -294,25 +294,36 @@ def test_a_forgotten_dataset_takes_its_pipeline_with_it():
         assert len(list(tf.data.Dataset.range(1).flat_map(lambda _: held.to_tf_dataset()))) == 10
 
 
-def test_the_first_dataset_of_a_process_may_be_made_inside_a_traced_function(tmp_path):
+#: A process of its own, which has made no dataset before (this one has,
+#: eagerly): its first is made inside a traced function.
+TRACED_FIRST = textwrap.dedent(
+    """
+    import os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf
+    import shmpipe
+    from shmpipe.testing.sources import Counter
+    with shmpipe.from_iterators([Counter(5)] * 2, capacity=16, timeout=60) as pipe:
+        print(len(list(tf.data.Dataset.range(1).flat_map(lambda _: pipe.to_tf_dataset()))))
+    """
+)
+
+#: The scripts of this module's tests that import TensorFlow in a new
+#: process (seconds of a core each): run in the background from the
+#: session's start (conftest.BackgroundRuns), below the foreground's tests.
+SCRIPTS = SharedRuns(
+    {"test_the_first_dataset_of_a_process_may_be_made_inside_a_traced_function"}, keys=lambda item: ["traced first"],
+    command=lambda key, folder: Command([sys.executable, "-c", TRACED_FIRST], cwd=folder, timeout=180,
+                                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}),
+    background=True,
+)
+
+
+def test_the_first_dataset_of_a_process_may_be_made_inside_a_traced_function(request):
     # The once-per-process check that TensorFlow aliases NumPy arrays ran
     # where it was first asked for: inside a traced function its tensor was
-    # symbolic (AttributeError: no _numpy; helper 62, 3 of 3). A process of
-    # its own: this one has made datasets eagerly before.
-    code = textwrap.dedent(
-        """
-        import os
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        import tensorflow as tf
-        import shmpipe
-        from shmpipe.testing.sources import Counter
-        with shmpipe.from_iterators([Counter(5)] * 2, capacity=16, timeout=60) as pipe:
-            print(len(list(tf.data.Dataset.range(1).flat_map(lambda _: pipe.to_tf_dataset()))))
-        """
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
+    # symbolic (AttributeError: no _numpy; helper 62, 3 of 3).
+    done, _ = SCRIPTS.get(request, "traced first")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "10"
 
