@@ -415,24 +415,40 @@ def _folder(factory: pytest.TempPathFactory, key: Hashable) -> Any:
 BACKGROUND_NICE = 10
 
 
-def _lower_priority(pid: int) -> None:
+#: One change of an autogroup's nice at a time: the kernel takes one per
+#: 0.1 s machine-wide from a process without CAP_SYS_ADMIN (EAGAIN), and
+#: the two threads that make them would otherwise retry in step.
+_AUTOGROUP_LOCK = threading.Lock()
+
+
+def _lower_priority(pid: int) -> bool:
     """Makes `pid`, which leads a session of its own, BACKGROUND_NICE. Where
     the kernel groups the scheduling by session (autogroup, the default on
     most distributions: /proc/PID/autogroup), a process's nice ranks it only
     within its session, and sessions share the cores equally whatever their
     processes' nice: the session's group is made nice too, or nothing
-    changes."""
+    changes. False where the process has ended (or this kernel has no
+    autogroup); True once done."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, pid, BACKGROUND_NICE)
-    for _ in range(3):
-        try:
-            with open(f"/proc/{pid}/autogroup", "w") as f:
-                f.write(str(BACKGROUND_NICE))
-            return
-        except BlockingIOError:  # EAGAIN: without CAP_SYS_ADMIN, one such change per 0.1 s machine-wide
-            time.sleep(0.11)
-        except OSError:  # no autogroup here, or the process has ended
-            return
+    deadline = time.monotonic() + 2.0
+    with _AUTOGROUP_LOCK:
+        while True:
+            try:
+                fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY)
+            except OSError:  # no autogroup here, or the process has ended
+                return False
+            try:
+                os.write(fd, str(BACKGROUND_NICE).encode())
+                return True
+            except BlockingIOError:  # EAGAIN: the machine-wide pace above
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.03)
+            except OSError:
+                return False
+            finally:
+                os.close(fd)
 
 
 def _sessions_below(roots: Collection[int]) -> dict[int, int]:
@@ -523,9 +539,8 @@ class BackgroundRuns:
         done: set[int] = set()
         while self.thread.is_alive() and not self.stop_event.wait(1.0):
             for sid, pid in _sessions_below(set(self.pids.values())).items():
-                if sid not in done:
+                if sid not in done and _lower_priority(pid):
                     done.add(sid)
-                    _lower_priority(pid)
 
     def _run(self) -> None:
         error: BaseException | None = None

@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 from conftest import Command, SharedRuns
 
+#: A test of SWEEPS may wait for the background to reach its sweep.
+SWEEPS_TIMEOUT = pytest.mark.timeout(600)
+
 
 def _json_of(request: Any, key: tuple[str, ...]) -> tuple[Any, str]:
     """What the sweep `key` (its script's name, then its arguments; see
@@ -289,6 +292,7 @@ for pid in left:
 """.replace("#RUNNING_CHILDREN#", RUNNING_CHILDREN)
 
 
+@SWEEPS_TIMEOUT
 @pytest.mark.parametrize(
     ("case", "method"),
     [("restart", "fork"), ("restart", "forkserver"), ("ctrl-c in restart", "fork"), ("replaced", "forkserver"),
@@ -644,6 +648,7 @@ print(json.dumps({"interrupted": interrupted, "left running at": left}))
 """
 
 
+@SWEEPS_TIMEOUT
 @pytest.mark.parametrize(
     ("transport", "during"), [("shm", "take"), ("queue", "take"), ("shm", "close"), ("shm", "exit in close")]
 )
@@ -748,6 +753,7 @@ print(json.dumps({"interrupted": interrupted, "left": left}))
 """.replace("#RUNNING_CHILDREN#", RUNNING_CHILDREN)
 
 
+@SWEEPS_TIMEOUT
 @pytest.mark.parametrize("during", ["made", "closed"])
 def test_a_signal_as_rank_0_makes_or_closes_its_group_leaves_nothing(during, request):
     """made: on b238065 a Ctrl-C in rank 0 after its group's pipeline had

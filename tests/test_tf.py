@@ -319,6 +319,7 @@ SCRIPTS = SharedRuns(
 )
 
 
+@pytest.mark.timeout(600)  # it may wait for the background to reach its script
 def test_the_first_dataset_of_a_process_may_be_made_inside_a_traced_function(request):
     # The once-per-process check that TensorFlow aliases NumPy arrays ran
     # where it was first asked for: inside a traced function its tensor was
