@@ -81,6 +81,13 @@ def indices_of(values: Any, what: str) -> np.ndarray:
         array = np.asarray(values)
     except Exception as exc:  # noqa: BLE001 - any failure means "not indices"
         raise ShmpipeTypeError(f"the {what} is not a sequence of ints: {exc}") from None
+    if array.ndim == 1 and array.size and array.dtype.kind in "Of":
+        # Ints that NumPy could not hold as one integer type (one past
+        # uint64, or past int64 beside a negative one) came as objects or
+        # floats: name the index, not the type.
+        outside = _int_outside_int64(values)
+        if outside is not None:
+            raise ShmpipeValueError(f"the {what} gave index {outside}, outside any dataset")
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise ShmpipeTypeError(f"the {what} must be a sequence of ints, got {array.dtype} of shape {array.shape}")
     if array.size and array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:
@@ -164,3 +171,16 @@ def subplan(indices: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> Pla
     # position j of batch k is starts[k] + (j - sub_bounds[k])
     offsets = np.repeat(starts - sub_bounds[:-1], lengths)
     return indices[np.arange(int(sub_bounds[-1]), dtype=np.int64) + offsets], sub_bounds
+
+
+def _int_outside_int64(values: Any) -> int | None:
+    """The first of `values` outside int64 where every one is an int (not
+    a bool); None otherwise."""
+    lo, hi = -(1 << 63), (1 << 63) - 1
+    outside = None
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            return None
+        if outside is None and not lo <= int(v) <= hi:
+            outside = int(v)
+    return outside

@@ -427,6 +427,18 @@ def test_a_sampler_index_outside_the_dataset_is_an_error():
     with shmpipe.from_dataset(Numbered(N), sampler=big, num_workers=1, timeout=T) as pipe:
         with pytest.raises(shmpipe.ShmpipeValueError, match=f"index {2**63 + 1}, outside"):
             next(iter(pipe))
+    # Python ints that no one NumPy integer type holds (past uint64; past
+    # int64 beside a negative one) were "not a sequence of ints" (object, or
+    # float64). A batch sampler's batch is read the same way.
+    for args, bad in [(dict(sampler=[0, 2**64]), 2**64), (dict(sampler=[-1, 2**63]), 2**63),
+                      (dict(batch_sampler=[[0, 1], [2**64, 2]]), 2**64)]:
+        with shmpipe.from_dataset(Numbered(N), num_workers=1, timeout=T, **args) as pipe:
+            with pytest.raises(shmpipe.ShmpipeValueError, match=f"index {bad}, outside"):
+                next(iter(pipe))
+    # Floats are still not indices.
+    with shmpipe.from_dataset(Numbered(N), sampler=[0.0, 1.0], num_workers=1, timeout=T) as pipe:
+        with pytest.raises(shmpipe.ShmpipeTypeError, match="must be a sequence of ints, got float64"):
+            next(iter(pipe))
 
 
 class _Endless:
