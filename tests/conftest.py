@@ -414,6 +414,11 @@ def _folder(factory: pytest.TempPathFactory, key: Hashable) -> Any:
 #: them about a tenth of a core the foreground wants, and every idle one.
 BACKGROUND_NICE = 10
 
+#: A script still running after this part of its timeout gets back the
+#: foreground's priority: below it, with the foreground busy, a script ran
+#: up to 6 times as long as alone (14 s to 35 s of a 60 s timeout), and its
+#: timeout (or its own inner ones) must not be what ends it.
+BACKGROUND_NICE_FOR = 1 / 3
 
 #: One change of an autogroup's nice at a time: the kernel takes one per
 #: 0.1 s machine-wide from a process without CAP_SYS_ADMIN (EAGAIN), and
@@ -421,16 +426,16 @@ BACKGROUND_NICE = 10
 _AUTOGROUP_LOCK = threading.Lock()
 
 
-def _lower_priority(pid: int) -> bool:
-    """Makes `pid`, which leads a session of its own, BACKGROUND_NICE. Where
-    the kernel groups the scheduling by session (autogroup, the default on
-    most distributions: /proc/PID/autogroup), a process's nice ranks it only
-    within its session, and sessions share the cores equally whatever their
-    processes' nice: the session's group is made nice too, or nothing
-    changes. False where the process has ended (or this kernel has no
-    autogroup); True once done."""
+def _set_priority(pid: int, nice: int) -> bool:
+    """Makes `pid` and its session `nice`. Where the kernel groups the
+    scheduling by session (autogroup, the default on most distributions:
+    /proc/PID/autogroup), a process's nice ranks it only within its session,
+    and sessions share the cores equally whatever their processes' nice: the
+    session's group is set too, or nothing changes. (Without privilege a
+    process's nice only goes up; a session's goes back to 0 too.) False where
+    the process has ended (or this kernel has no autogroup); True once done."""
     with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, pid, BACKGROUND_NICE)
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
     deadline = time.monotonic() + 2.0
     with _AUTOGROUP_LOCK:
         while True:
@@ -439,7 +444,7 @@ def _lower_priority(pid: int) -> bool:
             except OSError:  # no autogroup here, or the process has ended
                 return False
             try:
-                os.write(fd, str(BACKGROUND_NICE).encode())
+                os.write(fd, str(nice).encode())
                 return True
             except BlockingIOError:  # EAGAIN: the machine-wide pace above
                 if time.monotonic() > deadline:
@@ -451,11 +456,10 @@ def _lower_priority(pid: int) -> bool:
                 os.close(fd)
 
 
-def _sessions_below(roots: Collection[int]) -> dict[int, int]:
-    """The sessions that descendants of `roots` lead or are in, other than
-    the roots' own: {session id: a process in it}. (A bench's script starts
-    each process it measures in a session of its own, which a session's
-    group priority does not reach.)"""
+def _descendants(roots: Collection[int]) -> dict[int, tuple[int, int]]:
+    """The live descendants of `roots`: {pid: (its root, its session)}. (A
+    bench's script starts each process it measures in a session of its own,
+    which a session's group priority does not reach.)"""
     parent: dict[int, int] = {}
     session: dict[int, int] = {}
     for name in os.listdir("/proc"):
@@ -467,13 +471,12 @@ def _sessions_below(roots: Collection[int]) -> dict[int, int]:
         except OSError:
             continue  # ended since the listing
         parent[int(name)], session[int(name)] = int(fields[1]), int(fields[3])
-    found: dict[int, int] = {}
+    found: dict[int, tuple[int, int]] = {}
     for pid in parent:
         ancestor = parent[pid]
         for _ in range(64):
             if ancestor in roots:
-                if session[pid] not in roots:
-                    found.setdefault(session[pid], pid)
+                found[pid] = (ancestor, session[pid])
                 break
             if ancestor <= 1 or ancestor not in parent:
                 break
@@ -523,7 +526,8 @@ class BackgroundRuns:
         self.pids: dict[Hashable, int] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shared runs", daemon=True)
-        self.demoting = threading.Thread(target=self._demote, name="shared runs' priority", daemon=True)
+        self.started_at: dict[Hashable, float] = {}
+        self.priorities = threading.Thread(target=self._keep_priorities, name="shared runs' priority", daemon=True)
 
     def start(self) -> None:
         for family in self.families:
@@ -531,16 +535,32 @@ class BackgroundRuns:
                 family.background_done.set()
         if self.commands:
             self.thread.start()
-            self.demoting.start()
+            self.priorities.start()
 
-    def _demote(self) -> None:
-        """Brings the sessions that the scripts' processes start below the
-        foreground too, within a second of their start, while scripts run."""
-        done: set[int] = set()
+    def _keep_priorities(self) -> None:
+        """Each second while scripts run: the sessions that their processes
+        start go below the foreground too; a script past BACKGROUND_NICE_FOR
+        of its timeout gets the foreground's priority back, with every
+        process and session of its."""
+        lowered: set[int] = set()  # sessions
+        restored: set[int] = set()  # scripts' pids
         while self.thread.is_alive() and not self.stop_event.wait(1.0):
-            for sid, pid in _sessions_below(set(self.pids.values())).items():
-                if sid not in done and _lower_priority(pid):
-                    done.add(sid)
+            now = time.monotonic()
+            running = {pid: key for key, pid in list(self.pids.items())}
+            late = {pid for pid, key in running.items()
+                    if pid not in restored and now - self.started_at[key] > self.commands[key].timeout * BACKGROUND_NICE_FOR}
+            back: dict[int, int] = {pid: pid for pid in late}  # the sessions to set back: {session: a process in it}
+            for pid, (root, sid) in _descendants(running.keys()).items():
+                if root in late:
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, pid, 0)
+                    back.setdefault(sid, pid)
+                elif root not in restored and sid not in lowered and sid not in running:
+                    if _set_priority(pid, BACKGROUND_NICE):
+                        lowered.add(sid)
+            for pid in back.values():
+                _set_priority(pid, 0)
+            restored |= late
 
     def _run(self) -> None:
         error: BaseException | None = None
@@ -552,6 +572,7 @@ class BackgroundRuns:
             self._finish(error)
 
     def _started(self, key: Hashable, pid: int) -> None:
+        self.started_at[key] = time.monotonic()
         self.pids[key] = pid
         _BACKGROUND_PIDS.add(pid)
         # Below the tests in the foreground, which are what the session waits
@@ -561,7 +582,7 @@ class BackgroundRuns:
         # at the same priority, 64 s below it, 62 s with nothing beside it).
         # Set at once, before the script (which has just exec'd its
         # interpreter) starts processes of its own, which inherit it.
-        _lower_priority(pid)
+        _set_priority(pid, BACKGROUND_NICE)
 
     def _done(self, key: Hashable, result: subprocess.CompletedProcess) -> None:
         family, k = self.owner[key]
@@ -582,8 +603,8 @@ class BackgroundRuns:
         self.stop_event.set()
         if self.thread.is_alive():
             self.thread.join(60)
-        if self.demoting.is_alive():
-            self.demoting.join(10)
+        if self.priorities.is_alive():
+            self.priorities.join(10)
 
 
 class SharedJobs(_Shared):
