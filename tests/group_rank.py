@@ -158,6 +158,11 @@ def _rank_main(cfg: dict[str, Any]) -> None:
 
         _rank._Progress.began = cut_began
     pipe = batches = ds = kept = None
+    if cfg.get("adapter") == "jax-ahead":
+        # JAX imported before the group forms, not once its pass has begun:
+        # a rank that imported it there (seconds on a busy machine) began
+        # the pass that much after the other, whose wait is under timeout=.
+        from shmpipe._jax import JaxBatches
     try:
         if cfg.get("wait_for_file"):  # a stray: it joins once the group delivers
             _wait_for(cfg["wait_for_file"])
@@ -199,8 +204,6 @@ def _rank_main(cfg: dict[str, Any]) -> None:
             elif adapter == "jax-ahead":
                 # Batches put ahead of the trainer from to_jax's thread (as
                 # on an accelerator), here on the CPU.
-                from shmpipe._jax import JaxBatches
-
                 batches = JaxBatches(pipe, prefetch=2, ahead=True)
             try:
                 taking = iter(batches if adapter in ("torch", "jax-ahead") else ds if adapter == "tf" else pipe)
