@@ -64,13 +64,22 @@ def _descends_from_us(pid: int) -> bool:
             return True
         if pid <= 1 or pid in _BACKGROUND_PIDS:
             return False
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+        found = _parent_and_session(pid)
+        if found is None:
             return False
-        pid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # field 4: the parent
+        pid = found[0]
     return False
+
+
+def _parent_and_session(pid: int) -> tuple[int, int] | None:
+    """(parent, session) of `pid` (fields 4 and 6 of /proc/PID/stat); None
+    where it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[3])
 
 
 def assert_round_robin_prefix(order: list[tuple[int, int]], num_workers: int) -> None:
@@ -374,9 +383,9 @@ class SharedRuns(_Shared):
     With `background`, the family's scripts start when the session does
     (BackgroundRuns), beside the other tests, which mostly wait on their
     processes (the suite used half a core outside these scripts), and below
-    them in priority (BACKGROUND_NICE); the family's tests run last; a script that needs a machine-wide resource alone
-    (Command.exclusive: a local Ray) is still run by the first test that
-    asks."""
+    them in priority (BACKGROUND_NICE); the family's tests run last; a
+    script that needs a machine-wide resource alone (Command.exclusive: a
+    local Ray) is still run by the first test that asks."""
 
     def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
                  command: Callable[[Hashable, Any], Command], jobs: int = 2, background: bool = False) -> None:
@@ -463,14 +472,9 @@ def _descendants(roots: Collection[int]) -> dict[int, tuple[int, int]]:
     parent: dict[int, int] = {}
     session: dict[int, int] = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue  # ended since the listing
-        parent[int(name)], session[int(name)] = int(fields[1]), int(fields[3])
+        found = _parent_and_session(int(name)) if name.isdigit() else None
+        if found is not None:  # (None: not a process, or ended since the listing)
+            parent[int(name)], session[int(name)] = found
     found: dict[int, tuple[int, int]] = {}
     for pid in parent:
         ancestor = parent[pid]
