@@ -384,7 +384,9 @@ def test_doctor_checks_this_machine(request):
         jax_line = next(c for c in report["checks"] if c["name"] == "JAX devices")["value"]
         assert jax_line.startswith(f"JAX {importlib.metadata.version('jax')}, ") and " device" in jax_line, jax_line
     text, _ = RUNS.get(request, "doctor")
-    assert text.returncode == out.returncode
+    # (its own measures: the producer start-up is timed again, and may warn
+    # in one run and not the other on a busy machine)
+    assert text.returncode == (1 if "\n  WARN  " in text.stdout else 0), text.stdout
     assert text.stdout.startswith("shmpipe doctor: ") and "  OK    package numpy" in text.stdout
 
 
