@@ -22,8 +22,8 @@ begin where the saved run stood.
 
 Producers run the other half (shmpipe/_sources.py). The state is read in
 the consumer from a file the user keeps; it is checked field by field
-(check_state) and a state that does not fit this pipeline is refused with
-the field named, never run as something else.
+(shmpipe/_state_fields.py) and a state that does not fit this pipeline is
+refused with the field named, never run as something else.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import abc
 import dataclasses
 import hashlib
 import math
-import reprlib
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -44,16 +43,10 @@ from shmpipe._epochs import Drawn, EpochDraws, declared_len, indices_of, read_wh
 from shmpipe._nodes import ONE_NODE, NodeLayout
 from shmpipe._producer_context import PassWork, seed_for
 from shmpipe._sources import DatasetPlan
-from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning, users_stacklevel
+from shmpipe._state_fields import STATE_FORMAT, STATE_VERSION, StateFields, shown
+from shmpipe.errors import ShmpipeValueError, ShmpipeWarning, users_stacklevel
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "DatasetSchedule", "IteratorSchedule", "Schedule", "start_problem"]
-
-#: Names a state as shmpipe's (a dict from somewhere else is refused).
-STATE_FORMAT = "shmpipe.state"
-#: The layout of the state dicts below; a later layout reads this one or
-#: refuses it by name.
-STATE_VERSION = 1
-
+__all__ = ["DatasetSchedule", "IteratorSchedule", "Schedule", "start_problem"]
 
 @dataclass(frozen=True)
 class Progress:
@@ -169,7 +162,7 @@ class Schedule(abc.ABC):
     def load(self, state: Any) -> None:
         """Makes the next pass begin where `state` says. Everything is
         checked first: a state refused leaves the schedule as it was."""
-        fields = _Fields(state, self.kind)
+        fields = StateFields(state, self.kind)
         seed = fields.integer("seed", 0, (1 << 63) - 1)
         if self.seed_given and seed != self.seed:
             raise ShmpipeValueError(
@@ -193,7 +186,7 @@ class Schedule(abc.ABC):
         vars(self).update(saved)
 
     @abc.abstractmethod
-    def _load(self, fields: _Fields, seed: int) -> None:
+    def _load(self, fields: StateFields, seed: int) -> None:
         """Checks the rest of the state (the pipeline's batches come from
         `seed`, the state's) and keeps it for the next pass; raises, with
         nothing changed, where it does not fit."""
@@ -267,7 +260,7 @@ class IteratorSchedule(Schedule):
         ]
         return self._fields(epoch, delivered, after, progress.next_turn or 0)
 
-    def _load(self, fields: _Fields, seed: int) -> None:
+    def _load(self, fields: StateFields, seed: int) -> None:
         sources = fields.integer("sources", 1, 1 << 20)
         if sources != self.num_workers:
             raise ShmpipeValueError(
@@ -327,6 +320,7 @@ class DatasetSchedule(Schedule):
         #: epoch), their digest, and which of them were done.
         self._loaded: tuple[tuple[np.ndarray, np.ndarray], str, np.ndarray] | None = None
         self._says_empty_epochs = True  # (one_reader() says it instead)
+        self._said_no_batches = False  # an epoch of the user's sampler with none: said once
         #: The epochs drawn in this process (_drawn): shared with one_reader()'s.
         self._draws = EpochDraws() if draws is None else draws
         self._draws.share(self)
@@ -455,6 +449,8 @@ class DatasetSchedule(Schedule):
         self._drawn_now, self._done = drawn, done
         self._left = np.flatnonzero(~done)
         self._mine, self.dropped = self.layout.share(self._left)
+        if self._says_empty_epochs and len(done) == 0:
+            self._say_no_batches(epoch)
         if self._says_empty_epochs and not done.any() and 0 < len(done) < self.layout.world:
             warnings.warn(
                 f"an epoch of {len(done)} batch{'es' if len(done) > 1 else ''} goes to no rank: the job's "
@@ -466,6 +462,23 @@ class DatasetSchedule(Schedule):
             )
         self.first_turn = 0
         return self._deal(pass_no, epoch, 0)
+
+    def _say_no_batches(self, epoch: int) -> None:
+        """An epoch of no batches from the user's sampler (an empty dataset
+        is said at construction): its loop would end at once, silently, as
+        the DataLoader's does. Said once a pipeline, as a sampler may give
+        none in some epochs only."""
+        if self._said_no_batches or (self.sampler is None and self.batch_sampler is None):
+            return
+        self._said_no_batches = True
+        if self.batch_sampler is not None:
+            why = "its batch_sampler gave no batch"
+        elif self.drop_last:
+            why = f"its sampler gave fewer indices than a batch of {self.batch_size}, and drop_last=True"
+        else:
+            why = "its sampler gave no index"
+        warnings.warn(f"epoch {epoch} of this pipeline has no batches: {why}", ShmpipeWarning,
+                      stacklevel=users_stacklevel())
 
     def _deal(self, pass_no: int, epoch: int, made_here: int) -> list[PassWork]:
         """The producers' work: this node's batches after the first
@@ -627,7 +640,7 @@ class DatasetSchedule(Schedule):
         done[self._left[:taken]] = True
         return self._fields(epoch, self._drawn_now.digest, done)
 
-    def _load(self, fields: _Fields, seed: int) -> None:
+    def _load(self, fields: StateFields, seed: int) -> None:
         for name, mine in (("length", self.length), ("batch_size", self.batch_size), ("drop_last", self.drop_last)):
             theirs = fields.value(name)
             # As JSON gives it back: 2.0 or True is not 2 (whatever int
@@ -635,7 +648,7 @@ class DatasetSchedule(Schedule):
             want = type(None) if mine is None else bool if isinstance(mine, bool) else int
             if type(theirs) is not want or theirs != mine:
                 raise ShmpipeValueError(
-                    f"the state's {name} is {_shown(theirs)}, this pipeline's is {mine!r}: it belongs to another "
+                    f"the state's {name} is {shown(theirs)}, this pipeline's is {mine!r}: it belongs to another "
                     "dataset or loader"
                 )
         sampler = fields.text("sampler")
@@ -724,74 +737,6 @@ def _set_epoch(sampler: Any, epoch: int) -> None:
         set_epoch(epoch)
 
 
-#: How a state's value is shown in an error: short, whatever it holds (a
-#: list nested thousands deep in a pickled checkpoint would exhaust repr()).
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist = 3, 80, 80, 8
-
-
-def _shown(value: Any) -> str:
-    return _SHOWN.repr(value)
-
-
 def _name(obj: Any) -> str:
     t = type(obj)
     return f"{t.__module__}.{t.__qualname__}"
-
-
-class _Fields:
-    """A state dict read field by field: each read checks the type and the
-    range and names the field in its error; done() refuses fields left
-    over (a state of another layout)."""
-
-    def __init__(self, state: Any, kind: str) -> None:
-        if not isinstance(state, Mapping):
-            raise ShmpipeTypeError(f"a state is a dict (from state_dict()), got {type(state).__name__}")
-        self.state = dict(state)
-        if any(type(k) is not str for k in self.state):
-            raise ShmpipeValueError("malformed state: its keys must be strings (a state_dict() is JSON)")
-        self.seen: set[str] = set()
-        fmt = self.value("format")
-        if type(fmt) is not str or fmt != STATE_FORMAT:
-            raise ShmpipeValueError(f"not a shmpipe state (its 'format' is {_shown(fmt)})")
-        version = self.value("version")
-        if type(version) is not int or version != STATE_VERSION:
-            raise ShmpipeValueError(
-                f"the state's version is {_shown(version)}; this shmpipe reads version {STATE_VERSION}"
-            )
-        theirs = self.value("kind")
-        if type(theirs) is not str or theirs != kind:
-            raise ShmpipeValueError(f"the state is of a {_shown(theirs)} pipeline, this one is {kind!r}")
-
-    def value(self, name: str) -> Any:
-        if name not in self.state:
-            raise ShmpipeValueError(f"malformed state: no {name!r}")
-        self.seen.add(name)
-        return self.state[name]
-
-    def integer(self, name: str, low: int, high: int) -> int:
-        v = self.value(name)
-        if type(v) is not int or not low <= v <= high:
-            raise ShmpipeValueError(f"malformed state: {name!r} must be an int in [{low}, {high}], got {_shown(v)}")
-        return v
-
-    def text(self, name: str) -> str:
-        v = self.value(name)
-        if type(v) is not str or len(v) > 256:
-            raise ShmpipeValueError(f"malformed state: {name!r} must be a short string, got {_shown(v)}")
-        return v
-
-    def integers(self, name: str, count: int | None, low: int, high: int) -> list[int]:
-        v = self.value(name)
-        if not isinstance(v, list) or (count is not None and len(v) != count):
-            want = "a list" if count is None else f"a list of {count}"
-            raise ShmpipeValueError(f"malformed state: {name!r} must be {want} ints, got {_shown(v)}")
-        for x in v:
-            if type(x) is not int or not low <= x <= high:
-                raise ShmpipeValueError(f"malformed state: {name!r} holds {_shown(x)}, not an int in [{low}, {high}]")
-        return list(v)
-
-    def done(self) -> None:
-        extra = sorted(set(self.state) - self.seen)
-        if extra:
-            raise ShmpipeValueError(f"malformed state: unknown fields {extra}")

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -356,6 +357,23 @@ def test_an_epoch_without_batches_is_said(length, says):
         shmpipe.from_dataset(Numbered(length), batch_size=4, drop_last=True, num_workers=1, transport="nope")
 
 
+@pytest.mark.parametrize(("given", "says"), [
+    ({"sampler": [], "batch_size": 4}, "its sampler gave no index"),
+    ({"sampler": [1, 2], "batch_size": 4, "drop_last": True}, "its sampler gave fewer indices than a batch of 4, and drop_last=True"),
+    ({"batch_sampler": []}, "its batch_sampler gave no batch"),
+])
+def test_a_sampler_that_gives_no_batches_is_said_once(given, says):
+    # Its epochs ended at once, silently (helper 83); the sampler is read per epoch, so it is said of the
+    # first epoch with none, and not again (a sampler may give none in some epochs only).
+    with shmpipe.from_dataset(Numbered(N), num_workers=1, timeout=T, **given) as pipe:
+        with pytest.warns(shmpipe.ShmpipeWarning, match=f"^epoch 0 of this pipeline has no batches: {re.escape(says)}$") as seen:
+            assert take(pipe) == []
+        assert len(seen) == 1 and seen[0].filename == __file__  # the caller's line
+        assert take(pipe) == [] and take(pipe) == []  # under warnings as errors: not said again
+    with shmpipe.from_dataset(Numbered(N), sampler=[0, 1, 2], batch_size=4, num_workers=1, timeout=T) as pipe:
+        assert take(pipe) == [[0, 1, 2]]  # a short batch is a batch: nothing said
+
+
 def test_a_collate_fn_makes_the_batch_and_the_default_says_what_it_cannot_stack():
     with shmpipe.from_dataset(ShapeByIndex(), batch_size=3, num_workers=1, timeout=T) as pipe:
         with pytest.raises(shmpipe.ShmpipeTypeError, match=r"shape \(2,\), sample 0 has \(1,\)"):
@@ -671,7 +689,9 @@ def test_a_state_of_an_epoch_without_batches_is_the_one_loaded_until_its_pass_en
         state = pipe.state_dict()
     assert (state["epoch"], state["batches"]) == (1, None)  # epoch 1 alone, not drawn
     with shmpipe.from_dataset(Numbered(4), sampler=_EmptyEpoch1(), **kw) as pipe:
-        pipe.load_state_dict(state)
+        # (said where the pass is begun: at the load, which begins it ahead)
+        with pytest.warns(shmpipe.ShmpipeWarning, match="^epoch 1 of this pipeline has no batches: its sampler gave no index$"):
+            pipe.load_state_dict(state)
         assert pipe.state_dict() == state
         assert list(pipe) == []
         assert pipe.state_dict()["epoch"] == 2
