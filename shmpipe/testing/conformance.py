@@ -40,6 +40,7 @@ from shmpipe.testing.assertions import assert_same
 from shmpipe.testing.memory import named_segments, ring_descriptors
 from shmpipe.testing.sources import (
     Counter,
+    Drawing,
     Fixed,
     Killer,
     Matrix,
@@ -172,6 +173,36 @@ class TransportConformance:
             assert sorted((b["worker"], b["seq"]) for b in pipe) == [(w, s) for w in range(2) for s in range(6)]
         with self.pipe(transport, [Fixed([])] * 2) as pipe:
             assert list(pipe) == [] and list(pipe) == []
+
+    def test_a_pass_given_up_or_resumed_changes_nothing_of_the_next(self, transport: TransportArg) -> None:
+        """A source's pass is entered afresh (its work, get_worker_info(), the
+        seeded generators) whatever the pass before it still does: a pass left
+        after a few batches, or one begun and replaced by a resumed one
+        (load_state_dict), leaves the next pass's batches and draws those of
+        an uninterrupted run."""
+
+        def key(b: Any) -> tuple[int, ...]:
+            return int(b["worker"]), int(b["seq"]), int(b["epoch"]), int(b["draw"])
+
+        sources = [Drawing(8, delay=0.02)] * 2
+        with self.pipe(transport, sources, ordered=True, seed=3) as pipe:
+            whole = [[key(b) for b in pipe] for _ in range(2)]
+        with self.pipe(transport, sources, ordered=True, seed=3) as pipe:
+            it = iter(pipe)
+            first = [key(next(it)) for _ in range(3)]
+            del it  # left in the middle of its sources' batches
+            assert first == whole[0][:3]
+            got = [key(b) for b in pipe]
+            assert got == whole[1], f"the pass after one left early differs: {got} != {whole[1]}"
+        with self.pipe(transport, sources, ordered=True, seed=3) as pipe:
+            it = iter(pipe)
+            taken = [key(next(it)) for _ in range(5)]
+            state = pipe.state_dict()
+        with self.pipe(transport, sources, ordered=True, seed=3) as pipe:
+            pipe.load_state_dict(state)
+            rest = [key(b) for b in pipe]
+            assert taken + rest == whole[0], f"resumed after 5 batches: {taken} + {rest} != {whole[0]}"
+            assert [key(b) for b in pipe] == whole[1]
 
     def test_reserve_gives_correct_batches(self, transport: TransportArg) -> None:
         with self.pipe(transport, [Reserver(10, shape=(128,))] * 2) as pipe:

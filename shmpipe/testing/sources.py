@@ -28,6 +28,7 @@ __all__ = [
     "Exiter",
     "Reserver",
     "SeedReporter",
+    "Drawing",
     "Stamped",
     "StringsAt",
     "StatefulCounter",
@@ -269,6 +270,23 @@ class SeedReporter:
             "np": float(np.random.random()),
             "py": random.random(),
         }
+
+
+class Drawing:
+    """n batches {"worker", "seq", "epoch", "draw"}: each draw is the next of
+    NumPy's global generator, which shmpipe seeds for each pass, so a pass's
+    draws are the same whenever it runs. `delay` seconds before each batch
+    (a pass given up still has its source in the middle of a batch)."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        self.n, self.delay = n, delay
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        info = _worker_info()
+        for seq in range(self.n):
+            if self.delay:
+                time.sleep(self.delay)
+            yield {"worker": info.id, "seq": seq, "epoch": info.epoch, "draw": int(np.random.randint(1 << 30))}
 
 
 class Stamped:

@@ -167,34 +167,54 @@ def _checked_actor_options(options: dict[str, Any], what: str) -> dict[str, Any]
 
 
 class _Producer:
-    """One producer: runs its source once per pass as a streaming generator."""
+    """One producer: runs its source once per pass as a streaming generator.
+
+    The actor has two threads (max_concurrency=2), so a new pass's call can
+    run while the old pass's generator is still in its source: a source
+    reads the pass's work and draws from the global generators, both the
+    process's (enter_pass), so one pass's source runs at a time. A new pass
+    marks every older one cancelled, then waits for the pass lock: the old
+    generator stops at its next batch and lets go of it, and only then is
+    the new pass entered (its work set, the generators seeded). A call that
+    Ray runs after a newer one (the two threads take calls in no set order)
+    finds itself cancelled and yields nothing.
+    """
 
     def __init__(self, worker: int, num_workers: int, source: Callable) -> None:
         self.worker = worker
         self.num_workers = num_workers
         self.source = source
         self.cancelled_below = 0  # passes below this number stop at their next batch
+        self._cancelling = threading.Lock()  # (max() then a store is not atomic between two threads)
+        #: Held by the pass whose source runs, across its yields (a
+        #: generator runs in one thread of Ray's from start to end).
+        self._pass_lock = threading.Lock()
 
     def pid(self) -> int:
         return os.getpid()
 
     def cancel(self, below: int) -> None:
-        self.cancelled_below = max(self.cancelled_below, below)
+        with self._cancelling:
+            self.cancelled_below = max(self.cancelled_below, below)
 
     def run_pass(self, work: PassWork) -> Iterator[Any]:
         pass_no = work.pass_no
-        enter_pass(self.worker, self.num_workers, work)
-        iterator = iter(self.source())
-        try:
-            for batch in iterator:
-                if pass_no < self.cancelled_below:
-                    return
-                check_batch(batch)  # the contract of every transport (shmpipe runs no producer here)
-                yield batch
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
+        self.cancel(pass_no)
+        with self._pass_lock:
+            if pass_no < self.cancelled_below:
+                return  # a newer pass came first
+            enter_pass(self.worker, self.num_workers, work)
+            iterator = iter(self.source())
+            try:
+                for batch in iterator:
+                    if pass_no < self.cancelled_below:
+                        return
+                    check_batch(batch)  # the contract of every transport (shmpipe runs no producer here)
+                    yield batch
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    close()
 
 
 # A Ray actor class (a class decorator would hide what it makes from type checkers).
