@@ -42,7 +42,7 @@ from shmpipe.errors import (
     type_name,
     users_stacklevel,
 )
-from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher
+from shmpipe.transport import AGAIN, END, FAULT, ChannelSpec, ConsumerEnd, Launcher, class_name, reported
 
 if TYPE_CHECKING:  # imported where a pass makes its first batches (it loads the compiled codec)
     from shmpipe._first_batches import FirstBatches
@@ -144,9 +144,8 @@ class Pipeline(FrameworkStream):
         self._restarts: list[str] = []  # each producer death that was replaced (max_restarts)
         self._stall_warned = -1  # the pass the consumer was last told it holds too much
         self._dropped: list[int] = []  # per pass iterated: batches the schedule dealt to no rank
-        # The trainer's part of the pass begun last, while the producers start
-        # (None once they have their part, or where it makes none), and how
-        # many batches of the pass in progress it made and delivered.
+        # The trainer's part of the pass begun last, while the producers start (None once they have their
+        # part, or where it makes none), and how many batches of the pass in progress it made and delivered.
         self._first: FirstBatches | None = None
         self._made_here = 0
         self._abandoned: list[int] = []  # passes begun while the producers started, never handed over
@@ -198,8 +197,7 @@ class Pipeline(FrameworkStream):
 
     @property
     def spec(self) -> ChannelSpec:
-        """What this pipeline asks of its channel: workers, capacity, order,
-        and the quotas that follow (see ChannelSpec)."""
+        """What this pipeline asks of its channel: workers, capacity, order, and the quotas that follow."""
         return self._spec
 
     @property
@@ -406,7 +404,10 @@ class Pipeline(FrameworkStream):
             raise
         if (channel := self._channel) is None:  # a close() from another thread let go of it since
             raise PipelineClosedError("the pipeline was closed while waiting for a batch")
-        return batch, channel.last_nbytes, channel.last_worker
+        try:
+            return (batch, *reported(channel, self.num_workers))
+        except CorruptChannelError as exc:  # a transport's own ConsumerEnd broke the contract
+            self._close_and_raise(exc)
 
     def _take_first(self, it: _PipelinePass, t0: int) -> tuple[Any, int, int] | None:
         """The next batch of a pass begun while the producers started, made
@@ -584,7 +585,8 @@ class Pipeline(FrameworkStream):
                 self._close_and_raise(
                     CorruptChannelError(
                         f"the channel says worker {worker}'s part of pass {pass_no} is over after {delivered} "
-                        f"batches, but its producer {told}: the channel's memory was written from outside"
+                        f"batches, but its producer {told}: the channel lost or repeated batches (its memory "
+                        f"written from outside, or a defect of {class_name(self._channel)})"
                     )
                 )
 
@@ -782,8 +784,7 @@ class Pipeline(FrameworkStream):
 
     @property
     def channel(self) -> ConsumerEnd | None:
-        """The transport's ConsumerEnd (None until the first batch for
-        transports sized by it, and once closed). For diagnostics, adapters and tests."""
+        """The transport's ConsumerEnd (None before a channel sized by the first batch is open, and once closed)."""
         return self._channel
 
     @property

@@ -163,7 +163,7 @@ from shmpipe._batch import check as check_batch
 from shmpipe._outcomes import AGAIN, END, FAULT
 from shmpipe._producer_context import PassWork, enter_pass
 from shmpipe._spec import new_arrays
-from shmpipe.errors import Cancelled, Closed, TransportUnavailableError
+from shmpipe.errors import Cancelled, Closed, CorruptChannelError, TransportUnavailableError
 
 __all__ = [
     "AGAIN",
@@ -691,6 +691,26 @@ class ServesRanks(abc.ABC):
     def rank_reader(self, share: dict[str, Any], fds: list[int]) -> RankReader:
         """In a rank of a group: a reader of the channel `share` (from
         ``share_with_ranks``) describes; takes `fds`."""
+
+
+def class_name(obj: object) -> str:
+    """The module and qualified name of `obj`'s class: which transport's
+    ConsumerEnd an error is about."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def reported(channel: ConsumerEnd, num_workers: int) -> tuple[int, int]:
+    """(last_nbytes, last_worker) of the batch `channel`'s get returned,
+    checked: they index and add up the pipeline's counters, and a
+    transport's own ConsumerEnd may set anything there. A
+    CorruptChannelError naming its class where they break the contract."""
+    nbytes, worker = channel.last_nbytes, channel.last_worker
+    if type(worker) is not int or not 0 <= worker < num_workers or type(nbytes) is not int or not 0 <= nbytes < 1 << 48:
+        raise CorruptChannelError(
+            f"{class_name(channel)} reported the batch as worker {worker!r:.40}'s, of {nbytes!r:.40} bytes: "
+            f"last_worker must be an int in [0, {num_workers}) and last_nbytes an int in [0, 2**48)"
+        )
+    return nbytes, worker
 
 
 def require(module: str, *, transport: str, extra: str | None = None, install: str | None = None) -> ModuleType:

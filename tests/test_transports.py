@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from shmpipe.testing.sources import Counter, Fixed
 from shmpipe.transport import Capabilities, ChannelSpec, ProducerControl, Transport
 from shmpipe.transports import arrow
 from shmpipe.transports.queue import QueueTransport
-from shmpipe_example_pipe import PipeTransport
+from shmpipe_example_pipe import PipeConsumer, PipeTransport
 
 
 @pytest.fixture
@@ -140,6 +141,43 @@ def test_a_transport_that_checks_batches_itself_is_taken_at_its_word():
                 list(pipe)
 
 
+class _Misreporting(PipeConsumer):
+    """The example's consumer, reporting each batch it returns as `report`'s
+    (last_worker, last_nbytes)."""
+
+    def __init__(self, spec: Any, report: tuple[Any, Any]) -> None:
+        super().__init__(spec)
+        self.report = report
+
+    def get(self, pass_no, worker, wseq, wait):
+        got = super().get(pass_no, worker, wseq, wait)
+        self.last_worker, self.last_nbytes = self.report
+        return got
+
+
+class Misreports(PipeTransport):
+    """The example transport, whose consumer misreports what it returns."""
+
+    name = "misreports"
+
+    def __init__(self, report: tuple[Any, Any]) -> None:
+        self.report = report
+
+    def open(self, spec):
+        return _Misreporting(spec, self.report)
+
+
+@pytest.mark.parametrize("report", [(2, 8), (-1, 8), ("0", 8), (True, 8), (0, -5), (0, 1 << 70), (0, 8.0)])
+def test_what_a_transports_consumer_reports_of_a_batch_is_checked(report):
+    # They index and add up the counters: a worker out of range landed in
+    # another counter, a huge size was a raw OverflowError (helper 87).
+    with pytest.raises(shmpipe.CorruptChannelError, match=r"_Misreporting reported the batch as worker .*: "
+                       r"last_worker must be an int in \[0, 2\) and last_nbytes an int in \[0, 2\*\*48\)"):
+        with shmpipe.from_iterators([Counter(3)] * 2, transport=Misreports(report), timeout=30) as pipe:
+            list(pipe)
+    assert pipe.leftovers() == []
+
+
 class _RunsCode:
     """A pickle whose loading would run a shell command."""
 
@@ -153,8 +191,8 @@ class _RunsCode:
 
 
 def test_the_example_transport_loads_no_code_written_into_its_sockets(tmp_path):
-    # Any process of the user can write into a producer's socket through
-    # /proc/<pid>/fd: what comes out of it is data, never code to run.
+    # A process of the user that may trace a producer can take a copy of its
+    # socket (pidfd_getfd) and write into it: what comes out is data, never code.
     import multiprocessing
     import pickle
     import struct

@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from shmpipe._options import Source
 from shmpipe._tree import leaves
 from shmpipe.registry import resolve_transport
 from shmpipe.testing.assertions import assert_same
-from shmpipe.testing.memory import named_segments, ring_descriptors
+from shmpipe.testing.memory import channel_descriptors, named_segments, ring_descriptors
 from shmpipe.testing.sources import (
     Counter,
     Drawing,
@@ -61,10 +61,47 @@ __all__ = ["TransportConformance"]
 TransportArg = str | type[Transport] | Transport
 
 
-def _our_memory() -> set[str]:
-    """shmpipe's named segments in /dev/shm, and this process's descriptors
-    of anonymous ring memory."""
-    return named_segments() | {f"fd {fd} -> {target}" for fd, target in ring_descriptors().items()}
+def _our_memory(prefixes: tuple[str, ...] = ()) -> set[str]:
+    """shmpipe's named segments in /dev/shm, the entries there whose names
+    begin with one of `prefixes` (a transport's own), and this process's
+    descriptors of anonymous ring memory."""
+    try:
+        own = {e for e in os.listdir("/dev/shm") if prefixes and e.startswith(prefixes)}
+    except FileNotFoundError:
+        own = set()
+    return named_segments() | own | {f"fd {fd} -> {target}" for fd, target in ring_descriptors().items()}
+
+
+def _bounded_by_pytest_timeout(config: pytest.Config) -> bool:
+    """Whether pytest-timeout ends a test that runs too long in this run."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return False
+    for read in (lambda: config.getoption("timeout"), lambda: config.getini("timeout"),
+                 lambda: os.environ.get("PYTEST_TIMEOUT")):
+        try:
+            value = read()
+        except ValueError:  # (an option or ini value the plugin did not declare)
+            continue
+        if value not in (None, ""):
+            try:
+                return float(value) > 0
+            except (TypeError, ValueError):
+                return False
+    return False
+
+
+def _opened_since(before: dict[int, str], settle: float = 2.0) -> dict[int, str]:
+    """Descriptors of the kinds a transport opens that this process holds now
+    and did not in `before` (the same number for another thing counts),
+    once they stay so: a descriptor another thread holds for a moment (a
+    test harness starting a process) is gone within `settle` seconds, one
+    left open is not."""
+    deadline = time.monotonic() + settle
+    while True:
+        new = {fd: t for fd, t in channel_descriptors().items() if before.get(fd) != t}
+        if not new or time.monotonic() > deadline:
+            return new
+        time.sleep(0.1)
 
 
 def _in_ranges(arr: np.ndarray, ranges: list[tuple[int, int]]) -> bool:
@@ -103,10 +140,43 @@ class TransportConformance:
 
     #: seconds the consumer waits for any one batch before the test fails
     timeout = 60.0
+    #: How the names of the /dev/shm entries your transport makes begin (its
+    #: own segments, beside shmpipe's): the clean-up test fails where close()
+    #: leaves one. Without it, only shmpipe's own names are looked for there
+    #: (an entry of another process cannot be told from a leak by name).
+    shm_prefixes: tuple[str, ...] = ()
+
+    #: Seconds a test may run in all where pytest-timeout does not bound it
+    #: (it is not installed, or set to 0): a transport whose wait ignores its
+    #: `wait` fails a test then, where it would hang the run.
+    test_deadline = 300.0
 
     @pytest.fixture
     def transport(self) -> TransportArg:
         raise NotImplementedError("give the subclass a `transport` fixture")
+
+    @pytest.fixture(autouse=True)
+    def _a_hang_is_a_failure(self, request: pytest.FixtureRequest) -> Iterator[None]:
+        """Ends a test at `test_deadline` with a failure that says so (a
+        SIGALRM, which interrupts the wait of the main thread), unless
+        pytest-timeout bounds it already (it may use the same signal)."""
+        if (_bounded_by_pytest_timeout(request.config) or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, signal.SIG_IGN, None)):
+            yield
+            return
+        deadline = self.test_deadline
+
+        def expired(signum: int, frame: Any) -> None:
+            pytest.fail(f"the test ran past TransportConformance.test_deadline ({deadline:g} s): does the "
+                        "transport's ConsumerEnd.get wait past its `wait`?")
+
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, deadline)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
     def pipe(self, transport: TransportArg, sources: Sequence[Source], **options: Any) -> shmpipe.Pipeline:
         options.setdefault("timeout", self.timeout)
@@ -370,7 +440,7 @@ class TransportConformance:
     # -- clean-up --------------------------------------------------------------
 
     def test_close_leaves_nothing_behind_and_keeps_delivered_batches(self, transport: TransportArg) -> None:
-        before = _our_memory()
+        before = _our_memory(self.shm_prefixes)
         pipe = self.pipe(transport, [Counter(100, shape=(1000,))] * 2, capacity=6)
         it = iter(pipe)
         kept = [next(it) for _ in range(3)]
@@ -382,9 +452,30 @@ class TransportConformance:
             while any(_process.process_start_time(p) is not None for p in pids) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert all(_process.process_start_time(p) is None for p in pids), "producers outlived close()"
-        assert _our_memory() - before == set(), "close() left shared memory behind"
+        left = _our_memory(self.shm_prefixes) - before
+        assert left == set(), f"close() left shared memory behind: {sorted(left)[:8]}"
         for b in kept:  # batches delivered before close stay valid
             np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], (1000,)))
+
+    def test_passes_and_pipelines_give_back_their_descriptors(self, transport: TransportArg) -> None:
+        """What a transport opens for a pass or for a pipeline, it closes:
+        five more passes leave this process's descriptors (sockets, pipes,
+        memory, anonymous inodes: shmpipe.testing.memory.channel_descriptors)
+        as one pass left them, and a pipeline closed leaves them as they were
+        before it was made (after a first pipeline, for what a process opens
+        once and keeps: the connection to shmpipe's fork server, say)."""
+        with self.pipe(transport, [Counter(3)] * 2) as pipe:
+            assert len(list(pipe)) == 6
+        before = channel_descriptors()
+        with self.pipe(transport, [Counter(3)] * 2) as pipe:
+            assert len(list(pipe)) == 6
+            after_one = channel_descriptors()
+            for _ in range(5):
+                assert len(list(pipe)) == 6
+            left = _opened_since(after_one)
+            assert not left, f"5 more passes left {len(left)} more descriptors open: {sorted(left.items())[:8]}"
+        left = _opened_since(before)
+        assert not left, f"a pipeline closed left {len(left)} descriptors open: {sorted(left.items())[:8]}"
 
     # -- what the capabilities claim -----------------------------------------
 

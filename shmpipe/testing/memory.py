@@ -1,6 +1,7 @@
-"""Where a pipeline's shared memory shows, for tests that check nothing is
-left behind: this process's descriptors and mappings of anonymous ring
-memory, and the named segments in /dev/shm."""
+"""Where a pipeline's shared memory and descriptors show, for tests that
+check nothing is left behind: this process's descriptors and mappings of
+anonymous ring memory, the named segments in /dev/shm, and the descriptors
+a transport may open (channel_descriptors)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,38 @@ import os
 
 from shmpipe import _segments
 
-__all__ = ["named_segments", "ring_descriptors", "ring_mappings"]
+__all__ = ["channel_descriptors", "named_segments", "ring_descriptors", "ring_mappings"]
+
+
+def _descriptors() -> dict[int, str]:
+    """This process's open descriptors: {fd: what /proc says it refers to}."""
+    found = {}
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            found[int(entry)] = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, say)
+    return found
+
+
+def channel_descriptors() -> dict[int, str]:
+    """This process's descriptors of the kinds a transport opens: sockets,
+    pipes, memory (memfd, /dev/shm) and other anonymous inodes (eventfd,
+    epoll). Left out: regular files and pidfds, which a test harness opens
+    and closes in threads of its own (a runner's output files, its waits on
+    processes) while a test runs, so they would show as leaks that are not."""
+    return {
+        fd: target
+        for fd, target in _descriptors().items()
+        if target.startswith(("socket:", "pipe:", "/memfd:", "/dev/shm/"))
+        or (target.startswith("anon_inode:") and "pidfd" not in target)
+    }
 
 
 def ring_descriptors() -> dict[int, str]:
     """This process's open descriptors of shmpipe's anonymous memory (the
     ring, and batches larger than a slot): {fd: what it refers to}."""
-    found = {}
-    for entry in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{entry}")
-        except OSError:
-            continue  # closed meanwhile (the listing's own descriptor, say)
-        if target.startswith("/memfd:shmpipe"):
-            found[int(entry)] = target
-    return found
+    return {fd: target for fd, target in _descriptors().items() if target.startswith("/memfd:shmpipe")}
 
 
 def named_segments() -> set[str]:

@@ -14,8 +14,9 @@ What every transport must get right, and how this one does it:
   within its ``wait``, and shmpipe, which watches the processes, raises
   ``WorkerDiedError``. (``Connection.recv_bytes`` would wait for the rest of
   the message for ever, past any ``timeout=``.)
-- *What arrives is untrusted input*: any process of the user can write into
-  a producer's socket through ``/proc/<pid>/fd``. A frame is a pickle
+- *What arrives is untrusted input*: a process of the user that may trace
+  a producer or the consumer can take a copy of its socket (``pidfd_getfd``,
+  a debugger) and write into it. A frame is a pickle
   (protocol 5: short code, for an example), loaded by an unpickler that
   makes NumPy arrays, dtypes and scalars and nothing else that names code
   (a pickle names the code its loading runs); any other frame is a
@@ -158,8 +159,8 @@ class PipeConsumer(ConsumerEnd):
         self.next_first = 0  # rotate which producer is read first, for fairness
 
     def handle_delivered(self) -> None:
-        # Every producer has its end: ours go, so no other process can reach
-        # them through /proc/<our pid>/fd, and a producer's death is an EOF.
+        # Every producer has its end: ours go, so no process that may trace
+        # this one can take them from here, and a producer's death is an EOF.
         for sock in self.handle.socks:
             sock.close()
 
