@@ -151,6 +151,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -704,13 +705,24 @@ def reported(channel: ConsumerEnd, num_workers: int) -> tuple[int, int]:
     checked: they index and add up the pipeline's counters, and a
     transport's own ConsumerEnd may set anything there. A
     CorruptChannelError naming its class where they break the contract."""
-    nbytes, worker = channel.last_nbytes, channel.last_worker
-    if type(worker) is not int or not 0 <= worker < num_workers or type(nbytes) is not int or not 0 <= nbytes < 1 << 48:
+    nbytes, worker = _an_int(channel.last_nbytes), _an_int(channel.last_worker)
+    if worker is None or not 0 <= worker < num_workers or nbytes is None or not 0 <= nbytes < 1 << 48:
         raise CorruptChannelError(
-            f"{class_name(channel)} reported the batch as worker {worker!r:.40}'s, of {nbytes!r:.40} bytes: "
-            f"last_worker must be an int in [0, {num_workers}) and last_nbytes an int in [0, 2**48)"
+            f"{class_name(channel)} reported the batch as worker {channel.last_worker!r:.40}'s, of "
+            f"{channel.last_nbytes!r:.40} bytes: last_worker must be an int in [0, {num_workers}) and "
+            "last_nbytes an int in [0, 2**48)"
         )
     return nbytes, worker
+
+
+def _an_int(value: object) -> int | None:
+    """`value` as an int where it is one (a NumPy integer too), never a bool."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def require(module: str, *, transport: str, extra: str | None = None, install: str | None = None) -> ModuleType:

@@ -178,6 +178,12 @@ def test_what_a_transports_consumer_reports_of_a_batch_is_checked(report):
     assert pipe.leftovers() == []
 
 
+def test_a_transports_consumer_may_report_numpy_integers():
+    with shmpipe.from_iterators([Counter(3)], transport=Misreports((np.int64(0), np.uint32(8))), timeout=30) as pipe:
+        assert len(list(pipe)) == 3
+        assert pipe.stats().bytes == 3 * 8
+
+
 class _RunsCode:
     """A pickle whose loading would run a shell command."""
 

@@ -20,11 +20,12 @@ test); there is no other way to opt out.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +73,19 @@ def _our_memory(prefixes: tuple[str, ...] = ()) -> set[str]:
     return named_segments() | own | {f"fd {fd} -> {target}" for fd, target in ring_descriptors().items()}
 
 
-def _bounded_by_pytest_timeout(config: pytest.Config) -> bool:
-    """Whether pytest-timeout ends a test that runs too long in this run."""
+def _bounded_by_pytest_timeout(request: pytest.FixtureRequest) -> bool:
+    """Whether pytest-timeout ends this test if it runs too long: its
+    marker, else the command line, PYTEST_TIMEOUT, the ini file (the order
+    pytest-timeout reads them in)."""
+    config = request.config
     if not config.pluginmanager.hasplugin("timeout"):
         return False
-    for read in (lambda: config.getoption("timeout"), lambda: config.getini("timeout"),
-                 lambda: os.environ.get("PYTEST_TIMEOUT")):
+    marker = request.node.get_closest_marker("timeout")
+    reads: list[Callable[[], Any]] = [lambda: config.getoption("timeout"), lambda: os.environ.get("PYTEST_TIMEOUT"),
+                                      lambda: config.getini("timeout")]
+    if marker is not None:
+        reads.insert(0, lambda: marker.kwargs.get("timeout", marker.args[0] if marker.args else None))
+    for read in reads:
         try:
             value = read()
         except ValueError:  # (an option or ini value the plugin did not declare)
@@ -90,17 +98,30 @@ def _bounded_by_pytest_timeout(config: pytest.Config) -> bool:
     return False
 
 
-def _opened_since(before: dict[int, str], settle: float = 2.0) -> dict[int, str]:
-    """Descriptors of the kinds a transport opens that this process holds now
-    and did not in `before` (the same number for another thing counts),
-    once they stay so: a descriptor another thread holds for a moment (a
-    test harness starting a process) is gone within `settle` seconds, one
-    left open is not."""
+def _kinds(descriptors: dict[int, str]) -> collections.Counter[str]:
+    """How many descriptors of each kind (socket, pipe, memfd, /dev/shm file,
+    each kind of anonymous inode)."""
+    def kind(target: str) -> str:
+        if target.startswith(("socket:", "pipe:")):
+            return target.partition(":")[0]
+        if target.startswith("/memfd:"):
+            return "memfd"
+        return "/dev/shm file" if target.startswith("/dev/shm/") else target  # anon_inode:[eventfd], ...
+
+    return collections.Counter(kind(t) for t in descriptors.values())
+
+
+def _more_than(before: dict[int, str], settle: float = 10.0) -> dict[str, int]:
+    """How many more descriptors of each kind a transport opens this process
+    holds now than in `before`, once that stays so: one another thread holds
+    for a moment (a test harness starting a process), or that another
+    process's end lets go of in its time (Ray's connections to an actor it
+    killed), is gone within `settle` seconds; one left open is not."""
     deadline = time.monotonic() + settle
     while True:
-        new = {fd: t for fd, t in channel_descriptors().items() if before.get(fd) != t}
-        if not new or time.monotonic() > deadline:
-            return new
+        more = dict(_kinds(channel_descriptors()) - _kinds(before))
+        if not more or time.monotonic() > deadline:
+            return more
         time.sleep(0.1)
 
 
@@ -160,7 +181,7 @@ class TransportConformance:
         """Ends a test at `test_deadline` with a failure that says so (a
         SIGALRM, which interrupts the wait of the main thread), unless
         pytest-timeout bounds it already (it may use the same signal)."""
-        if (_bounded_by_pytest_timeout(request.config) or threading.current_thread() is not threading.main_thread()
+        if (_bounded_by_pytest_timeout(request) or threading.current_thread() is not threading.main_thread()
                 or signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, signal.SIG_IGN, None)):
             yield
             return
@@ -459,11 +480,12 @@ class TransportConformance:
 
     def test_passes_and_pipelines_give_back_their_descriptors(self, transport: TransportArg) -> None:
         """What a transport opens for a pass or for a pipeline, it closes:
-        five more passes leave this process's descriptors (sockets, pipes,
-        memory, anonymous inodes: shmpipe.testing.memory.channel_descriptors)
-        as one pass left them, and a pipeline closed leaves them as they were
-        before it was made (after a first pipeline, for what a process opens
-        once and keeps: the connection to shmpipe's fork server, say)."""
+        after five more passes this process holds no more descriptors of any
+        kind a transport opens (sockets, pipes, memory, anonymous inodes:
+        shmpipe.testing.memory.channel_descriptors) than after one, and after
+        close() no more than before the pipeline was made (after a first
+        pipeline, for what a process opens once and keeps: the connection to
+        shmpipe's fork server, say)."""
         with self.pipe(transport, [Counter(3)] * 2) as pipe:
             assert len(list(pipe)) == 6
         before = channel_descriptors()
@@ -472,10 +494,11 @@ class TransportConformance:
             after_one = channel_descriptors()
             for _ in range(5):
                 assert len(list(pipe)) == 6
-            left = _opened_since(after_one)
-            assert not left, f"5 more passes left {len(left)} more descriptors open: {sorted(left.items())[:8]}"
-        left = _opened_since(before)
-        assert not left, f"a pipeline closed left {len(left)} descriptors open: {sorted(left.items())[:8]}"
+            more = _more_than(after_one)
+            assert not more, f"5 more passes left more descriptors open, of each kind: {more}"
+        assert pipe.leftovers() == []  # (which waits for what runs elsewhere to end)
+        more = _more_than(before)
+        assert not more, f"a pipeline closed left more descriptors open than before it, of each kind: {more}"
 
     # -- what the capabilities claim -----------------------------------------
 

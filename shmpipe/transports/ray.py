@@ -147,8 +147,8 @@ class RayTransport(Transport):
 
 
 #: Actor options shmpipe sets itself: each actor's name (unique, to find
-#: what is left after close) and its concurrency (a pass's stream and the
-#: call that cancels it).
+#: what is left after close) and its concurrency (a pass's stream, and the
+#: next pass's call or a cancel beside it: _Producer).
 _OWN_ACTOR_OPTIONS = ("name", "max_concurrency")
 
 
@@ -164,6 +164,11 @@ def _checked_actor_options(options: dict[str, Any], what: str) -> dict[str, Any]
     except (TypeError, ValueError) as exc:
         raise ShmpipeValueError(f"{what} holds an option Ray refuses: {exc}") from None
     return options
+
+
+#: How often a pass's call, waiting for the pass before it to stop, looks
+#: whether a newer pass has overtaken it.
+_PASS_LOCK_POLL_S = 0.05
 
 
 class _Producer:
@@ -200,7 +205,13 @@ class _Producer:
     def run_pass(self, work: PassWork) -> Iterator[Any]:
         pass_no = work.pass_no
         self.cancel(pass_no)
-        with self._pass_lock:
+        # Polled, not waited on: a call that a newer one overtook must not
+        # hold this thread through the newer pass (the actor's other calls,
+        # a cancel or the pass after, would find no thread to run on).
+        while not self._pass_lock.acquire(timeout=_PASS_LOCK_POLL_S):
+            if pass_no < self.cancelled_below:
+                return
+        try:
             if pass_no < self.cancelled_below:
                 return  # a newer pass came first
             enter_pass(self.worker, self.num_workers, work)
@@ -215,6 +226,8 @@ class _Producer:
                 close = getattr(iterator, "close", None)
                 if close is not None:
                     close()
+        finally:
+            self._pass_lock.release()
 
 
 # A Ray actor class (a class decorator would hide what it makes from type checkers).
