@@ -280,15 +280,12 @@ class TransportConformance:
             whole = [[key(b) for b in pipe] for _ in range(2)]
         with self.pipe(transport, sources, ordered=True, seed=3) as pipe:
             it = iter(pipe)
-            first = [key(next(it)) for _ in range(3)]
-            del it  # left in the middle of its sources' batches
-            assert first == whole[0][:3]
-            got = [key(b) for b in pipe]
-            assert got == whole[1], f"the pass after one left early differs: {got} != {whole[1]}"
-        with self.pipe(transport, sources, ordered=True, seed=3) as pipe:
-            it = iter(pipe)
             taken = [key(next(it)) for _ in range(5)]
             state = pipe.state_dict()
+            del it  # left in the middle of its sources' batches
+            assert taken == whole[0][:5]
+            got = [key(b) for b in pipe]
+            assert got == whole[1], f"the pass after one left early differs: {got} != {whole[1]}"
         with self.pipe(transport, sources, ordered=True, seed=3) as pipe:
             pipe.load_state_dict(state)
             rest = [key(b) for b in pipe]
