@@ -390,8 +390,8 @@ class RayLauncher(Launcher):
         self.consumer.revived(worker)
 
     def halt(self) -> None:
-        if self._down:
-            return  # (the actors are killed, and Ray may be stopped)
+        if self._down or not ray.is_initialized():
+            return  # (the actors are killed, and Ray may be stopped: by the program too, see shutdown)
         for a in self.actors:
             a.cancel.remote(1 << 62)
 
@@ -401,7 +401,9 @@ class RayLauncher(Launcher):
         with self._adding:  # after an actor being added: it is killed with the rest
             self._down = True
             self.gens = []
-            actors = list(self.actors)
+            # A program that stopped Ray itself (ray.shutdown()) took the actors with
+            # it; a call into Ray after that ends the process (its core worker is gone).
+            actors = list(self.actors) if ray.is_initialized() else []
         for a in actors:
             try:
                 ray.kill(a, no_restart=True)
