@@ -200,13 +200,13 @@ class _Feeder:
     runs a new pass of the pipeline (the first may start with batches that
     were peeked to infer the signature)."""
 
-    def __init__(self, owner: _Owner, signature: Any) -> None:
+    def __init__(self, owner: _Owner, signature: Any, inferred: bool) -> None:
         self._owner = weakref.ref(owner)
         pipe = owner.pipe
         # The most slots TensorFlow may hold with the producers still sure
         # to deliver the batch it waits for (see ChannelSpec.consumer_may_hold).
         self.limit = pipe.consumer_may_hold
-        self.check = _check_leaf(signature)
+        self.checked = _checker(signature, inferred)
         self.warned = False
         self.copying = False  # TensorFlow held every slot and did not let go
         # A wait of RELEASE_WAIT_S ended with TensorFlow still holding too
@@ -265,7 +265,7 @@ class _Feeder:
                     stacklevel=2,
                 )
             batch = copy_for_tensorflow(batch)
-        return _for_tensorflow(batch, self.check)
+        return self.checked(batch)
 
     def _tensorflow_holds_too_many_slots(self) -> bool:
         """Whether the slots held, this batch's included, exceed the limit
@@ -360,10 +360,19 @@ class _Peeked:
     position: TrainerPosition | None
 
 
-def _check_leaf(signature: Any) -> Callable[[Any, str], Any]:
-    """A leaf function that checks shapes against the signature, with the
-    path in the error (TensorFlow's own error would not say where)."""
+def _checker(signature: Any, inferred: bool) -> Callable[[Any], Any]:
+    """A function that checks a batch against the signature, leaf by leaf
+    (shape, that no leaf is missing, and, where the signature was inferred
+    from the first batches, the dtype), and gives it as from_generator
+    takes it: with the path in the error, where TensorFlow would convert a
+    later batch's other dtype in silence (an int64 into the int32 of the
+    first batches wraps, a float into an int truncates) or raise without
+    saying where. A signature the user gave is TensorFlow's to convert to."""
     flat = dict(leaves_with_paths(signature))
+    #: TensorFlow's dtype of each NumPy one met (tf.as_dtype for every leaf
+    #: of every batch would cost more than the check); not object arrays,
+    #: whose dtype depends on what they hold
+    dtypes: dict[np.dtype, Any] = {}
 
     def check(leaf: Any, path: str) -> Any:
         spec = flat.get(path)
@@ -371,6 +380,20 @@ def _check_leaf(signature: Any) -> Callable[[Any, str], Any]:
             raise ShmpipeValueError(
                 f"{path} is not in the dataset's element_spec (the batches changed their "
                 "structure); pass output_signature= to say what every batch holds"
+            )
+        seen[0] += 1
+        if isinstance(leaf, np.ndarray) and leaf.dtype != object:
+            dtype = dtypes.get(leaf.dtype)
+            if dtype is None:
+                dtype = dtypes[leaf.dtype] = _spec_of_leaf(leaf, path).dtype
+        else:  # a scalar, None (refused here, with its path), an object array
+            dtype = _spec_of_leaf(leaf, path).dtype
+        if inferred and dtype != spec.dtype:
+            got = leaf.dtype if isinstance(leaf, np.ndarray) else dtype.name
+            raise ShmpipeValueError(
+                f"{path} is {got}, but the dataset's element_spec says {spec.dtype.name} (inferred from the first "
+                "batches; TensorFlow would convert it without a word, or fail without naming it); pass "
+                "output_signature= with the dtype every batch fits, or make the batches alike"
             )
         if isinstance(leaf, np.ndarray) and not spec.shape.is_compatible_with(leaf.shape):
             raise ShmpipeValueError(
@@ -381,7 +404,22 @@ def _check_leaf(signature: Any) -> Callable[[Any, str], Any]:
             )
         return leaf
 
-    return check
+    seen = [0]
+
+    def check_batch(batch: Any) -> Any:
+        seen[0] = 0
+        out = _for_tensorflow(batch, check)
+        if seen[0] != len(flat):
+            present = {path for path, _ in leaves_with_paths(out)}
+            missing = sorted(set(flat) - present)
+            raise ShmpipeValueError(
+                f"the batch has no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}, which the dataset's "
+                "element_spec holds (the batches changed their structure); pass output_signature= to say what "
+                "every batch holds"
+            )
+        return out
+
+    return check_batch
 
 
 def to_tf_dataset(
@@ -427,7 +465,9 @@ def to_tf_dataset(
         peeked = _Peeked(it, first, position)
     owner = _Owner(pipe, peeked)
     pipe._adapters_keep.append(owner)
-    ds = tf.data.Dataset.from_generator(_Feeder(owner, output_signature), output_signature=output_signature)
+    ds = tf.data.Dataset.from_generator(
+        _Feeder(owner, output_signature, inferred=peeked is not None), output_signature=output_signature
+    )
     if batches_per_pass is not None:
         if type(batches_per_pass) is not int or batches_per_pass < 1:
             raise out_of_range(f"batches_per_pass must be a positive int, got {batches_per_pass!r}", batches_per_pass)

@@ -343,6 +343,26 @@ def test_dimensions_that_vary_become_none_and_surprises_are_clear():
             list(ds)
 
 
+@pytest.mark.parametrize(("first", "later", "says"), [
+    (np.zeros(2, np.int32), np.full(2, 2**40 + 3), r"batch\['x'\] is int64, but the dataset's element_spec says int32"),
+    (np.zeros(2, np.int32), np.full(2, 4.7, np.float32), r"batch\['x'\] is float32, .* says int32"),
+    (np.zeros(2, bool), np.array([5, 0]), r"batch\['x'\] is int64, .* says bool"),
+    (3, 3.9, r"batch\['x'\] is float64, .* says int64"),
+    (np.zeros(2, np.float32), None, r"batch\['x'\]: tf.data cannot hold NoneType"),
+    (np.array(["a", "b"]), np.zeros(2), r"batch\['x'\] is float64, .* says string"),
+    (np.zeros(2), "gone", r"the batch has no batch\['y'\], which the dataset's element_spec holds"),
+])
+def test_a_later_batch_that_the_inferred_spec_does_not_fit_is_an_error_naming_it(first, later, says):
+    # TensorFlow converted a later dtype in silence: 2**40 + 3 into the first
+    # batches' int32 came out 3, 4.7 came out 4 (helper 89); a later None or
+    # a missing key was TensorFlow's error, without the path.
+    batches = [{"x": first, "y": 1}] * 2 + [{"x": first} if isinstance(later, str) and later == "gone" else {"x": later, "y": 1}]
+    with shmpipe.from_iterators([Fixed(batches)], timeout=T) as pipe:
+        ds = pipe.to_tf_dataset()
+        with pytest.raises(Exception, match=says):
+            list(ds)
+
+
 def test_an_explicit_signature():
     sig = (tf.TensorSpec((None,), tf.float32), tf.TensorSpec((), tf.int64))
     batches = [(np.ones(n, np.float32), n) for n in (2, 3, 4)]
@@ -350,6 +370,9 @@ def test_an_explicit_signature():
         ds = pipe.to_tf_dataset(output_signature=sig)
         assert ds.element_spec == sig
         assert [int(n) for _, n in ds] == [2, 3, 4]
+    # a dtype the user gave is TensorFlow's to convert to (float64 into float32 here)
+    with shmpipe.from_iterators([Fixed([(np.ones(2), 2)])], timeout=T) as pipe:
+        assert [x.dtype for x, _ in pipe.to_tf_dataset(output_signature=sig)] == [tf.float32]
 
 
 def test_lists_become_tuples_and_none_is_refused():
