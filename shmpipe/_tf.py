@@ -373,6 +373,7 @@ def _checker(signature: Any, inferred: bool) -> Callable[[Any], Any]:
     #: of every batch would cost more than the check); not object arrays,
     #: whose dtype depends on what they hold
     dtypes: dict[np.dtype, Any] = {}
+    seen = [0]  # leaves of the batch being checked (check_batch counts them against the signature's)
 
     def check(leaf: Any, path: str) -> Any:
         spec = flat.get(path)
@@ -403,8 +404,6 @@ def _checker(signature: Any, inferred: bool) -> Callable[[Any], Any]:
                 "shmpipe.signature_of(batch_a, batch_b)"
             )
         return leaf
-
-    seen = [0]
 
     def check_batch(batch: Any) -> Any:
         seen[0] = 0

@@ -66,11 +66,8 @@ def _our_memory(prefixes: tuple[str, ...] = ()) -> set[str]:
     """shmpipe's named segments in /dev/shm, the entries there whose names
     begin with one of `prefixes` (a transport's own), and this process's
     descriptors of anonymous ring memory."""
-    try:
-        own = {e for e in os.listdir("/dev/shm") if prefixes and e.startswith(prefixes)}
-    except FileNotFoundError:
-        own = set()
-    return named_segments() | own | {f"fd {fd} -> {target}" for fd, target in ring_descriptors().items()}
+    descriptors = {f"fd {fd} -> {target}" for fd, target in ring_descriptors().items()}
+    return named_segments() | named_segments(prefixes) | descriptors
 
 
 def _bounded_by_pytest_timeout(request: pytest.FixtureRequest) -> bool:

@@ -43,10 +43,13 @@ def ring_descriptors() -> dict[int, str]:
     return {fd: target for fd, target in _descriptors().items() if target.startswith("/memfd:shmpipe")}
 
 
-def named_segments() -> set[str]:
-    """Names of shmpipe's segments in /dev/shm (anyone's)."""
+def named_segments(prefixes: tuple[str, ...] = (_segments.PREFIX,)) -> set[str]:
+    """Names of the entries in /dev/shm (anyone's) that begin with one of
+    `prefixes`: shmpipe's segments by default."""
+    if not prefixes:
+        return set()
     try:
-        return {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(_segments.PREFIX)}
+        return {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(prefixes)}
     except FileNotFoundError:
         return set()
 
