@@ -22,14 +22,20 @@ SCRIPT = textwrap.dedent(
     import shmpipe
     from shmpipe.testing.sources import Counter
 
+    def parent_of(pid):
+        try:  # (any process of the machine may end between the listing and the read)
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            return None
+
     if __name__ == "__main__":
         n, transport = int(sys.argv[1]), sys.argv[2]
         try:
             with shmpipe.from_iterators([Counter(3, (64,))] * n, transport=transport, timeout=60) as pipe:
                 print("batches", sum(1 for _ in pipe), "descriptors", len(os.listdir("/proc/self/fd")))
         except shmpipe.DescriptorLimitError as exc:
-            children = [p for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{p}/stat").read()
-                        .rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+            children = [p for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == str(os.getpid())]
             print("refused", exc.limit, exc.needed, len(children), exc, sep="|")
     """
 )

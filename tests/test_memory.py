@@ -317,6 +317,22 @@ def ring_allocated(pid: int) -> int:
     return os.stat(f"/proc/{pid}/map_files/{where}").st_blocks * 512
 
 
+def regions_allocated(*pids: int) -> int:
+    """Bytes of memory held by the regions (batches larger than a slot:
+    /memfd:shmpipe-batch) that these processes map, each region once."""
+    held = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            ranges = [line.split()[0] for line in f if "memfd:shmpipe-batch" in line]
+        for where in ranges:
+            try:
+                st = os.stat(f"/proc/{pid}/map_files/{where}")
+            except FileNotFoundError:
+                continue  # unmapped meanwhile
+            held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return sum(held.values())
+
+
 def test_sigkill_of_every_process_at_once_returns_all_memory(tmp_path):
     # Shmem is the machine's: what other processes allocate or free meanwhile
     # (the suite's background scripts) moves it too. So the drop is measured
@@ -443,22 +459,22 @@ def test_memory_of_big_batches_is_given_back_after_the_burst(transport):
     burst = [(32 << 20,), (64 << 20,), (128 << 20,), (64 << 20,)]
     small = 300
     grow_then_shrink = [(64 << 10,)] * 2 + burst + [(64 << 10,)] * small
-    baseline = shmem_bytes()
+    # Measured as the memory of the regions the consumer and the producer
+    # map (their memfds' blocks), not as the machine's Shmem, which other
+    # processes move meanwhile (CI run 142: 6 MB of someone else's freed
+    # during the burst hid part of it).
     source = Shapes(grow_then_shrink, np.uint8, delay=0.005)
     with shmpipe.from_iterators([source], transport=transport, capacity=4, timeout=T) as pipe:
         peak = 0
         for b in pipe:
             check_delivered(b)
-            peak = max(peak, shmem_bytes() - baseline)
+            peak = max(peak, regions_allocated(os.getpid()))
             del b  # each batch is let go before the next (the pipeline stays open)
-        after = shmem_bytes() - baseline
+        after = regions_allocated(os.getpid(), *pipe.pids)
         stats = pipe.channel.external_stats()
-        ring = pipe.channel.segment.size
     assert stats["regions"] == 0 and stats["dropped"] >= 1, stats
-    assert peak >= 128 << 20, "the 128 MiB batch should have shown as shared memory while it was held"
-    assert after <= ring + (16 << 20), (
-        f"{after / 2**20:.0f} MiB of shared memory still in use after the burst (the ring is {ring / 2**20:.1f} MiB)"
-    )
+    assert peak >= 128 << 20, "the 128 MiB batch should have shown as a region's memory while it was held"
+    assert after == 0, f"{after / 2**20:.0f} MiB of regions still mapped after the burst"
 
 
 def test_an_explicit_slot_size_is_a_limit():
