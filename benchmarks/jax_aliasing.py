@@ -4,7 +4,7 @@ the facts behind docs/jax.md's table, measured on this machine.
     python benchmarks/jax_aliasing.py            # 4 forced host devices, 8 MiB arrays
 
 Each case puts one read-only array, in an anonymous shared mapping as the
-ring's slots are, through to_jax's own path (shmpipe._jax._Target) and
+ring's slots are, through to_jax's own path (shmpipe._jax_placement.Target) and
 through ``jax.device_put``, and says whether the result's buffers lie in
 the array's memory (aliased) and the median µs per call.
 """
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from shmpipe._jax import _on_memory_of, _Target
+    from shmpipe._jax_placement import Target, _on_memory_of
 
     memory = np.frombuffer(mmap.mmap(-1, (args.mib + 1) << 20), np.uint8)
     n = args.mib << 20
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
           f"arrays of {args.mib} MiB unless the shape says otherwise")
     print(f"{'case':<52}{'aliased':>9}{'to_jax µs':>11}{'device_put µs':>15}")
     for name, arr, sharding in cases:
-        target = _Target(jax, sharding, None)
+        target = Target(jax, sharding, None)
         ours = target.plan_and_put(arr, "batch")
         public = jax.device_put(arr, sharding)
         ours_us = _median_us(lambda a=arr, t=target: t.put(a).block_until_ready(), args.reps)

@@ -31,7 +31,8 @@ from conftest import Command, run_together  # noqa: E402
 
 import shmpipe  # noqa: E402
 from shmpipe import _ring  # noqa: E402
-from shmpipe._jax import JaxBatches, _probe  # noqa: E402
+from shmpipe._jax import JaxBatches  # noqa: E402
+from shmpipe._jax_placement import _probe  # noqa: E402
 from shmpipe.testing.datasets import Numbered  # noqa: E402
 from shmpipe.testing.sources import Counter, Fixed, LinearXY, Raiser, StatefulCounter, payload_for  # noqa: E402
 
@@ -97,7 +98,7 @@ def test_the_probe_runs_no_full_collection():
     # inside a fresh process's first batch; the probe tells by reference
     # counts (and jaxlib's own collection). The collector is off for the
     # call: any full collection seen is one the probe asked for.
-    from shmpipe._jax import _measure
+    from shmpipe._jax_placement import _measure
 
     generations = []
 
@@ -127,7 +128,7 @@ def test_the_probe_says_no_where_the_fast_path_would_not_keep_the_array_alive(mo
 
     from jax._src.lib import xla_client
 
-    from shmpipe._jax import _measure
+    from shmpipe._jax_placement import _measure
 
     real = xla_client.batched_device_put
 
