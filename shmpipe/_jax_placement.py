@@ -9,13 +9,14 @@ on the host is said once (``warn_about_copies``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
+import math
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ def collector() -> Callable[[], Any]:
 
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Probe:
     """What this JAX does with a host array on one platform (measured once
     per process and platform: _probe)."""
@@ -135,7 +136,7 @@ def _on_memory_of(out: Any, arr: np.ndarray) -> bool:
         return False
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     """How one shape and dtype of leaf goes to the target: what
     jax.device_put works out for it, worked out once."""
@@ -144,6 +145,10 @@ class _Plan:
     devices: list[Any]
     #: each device's slice of the leaf (None: the whole leaf, each device)
     indices: list[Any] | None
+    #: The integer dtype JAX keeps a 64-bit one as (jax_enable_x64 off),
+    #: into which each batch's values must fit: JAX would wrap them (2**40 + 1
+    #: came out 1). None where nothing is narrowed.
+    narrowed: np.dtype[Any] | None = None
 
 
 class Target:
@@ -218,8 +223,8 @@ class Target:
                 return leaf
             leaf = np.asarray(leaf)  # a NumPy scalar: a fresh 0-d array of it
         plan = self.plans.get((leaf.shape, leaf.dtype))
-        if plan is None:
-            raise Unplanned
+        if plan is None or (plan.narrowed is not None and not _fits(leaf, plan.narrowed)):
+            raise Unplanned  # (one that does not fit: refused by plan_and_put, which names it)
         return self._put(leaf, plan, "batch")
 
     def plan_and_put(self, leaf: Any, path: str) -> Any:
@@ -232,6 +237,12 @@ class Target:
         plan = self.plans.get((leaf.shape, leaf.dtype))
         if plan is None:
             plan = self._plan(leaf, path)
+        if plan.narrowed is not None and not _fits(leaf, plan.narrowed):
+            raise ShmpipeValueError(
+                f"{path}: its {leaf.dtype} values run from {leaf.min()} to {leaf.max()}, and JAX keeps {leaf.dtype} "
+                f"as {plan.narrowed} without jax_enable_x64, which would wrap them: turn it on "
+                '(jax.config.update("jax_enable_x64", True)), or make the values fit'
+            )
         return self._put(leaf, plan, path)
 
     def _put(self, leaf: np.ndarray, plan: _Plan, path: str) -> Any:
@@ -272,23 +283,43 @@ class Target:
             try:
                 sharding.shard_shape(leaf.shape)
                 index_map = sharding.addressable_devices_indices_map(leaf.shape)
-            except ValueError as exc:
-                fix = (
-                    "the batches differ in size: an epoch's last batch is short where the dataset's length is not "
-                    "a multiple of batch_size (pass drop_last=True), and a batch_sampler's are its own (make each "
-                    "a multiple of them)"
-                    if self.sizes_vary else "make the batch size a multiple of them"
-                )
-                raise ShmpipeValueError(
-                    f"{path}: its first axis has {leaf.shape[0]} rows, which the sharding cannot split evenly "
-                    f"over its devices{_parts(sharding)}; {fix} ({exc})"
-                ) from None
+            except (ValueError, IndexError, AssertionError) as exc:  # (JAX's, by kind of sharding and mistake)
+                raise ShmpipeValueError(self._unsplit(leaf, path, exc)) from None
             devices = list(index_map)
             whole = len(devices) == 1 or sharding.is_fully_replicated
             aval = self._abstractify(leaf) if self.fast else None
             plan = _Plan(aval, devices, None if whole else list(index_map.values()))
+        kept = np.dtype(self.jax.dtypes.canonicalize_dtype(leaf.dtype))
+        if leaf.dtype.kind in "iu" and kept.itemsize < leaf.dtype.itemsize:
+            plan = dataclasses.replace(plan, narrowed=kept)
         self.plans[(leaf.shape, leaf.dtype)] = plan
         return plan
+
+    def _unsplit(self, leaf: np.ndarray, path: str, exc: BaseException) -> str:
+        """Why the sharding cannot split `leaf`: the axis it names and cannot
+        split evenly, or the axes it names that the leaf lacks."""
+        spec, ways = _ways(self.sharding)
+        if ways is not None and len(ways) > leaf.ndim:
+            return (
+                f"{path}: the sharding's {spec} names {len(ways)} axes, and this leaf has {leaf.ndim} "
+                f"(shape {leaf.shape})"
+            )
+        axis = next((k for k, (n, _) in enumerate(ways or ()) if leaf.shape[k] % n), None)
+        if axis is None or axis > 0:  # another kind of sharding (JAX's words say which axis), or a later axis
+            where = f"its axis {axis} has {leaf.shape[axis]} entries" if axis else f"its shape {leaf.shape}"
+            along = f" ({ways[axis][0]} shards along it: mesh axes {ways[axis][1]})" if ways and axis else ""
+            return f"{path}: {where}, which the sharding cannot split evenly{along} ({exc})"
+        fix = (
+            "the batches differ in size: an epoch's last batch is short where the dataset's length is not "
+            "a multiple of batch_size (pass drop_last=True), and a batch_sampler's are its own (make each "
+            "a multiple of them)"
+            if self.sizes_vary else "make the batch size a multiple of them"
+        )
+        assert ways is not None
+        return (
+            f"{path}: its first axis has {leaf.shape[0]} rows, which the sharding cannot split evenly over its "
+            f"devices ({ways[0][0]} shards along it: mesh axes {ways[0][1]}); {fix} ({exc})"
+        )
 
 
 class Unplanned(Exception):
@@ -299,18 +330,27 @@ def _keep(_: Any) -> None:
     """weakref.finalize's callback: holding its argument until then was the point."""
 
 
-def _parts(sharding: Any) -> str:
-    """' (N shards along it)' for a NamedSharding (how many ways its
-    spec splits the first axis); '' otherwise."""
+def _ways(sharding: Any) -> tuple[str, list[tuple[int, str]] | None]:
+    """A NamedSharding's spec, and per axis it names how many shards it
+    splits that axis into, with the mesh axes (as words); (its repr, None)
+    for another kind of sharding."""
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
-    if spec is None or mesh is None or not len(spec) or spec[0] is None:
-        return ""
-    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    n = 1
-    for name in names:
-        n *= mesh.shape[name]
-    return f" ({n} shards along it: mesh axes {', '.join(map(repr, names))})"
+    if spec is None or mesh is None:
+        return repr(sharding), None
+    ways = []
+    for entry in spec:
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        ways.append((math.prod(mesh.shape[name] for name in names), ", ".join(map(repr, names))))
+    return repr(spec), ways
+
+
+def _fits(leaf: np.ndarray, dtype: np.dtype[Any]) -> bool:
+    """Whether integer `leaf`'s values fit `dtype` (one look at the smallest and the largest)."""
+    if not leaf.size:
+        return True
+    info = np.iinfo(dtype)
+    return bool(info.min <= leaf.min() and leaf.max() <= info.max)
 
 
 _dtype_ok: dict[np.dtype[Any], bool] = {}
@@ -328,6 +368,12 @@ def _check_dtype(jax: Any, dtype: np.dtype[Any], path: str) -> None:
         except (TypeError, ValueError):
             ok = False
         _dtype_ok[dtype] = ok
+    if not ok and dtype.kind in "biufc" and not dtype.isnative:
+        raise BatchTypeError(
+            f"JAX takes numbers in this machine's byte order only, and {dtype!r} is the other "
+            "(arr.astype(arr.dtype.newbyteorder('=')) in the dataset turns it)",
+            path,
+        )
     if not ok:
         raise BatchTypeError(f"JAX has no dtype for {dtype!r} (only numbers and bools)", path)
 

@@ -672,6 +672,40 @@ def test_a_to_jax_used_again_after_jaxs_64_bit_mode_changed_gives_what_a_new_one
     assert second == [(np.int64, np.float64, list(range(8)))] * 2
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["host", "ahead"])
+@pytest.mark.parametrize("where", ["first", "later"])
+def test_a_64_bit_integer_that_jax_would_narrow_is_refused_where_it_does_not_fit(ahead, where):
+    # Without jax_enable_x64 JAX keeps int64 as int32 and uint64 as uint32,
+    # and wrapped what does not fit in silence (helper 91: 2**40 + 1 came
+    # out 1). Values that fit still convert; one that does not is refused
+    # with the leaf's path, in the batch it comes in.
+    fits = {"id": np.array([5, -7], np.int64), "h": np.array([3], np.uint64)}
+    bad = [{"id": np.array([2**40 + 1, 0], np.int64), "h": np.array([3], np.uint64)},
+           {"id": np.array([1, 2], np.int64), "h": np.array([2**63 + 5], np.uint64)}]
+    assert not jax.config.jax_enable_x64
+    for batch, says in zip(bad, [r"batch\['id'\]: its int64 values run from 0 to 1099511627777, and JAX keeps "
+                                 r"int64 as int32 without jax_enable_x64",
+                                 r"batch\['h'\]: its uint64 values run from 9223372036854775813 to "
+                                 r"9223372036854775813, and JAX keeps uint64 as uint32"], strict=True):
+        batches = [fits, batch] if where == "later" else [batch]
+        with shmpipe.from_iterators([Fixed(batches)], timeout=T) as pipe:
+            it = iter(JaxBatches(pipe, prefetch=1, ahead=True) if ahead else pipe.to_jax())
+            if where == "later":
+                b = next(it)
+                assert (b["id"].dtype, np.asarray(b["id"]).tolist()) == (np.int32, [5, -7])
+                assert (b["h"].dtype, np.asarray(b["h"]).tolist()) == (np.uint32, [3])
+            with pytest.raises(shmpipe.ShmpipeValueError, match=says):
+                next(it)
+
+
+def test_a_big_endian_leaf_is_refused_saying_so():
+    batch = {"x": np.arange(3, dtype=">f4")}
+    with shmpipe.from_iterators([Fixed([batch])], timeout=T) as pipe:
+        with pytest.raises(shmpipe.BatchTypeError, match=r"batch\['x'\]: JAX takes numbers in this machine's byte "
+                                                         r"order only, and dtype\('>f4'\) is the other"):
+            next(iter(pipe.to_jax()))
+
+
 # -- several devices, several processes: child interpreters -------------------------
 
 
@@ -727,6 +761,20 @@ DEVICES = textwrap.dedent(
                 with shmpipe.from_iterators([Fixed([batch])], timeout=60) as pipe:
                     try:
                         next(iter(JaxBatches(pipe, sharding=data, ahead=ahead)))
+                        report(name, ahead=ahead, error=None)
+                    except shmpipe.ShmpipeValueError as exc:
+                        report(name, ahead=ahead, error=str(exc))
+        # a spec naming more axes than a leaf has (JAX's IndexError), and a later axis that does not split
+        mesh2 = jax.make_mesh((2, 2), ("data", "model"))
+        for name, sharding, batch in [
+            ("longer spec", NamedSharding(mesh2, P("data", "model")),
+             {"image": np.zeros((8, 8), np.float32), "label": np.zeros(8, np.int32)}),
+            ("later axis", NamedSharding(mesh, P(None, "data")), {"image": np.zeros((8, 6), np.float32)}),
+        ]:
+            for ahead in (False, True):
+                with shmpipe.from_iterators([Fixed([batch])], timeout=60) as pipe:
+                    try:
+                        next(iter(JaxBatches(pipe, sharding=sharding, ahead=ahead)))
                         report(name, ahead=ahead, error=None)
                     except shmpipe.ShmpipeValueError as exc:
                         report(name, ahead=ahead, error=str(exc))
@@ -901,6 +949,18 @@ def test_a_sharding_that_cannot_split_a_leaf_is_refused_with_its_path(children):
         assert c["error"].startswith("batch['n']: a 0-d array"), c
     for c in rows:
         assert "make the batch size a multiple of them" in c["error"], c
+    # A spec longer than the leaf was JAX's bare IndexError; an axis after the
+    # first that did not split was blamed on the first (helper 91).
+    longer = [c for c in cases if c["case"] == "longer spec"]
+    later = [c for c in cases if c["case"] == "later axis"]
+    assert len(longer) == len(later) == 2, cases
+    for c in longer:
+        assert c["error"].startswith(
+            "batch['label']: the sharding's P('data', 'model') names 2 axes, and this leaf has 1 (shape (8,))"
+        ), c
+    for c in later:
+        assert c["error"].startswith("batch['image']: its axis 1 has 6 entries, which the sharding cannot split"), c
+        assert "(4 shards along it: mesh axes 'data')" in c["error"] and "first axis" not in c["error"], c
     # An epoch's short last batch is refused as it comes, with the way out
     # (helper 75: the error said to make the batch size, 8, a multiple of 4).
     (short,) = [c for c in cases if c["case"] == "short last batch"]
