@@ -56,6 +56,8 @@ class NodeLayout:
         them (round by round, local rank by local rank), and how many of
         `remaining` no rank of the job gets (the incomplete last round)."""
         w, rounds = self.world, len(remaining) // self.world
+        if not rounds:  # (and no array of W columns: W may be any int, 2**63 too)
+            return remaining[:0], len(remaining)
         first = self.node_rank * self.ranks_per_node
         mine = remaining[: rounds * w].reshape(rounds, w)[:, first : first + self.ranks_per_node]
         return mine.reshape(-1), len(remaining) - rounds * w

@@ -277,6 +277,13 @@ def test_an_epoch_of_fewer_batches_than_ranks_is_said_to_go_to_no_rank():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a round each: nothing said
             assert len(list(pipe)) == 1
+    # However many: 2**63 nodes was numpy's "Maximum allowed dimension
+    # exceeded" at the first iter() (helper 90), and 2**62 "array is too big".
+    for nodes in (2**62, 2**63):
+        with shmpipe.from_dataset(Numbered(3), num_workers=1, num_nodes=nodes, node_rank=nodes - 1,
+                                  **arguments(batch_size=2)) as pipe:
+            with pytest.warns(shmpipe.ShmpipeWarning, match=rf"an epoch of 2 batches goes to no rank: .*\({nodes} nodes"):
+                assert list(pipe) == []
 
 
 @pytest.mark.parametrize(
