@@ -425,6 +425,7 @@ def from_dataset(
         batch_sampler=batch_sampler,
         layout=layout,
         ordered=options.ordered,
+        default_collate=collate_fn is None,
     )
     if not isinstance(fetch_while_starting, bool):
         raise ShmpipeTypeError(f"fetch_while_starting must be True or False, got {fetch_while_starting!r}")

@@ -126,7 +126,7 @@ class JaxBatches:
         self.pipe = pipe
         self.prefetch = prefetch
         self.target = Target(jax, sharding, device)
-        self.target.sizes_vary = pipe._batch_sizes_vary
+        self.target.sizes_vary, self.target.short_batch = pipe._batch_sizes_vary, pipe._short_batch
         self.ahead = (not self.target.on_host) if ahead is None else bool(ahead)
         if self.ahead and self.target.on_host:
             _check_room(pipe, prefetch)

@@ -188,6 +188,8 @@ class Target:
         self.global_ = not self.sharding.is_fully_addressable
         #: The pipeline's batches may differ in size (from_dataset's partial last batch).
         self.sizes_vary = False
+        #: ... and the rows of an epoch's short batch, where the pipeline knows them (its arrays' first axis)
+        self.short_batch: int | None = None
         probe = _probe(jax, devices[0])
         self.fast = probe.fast and not self.global_
         #: JAX aliases host arrays here but would not keep them alive: we do.
@@ -285,6 +287,15 @@ class Target:
                 index_map = sharding.addressable_devices_indices_map(leaf.shape)
             except (ValueError, IndexError, AssertionError) as exc:  # (JAX's, by kind of sharding and mistake)
                 raise ShmpipeValueError(self._unsplit(leaf, path, exc)) from None
+            if self.short_batch is not None and leaf.ndim:  # refused now, not after the epoch's other batches
+                try:
+                    sharding.shard_shape((self.short_batch, *leaf.shape[1:]))
+                except (ValueError, IndexError, AssertionError) as exc:
+                    raise ShmpipeValueError(
+                        f"{path}: the epoch's last batch will have {self.short_batch} rows (the dataset's length "
+                        f"is not a multiple of batch_size), which the sharding cannot split evenly over its "
+                        f"devices; pass drop_last=True ({exc})"
+                    ) from None
             devices = list(index_map)
             whole = len(devices) == 1 or sharding.is_fully_replicated
             aval = self._abstractify(leaf) if self.fast else None

@@ -136,7 +136,7 @@ class Pipeline(FrameworkStream):
             self._spec = dataclasses.replace(self._spec, hands_again=True)
         # What each pass does, and the checkpoint (shmpipe/_schedule.py).
         self._schedule = schedule or IteratorSchedule(options.num_workers, options.seed, options.seed_given)
-        self._batch_sizes_vary = self._schedule.batch_sizes_vary()
+        self._batch_sizes_vary, self._short_batch = self._schedule.batch_sizes_vary(), self._schedule.short_batch()
         self._begun = -1  # the channel's pass begun last (iterated or ahead)
         self._ahead: int | None = None  # a pass begun before it is iterated (prefetching)
         self._turns: Turns | None = None  # the ordered pass in progress's

@@ -99,6 +99,13 @@ class Schedule(abc.ABC):
         where only the batches can tell (from_iterators)."""
         return False
 
+    def short_batch(self, local_rank: int | None = None) -> int | None:
+        """The rows of the one short batch of an epoch that batch_sizes_vary
+        gives this node (rank), where the arguments fix it and the default
+        collate makes the batches (each array's first axis is the batch's
+        samples); None otherwise."""
+        return None
+
     def fingerprint(self) -> dict[str, Any]:
         """What every rank of a group must agree on about the batches (a
         seed chosen by the user; a drawn one comes from rank 0)."""
@@ -302,8 +309,11 @@ class DatasetSchedule(Schedule):
         layout: NodeLayout = ONE_NODE,
         ordered: bool = True,
         draws: EpochDraws | None = None,
+        default_collate: bool = False,
     ) -> None:
         super().__init__(num_workers, seed, seed_given)
+        #: Whether the default collate makes the batches (short_batch).
+        self.default_collate = default_collate
         #: Which share of each epoch this node's pipeline fetches.
         self.layout = layout
         #: Whether the node's batches are delivered in the order dealt: a
@@ -393,6 +403,13 @@ class DatasetSchedule(Schedule):
         # an incomplete one goes to no rank).
         last = self.layout.node_rank == self.layout.num_nodes - 1
         return last and (local_rank is None or local_rank == self.layout.ranks_per_node - 1)
+
+    def short_batch(self, local_rank: int | None = None) -> int | None:
+        if not self.default_collate or self.batch_sampler is not None or not self.batch_sizes_vary(local_rank):
+            return None
+        assert self.batch_size is not None
+        declared = self.length if self.sampler is None else declared_len(self.sampler)
+        return None if declared is None else declared % self.batch_size
 
     @property
     def sampler_name(self) -> str:

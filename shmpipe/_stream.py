@@ -278,6 +278,9 @@ class BatchStream(abc.ABC):
         #: their first axis (from_dataset's partial last batch): to_tf_dataset
         #: then leaves that axis unknown instead of inferring it.
         self._batch_sizes_vary = False
+        #: ... and the rows of an epoch's short batch where it knows them (to_jax refuses a sharding that
+        #: cannot split them at the first batch, not an epoch later): Schedule.short_batch.
+        self._short_batch: int | None = None
         #: A pass's start and each take are spans: a close() from a signal
         #: handler that interrupts one (in the consumer's thread) marks the
         #: stream closed at once, and what it owns goes as the span ends,

@@ -733,6 +733,9 @@ DEVICES = textwrap.dedent(
         def __getitem__(self, k):
             return {"x": np.full(16, k, np.float32)}
 
+    def stacked(samples):
+        return {"x": np.stack([s["x"] for s in samples])}
+
     if __name__ == "__main__":
         mesh = jax.make_mesh((4,), ("data",))
         data = NamedSharding(mesh, P("data"))
@@ -778,15 +781,16 @@ DEVICES = textwrap.dedent(
                         report(name, ahead=ahead, error=None)
                     except shmpipe.ShmpipeValueError as exc:
                         report(name, ahead=ahead, error=str(exc))
-        # batches of 8, and a last one of 2 rows
-        with shmpipe.from_dataset(TenRows(), batch_size=8, num_workers=1, timeout=60) as pipe:
-            had = 0
-            try:
-                for b in pipe.to_jax(sharding=data):
-                    had += 1
-                report("short last batch", had=had, error=None)
-            except shmpipe.ShmpipeValueError as exc:
-                report("short last batch", had=had, error=str(exc))
+        # batches of 8, and a last one of 2 rows: the default collate's, and a collate_fn's
+        for collate in (None, stacked):
+            with shmpipe.from_dataset(TenRows(), batch_size=8, num_workers=1, collate_fn=collate, timeout=60) as pipe:
+                had = 0
+                try:
+                    for b in pipe.to_jax(sharding=data):
+                        had += 1
+                    report("short last batch", collate=collate is not None, had=had, error=None)
+                except shmpipe.ShmpipeValueError as exc:
+                    report("short last batch", collate=collate is not None, had=had, error=str(exc))
     """
 )
 
@@ -961,11 +965,16 @@ def test_a_sharding_that_cannot_split_a_leaf_is_refused_with_its_path(children):
     for c in later:
         assert c["error"].startswith("batch['image']: its axis 1 has 6 entries, which the sharding cannot split"), c
         assert "(4 shards along it: mesh axes 'data')" in c["error"] and "first axis" not in c["error"], c
-    # An epoch's short last batch is refused as it comes, with the way out
-    # (helper 75: the error said to make the batch size, 8, a multiple of 4).
-    (short,) = [c for c in cases if c["case"] == "short last batch"]
-    assert short["had"] == 1 and short["error"].startswith("batch['x']: its first axis has 2 rows"), short
-    assert "pass drop_last=True" in short["error"], short
+    # An epoch's short last batch is refused with the way out (helper 75:
+    # the error said to make the batch size, 8, a multiple of 4). Where the
+    # default collate makes the batches, the pipeline knows its rows: refused
+    # at the first batch, not after the epoch's others (helper 91); a
+    # collate_fn's batches say theirs as they come.
+    short = {c["collate"]: c for c in cases if c["case"] == "short last batch"}
+    assert short[False]["had"] == 0, short
+    assert short[False]["error"].startswith("batch['x']: the epoch's last batch will have 2 rows"), short
+    assert short[True]["had"] == 1 and short[True]["error"].startswith("batch['x']: its first axis has 2 rows"), short
+    assert all("pass drop_last=True" in c["error"] for c in short.values()), short
 
 
 def test_several_processes_each_give_their_share_of_the_global_batch(children):

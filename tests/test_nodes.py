@@ -67,10 +67,10 @@ def epochs() -> list[list[list[int]]]:
 # -- the schedule alone: every layout, every resume ---------------------------------------
 
 
-def _schedule(nodes: int, ranks: int, node: int) -> DatasetSchedule:
+def _schedule(nodes: int, ranks: int, node: int, default_collate: bool = False) -> DatasetSchedule:
     return DatasetSchedule(
         2, SEED, True, length=N, batch_size=BATCH, shuffle=True, drop_last=False, sampler=None,
-        batch_sampler=None, layout=NodeLayout(nodes, node, ranks),
+        batch_sampler=None, layout=NodeLayout(nodes, node, ranks), default_collate=default_collate,
     )
 
 
@@ -165,6 +165,13 @@ def test_only_a_rank_that_may_get_the_short_batch_says_the_sizes_vary(epochs, no
     assert [_schedule(nodes, ranks, node).batch_sizes_vary() for node in range(nodes)] == [
         node == nodes - 1 for node in range(nodes)
     ]
+    # Its rows where the default collate makes the batches (to_jax refuses a
+    # sharding that cannot split them at the first batch); none said otherwise.
+    assert [
+        _schedule(nodes, ranks, g // ranks, default_collate=True).short_batch(g % ranks)
+        for g in range(nodes * ranks)
+    ] == [N % BATCH if g == nodes * ranks - 1 else None for g in range(nodes * ranks)]
+    assert {_schedule(nodes, ranks, g // ranks).short_batch(g % ranks) for g in range(nodes * ranks)} == {None}
     got_short = set()
     for state in _states_at_each_fraction(epochs):
         per_rank, _ = _job(nodes, ranks, state)

@@ -242,6 +242,7 @@ class RankPipeline(FrameworkStream):
             schedule = IteratorSchedule(options.num_workers, options.seed, options.seed_given)
         self._batches = schedule.fingerprint()
         self._batch_sizes_vary = schedule.batch_sizes_vary(self.rank)
+        self._short_batch = schedule.short_batch(self.rank)
         self._position = (
             schedule.one_reader(share_draws=group.rank == 0) if isinstance(schedule, DatasetSchedule) else None
         )
