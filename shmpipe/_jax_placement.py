@@ -146,9 +146,10 @@ class _Plan:
     #: each device's slice of the leaf (None: the whole leaf, each device)
     indices: list[Any] | None
     #: The integer dtype JAX keeps a 64-bit one as (jax_enable_x64 off),
-    #: into which each batch's values must fit: JAX would wrap them (2**40 + 1
-    #: came out 1). None where nothing is narrowed.
+    #: into whose range each batch's values must fit: JAX would wrap them
+    #: (2**40 + 1 came out 1). None where nothing is narrowed.
     narrowed: np.dtype[Any] | None = None
+    bounds: tuple[int, int] = (0, 0)
 
 
 class Target:
@@ -190,6 +191,8 @@ class Target:
         self.sizes_vary = False
         #: ... and the rows of an epoch's short batch, where the pipeline knows them (its arrays' first axis)
         self.short_batch: int | None = None
+        #: The first batch's rows (the first axis of its first array leaf): the batch size
+        self.first_rows: int | None = None
         probe = _probe(jax, devices[0])
         self.fast = probe.fast and not self.global_
         #: JAX aliases host arrays here but would not keep them alive: we do.
@@ -225,7 +228,7 @@ class Target:
                 return leaf
             leaf = np.asarray(leaf)  # a NumPy scalar: a fresh 0-d array of it
         plan = self.plans.get((leaf.shape, leaf.dtype))
-        if plan is None or (plan.narrowed is not None and not _fits(leaf, plan.narrowed)):
+        if plan is None or (plan.narrowed is not None and not _fits(leaf, plan.bounds)):
             raise Unplanned  # (one that does not fit: refused by plan_and_put, which names it)
         return self._put(leaf, plan, "batch")
 
@@ -239,7 +242,7 @@ class Target:
         plan = self.plans.get((leaf.shape, leaf.dtype))
         if plan is None:
             plan = self._plan(leaf, path)
-        if plan.narrowed is not None and not _fits(leaf, plan.narrowed):
+        if plan.narrowed is not None and not _fits(leaf, plan.bounds):
             raise ShmpipeValueError(
                 f"{path}: its {leaf.dtype} values run from {leaf.min()} to {leaf.max()}, and JAX keeps {leaf.dtype} "
                 f"as {plan.narrowed} without jax_enable_x64, which would wrap them: turn it on "
@@ -277,6 +280,12 @@ class Target:
                 f"{sharding.num_devices} devices of the sharding; make it one value per example (shape "
                 "(batch,)), or a Python number, which stays as it is"
             )
+        spec, ways = _ways(sharding)
+        if ways is not None and len(ways) > leaf.ndim:  # (JAX raises for some; P("data", None) it took, and jit not)
+            raise ShmpipeValueError(
+                f"{path}: the sharding's {spec} names {len(ways)} axes, and this leaf has {leaf.ndim} "
+                f"(shape {leaf.shape})"
+            )
         if self.global_:
             # make_array_from_process_local_data works the global shape
             # out from each process's share; it checks the split itself.
@@ -302,29 +311,30 @@ class Target:
             plan = _Plan(aval, devices, None if whole else list(index_map.values()))
         kept = np.dtype(self.jax.dtypes.canonicalize_dtype(leaf.dtype))
         if leaf.dtype.kind in "iu" and kept.itemsize < leaf.dtype.itemsize:
-            plan = dataclasses.replace(plan, narrowed=kept)
+            info = np.iinfo(kept)
+            plan = dataclasses.replace(plan, narrowed=kept, bounds=(int(info.min), int(info.max)))
         self.plans[(leaf.shape, leaf.dtype)] = plan
+        if self.first_rows is None and leaf.ndim:
+            self.first_rows = leaf.shape[0]
         return plan
 
     def _unsplit(self, leaf: np.ndarray, path: str, exc: BaseException) -> str:
-        """Why the sharding cannot split `leaf`: the axis it names and cannot
-        split evenly, or the axes it names that the leaf lacks."""
-        spec, ways = _ways(self.sharding)
-        if ways is not None and len(ways) > leaf.ndim:
-            return (
-                f"{path}: the sharding's {spec} names {len(ways)} axes, and this leaf has {leaf.ndim} "
-                f"(shape {leaf.shape})"
-            )
+        """Why the sharding cannot split `leaf`: the axis it cannot split
+        evenly, where it says which (a NamedSharding)."""
+        _, ways = _ways(self.sharding)
         axis = next((k for k, (n, _) in enumerate(ways or ()) if leaf.shape[k] % n), None)
         if axis is None or axis > 0:  # another kind of sharding (JAX's words say which axis), or a later axis
             where = f"its axis {axis} has {leaf.shape[axis]} entries" if axis else f"its shape {leaf.shape}"
             along = f" ({ways[axis][0]} shards along it: mesh axes {ways[axis][1]})" if ways and axis else ""
             return f"{path}: {where}, which the sharding cannot split evenly{along} ({exc})"
+        # The batch size is the first batch's rows: a later batch of other rows is a short one (helper 92:
+        # a first batch of 6 rows was told to pass drop_last=True, which then failed the same way).
+        later = self.first_rows is not None and leaf.shape[0] != self.first_rows
         fix = (
             "the batches differ in size: an epoch's last batch is short where the dataset's length is not "
             "a multiple of batch_size (pass drop_last=True), and a batch_sampler's are its own (make each "
             "a multiple of them)"
-            if self.sizes_vary else "make the batch size a multiple of them"
+            if later and self.sizes_vary else "make the batch size a multiple of them"
         )
         assert ways is not None
         return (
@@ -356,12 +366,9 @@ def _ways(sharding: Any) -> tuple[str, list[tuple[int, str]] | None]:
     return repr(spec), ways
 
 
-def _fits(leaf: np.ndarray, dtype: np.dtype[Any]) -> bool:
-    """Whether integer `leaf`'s values fit `dtype` (one look at the smallest and the largest)."""
-    if not leaf.size:
-        return True
-    info = np.iinfo(dtype)
-    return bool(info.min <= leaf.min() and leaf.max() <= info.max)
+def _fits(leaf: np.ndarray, bounds: tuple[int, int]) -> bool:
+    """Whether integer `leaf`'s values lie within `bounds` (its smallest and largest)."""
+    return not leaf.size or bool(bounds[0] <= leaf.min() and leaf.max() <= bounds[1])
 
 
 _dtype_ok: dict[np.dtype[Any], bool] = {}

@@ -405,11 +405,16 @@ class DatasetSchedule(Schedule):
         return last and (local_rank is None or local_rank == self.layout.ranks_per_node - 1)
 
     def short_batch(self, local_rank: int | None = None) -> int | None:
-        if not self.default_collate or self.batch_sampler is not None or not self.batch_sizes_vary(local_rank):
+        # Only the dataset's own length fixes it (a sampler's may change with
+        # its epoch), and where W ranks deal the epoch, only an epoch of whole
+        # rounds gives the last rank the short batch (batch_sizes_vary says
+        # "may": after a resume on another layout, an epoch may end either way).
+        if not self.default_collate or self.sampler is not None or not self.batch_sizes_vary(local_rank):
             return None
-        assert self.batch_size is not None
-        declared = self.length if self.sampler is None else declared_len(self.sampler)
-        return None if declared is None else declared % self.batch_size
+        assert self.batch_size is not None and self.batch_sampler is None
+        if -(-self.length // self.batch_size) % self.layout.world:
+            return None
+        return self.length % self.batch_size
 
     @property
     def sampler_name(self) -> str:

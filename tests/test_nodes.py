@@ -67,9 +67,9 @@ def epochs() -> list[list[list[int]]]:
 # -- the schedule alone: every layout, every resume ---------------------------------------
 
 
-def _schedule(nodes: int, ranks: int, node: int, default_collate: bool = False) -> DatasetSchedule:
+def _schedule(nodes: int, ranks: int, node: int, default_collate: bool = False, length: int = N) -> DatasetSchedule:
     return DatasetSchedule(
-        2, SEED, True, length=N, batch_size=BATCH, shuffle=True, drop_last=False, sampler=None,
+        2, SEED, True, length=length, batch_size=BATCH, shuffle=True, drop_last=False, sampler=None,
         batch_sampler=None, layout=NodeLayout(nodes, node, ranks), default_collate=default_collate,
     )
 
@@ -87,14 +87,14 @@ def _node_batches(schedule: DatasetSchedule, pass_no: int) -> tuple[list[list[in
     return out, schedule.dropped
 
 
-def _job(nodes: int, ranks: int, state: dict | None) -> tuple[list[list[list[int]]], int]:
+def _job(nodes: int, ranks: int, state: dict | None, length: int = N) -> tuple[list[list[list[int]]], int]:
     """Each global rank's batches of a job's next pass (the nodes'
     schedules, each node's share split among its ranks in rounds), and the
     batches dropped."""
     per_rank: list[list[list[int]]] = []
     drops = set()
     for node in range(nodes):
-        schedule = _schedule(nodes, ranks, node)
+        schedule = _schedule(nodes, ranks, node, length=length)
         if state is not None:
             schedule.load(state)
         mine, dropped = _node_batches(schedule, 0)
@@ -166,12 +166,20 @@ def test_only_a_rank_that_may_get_the_short_batch_says_the_sizes_vary(epochs, no
         node == nodes - 1 for node in range(nodes)
     ]
     # Its rows where the default collate makes the batches (to_jax refuses a
-    # sharding that cannot split them at the first batch); none said otherwise.
-    assert [
-        _schedule(nodes, ranks, g // ranks, default_collate=True).short_batch(g % ranks)
-        for g in range(nodes * ranks)
-    ] == [N % BATCH if g == nodes * ranks - 1 else None for g in range(nodes * ranks)]
-    assert {_schedule(nodes, ranks, g // ranks).short_batch(g % ranks) for g in range(nodes * ranks)} == {None}
+    # sharding that cannot split them at the first batch): only where every
+    # fresh epoch gives that rank the short batch, an epoch of whole rounds
+    # (helper 93: 61 batches on 2 ranks never deal it, and to_jax refused).
+    w = nodes * ranks
+    for length in (N, 2 * BATCH * w - 1):  # 61 batches; 2W batches, the last one short
+        whole = -(-length // BATCH) % w == 0
+        assert [
+            _schedule(nodes, ranks, g // ranks, default_collate=True, length=length).short_batch(g % ranks)
+            for g in range(w)
+        ] == [length % BATCH if g == w - 1 and whole else None for g in range(w)], length
+        assert {_schedule(nodes, ranks, g // ranks, length=length).short_batch(g % ranks) for g in range(w)} == {None}
+        if whole:  # and that rank does get it, every epoch
+            per_rank, _ = _job(nodes, ranks, None, length=length)
+            assert [len(b) for b in per_rank[-1]][-1] == length % BATCH, length
     got_short = set()
     for state in _states_at_each_fraction(epochs):
         per_rank, _ = _job(nodes, ranks, state)
