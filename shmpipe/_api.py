@@ -115,8 +115,10 @@ def from_iterators(
             where it is stopped) before PipelineTimeoutError; None waits as
             long as producers live.
         slot_size: bytes per slot. Default: the first batch's size plus 25%,
-            rounded up to a page. A batch larger than a slot raises
-            BatchTooLargeError naming this option.
+            rounded up to a page, and a larger batch travels in its
+            producer's own shared memory (transports that have it: ``shm``).
+            Given, it is a limit: a larger batch raises BatchTooLargeError
+            naming this option.
         seed: base seed for the producers' seeds (see WorkerInfo); random
             when None.
         max_restarts: a producer that dies (killed, a segfault, os._exit;

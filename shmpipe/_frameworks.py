@@ -75,8 +75,11 @@ class FrameworkStream(BatchStream):
         """This pipeline's batches with torch tensors at the array leaves.
 
         On the host (``device=None`` or "cpu") the tensors are
-        ``torch.from_numpy`` views of the shared memory: no copy, read-only
-        by contract (do not write into them). With a CUDA ``device`` each
+        ``torch.from_numpy`` views of the shared memory: no copy. They may
+        be written in place (``x.div_(255)``), as a DataLoader's may: the
+        slot is the trainer's until the batch is let go, and memory this
+        process maps read-only is viewed copy-on-write (docs/gpu.md). The
+        batch's NumPy arrays stay read-only. With a CUDA ``device`` each
         array is copied once, and with ``non_blocking`` a batch's slot is
         kept until the CUDA event recorded after its copy has completed.
         ``pin_memory=True`` registers the ring with ``cudaHostRegister`` once
