@@ -362,6 +362,8 @@ def _ways(sharding: Any) -> tuple[str, list[tuple[int, str]] | None]:
     ways = []
     for entry in spec:
         names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        if not all(name in mesh.shape for name in names):  # (P.UNCONSTRAINED, and what JAX adds later)
+            return repr(spec), None
         ways.append((math.prod(mesh.shape[name] for name in names), ", ".join(map(repr, names))))
     return repr(spec), ways
 
