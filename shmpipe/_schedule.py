@@ -409,9 +409,11 @@ class DatasetSchedule(Schedule):
         # its epoch), and where W ranks deal the epoch, only an epoch of whole
         # rounds gives the last rank the short batch (batch_sizes_vary says
         # "may": after a resume on another layout, an epoch may end either way).
-        if not self.default_collate or self.sampler is not None or not self.batch_sizes_vary(local_rank):
+        if self.batch_sampler is not None or self.sampler is not None or not self.default_collate:
             return None
-        assert self.batch_size is not None and self.batch_sampler is None
+        if not self.batch_sizes_vary(local_rank):
+            return None
+        assert self.batch_size is not None
         if -(-self.length // self.batch_size) % self.layout.world:
             return None
         return self.length % self.batch_size
