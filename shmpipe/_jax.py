@@ -77,13 +77,22 @@ Lifetime rules:
   Once a later pass began, the old iterator's ``next()`` raises that
   PipelineClosedError itself, as the stream's own iterator would, and drops
   what the thread had put ahead: no batch of the earlier pass comes after.
+* The thread is stopped and joined (AT_EXIT_JOIN_S in all) by an atexit
+  hook, before the interpreter finalizes: a daemon thread that is still in
+  jaxlib's C++ then (a put, a wait for a copy, a collection) is ended by a
+  forced unwind through its frames, which the C++ runtime answered with
+  "FATAL: exception not rethrown" and SIGABRT (2 in 60 exits with a pass put
+  ahead, on a loaded 2-core machine). The pipelines' own teardown at exit
+  may come before it or after: a thread whose pipeline closed ends as well.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -217,6 +226,23 @@ class _HostPass:
 
 _END = object()
 
+#: How long the interpreter's exit waits, in all, for the threads of passes
+#: put ahead to stop (each is told first; one waiting for a batch stops when
+#: the batch comes, or is left to the finalization, outside jaxlib).
+AT_EXIT_JOIN_S = 2.0
+
+
+@atexit.register
+def _stop_every_pass_at_exit() -> None:
+    # The threads still running, also of passes whose iterator is gone (it
+    # stopped them, and one may still be in its last wait).
+    threads = [t for t in threading.enumerate() if isinstance(t, _FeederThread)]
+    for thread in threads:
+        thread.feeder.stop.set()
+    deadline = time.monotonic() + AT_EXIT_JOIN_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
 
 class _Raised:
     __slots__ = ("exc",)
@@ -334,6 +360,14 @@ class _Feeder:
                 return
 
 
+class _FeederThread(threading.Thread):
+    """The thread of one pass put ahead (found at exit by _stop_every_pass_at_exit)."""
+
+    def __init__(self, feeder: _Feeder) -> None:
+        super().__init__(target=feeder.run, name="shmpipe-to_jax", daemon=True)
+        self.feeder = feeder
+
+
 class _AheadPass:
     """One pass whose batches a background thread puts on the device
     ahead of the step (see the module doc)."""
@@ -348,7 +382,7 @@ class _AheadPass:
         # given back as next() takes the batch, before it counts it.
         position = batches.pipe._position_for_adapter(ahead=batches.prefetch + 1, sees_asks=True)
         self.feeder = _Feeder(it, batches, batches.prefetch, batches.pipe, position)
-        self.thread = threading.Thread(target=self.feeder.run, name="shmpipe-to_jax", daemon=True)
+        self.thread = _FeederThread(self.feeder)
         self.thread.start()
 
     def __iter__(self) -> _AheadPass:

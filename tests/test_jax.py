@@ -761,18 +761,12 @@ DEVICES = textwrap.dedent(
         with shmpipe.from_iterators([Counter(2, shape=(8, 16))], timeout=60) as pipe:
             b = next(iter(pipe.to_jax(sharding=NamedSharding(mesh, P()))))
             report("replicated", shards=len(b["data"].addressable_shards), aliased=in_segment(b["data"], pipe))
-        for name, batch in [("rows", {"image": np.zeros((6, 3), np.float32)}),
-                            ("scalar", {"image": np.zeros((8, 3), np.float32), "n": np.int64(3)})]:
-            for ahead in (False, True):
-                with shmpipe.from_iterators([Fixed([batch])], timeout=60) as pipe:
-                    try:
-                        next(iter(JaxBatches(pipe, sharding=data, ahead=ahead)))
-                        report(name, ahead=ahead, error=None)
-                    except shmpipe.ShmpipeValueError as exc:
-                        report(name, ahead=ahead, error=str(exc))
-        # a spec naming more axes than a leaf has (JAX's IndexError), and a later axis that does not split
+        # a first axis or a 0-d leaf it cannot split, a spec naming more axes than a leaf has (JAX's
+        # IndexError), and a later axis that does not split
         mesh2 = jax.make_mesh((2, 2), ("data", "model"))
         for name, sharding, batch in [
+            ("rows", data, {"image": np.zeros((6, 3), np.float32)}),
+            ("scalar", data, {"image": np.zeros((8, 3), np.float32), "n": np.int64(3)}),
             ("longer spec", NamedSharding(mesh2, P("data", "model")),
              {"image": np.zeros((8, 8), np.float32), "label": np.zeros(8, np.int32)}),
             ("later axis", NamedSharding(mesh, P(None, "data")), {"image": np.zeros((8, 6), np.float32)}),
@@ -865,12 +859,19 @@ def _free_port() -> int:
 
 # A script that leaves a pass put ahead for the interpreter's exit to end.
 AT_EXIT = textwrap.dedent("""
+    import jax, jax.numpy as jnp
     import shmpipe
     from shmpipe._jax import JaxBatches
     from shmpipe.testing.sources import Counter
+    # The thread's wait for each batch's copies is a computation in jaxlib's C++ (GIL released), as an
+    # accelerator's copy is: the interpreter's exit comes while the thread is in it.
+    step = jax.jit(lambda x: jnp.linalg.matrix_power(x, 64))
+    x = jnp.full((500, 500), 1e-3)
+    step(x).block_until_ready()
     pipe = shmpipe.from_iterators([Counter(50, shape=(256,))] * 2, timeout=60)
-    it = iter(JaxBatches(pipe, prefetch=2, ahead=True))
-    b = next(it)
+    batches = JaxBatches(pipe, prefetch=2, ahead=True)
+    batches.wait_for_copies = lambda out: step(x).block_until_ready()
+    b = next(iter(batches))
     print("took", int(b["seq"]))
 """)
 
@@ -921,6 +922,10 @@ def children(tmp_path_factory):
 def test_a_pass_put_ahead_that_the_interpreters_exit_ends_says_nothing(children):
     # Its __del__ ran after the module's globals were None, and printed an
     # AttributeError ("Exception ignored in ... __del__") at every such exit.
+    # And a thread still in jaxlib's C++ as the interpreter finalized was
+    # ended by a forced unwind there: "FATAL: exception not rethrown" and
+    # SIGABRT (CI run 145; 5 of 5 exits with this wait). It is stopped and
+    # joined at exit now.
     proc = children["at exit"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("took "), proc.stdout
