@@ -295,7 +295,7 @@ class Target:
                 sharding.shard_shape(leaf.shape)
                 index_map = sharding.addressable_devices_indices_map(leaf.shape)
             except (ValueError, IndexError, AssertionError) as exc:  # (JAX's, by kind of sharding and mistake)
-                raise ShmpipeValueError(self._unsplit(leaf, path, exc)) from None
+                raise ShmpipeValueError(self._unsplit(leaf, path, ways, exc)) from None
             if self.short_batch is not None and leaf.ndim:  # refused now, not after the epoch's other batches
                 try:
                     sharding.shard_shape((self.short_batch, *leaf.shape[1:]))
@@ -318,10 +318,11 @@ class Target:
             self.first_rows = leaf.shape[0]
         return plan
 
-    def _unsplit(self, leaf: np.ndarray, path: str, exc: BaseException) -> str:
+    def _unsplit(
+        self, leaf: np.ndarray, path: str, ways: list[tuple[int, str]] | None, exc: BaseException
+    ) -> str:
         """Why the sharding cannot split `leaf`: the axis it cannot split
-        evenly, where it says which (a NamedSharding)."""
-        _, ways = _ways(self.sharding)
+        evenly, where its `ways` (_ways's, worked out by _plan) say which."""
         axis = next((k for k, (n, _) in enumerate(ways or ()) if leaf.shape[k] % n), None)
         if axis is None or axis > 0:  # another kind of sharding (JAX's words say which axis), or a later axis
             where = f"its axis {axis} has {leaf.shape[axis]} entries" if axis else f"its shape {leaf.shape}"
