@@ -350,9 +350,14 @@ def _modules_of(sources: Sequence[Any]) -> set[str]:
             for imported in _imported_by_code(obj):
                 # with the submodules of it that the trainer has loaded, as a
                 # fork would have them (Pillow loads its JPEG plugin at the
-                # first open: 15 ms more)
+                # first open: 15 ms more); of shmpipe's own, not its private
+                # modules: a producer's are the server's already (SERVER_PRELOAD),
+                # and the rest are the pipeline's side, which no producer runs
+                # (a generator of the script that calls shmpipe.get_worker_info()
+                # made the server import all of them: 30-60 ms more of its boot)
                 if imported is not None:
-                    names.update(m for m in list(sys.modules) if m == imported or m.startswith(imported + "."))
+                    names.update(m for m in list(sys.modules) if (m == imported or m.startswith(imported + "."))
+                                 and not _pipelines_side(m))
     modules: set[str] = set()
     for name in names:
         if isinstance(name, str) and name not in _byvalue.MAIN_NAMES and name != "builtins":
@@ -360,6 +365,13 @@ def _modules_of(sources: Sequence[Any]) -> set[str]:
             if module is not None and getattr(module, "__file__", None):
                 modules.add(name)
     return modules
+
+
+def _pipelines_side(name: str) -> bool:
+    """Whether module `name` is one of shmpipe's private modules or its
+    registry: what a producer needs of them the fork server imports
+    anyway (SERVER_PRELOAD), and the rest only a pipeline runs."""
+    return name.startswith("shmpipe._") or name == "shmpipe.registry"
 
 
 def _imported_by_code(obj: Any) -> set[str | None]:

@@ -940,3 +940,39 @@ def test_the_fork_server_preloads_the_module_of_shmpipes_transport_only(tmp_path
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (module in json.loads(out.stdout.strip().splitlines()[-1])) is preloaded
+
+
+_README_PATTERN_JOB = """
+import json, sys
+import numpy as np
+import shmpipe
+from shmpipe import _forkserver
+
+def make_batches():  # of the script, as the README's: it calls shmpipe.get_worker_info()
+    info = shmpipe.get_worker_info()
+    yield {"id": np.array(info.id), "pipeline_side": np.array([m in sys.modules for m in SIDE])}
+
+SIDE = ("shmpipe._api", "shmpipe._pipeline", "shmpipe._launch", "shmpipe._group", "shmpipe._options",
+        "shmpipe.registry")
+
+if __name__ == "__main__":
+    with shmpipe.from_iterators([make_batches] * 2, timeout=60) as pipe:
+        got = [(int(b["id"]), b["pipeline_side"].tolist()) for b in pipe]
+    print(json.dumps({"got": sorted(got), "preload": [m for m in _forkserver._SERVER._preload_modules if m in SIDE]}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_generator_of_the_script_that_uses_shmpipe_brings_no_pipeline_module_to_the_producers(tmp_path):
+    # The server imported every module of shmpipe the trainer had loaded
+    # (the pipeline's side too, which no producer runs) when a function of
+    # the script used the global `shmpipe`, as the README's first example does.
+    script = tmp_path / "readme_pattern.py"
+    script.write_text(_README_PATTERN_JOB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["preload"] == []
+    assert got["got"] == [[0, [False] * 6], [1, [False] * 6]]
