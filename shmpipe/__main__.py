@@ -107,7 +107,7 @@ def _bench_feed(args: argparse.Namespace) -> int:
         flush=True,
     )
     bound: list[feed.RecipeResult] | None = None
-    ray_recipes = {"ray.util.iter", "shmpipe:ray"} & set(recipes + bound_recipes)
+    ray_recipes = set(feed.RAY_RECIPES) & set(recipes + bound_recipes)
     try:
         with _output_captured(log_path) as terminal:
             progress = Progress(total, "bench feed", file=terminal)
@@ -182,8 +182,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             sizes, seconds=args.seconds, min_batches=args.min_batches, workers=args.workers, paths=paths,
             repeat=args.repeat, progress=lambda path, nbytes: progress.step(f"{path} {human_size(nbytes)}"),
         )
-    print(f"shmpipe bench throughput: {args.workers} producers, fresh float32 batches, {args.seconds} s per run, "
-          f"{args.repeat} run(s) of each path in rounds: the median run")
+    print(f"shmpipe bench throughput: {args.workers} producers, each batch a new float32 array, {args.seconds} s per "
+          f"run, {args.repeat} run(s) of each path in rounds: the median run. Steady state: each run's first batches "
+          "(as many as the ring holds; one per producer for mp.Queue; 3 for memcpy) are not timed. First batch: from "
+          "making the pipeline (starting the processes), in this one process; (warm): the fork server it starts from "
+          "ran already, started by an earlier run, which a new job pays in its first batch")
     print(throughput.table(results))
     _write_json(args.json, "throughput", {"workers": args.workers, "results": [r.as_dict() for r in results]})
     if args.plot:

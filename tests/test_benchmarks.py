@@ -442,8 +442,26 @@ def test_bench_feed_says_which_first_batch_was_warm():
     assert script.warm_start is False and second.warm_start is True, results
     assert f"| {feed._fmt_s(second.first_batch_s)} (warm) |" in feed.table(results)
     # (shmpipe:queue too where an earlier test of this process started the server)
-    assert any(line.startswith("First batches marked (warm): ") and "shmpipe:shm ran after" in line
+    assert any(line.startswith("First batches marked (warm): ") and "shmpipe:shm ran on shmpipe's fork server" in line
                for line in feed.summary(results, None)), feed.summary(results, None)
+
+
+def test_bench_feed_marks_warm_what_started_before_the_clock_for_its_peers_too():
+    # mp.Queue's producers start from multiprocessing's fork server, which
+    # the recipe run first in the process started: the second's first batch
+    # is warm, and said to be (only shmpipe's recipes were marked before).
+    from shmpipe.bench import feed
+
+    cfg = feed.FeedConfig(workers=2, batches=2, shape=(8,), target_shape=(1,), fetch_s=0.0, train_s=0.0)
+    feed.run(cfg, ["mp.Queue"])
+    (again,) = feed.run(cfg, ["mp.Queue"])
+    assert again.warm_start is True and len(again.waits_s) == 4, again
+    assert f"| {feed._fmt_s(again.first_batch_s)} (warm) |" in feed.table([again])
+    assert any(line.startswith("First batches marked (warm): mp.Queue ran on multiprocessing's fork server")
+               for line in feed.summary([again], None))
+    # Ray's runtime is started once, before the clocks of its recipes: their first batches are warm where it runs
+    ray = sys.modules.get("ray")
+    assert feed._warm_start("ray.util.iter") is bool(ray is not None and ray.is_initialized())
 
 
 def test_bench_resume_check_sees_a_wrong_resume():

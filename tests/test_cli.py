@@ -177,6 +177,13 @@ def test_throughput_every_option(tmp_path, capsys):
     assert [(r["path"], r["nbytes"]) for r in data["results"]] == [(p, n) for n in (4096, 8192) for p in paths]
     assert all(r["batches"] >= 2 for r in data["results"])
     assert "| 8 KiB | transport:example-pipe |" in text
+    # A first batch whose fork server an earlier run started is warm, and said
+    # to be; what is timed (steady state, after untimed batches) is said too.
+    by = {(r["path"], r["nbytes"]): r for r in data["results"]}
+    assert by["shm reserve", 4096]["warm_start"] is True and by["memcpy", 4096]["warm_start"] is None
+    row = next(line for line in text.splitlines() if line.startswith("| 4 KiB | shm reserve |"))
+    assert row.endswith(" (warm) |"), row
+    assert "Steady state: each run's first batches" in text and "(warm): the fork server" in text
     assert png(tmp_path / "t.png")
 
 

@@ -72,6 +72,7 @@ from typing import Any
 import numpy as np
 
 import shmpipe
+from shmpipe.bench import _warm
 
 # Nothing of shmpipe beyond the package itself is imported at the top
 # (_process and _report, which imports shmpipe._startup, where they are
@@ -86,6 +87,8 @@ __all__ = [
 
 #: The frameworks of the start-up recipes: a training script imports one at its top.
 STARTUP_FRAMEWORKS = ("tensorflow", "torch", "numpy")
+#: The recipes whose producers run on Ray (its runtime started once, before their clocks: one_ray).
+RAY_RECIPES = ("ray.util.iter", "shmpipe:ray")
 
 #: A batch: (sample, target).
 Batch = tuple[np.ndarray, np.ndarray]
@@ -282,7 +285,7 @@ def _measure(
     """Times the consumer's wait for each batch of iterator make_iter(), and
     the CPU time this process spends from the first batch on. `producers`
     is how many make batches in parallel with the loop (0: the loop itself)."""
-    warm = _fork_server_running() if name.startswith("shmpipe") else None
+    warm = _warm_start(name)
     t_start = time.perf_counter()
     it = make_iter()
     waits: list[float] = []
@@ -322,12 +325,22 @@ def _measure(
     )
 
 
-def _fork_server_running() -> bool:
-    """Whether shmpipe's fork server runs in this process now (read where
-    shmpipe keeps it; not imported here if no pipeline imported it yet)."""
-    server = sys.modules.get("shmpipe._forkserver")
-    server_pid = getattr(server, "server_pid", None)
-    return server_pid is not None and server_pid() is not None
+def _warm_start(name: str) -> bool | None:
+    """Whether what recipe `name` starts once per process runs already
+    (its first batch is then warm; None: it starts nothing of the kind):
+    Ray's runtime for the Ray recipes (started before the clock, one_ray),
+    shmpipe's fork server for shmpipe's others, multiprocessing's for the
+    mp.Queue recipe where its producers start from a fork server."""
+    if name in RAY_RECIPES:
+        return _warm.ray_running()
+    if name.startswith("shmpipe"):
+        return _warm.shmpipe_fork_server_running()
+    if name == "mp.Queue":
+        from shmpipe.bench._report import process_context
+
+        if process_context().get_start_method() == "forkserver":
+            return _warm.multiprocessing_fork_server_running()
+    return None
 
 
 def producers_pss_mib(pids: set[int | None], earlier: dict[int, int | None] | None = None) -> float | None:
@@ -692,12 +705,15 @@ def summary(results: list[RecipeResult], bound: list[RecipeResult] | None) -> li
             + "."
         )
     warm = [r.recipe for r in results if r.warm_start and "+prestart" not in r.recipe]
-    if warm:
-        lines.append(
-            f"First batches marked (warm): {', '.join(warm)} ran after an earlier recipe of this process had started "
-            "shmpipe's fork server and imported its modules; a new job pays both in its first batch, as the start-up "
-            "recipes (@FRAMEWORK, each a script of its own) measure."
-        )
+    # (why each is warm: what it starts once per process ran already, _warm_start)
+    started = (("shmpipe's fork server, started and its modules imported by an earlier recipe of this process",
+                lambda n: n.startswith("shmpipe") and n not in RAY_RECIPES),
+               ("multiprocessing's fork server, started by an earlier recipe", lambda n: n == "mp.Queue"),
+               ("Ray's runtime, started before their clocks (its start: below)", lambda n: n in RAY_RECIPES))
+    for what, of_it in started:
+        if names := [n for n in warm if of_it(n)]:
+            lines.append(f"First batches marked (warm): {', '.join(names)} ran on {what}, which a new job starts "
+                         "in its first batch (the start-up recipes, @FRAMEWORK, each a script, measure shmpipe's).")
     for framework in STARTUP_FRAMEWORKS:
         ours, theirs = find(results, f"shmpipe:shm@{framework}"), find(results, f"torch.DataLoader@{framework}")
         early = find(results, f"shmpipe:shm+prestart@{framework}")

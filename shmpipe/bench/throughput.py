@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 import shmpipe
+from shmpipe.bench import _warm
 from shmpipe.bench._report import KiB, MiB, human_size, line_plot, process_context
 
 __all__ = ["Result", "run", "DEFAULT_SIZES", "default_paths", "table", "targets", "plot"]
@@ -57,6 +58,9 @@ class Result:
     #: Start-up: from making the pipeline (starting the queue's processes)
     #: to its first batch; None for memcpy.
     first_batch_s: float | None = None
+    #: Whether the start of what made that first batch (shmpipe's fork server,
+    #: multiprocessing's) ran already: every run after the first in this process
+    warm_start: bool | None = None
     #: batches/s of each run, where the path ran several times (run(repeat=)):
     #: this Result is the median run
     runs_per_s: list[float] = field(default_factory=list)
@@ -206,8 +210,9 @@ def bench_memcpy(nbytes: int, seconds: float, min_batches: int) -> Result:
 
 
 def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int) -> Result:
-    t0 = time.perf_counter()
     ctx = process_context()
+    warm = _warm.multiprocessing_fork_server_running() if ctx.get_start_method() == "forkserver" else None
+    t0 = time.perf_counter()
     q: multiprocessing.Queue[np.ndarray] = ctx.Queue(capacity)
     stop = ctx.Event()
     procs = [ctx.Process(target=_queue_producer, args=(q, nbytes, stop), daemon=True) for _ in range(workers)]
@@ -232,7 +237,7 @@ def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, cap
                 p.join(1)
         q.close()
         q.join_thread()
-    return Result("mp.Queue", nbytes, n, wall, cpu, first_s)
+    return Result("mp.Queue", nbytes, n, wall, cpu, first_s, warm)
 
 
 def bench_pipeline(
@@ -253,6 +258,7 @@ def bench_pipeline(
         source = VaryingArrays(nbytes)
     else:
         source = FreshArrays(nbytes)
+    warm = _warm.shmpipe_fork_server_running()
     t0 = time.perf_counter()
     with shmpipe.from_iterators(
         [source] * workers, capacity=capacity, transport=transport, timeout=120, slot_size=slot_size
@@ -261,7 +267,7 @@ def bench_pipeline(
         next(it)
         first_s = time.perf_counter() - t0
         n, wall, cpu = _timed(lambda: next(it), seconds, min_batches, warmup=capacity)
-    return Result(path, nbytes, n, wall, cpu, first_s)
+    return Result(path, nbytes, n, wall, cpu, first_s, warm)
 
 
 MIXED_IN_SLOTS = "shm mixed in slots"
@@ -368,6 +374,8 @@ def table(results: list[Result]) -> str:
     for r in results:
         ratio = f"{r.gb_per_s / floor[r.nbytes].gb_per_s:.2f}x" if r.nbytes in floor else "-"
         first = "-" if r.first_batch_s is None else f"{r.first_batch_s * 1e3:.0f} ms"
+        if r.warm_start:
+            first += " (warm)"
         spread = f"{min(r.runs_per_s):,.0f} to {max(r.runs_per_s):,.0f}" if r.runs_per_s else "-"
         lines.append(
             f"| {human_size(r.nbytes)} | {r.path} | {r.gb_per_s:.2f} | {r.batches_per_s:,.0f} | {spread} | {ratio} | "
