@@ -4,6 +4,7 @@ two-node cluster."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -31,9 +32,10 @@ from shmpipe.transports.ray import RayTransport
 #: checks both (a local Ray takes seconds to start); each test reads its part.
 ON_DEMAND = textwrap.dedent(
     """
-    import sys
+    import json, os, signal, sys, threading, time
     sys.path.remove(sys.path[0])  # like an installed program: ./ is not on the path
     import ray, shmpipe
+    from shmpipe.testing.datasets import Numbered
     from shmpipe.testing.sources import Counter
     if __name__ == "__main__":
         assert not ray.is_initialized()
@@ -42,6 +44,52 @@ ON_DEMAND = textwrap.dedent(
             up = ray.is_initialized()
             store = ray.cluster_resources()["object_store_memory"]
         print(n, up, ray.is_initialized(), int(store))
+
+        # The Ray a pipeline started is the pipelines': closing the one that
+        # started it leaves it to the others, the last stops it (it stopped
+        # under the second, whose next call into Ray started a new one and
+        # aborted the process, helper 94).
+        out = {}
+        a = shmpipe.from_iterators([Counter(50)], transport="ray", timeout=120)
+        b = shmpipe.from_iterators([Counter(50)], transport="ray", timeout=120)
+        taking = iter(b)
+        next(taking)
+        a.close()
+        out["up_after_first_close"] = ray.is_initialized()
+        out["rest_of_second"] = sum(1 for _ in taking)
+        b.close()
+        out["up_after_last_close"] = ray.is_initialized()
+        # The program stops Ray under a pipeline: its next batch says so, and
+        # starts no Ray.
+        c = shmpipe.from_iterators([Counter(50)], transport="ray", timeout=120)
+        taking = iter(c)
+        next(taking)
+        ray.shutdown()
+        try:
+            next(taking)
+        except shmpipe.PipelineClosedError as exc:
+            out["after_shutdown"] = str(exc)
+        out["started_again"] = ray.is_initialized()
+        # ... and a Ray the program started again meanwhile is its own: the
+        # pipeline's close leaves it up.
+        ray.init(num_cpus=1, include_dashboard=False)
+        c.close()
+        out["programs_ray_up"] = ray.is_initialized()
+        out["leftovers"] = c.leftovers()
+        ray.shutdown()
+        print(json.dumps(out))
+
+        # A Ctrl-C while Ray cannot place the producers ends the wait (it
+        # waited out Ray's 120 s to start them, helper 94).
+        ray.init(num_cpus=1, include_dashboard=False)
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t = time.monotonic()
+        try:
+            shmpipe.from_dataset(Numbered(8), batch_size=4, transport="ray", timeout=120,
+                                 ray_remote_args={"resources": {"no_such_node": 1}})
+        except KeyboardInterrupt:
+            print(json.dumps({"ctrl_c_ended_it_after_s": time.monotonic() - t, "programs_ray_up": ray.is_initialized()}))
+        ray.shutdown()
     """
 )
 
@@ -55,7 +103,8 @@ def _on_demand(folder):
 
 
 RUN = SharedRuns(
-    {"test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close", "test_a_pipeline_started_next_to_a_source_checkout"},
+    {"test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close", "test_a_pipeline_started_next_to_a_source_checkout",
+     "test_the_ray_a_pipeline_started_is_stopped_by_the_last_pipeline_on_it_and_never_the_programs"},
     keys=lambda item: ["on demand"], command=lambda key, folder: _on_demand(folder),
 )
 
@@ -63,7 +112,7 @@ RUN = SharedRuns(
 def test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close(request):
     out, _ = RUN.get(request, "on demand")
     assert out.returncode == 0, out.stderr[-3000:]
-    n, up, after, store = out.stdout.split()
+    n, up, after, store = out.stdout.splitlines()[0].split()
     assert (n, up, after) == ("6", "True", "False")
     # sized for the pipeline: max(256 MiB, 3 x capacity x slot_size) = 256 MiB here
     assert abs(int(store) - (256 << 20)) < (16 << 20)
@@ -75,6 +124,17 @@ def test_a_pipeline_started_next_to_a_source_checkout(request):
     out, _ = RUN.get(request, "on demand")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[0] == "6"
+
+
+def test_the_ray_a_pipeline_started_is_stopped_by_the_last_pipeline_on_it_and_never_the_programs(request):
+    out, _ = RUN.get(request, "on demand")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[1])
+    assert got["up_after_first_close"] and got["rest_of_second"] == 49 and not got["up_after_last_close"], got
+    assert "Ray was shut down under this pipeline" in got["after_shutdown"] and not got["started_again"], got
+    assert got["programs_ray_up"] and got["leftovers"] == [], got
+    pressed = json.loads(out.stdout.splitlines()[2])
+    assert pressed["ctrl_c_ended_it_after_s"] < 30 and pressed["programs_ray_up"], pressed
 
 
 def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
@@ -238,6 +298,13 @@ def test_ray_remote_args_are_for_ray_alone():
         ({"foo": 1}, "holds an option Ray refuses: Invalid option keyword foo"),
         ({"num_cpus": "two"}, "holds an option Ray refuses: The type of keyword 'num_cpus'"),
         ({"num_cpus": -1}, "holds an option Ray refuses: .*cannot be negative"),
+        # (these Ray took, and refused only at the actor's start, after the
+        # pipeline started Ray: raw OverflowError, AttributeError,
+        # ValueError and AssertionError, helper 94)
+        ({"num_cpus": float("inf")}, "holds an option Ray refuses: cannot convert float infinity"),
+        ({"resources": {1: 1}}, "holds an option Ray refuses: resources are named by strings"),
+        ({"scheduling_strategy": "NOPE"}, "holds an option Ray refuses: scheduling_strategy 'NOPE' is none of"),
+        ({"placement_group": "x"}, "holds an option Ray refuses: placement_group is a PlacementGroup"),
     ]:
         with pytest.raises(shmpipe.ShmpipeValueError, match=f"ray_remote_args {match}"):
             shmpipe.from_dataset(Numbered(8), transport="ray", ray_remote_args=args)

@@ -45,8 +45,10 @@ from shmpipe.testing.sources import (
     Fixed,
     Killer,
     Matrix,
+    NotRebuiltElsewhere,
     Progress,
     Raiser,
+    RaisesShardError,
     Reserver,
     Shapes,
     Sleeper,
@@ -360,6 +362,32 @@ class TransportConformance:
         else:
             assert [s for w, s in seen if w == 1] == [0, 1, 2], "batches yielded before the error were lost"
         assert pipe.closed
+
+    def test_an_exception_the_trainer_cannot_unpickle_is_still_the_producers_error(
+        self, transport: TransportArg
+    ) -> None:
+        # A ShardError's __init__ takes other arguments than its args: the
+        # trainer cannot rebuild it. Still a WorkerError naming the worker
+        # (Ray's UnserializableException came through as itself, helper 94).
+        pipe = self.pipe(transport, [RaisesShardError(2, only_worker=0)])
+        seen = 0
+        with pytest.raises(shmpipe.WorkerError) as info:
+            with pipe:
+                for _ in pipe:
+                    seen += 1
+        assert info.value.worker_id == 0 and seen == 2, (info.value, seen)
+        assert pipe.closed
+
+    def test_a_source_its_producer_cannot_rebuild_is_the_producers_error(self, transport: TransportArg) -> None:
+        # Its module missing where the producer runs (another node): the
+        # unpickling fails there. A WorkerError (a WorkerDiedError where the
+        # producer's process ended with it) naming the worker and the cause,
+        # from the constructor or the first batch (Ray's ActorDiedError came
+        # through as itself, helper 94).
+        with pytest.raises(shmpipe.WorkerError) as info:
+            with self.pipe(transport, [NotRebuiltElsewhere(3)]) as pipe:
+                list(pipe)
+        assert info.value.worker_id == 0 and "missing_on_this_node" in str(info.value), info.value
 
     @pytest.mark.parametrize("bad", BAD_LEAVES, ids=[b[0] for b in BAD_LEAVES])
     def test_a_bad_batch_is_refused_with_its_path(self, transport: TransportArg, bad: tuple[Any, ...]) -> None:

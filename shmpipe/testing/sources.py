@@ -140,6 +140,40 @@ class Raiser(_FailsAfter):
         raise self.exc_type(self.message)
 
 
+class ShardError(Exception):
+    """An exception whose __init__ takes other arguments than its args (as
+    many of a user's do): pickle cannot rebuild it from them."""
+
+    def __init__(self, shard: int, reason: str) -> None:
+        super().__init__(f"shard {shard}: {reason}")
+
+
+class RaisesShardError(_FailsAfter):
+    """Fails by raising a ShardError, which its producer's process can
+    pickle and the trainer's cannot unpickle."""
+
+    def __init__(self, after: int, only_worker: int | None = 0) -> None:
+        super().__init__(after, only_worker)
+
+    def fail(self) -> None:
+        raise ShardError(7, "checksum mismatch")
+
+
+class NotRebuiltElsewhere(Counter):
+    """A Counter that cannot be unpickled in another process than the one
+    that made it, as a source whose module is missing on the producer's
+    node cannot."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.made_in = os.getpid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["made_in"] != os.getpid():
+            raise ImportError("No module named 'missing_on_this_node'")
+        self.__dict__.update(state)
+
+
 class Killer(_FailsAfter):
     """Fails by killing its own process with `sig`."""
 

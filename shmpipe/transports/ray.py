@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from shmpipe import _tree
+from shmpipe._interrupts import WaitEndedByCtrlC, ctrl_c_pending
 from shmpipe.errors import PipelineClosedError, ShmpipeError, ShmpipeValueError, WorkerDiedError, WorkerError
 from shmpipe.transport import (
     AGAIN,
@@ -72,6 +73,59 @@ _LOST_WITH_ITS_ACTOR = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostE
 #: How long producers may take to be placed and started before the pipeline
 #: gives up (a cluster without room for them would otherwise wait forever).
 START_TIMEOUT_S = 120.0
+#: How often that wait looks for a Ctrl-C held back meanwhile (ctrl_c_pending).
+_START_POLL_S = 0.1
+
+
+class _OurRay:
+    """The local Ray that shmpipe started for its pipelines, and how many
+    launchers use it: the last of them to shut down stops it. One launcher
+    stopped it under the others before, whose next call into Ray started a
+    new Ray and then aborted the process in Ray's C++ (helper 94). A Ray
+    the program started, or started again after ours (told apart by the
+    job id of this driver's connection), is never stopped here."""
+
+    lock = threading.Lock()
+    job: str | None = None  # this driver's job in the Ray we started, while it runs
+    users = 0
+
+    @classmethod
+    def attach(cls, start: Callable[[], None]) -> str | None:
+        """Starts Ray where none runs; the job of ours the caller now uses
+        (None: the program's Ray)."""
+        with cls.lock:
+            if not ray.is_initialized():
+                start()
+                cls.job, cls.users = _job(), 0
+            if cls.job is None or _job() != cls.job:
+                return None
+            cls.users += 1
+            return cls.job
+
+    @classmethod
+    def detach(cls, job: str) -> None:
+        """One user of ours (`job`, what attach returned) less: the last
+        stops it, if it still runs. A user of one the program stopped
+        since counts for none."""
+        with cls.lock:
+            if job != cls.job:
+                return
+            cls.users -= 1
+            if cls.users > 0:
+                return
+            if _job() == job:
+                ray.shutdown()
+            cls.job = None
+
+
+def _job() -> str | None:
+    """This driver's connection to the Ray it is connected to: its node and
+    job (a Ray started again numbers its jobs from 1 again; its node is
+    new), None where there is none."""
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return f"{context.get_node_id()}/{context.get_job_id()}"
 
 
 class RayTransport(Transport):
@@ -161,8 +215,24 @@ def _checked_actor_options(options: dict[str, Any], what: str) -> dict[str, Any]
         raise ShmpipeValueError(f"{what} may not set {', '.join(own)}: shmpipe sets it for each producer actor")
     try:
         _ProducerActor.options(name="shmpipe-check", max_concurrency=2, **options)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # (num_cpus=inf: an OverflowError)
         raise ShmpipeValueError(f"{what} holds an option Ray refuses: {exc}") from None
+    # What .options() lets through and Ray refuses only at an actor's start,
+    # after the pipeline started Ray (an AttributeError, a ValueError, an
+    # AssertionError of its own): checked here, before anything starts.
+    refused = f"{what} holds an option Ray refuses:"
+    resources = options.get("resources")
+    if isinstance(resources, dict) and not all(isinstance(k, str) for k in resources):
+        raise ShmpipeValueError(f"{refused} resources are named by strings, not {sorted(map(repr, resources))}")
+    strategy = options.get("scheduling_strategy")
+    if isinstance(strategy, str) and strategy not in ("DEFAULT", "SPREAD"):
+        raise ShmpipeValueError(
+            f"{refused} scheduling_strategy {strategy!r} is none of Ray's: 'DEFAULT', 'SPREAD' or a strategy "
+            "object of ray.util.scheduling_strategies"
+        )
+    group = options.get("placement_group", "default")
+    if group not in (None, "default") and type(group).__name__ != "PlacementGroup":
+        raise ShmpipeValueError(f"{refused} placement_group is a PlacementGroup (or None), not {group!r}")
     return options
 
 
@@ -238,7 +308,8 @@ class RayLauncher(Launcher):
     def __init__(self, transport: RayTransport, sources: Sequence, spec: ChannelSpec) -> None:
         self.transport = transport
         self.spec = spec
-        self.started_ray = False
+        self._ours: str | None = None
+        self._job: str | None = None
         self.actors: list = []
         self.gens: list = []
         self._down = False
@@ -252,8 +323,12 @@ class RayLauncher(Launcher):
         #: (first_failure): it replaces the producer or fails.
         self.deaths: list[WorkerDiedError] = []
         self._replacements = 0  # actor names stay unique
-        if not ray.is_initialized():
-            self._start_ray(spec)
+        #: The job of the Ray shmpipe started that this pipeline uses (None: the program's Ray)
+        self._ours = _OurRay.attach(lambda: self._start_ray(spec))
+        #: The Ray this pipeline's actors live in: a call into another (the
+        #: program stopped it, and perhaps started a new one) fails, never
+        #: starts one (ray_up)
+        self._job = _job()
         self.prefix = f"shmpipe-{secrets.token_hex(6)}"
         self.backpressure = spec.quota if spec.ordered else max(1, spec.capacity // spec.num_workers)
         self.sources = list(sources)
@@ -281,17 +356,36 @@ class RayLauncher(Launcher):
             worker, self.spec.num_workers, self.sources[worker]
         )
 
-    def _started(self, actors: list) -> list[int]:
-        """The actors' pids once Ray placed and started them all."""
+    def _started(self, actors: list, workers: Sequence[int] | None = None) -> list[int]:
+        """The pids of `actors` (those of `workers`, every worker's by
+        default) once Ray placed and started them all; an actor that died
+        as it started (its source could not be rebuilt in its process: a
+        module missing on its node) is that worker's death. A Ctrl-C held
+        back meanwhile ends the wait (the constructor's span raises it)."""
         refs = [a.pid.remote() for a in actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
-        if len(ready) < len(refs):
-            raise ShmpipeValueError(
-                f"Ray could not start {len(refs) - len(ready)} of {len(refs)} producer actors "
-                f"within {START_TIMEOUT_S:g} s; does the cluster have room for "
-                f"{self.transport.actor_options} each?"
-            )
-        return list(ray.get(refs))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_START_POLL_S)
+            if len(ready) == len(refs):
+                break
+            if ctrl_c_pending():
+                raise WaitEndedByCtrlC("Ctrl-C was pressed while Ray placed the producer actors")
+            if time.monotonic() > deadline:
+                raise ShmpipeValueError(
+                    f"Ray could not start {len(refs) - len(ready)} of {len(refs)} producer actors "
+                    f"within {START_TIMEOUT_S:g} s; does the cluster have room for "
+                    f"{self.transport.actor_options} each?"
+                )
+        pids = []
+        for worker, ref in zip(workers if workers is not None else range(len(refs)), refs, strict=True):
+            try:
+                pids.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                if _shadowing_checkout():
+                    raise
+                said = _ANSI.sub("", str(exc))
+                raise WorkerDiedError(worker, None, None, reason=f"its Ray actor died as it started: {said}") from exc
+        return pids
 
     def _start_ray(self, spec: ChannelSpec) -> None:
         with _away_from_a_checkout():
@@ -312,7 +406,6 @@ class RayLauncher(Launcher):
                 options["object_store_memory"] = memory
         options.update(t.init_options)
         ray.init(**options)
-        self.started_ray = True
 
     @property
     def pids(self) -> list[int | None]:
@@ -325,6 +418,7 @@ class RayLauncher(Launcher):
         with self._adding:
             if self._down:
                 raise PipelineClosedError("the pipeline was closed: the pass is not sent to the producers")
+            self.check_ray_up()
             if self.gens:
                 # Stop the old pass: its generators stop at their next batch,
                 # and dropping them releases their backpressure.
@@ -356,6 +450,7 @@ class RayLauncher(Launcher):
         with self._adding:
             if self._down:
                 raise PipelineClosedError(closed)
+            self.check_ray_up()
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[worker], no_restart=True)
             self._replacements += 1
@@ -364,7 +459,7 @@ class RayLauncher(Launcher):
         try:
             # Outside the lock: placing it may take up to START_TIMEOUT_S,
             # which a close() cuts short (it kills the actor).
-            (pid,) = self._started([actor])
+            (pid,) = self._started([actor], [worker])
         except Exception as exc:
             if self._down:
                 # A close() meanwhile: it killed the actor, and where the
@@ -374,8 +469,8 @@ class RayLauncher(Launcher):
             # It died as it started, or there was no room for it (that
             # ShmpipeValueError says so): the death is the pipeline's
             # failure, which says that no replacement started, and why.
-            if isinstance(exc, ray.exceptions.RayActorError):
-                raise ShmpipeError(f"its Ray actor died as it started ({type(exc).__name__})") from exc
+            if isinstance(exc, WorkerDiedError):
+                raise ShmpipeError(f"its Ray actor died as it started ({type(exc.__cause__).__name__})") from exc
             raise
         if self._down:
             raise PipelineClosedError(closed)  # started as the close came: killed with the rest
@@ -386,11 +481,12 @@ class RayLauncher(Launcher):
         with self._adding:
             if self._down:
                 raise PipelineClosedError(f"the pipeline was closed: producer {worker} is not sent its pass")
+            self.check_ray_up()
             self.gens[worker] = self._stream(self.actors[worker], work)
         self.consumer.revived(worker)
 
     def halt(self) -> None:
-        if self._down or not ray.is_initialized():
+        if self._down or not self.ray_up():
             return  # (the actors are killed, and Ray may be stopped: by the program too, see shutdown)
         for a in self.actors:
             a.cancel.remote(1 << 62)
@@ -403,17 +499,32 @@ class RayLauncher(Launcher):
             self.gens = []
             # A program that stopped Ray itself (ray.shutdown()) took the actors with
             # it; a call into Ray after that ends the process (its core worker is gone).
-            actors = list(self.actors) if ray.is_initialized() else []
+            actors = list(self.actors) if self.ray_up() else []
         for a in actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        ours, self._ours = self._ours, None
+        if ours is not None:
+            _OurRay.detach(ours)
+
+    def ray_up(self) -> bool:
+        """Whether the Ray of this pipeline's actors still runs for it."""
+        return ray.is_initialized() and _job() == self._job
+
+    def check_ray_up(self) -> None:
+        """Raises where the program stopped the Ray of this pipeline's
+        actors: a call into Ray then would start a new one (ray.init's
+        auto-start), whose first wait on an old stream aborts the process."""
+        if not self.ray_up():
+            raise PipelineClosedError(
+                "Ray was shut down under this pipeline (ray.shutdown() before its close()): its producer "
+                "actors are gone with it"
+            )
 
     def leftovers(self) -> list[str]:
-        if not ray.is_initialized():
+        if not self.ray_up():
             return []
         deadline = time.monotonic() + 10  # ray.kill is asynchronous
         while True:
@@ -487,6 +598,7 @@ class RayConsumer(ConsumerEnd):
             # (the pipeline's wait says it was closed).
             time.sleep(min(wait, 0.01))
             return AGAIN
+        self.launcher.check_ray_up()
         if worker >= 0:
             if worker in self.dead:
                 return AGAIN
@@ -556,6 +668,13 @@ class RayConsumer(ConsumerEnd):
             raise error from exc
         except _LOST_WITH_ITS_ACTOR as exc:
             return self._died(worker, exc)
+        except ray.exceptions.RayError as exc:
+            # Ray's own word that it could not hand over what the producer
+            # made or raised (an exception it cannot unpickle: its __init__
+            # takes other arguments than its args; a batch it cannot
+            # deserialize): that producer's error all the same.
+            what = f"{type(exc).__module__}.{type(exc).__qualname__}"
+            raise WorkerError(worker, pid, what, _ANSI.sub("", str(exc)), "") from exc
         self.last_worker = worker
         self.last_nbytes = _tree.nbytes(batch)
         return batch
