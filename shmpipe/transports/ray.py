@@ -414,9 +414,10 @@ class RayLauncher(Launcher):
         try:
             return int(ray.get(ref))
         except ray.exceptions.RayError as exc:  # its death, or what kept Ray from running it (a runtime_env)
-            if isinstance(exc, ray.exceptions.RayActorError) and _shadowing_checkout():
-                raise
             said = _ANSI.sub("", str(exc))
+            # ./shmpipe in the worker's traceback: it imported that checkout (the constructor says so)
+            if isinstance(exc, ray.exceptions.RayActorError) and _shadowing_checkout() and _checkout_prefix() in said:
+                raise
             raise WorkerDiedError(worker, None, None, reason=f"its Ray actor died as it started: {said}") from exc
 
     def _start_ray(self, spec: ChannelSpec) -> None:
@@ -570,6 +571,11 @@ class RayLauncher(Launcher):
             if not alive or time.monotonic() > deadline:
                 return [f"Ray actor {name}" for name in alive]
             time.sleep(0.1)
+
+
+def _checkout_prefix() -> str:
+    """./shmpipe/ as it appears in a worker's traceback."""
+    return os.path.join(os.getcwd(), "shmpipe") + os.sep
 
 
 def _shadowing_checkout() -> bool:
