@@ -6,6 +6,7 @@ of shmpipe: bench feed's start-up scripts call it before their clock."""
 from __future__ import annotations
 
 import sys
+from multiprocessing.context import BaseContext
 
 __all__ = ["multiprocessing_fork_server_running", "ray_running", "shmpipe_fork_server_running"]
 
@@ -17,9 +18,12 @@ def shmpipe_fork_server_running() -> bool:
     return server_pid is not None and server_pid() is not None
 
 
-def multiprocessing_fork_server_running() -> bool:
+def multiprocessing_fork_server_running(context: BaseContext) -> bool | None:
     """multiprocessing's own fork server (a Process or Queue of the
-    forkserver context started it)."""
+    forkserver context started it), for processes of `context`; None where
+    they start from none."""
+    if context.get_start_method() != "forkserver":
+        return None
     forkserver = sys.modules.get("multiprocessing.forkserver")
     server = getattr(forkserver, "_forkserver", None)
     return getattr(server, "_forkserver_pid", None) is not None

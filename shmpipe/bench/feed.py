@@ -325,22 +325,29 @@ def _measure(
     )
 
 
-def _warm_start(name: str) -> bool | None:
-    """Whether what recipe `name` starts once per process runs already
-    (its first batch is then warm; None: it starts nothing of the kind):
-    Ray's runtime for the Ray recipes (started before the clock, one_ray),
-    shmpipe's fork server for shmpipe's others, multiprocessing's for the
-    mp.Queue recipe where its producers start from a fork server."""
-    if name in RAY_RECIPES:
-        return _warm.ray_running()
-    if name.startswith("shmpipe"):
-        return _warm.shmpipe_fork_server_running()
-    if name == "mp.Queue":
-        from shmpipe.bench._report import process_context
+#: What a recipe may start once per process (_started_by), as the summary names it where it ran already.
+_STARTS = {
+    "shmpipe": "shmpipe's fork server, started and its modules imported by an earlier recipe of this process",
+    "multiprocessing": "multiprocessing's fork server, started by an earlier recipe",
+    "ray": "Ray's runtime, started before their clocks (its start: below)",
+}
 
-        if process_context().get_start_method() == "forkserver":
-            return _warm.multiprocessing_fork_server_running()
-    return None
+
+def _started_by(name: str) -> str | None:
+    if name in RAY_RECIPES:
+        return "ray"
+    return "shmpipe" if name.startswith("shmpipe") else "multiprocessing" if name == "mp.Queue" else None
+
+
+def _warm_start(name: str) -> bool | None:
+    """Whether what recipe `name` starts once per process runs already (its
+    first batch is then warm; None: it starts nothing of the kind)."""
+    kind = _started_by(name)
+    if kind == "multiprocessing":
+        from shmpipe.bench._report import process_context  # (none for shmpipe's: the start-up scripts' clock)
+
+        return _warm.multiprocessing_fork_server_running(process_context())
+    return _warm.ray_running() if kind == "ray" else _warm.shmpipe_fork_server_running() if kind else None
 
 
 def producers_pss_mib(pids: set[int | None], earlier: dict[int, int | None] | None = None) -> float | None:
@@ -705,13 +712,8 @@ def summary(results: list[RecipeResult], bound: list[RecipeResult] | None) -> li
             + "."
         )
     warm = [r.recipe for r in results if r.warm_start and "+prestart" not in r.recipe]
-    # (why each is warm: what it starts once per process ran already, _warm_start)
-    started = (("shmpipe's fork server, started and its modules imported by an earlier recipe of this process",
-                lambda n: n.startswith("shmpipe") and n not in RAY_RECIPES),
-               ("multiprocessing's fork server, started by an earlier recipe", lambda n: n == "mp.Queue"),
-               ("Ray's runtime, started before their clocks (its start: below)", lambda n: n in RAY_RECIPES))
-    for what, of_it in started:
-        if names := [n for n in warm if of_it(n)]:
+    for kind, what in _STARTS.items():
+        if names := [n for n in warm if _started_by(n) == kind]:
             lines.append(f"First batches marked (warm): {', '.join(names)} ran on {what}, which a new job starts "
                          "in its first batch (the start-up recipes, @FRAMEWORK, each a script, measure shmpipe's).")
     for framework in STARTUP_FRAMEWORKS:

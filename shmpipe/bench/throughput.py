@@ -211,7 +211,7 @@ def bench_memcpy(nbytes: int, seconds: float, min_batches: int) -> Result:
 
 def bench_queue(nbytes: int, seconds: float, min_batches: int, workers: int, capacity: int) -> Result:
     ctx = process_context()
-    warm = _warm.multiprocessing_fork_server_running() if ctx.get_start_method() == "forkserver" else None
+    warm = _warm.multiprocessing_fork_server_running(ctx)
     t0 = time.perf_counter()
     q: multiprocessing.Queue[np.ndarray] = ctx.Queue(capacity)
     stop = ctx.Event()

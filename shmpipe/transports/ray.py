@@ -96,21 +96,21 @@ class _OurRay:
     users = 0
 
     @classmethod
-    def attach(cls, start: Callable[[], None]) -> str | None:
-        """Starts Ray where none runs; the job of ours the caller now uses
-        (None: the program's Ray)."""
+    def attach(cls, start: Callable[[], None]) -> bool:
+        """Starts Ray where none runs; whether the caller now uses ours
+        (False: the program's Ray)."""
         with cls.lock:
             if not ray.is_initialized():
                 start()
                 cls.job, cls.users = _job(), 0
             if cls.job is None or _job() != cls.job:
-                return None
+                return False
             cls.users += 1
-            return cls.job
+            return True
 
     @classmethod
-    def detach(cls, job: str) -> None:
-        """One user of ours (`job`, what attach returned) less: the last
+    def detach(cls, job: str | None) -> None:
+        """One user of ours (`job`: its _job() as it attached) less: the last
         stops it, if it still runs. A user of one the program stopped
         since counts for none."""
         with cls.lock:
@@ -317,7 +317,7 @@ class RayLauncher(Launcher):
     def __init__(self, transport: RayTransport, sources: Sequence, spec: ChannelSpec) -> None:
         self.transport = transport
         self.spec = spec
-        self._ours: str | None = None
+        self._ours = False  # whether it uses the Ray shmpipe started (_OurRay), until it gives it back
         self._job: str | None = None
         #: Placements under way (_started), which shutdown waits for
         self._placing = 0
@@ -335,7 +335,6 @@ class RayLauncher(Launcher):
         #: (first_failure): it replaces the producer or fails.
         self.deaths: list[WorkerDiedError] = []
         self._replacements = 0  # actor names stay unique
-        #: The job of the Ray shmpipe started that this pipeline uses (None: the program's Ray)
         self._ours = _OurRay.attach(lambda: self._start_ray(spec))
         #: The Ray this pipeline's actors live in: a call into another (the
         #: program stopped it, and perhaps started a new one) fails, never
@@ -540,9 +539,9 @@ class RayLauncher(Launcher):
         with self._placing_changed:
             self._placing_changed.wait_for(lambda: self._placing == 0, timeout=PLACING_LEAVES_S)
         with self._adding:  # (a shutdown cut short and run again still gives its Ray back: once)
-            ours, self._ours = self._ours, None
-        if ours is not None:
-            _OurRay.detach(ours)
+            ours, self._ours = self._ours, False
+        if ours:
+            _OurRay.detach(self._job)
 
     def ray_up(self) -> bool:
         """Whether the Ray of this pipeline's actors still runs for it."""
