@@ -122,12 +122,37 @@ def no_leaks():
     assert not children, f"the test left child processes behind: {children}"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "after_background: the test runs last, once every background family's scripts have ended (its "
+        "fixture background_ended waits for that): a test that what those scripts do would disturb",
+    )
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests of modules with a background family run last (in their
-    order), so that their scripts have run beside everything before them."""
+    order), so that their scripts have run beside everything before them;
+    after them, the tests marked after_background."""
     late = {id(module) for _, module in background_families(items)}
-    if late:
-        items[:] = [i for i in items if id(i.module) not in late] + [i for i in items if id(i.module) in late]
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("after_background") is not None:
+            return 2
+        return 1 if id(item.module) in late else 0
+
+    items.sort(key=rank)  # stable: each group keeps its order
+
+
+@pytest.fixture
+def background_ended(shared_runs_in_background: BackgroundRuns) -> None:
+    """Waits until the scripts of every background family have ended: each
+    of them starts pipelines, and each pipeline that opens a ring sweeps
+    the dead owners' segments of this user (a test that makes such segments
+    to see what `shmpipe clean` does with them would find them gone)."""
+    for family in shared_runs_in_background.families:
+        if not family.background_done.wait(BACKGROUND_WAIT_S):
+            raise TimeoutError(f"the background runs did not end within {BACKGROUND_WAIT_S:g} s")
 
 
 @pytest.fixture(scope="session", autouse=True)
