@@ -682,12 +682,16 @@ class RegisteredJobs(SharedJobs):
     parameters))`` (by default what make returns: a function that starts
     its processes, waits for them and returns what the test checks); a test
     whose `needs` module is not installed has none (it is skipped).
-    ``get_for(request)`` is what the asking test's own job returned."""
+    ``get_for(request)`` is what the asking test's own job returned. Tests
+    registered with the same `make` (the object) share one job: each checks
+    its part of what it returned."""
 
     def __init__(self, wrap: Callable[[Any], Callable[[], Any]] | None = None, jobs: int = 2,
                  timeout: float = 600.0) -> None:
         #: test name -> (make, the module it needs, about how long its job takes alone)
         self.made: dict[str, tuple[Callable[..., Any], str | None, float]] = {}
+        #: test name -> the name its job is made under: the first test registered with its `make`
+        self.job_of: dict[str, str] = {}
         self.wrap = wrap if wrap is not None else (lambda made: made)
         super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout)
 
@@ -698,6 +702,7 @@ class RegisteredJobs(SharedJobs):
         timeout is the family's)."""
 
         def register(test: Any) -> Any:
+            self.job_of[test.__name__] = next((n for n, (m, _, _) in self.made.items() if m is make), test.__name__)
             self.made[test.__name__] = (make, needs, seconds)
             return pytest.mark.timeout(self.timeout)(test)
 
@@ -710,7 +715,7 @@ class RegisteredJobs(SharedJobs):
         if needs is not None and importlib.util.find_spec(needs) is None:
             return []  # the test is skipped
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        return [(item.originalname, tuple(sorted(params.items())))]  # type: ignore[attr-defined]
+        return [(self.job_of[item.originalname], tuple(sorted(params.items())))]  # type: ignore[attr-defined]
 
     def _job(self, key: Hashable) -> Callable[[], Any]:
         name, params = key  # type: ignore[misc]

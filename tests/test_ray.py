@@ -38,22 +38,21 @@ ON_DEMAND = textwrap.dedent(
     from shmpipe.testing.datasets import Numbered
     from shmpipe.testing.sources import Counter
     if __name__ == "__main__":
+        # Ray takes seconds to start: the script starts three (two the
+        # pipelines', one the program's), each checked for all it can show.
         assert not ray.is_initialized()
-        with shmpipe.from_iterators([Counter(3)] * 2, transport="ray", slot_size=1 << 20, timeout=120) as pipe:
-            n = sum(1 for _ in pipe)
-            up = ray.is_initialized()
-            store = ray.cluster_resources()["object_store_memory"]
-        print(n, up, ray.is_initialized(), int(store))
-
         # The Ray a pipeline started is the pipelines': closing the one that
         # started it leaves it to the others, the last stops it (it stopped
         # under the second, whose next call into Ray started a new one and
         # aborted the process, helper 94).
         out = {}
-        a = shmpipe.from_iterators([Counter(50)], transport="ray", timeout=120)
+        a = shmpipe.from_iterators([Counter(3)] * 2, transport="ray", slot_size=1 << 20, timeout=120)
         b = shmpipe.from_iterators([Counter(50)], transport="ray", timeout=120)
         taking = iter(b)
         next(taking)
+        out["n"] = sum(1 for _ in a)
+        out["up"] = ray.is_initialized()
+        out["store"] = int(ray.cluster_resources()["object_store_memory"])
         a.close()
         out["up_after_first_close"] = ray.is_initialized()
         out["rest_of_second"] = sum(1 for _ in taking)
@@ -72,15 +71,13 @@ ON_DEMAND = textwrap.dedent(
         out["started_again"] = ray.is_initialized()
         # ... and a Ray the program started again meanwhile is its own: the
         # pipeline's close leaves it up.
-        ray.init(num_cpus=1, include_dashboard=False)
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
         c.close()
         out["programs_ray_up"] = ray.is_initialized()
-        ray.shutdown()
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
 
-        # A Ctrl-C while Ray cannot place the producers ends the wait (it
-        # waited out Ray's 120 s to start them, helper 94).
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        # A Ctrl-C while Ray (the program's) cannot place the producers ends
+        # the wait (it waited out Ray's 120 s to start them, helper 94).
         threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         t = time.monotonic()
         try:
@@ -108,28 +105,30 @@ RUN = SharedRuns(
 )
 
 
-def test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close(request):
+def _on_demand_results(request) -> tuple[dict, dict]:
     out, _ = RUN.get(request, "on demand")
     assert out.returncode == 0, out.stderr[-3000:]
-    n, up, after, store = out.stdout.splitlines()[0].split()
-    assert (n, up, after) == ("6", "True", "False")
-    # sized for the pipeline: max(256 MiB, 3 x capacity x slot_size) = 256 MiB here
-    assert abs(int(store) - (256 << 20)) < (16 << 20)
+    # (Ray's autoscaler may print a line of its own: the script's are JSON objects)
+    got, pressed = (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
+    return got, pressed
+
+
+def test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close(request):
+    got, _ = _on_demand_results(request)
+    assert got["n"] == 6 and got["up"] and not got["up_after_last_close"], got
+    # sized for the pipeline that started it: max(256 MiB, 3 x capacity x slot_size) = 256 MiB here
+    assert abs(got["store"] - (256 << 20)) < (16 << 20), got
 
 
 def test_a_pipeline_started_next_to_a_source_checkout(request):
     # ./shmpipe there is the decoy: had the actors imported it, no batch
     # would have come.
-    out, _ = RUN.get(request, "on demand")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[0] == "6"
+    got, _ = _on_demand_results(request)
+    assert got["n"] == 6 and got["rest_of_second"] == 49, got
 
 
 def test_the_ray_a_pipeline_started_is_stopped_by_the_last_pipeline_on_it_and_never_the_programs(request):
-    out, _ = RUN.get(request, "on demand")
-    assert out.returncode == 0, out.stderr[-3000:]
-    # (Ray's autoscaler may print a line of its own: the script's are JSON objects)
-    got, pressed = (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
+    got, pressed = _on_demand_results(request)
     assert got["up_after_first_close"] and got["rest_of_second"] == 49 and not got["up_after_last_close"], got
     assert "Ray was shut down under this pipeline" in got["after_shutdown"] and not got["started_again"], got
     assert got["programs_ray_up"], got
