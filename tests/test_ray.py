@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import ray
-from conftest import Command, SharedRuns
+from conftest import Command, SharedRuns, ray_friendly_cwd
 from ray.cluster_utils import Cluster
 
 import shmpipe
@@ -135,156 +135,6 @@ def test_the_ray_a_pipeline_started_is_stopped_by_the_last_pipeline_on_it_and_ne
     assert pressed["ctrl_c_ended_it_after_s"] < 30 and pressed["programs_ray_up"], pressed
 
 
-def test_producers_run_on_the_second_node_of_a_cluster(tmp_path, monkeypatch):
-    if ray.is_initialized():
-        ray.shutdown()
-    monkeypatch.chdir(tmp_path)  # see conftest.ray_friendly_cwd
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 120 << 20, "include_dashboard": False},
-    )
-    try:
-        cluster.add_node(num_cpus=2, resources={"producer_node": 2}, object_store_memory=120 << 20)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
-        head = ray.get_runtime_context().get_node_id()
-        (second,) = [n["NodeID"] for n in ray.nodes() if "producer_node" in n["Resources"]]
-        assert second != head
-        transport = RayTransport(actor_options={"num_cpus": 1, "resources": {"producer_node": 1}})
-        shape = (64, 1024)  # 256 KiB: travels through the object store, not inline
-        with shmpipe.from_iterators([NodeReporter(5, shape)] * 2, transport=transport, timeout=120) as pipe:
-            seen = []
-            for b in pipe:
-                assert b["node"] == second, "a producer ran on the head node"
-                np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], shape))
-                seen.append((b["worker"], b["seq"]))
-            assert ray.is_initialized()  # a cluster shmpipe did not start stays up
-        assert sorted(seen) == [(w, s) for w in range(2) for s in range(5)]
-        assert pipe.leftovers() == []
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-def _ids(pipe) -> list[list[int]]:
-    return [b["i"].tolist() for b in pipe]
-
-
-def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(tmp_path, monkeypatch):
-    """Producers placed by ray_remote_args on a node of a (simulated)
-    cluster; mid-epoch a second node joins and the first is removed, with
-    the producers' actors on it (their batches of 128 KiB in its object
-    store, not inline): max_restarts replaces them on the new node, and
-    the epoch is the one a run without the loss delivers, in order."""
-    kw = dict(batch_size=4, shuffle=True, seed=9, num_workers=2, timeout=120, num_nodes=1)
-    with shmpipe.from_dataset(Numbered(60), **kw) as pipe:
-        reference = _ids(pipe)
-    if ray.is_initialized():
-        ray.shutdown()
-    monkeypatch.chdir(tmp_path)  # see conftest.ray_friendly_cwd
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 100 << 20, "include_dashboard": False},
-    )
-    try:
-        first = cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
-        ids = {n["NodeID"] for n in ray.nodes()}
-        got, nodes = [], []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with shmpipe.from_dataset(
-                OnRayNode(60, delay=0.01, payload=32 << 10), transport="ray", max_restarts=2,
-                ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **kw,
-            ) as pipe:
-                for b in pipe:
-                    got.append(b["i"].tolist())
-                    nodes.append(b["node"][0])
-                    assert (b["pixels"] == (b["i"] % 251)[:, None]).all()
-                    if len(got) == 3:
-                        cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
-                        cluster.wait_for_nodes()
-                        cluster.remove_node(first)
-                    del b
-                restarts = pipe.stats().restarts
-            assert pipe.leftovers() == []
-        (second,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - ids
-        assert got == reference
-        assert set(nodes[:3]) == ids - {ray.get_runtime_context().get_node_id()}, "first on the first node"
-        assert nodes[-1] == second, "the replacements run on the node that joined"
-        assert restarts == (1, 1)
-        assert sum("replaced" in str(w.message) for w in caught) == 2
-        # A producer whose part of the pass was made whole before its node
-        # left: its batches were lost with the node's store (Ray cannot
-        # make an actor's streamed objects again), and are made again by
-        # the replacement (on 9964b77: Ray's raw ObjectReconstructionFailedError).
-        one = dict(kw, num_workers=1)
-        with shmpipe.from_dataset(Numbered(12), **one) as pipe:
-            small = _ids(pipe)
-        got = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with shmpipe.from_dataset(
-                OnRayNode(12, payload=32 << 10), transport="ray", max_restarts=1,
-                ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **one,
-            ) as pipe:
-                for b in pipe:
-                    got.append(b["i"].tolist())
-                    if len(got) == 1:
-                        time.sleep(1)  # its other batches made, in its node's store
-                        third = cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
-                        cluster.wait_for_nodes()
-                        cluster.remove_node(next(n for n in cluster.worker_nodes if n is not third))
-                    del b
-                assert pipe.stats().restarts == (1,)
-        assert got == small
-        assert any("a batch it made was lost" in str(w.message) for w in caught), "not the loss of a batch"
-        # Without max_restarts, a dead actor is the WorkerDiedError, after
-        # the batches before it, in order.
-        got = []
-        with pytest.raises(shmpipe.WorkerDiedError, match="its Ray actor died"):
-            with shmpipe.from_dataset(
-                OnRayNode(60, delay=0.01), transport="ray", ray_remote_args={"resources": {"producers": 1}}, **kw
-            ) as pipe:
-                for b in pipe:
-                    got.append(b["i"].tolist())
-                    if len(got) == 3:
-                        os.kill(pipe.pids[1], signal.SIGKILL)
-        assert 3 <= len(got) < len(reference) and got == reference[: len(got)]
-        # A close() from another thread while the consumer replaces a dead
-        # actor (started as the old one is killed, inside restart): the
-        # consumer's PipelineClosedError, and the new actor ends with the
-        # rest (on 9964b77: an IndexError, and the new actor left running).
-        kill, closers = ray.kill, []
-
-        def kill_and_close(actor, **kwargs):
-            if not closers:
-                closers.append(threading.Thread(target=pipe.close))
-                closers[0].start()
-            return kill(actor, **kwargs)
-
-        got = []
-        with pytest.raises(shmpipe.PipelineClosedError, match="is not replaced|not sent its pass"), \
-                warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (a replacement that came first would say so)
-            with shmpipe.from_dataset(
-                OnRayNode(60, delay=0.01), transport="ray", max_restarts=1,
-                ray_remote_args={"resources": {"producers": 1}}, **kw,
-            ) as pipe:
-                for b in pipe:
-                    got.append(b["i"].tolist())
-                    if len(got) == 3:
-                        monkeypatch.setattr(ray, "kill", kill_and_close)
-                        os.kill(pipe.pids[1], signal.SIGKILL)
-        closers[0].join(timeout=60)
-        assert got == reference[: len(got)]
-        assert pipe.leftovers() == []
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def test_ray_remote_args_are_for_ray_alone():
     with pytest.raises(shmpipe.ShmpipeValueError, match="ray_remote_args= places the producers of transport='ray'"):
         shmpipe.from_dataset(Numbered(8), ray_remote_args={"num_cpus": 1})
@@ -307,3 +157,151 @@ def test_ray_remote_args_are_for_ray_alone():
         with pytest.raises(shmpipe.ShmpipeValueError, match=f"ray_remote_args {match}"):
             shmpipe.from_dataset(Numbered(8), transport="ray", ray_remote_args=args)
     assert not ray.is_initialized(), "refused before Ray starts"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A (simulated) cluster of two nodes, this process its driver: a head
+    of one CPU, and a node whose resource "producers" places producers
+    there. One for the tests below (such a cluster takes seconds to start),
+    which come last in the module: the last of them changes its nodes.
+    (cluster, the first node)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    with ray_friendly_cwd(tmp_path_factory.mktemp("cluster")):
+        made = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "object_store_memory": 120 << 20, "include_dashboard": False},
+        )
+        try:
+            first = made.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=120 << 20)
+            ray.init(address=made.address)
+            made.wait_for_nodes()
+            yield made, first
+        finally:
+            ray.shutdown()
+            made.shutdown()
+
+
+def test_producers_run_on_the_second_node_of_a_cluster(cluster):
+    _, first = cluster
+    head = ray.get_runtime_context().get_node_id()
+    (second,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "producers" in n["Resources"]]
+    assert second != head
+    transport = RayTransport(actor_options={"num_cpus": 1, "resources": {"producers": 1}})
+    shape = (64, 1024)  # 256 KiB: travels through the object store, not inline
+    with shmpipe.from_iterators([NodeReporter(5, shape)] * 2, transport=transport, timeout=120) as pipe:
+        seen = []
+        for b in pipe:
+            assert b["node"] == second, "a producer ran on the head node"
+            np.testing.assert_array_equal(b["data"], payload_for(b["worker"], b["seq"], shape))
+            seen.append((b["worker"], b["seq"]))
+        assert ray.is_initialized()  # a cluster shmpipe did not start stays up
+    assert sorted(seen) == [(w, s) for w in range(2) for s in range(5)]
+    assert pipe.leftovers() == []
+
+
+def _ids(pipe) -> list[list[int]]:
+    return [b["i"].tolist() for b in pipe]
+
+
+def test_a_producer_node_that_disappears_is_a_restart_and_the_epoch_is_the_same(cluster, monkeypatch):
+    """Producers placed by ray_remote_args on a node of a (simulated)
+    cluster; mid-epoch a second node joins and the first is removed, with
+    the producers' actors on it (their batches of 128 KiB in its object
+    store, not inline): max_restarts replaces them on the new node, and
+    the epoch is the one a run without the loss delivers, in order."""
+    kw = dict(batch_size=4, shuffle=True, seed=9, num_workers=2, timeout=120, num_nodes=1)
+    with shmpipe.from_dataset(Numbered(60), **kw) as pipe:
+        reference = _ids(pipe)
+    cluster, first = cluster
+    ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    got, nodes = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with shmpipe.from_dataset(
+            OnRayNode(60, delay=0.01, payload=32 << 10), transport="ray", max_restarts=2,
+            ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **kw,
+        ) as pipe:
+            for b in pipe:
+                got.append(b["i"].tolist())
+                nodes.append(b["node"][0])
+                assert (b["pixels"] == (b["i"] % 251)[:, None]).all()
+                if len(got) == 3:
+                    cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
+                    cluster.wait_for_nodes()
+                    cluster.remove_node(first)
+                del b
+            restarts = pipe.stats().restarts
+        assert pipe.leftovers() == []
+    (second,) = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - ids
+    assert got == reference
+    assert set(nodes[:3]) == ids - {ray.get_runtime_context().get_node_id()}, "first on the first node"
+    assert nodes[-1] == second, "the replacements run on the node that joined"
+    assert restarts == (1, 1)
+    assert sum("replaced" in str(w.message) for w in caught) == 2
+    # A producer whose part of the pass was made whole before its node
+    # left: its batches were lost with the node's store (Ray cannot
+    # make an actor's streamed objects again), and are made again by
+    # the replacement (on 9964b77: Ray's raw ObjectReconstructionFailedError).
+    one = dict(kw, num_workers=1)
+    with shmpipe.from_dataset(Numbered(12), **one) as pipe:
+        small = _ids(pipe)
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with shmpipe.from_dataset(
+            OnRayNode(12, payload=32 << 10), transport="ray", max_restarts=1,
+            ray_remote_args={"num_cpus": 1, "resources": {"producers": 1}}, **one,
+        ) as pipe:
+            for b in pipe:
+                got.append(b["i"].tolist())
+                if len(got) == 1:
+                    time.sleep(1)  # its other batches made, in its node's store
+                    third = cluster.add_node(num_cpus=2, resources={"producers": 2}, object_store_memory=100 << 20)
+                    cluster.wait_for_nodes()
+                    cluster.remove_node(next(n for n in cluster.worker_nodes if n is not third))
+                del b
+            assert pipe.stats().restarts == (1,)
+    assert got == small
+    assert any("a batch it made was lost" in str(w.message) for w in caught), "not the loss of a batch"
+    # Without max_restarts, a dead actor is the WorkerDiedError, after
+    # the batches before it, in order.
+    got = []
+    with pytest.raises(shmpipe.WorkerDiedError, match="its Ray actor died"):
+        with shmpipe.from_dataset(
+            OnRayNode(60, delay=0.01), transport="ray", ray_remote_args={"resources": {"producers": 1}}, **kw
+        ) as pipe:
+            for b in pipe:
+                got.append(b["i"].tolist())
+                if len(got) == 3:
+                    os.kill(pipe.pids[1], signal.SIGKILL)
+    assert 3 <= len(got) < len(reference) and got == reference[: len(got)]
+    # A close() from another thread while the consumer replaces a dead
+    # actor (started as the old one is killed, inside restart): the
+    # consumer's PipelineClosedError, and the new actor ends with the
+    # rest (on 9964b77: an IndexError, and the new actor left running).
+    kill, closers = ray.kill, []
+
+    def kill_and_close(actor, **kwargs):
+        if not closers:
+            closers.append(threading.Thread(target=pipe.close))
+            closers[0].start()
+        return kill(actor, **kwargs)
+
+    got = []
+    with pytest.raises(shmpipe.PipelineClosedError, match="is not replaced|not sent its pass"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a replacement that came first would say so)
+        with shmpipe.from_dataset(
+            OnRayNode(60, delay=0.01), transport="ray", max_restarts=1,
+            ray_remote_args={"resources": {"producers": 1}}, **kw,
+        ) as pipe:
+            for b in pipe:
+                got.append(b["i"].tolist())
+                if len(got) == 3:
+                    monkeypatch.setattr(ray, "kill", kill_and_close)
+                    os.kill(pipe.pids[1], signal.SIGKILL)
+    closers[0].join(timeout=60)
+    assert got == reference[: len(got)]
+    assert pipe.leftovers() == []
