@@ -440,6 +440,8 @@ def test_bench_feed_says_which_first_batch_was_warm():
     script, _, second = results
     assert all(len(r.waits_s) == 4 and r.first_batch_s > 0 for r in results), results
     assert script.warm_start is False and second.warm_start is True, results
+    # the script's first batch from its first line too; a recipe of this process has no such clock
+    assert script.from_start_s > script.first_batch_s and second.from_start_s is None, results
     assert f"| {feed._fmt_s(second.first_batch_s)} (warm) |" in feed.table(results)
     # (shmpipe:queue too where an earlier test of this process started the server)
     assert any(line.startswith("First batches marked (warm): ") and "shmpipe:shm ran on shmpipe's fork server" in line

@@ -123,10 +123,13 @@ def test_feed_startup_recipes_run_a_script_that_imports_the_framework(request):
     for name in recipes:
         assert len(got[name]["waits_s"]) == 4 and got[name]["first_batch_s"] > 0, name
         assert got[name]["producers_pss_mib"] > 0, name  # both producers' PSS, read from /proc
+        # from the script's first line: the import of torch inside, as a user waits for it
+        assert got[name]["from_start_s"] > got[name]["first_batch_s"], (name, got[name])
         assert f"| {name} | 2 |" in out.stdout
     assert "| producers' PSS |" in out.stdout
     assert "With `import torch` at the top of the training script, shmpipe's first batch came in " in out.stdout
     assert " with shmpipe.prestart() before the import)" in out.stdout
+    assert out.stdout.count(" from the script's start, with ") == 3, out.stdout
 
 
 class Missing(QueueTransport):
