@@ -125,8 +125,8 @@ def no_leaks():
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "after_background: the test runs last, once every background family's scripts have ended (its "
-        "fixture background_ended waits for that): a test that what those scripts do would disturb",
+        "after_background: the test runs after every other test; with the fixture background_ended it also "
+        "waits until every background family's scripts have ended: a test that what those scripts do would disturb",
     )
 
 
@@ -139,7 +139,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("after_background") is not None:
             return 2
-        return 1 if id(item.module) in late else 0
+        return 1 if id(getattr(item, "module", None)) in late else 0
 
     items.sort(key=rank)  # stable: each group keeps its order
 
@@ -682,16 +682,12 @@ class RegisteredJobs(SharedJobs):
     parameters))`` (by default what make returns: a function that starts
     its processes, waits for them and returns what the test checks); a test
     whose `needs` module is not installed has none (it is skipped).
-    ``get_for(request)`` is what the asking test's own job returned. Tests
-    registered with the same `make` (the object) share one job: each checks
-    its part of what it returned."""
+    ``get_for(request)`` is what the asking test's own job returned."""
 
     def __init__(self, wrap: Callable[[Any], Callable[[], Any]] | None = None, jobs: int = 2,
                  timeout: float = 600.0) -> None:
         #: test name -> (make, the module it needs, about how long its job takes alone)
         self.made: dict[str, tuple[Callable[..., Any], str | None, float]] = {}
-        #: test name -> the name its job is made under: the first test registered with its `make`
-        self.job_of: dict[str, str] = {}
         self.wrap = wrap if wrap is not None else (lambda made: made)
         super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout)
 
@@ -702,7 +698,6 @@ class RegisteredJobs(SharedJobs):
         timeout is the family's)."""
 
         def register(test: Any) -> Any:
-            self.job_of[test.__name__] = next((n for n, (m, _, _) in self.made.items() if m is make), test.__name__)
             self.made[test.__name__] = (make, needs, seconds)
             return pytest.mark.timeout(self.timeout)(test)
 
@@ -715,7 +710,7 @@ class RegisteredJobs(SharedJobs):
         if needs is not None and importlib.util.find_spec(needs) is None:
             return []  # the test is skipped
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        return [(self.job_of[item.originalname], tuple(sorted(params.items())))]  # type: ignore[attr-defined]
+        return [(item.originalname, tuple(sorted(params.items())))]  # type: ignore[attr-defined]
 
     def _job(self, key: Hashable) -> Callable[[], Any]:
         name, params = key  # type: ignore[misc]

@@ -430,7 +430,7 @@ def test_a_new_process_times_the_full_collections_inside_its_clock():
 def test_bench_feed_says_which_first_batch_was_warm():
     # bench feed's first batch. A start-up recipe is a script of its own
     # whose clock starts before shmpipe's fork server does (the script has
-    # the package and the bench's module, nothing else of shmpipe): not
+    # the package and two modules of the bench, nothing else of shmpipe): not
     # warm. In the bench's own process a shmpipe recipe after another finds
     # the server running: warm, and the table says so.
     from shmpipe.bench import feed

@@ -70,7 +70,6 @@ def wait_floor(producers: int, produce_s: float, train_s: float) -> float:
     return max(0.0, produce_s / producers - train_s)
 
 
-
 @dataclass
 class RecipeResult:
     recipe: str
@@ -203,7 +202,6 @@ def _sign(target: np.ndarray) -> None:
 def _producer_of(batch: Any) -> int | None:
     target = np.asarray(batch[1])
     return int(target.flat[0]) if target.size else None
-
 
 
 def _measure(

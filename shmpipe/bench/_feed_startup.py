@@ -30,10 +30,13 @@ STARTUP_FRAMEWORKS = ("tensorflow", "torch", "numpy")
 #: RecipeResult as JSON. Two clocks: the first batch from the loader's
 #: making (first_batch_s, as the in-process recipes have it; before it, the
 #: script has imported shmpipe's package and the two bench modules, and a
-#: pipeline's own imports and its fork server's start are inside), and from
-#: the script's first line (from_start_s: every import and shmpipe.prestart()
-#: inside, what a user waits for from `python train.py`; prestart()'s gain is
-#: the server's start overlapping the import, less what it slows the import).
+#: pipeline's own imports and its fork server's start are inside, but where
+#: the script called shmpipe.prestart(): then the server started during the
+#: imports, and that first batch is warm), and from the script's first line
+#: (from_start_s: every import and shmpipe.prestart() inside, what a user
+#: waits for from `python train.py` but the interpreter's own start;
+#: prestart()'s gain is the server's start overlapping the import, less
+#: what it slows the import).
 _SCRIPT = textwrap.dedent(
     """
     import time

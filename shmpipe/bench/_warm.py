@@ -1,7 +1,8 @@
 """Whether what a recipe starts once per process runs already: its first
 batch is then warm, and the tables say so (a new job pays that start in its
 first batch). Reads where each library keeps its state and imports nothing
-of shmpipe: bench feed's start-up scripts call it before their clock."""
+of shmpipe: bench feed's start-up scripts call it before the clock of
+their first batch from the loader's making (first_batch_s)."""
 
 from __future__ import annotations
 

@@ -97,7 +97,6 @@ def transport_bound(cfg: FeedConfig, batches: int = 4) -> FeedConfig:
     return dataclasses.replace(cfg, workers=max(workers, cfg.workers, 2), batches=batches)
 
 
-
 def _queue_producer(q: multiprocessing.Queue[Batch | str], cfg: FeedConfig) -> None:
     for batch in DataGenerator(cfg)():
         q.put(batch)
@@ -105,7 +104,6 @@ def _queue_producer(q: multiprocessing.Queue[Batch | str], cfg: FeedConfig) -> N
 
 
 # -- the recipes ----------------------------------------------------------------
-
 
 
 def recipe_generator(cfg: FeedConfig, on_batch: OnBatch | None = None) -> RecipeResult:
@@ -220,9 +218,6 @@ def recipe_shmpipe(transport: str, reserve: bool = False) -> Recipe:
                 pipe.close()
 
     return run_recipe
-
-
-
 
 
 def available_recipes() -> dict[str, Recipe]:
