@@ -461,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--distinct", type=_positive(int), default=td.distinct,
                    help=f"distinct JPEGs made at start; the stream cycles through them (default {td.distinct})")
     d.add_argument("--reference-steps", type=_positive(int), default=td.reference_steps,
-                   help=f"steps on a batch in memory, timed for the idle estimate (default {td.reference_steps})")
+                   help="steps on a batch in memory after the run, timed for the idle estimate "
+                   f"(default {td.reference_steps})")
     d.add_argument("--trainer-threads", type=_positive(int), default=0,
                    help="the trainer's compute threads (default 0: the cores the producers leave, at least 1)")
     d.add_argument("--timeout", type=_positive(float), default=td.timeout_s,

@@ -252,6 +252,8 @@ def test_bench_train_runs_every_recipe_and_its_figures_are_sane(request):
         # a torch or JAX loop times its next(); model.fit does not say
         assert r["idle_method"] == ("estimated" if name.startswith("keras:") else "measured")
         assert r["images_per_s"] > 0 and r["window_s"] > 0 and r["first_step_s"] > 0 and r["reference_step_s"] > 0
+        # The first step from the trainer's start has the framework's import and the model in it too.
+        assert r["from_start_s"] > r["first_step_s"], (name, r)
         # CPU of every process of the recipe, from building the input pipeline on.
         assert 0 < r["cpu_s"] < 300 and r["cpu_s_per_image"] == pytest.approx(r["cpu_s"] / 48)
         assert r["peak_pss_bytes"] > 20 << 20 and r["trainer_peak_rss_bytes"] > 20 << 20

@@ -10,7 +10,8 @@ from __future__ import annotations
 import io
 import os
 import resource
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,9 @@ import numpy as np
 import shmpipe
 from shmpipe.errors import ShmpipeValueError
 
-__all__ = ["CLASSES", "BatchSource", "Images", "TrainConfig", "augment_into", "cpu_self", "make_jpegs", "summary"]
+__all__ = [
+    "CLASSES", "BatchSource", "Images", "TrainConfig", "augment_into", "cpu_self", "make_jpegs", "reference", "summary",
+]
 
 _MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255
 _STD = np.array([0.229, 0.224, 0.225], np.float32) * 255
@@ -35,7 +38,7 @@ class TrainConfig:
     min_side: int = 96  # image sides drawn from [min_side, max_side]
     max_side: int = 224
     distinct: int = 256  # distinct JPEGs made at start (the stream cycles through them)
-    reference_steps: int = 20  # steps on a batch in memory, for the Keras idle estimate
+    reference_steps: int = 20  # steps on a batch in memory, after the run, for the Keras idle estimate
     trainer_threads: int = 0  # the trainer's compute threads; 0: the cores the producers leave, at least 1
     timeout_s: float = 900.0  # per recipe, then it is killed
 
@@ -155,12 +158,28 @@ def cpu_self() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def reference(step: Callable[[], None], steps: int) -> tuple[float, float]:
+    """The reference step, timed after the recipe's run (so that its first
+    step meets the model as a training script's does, compiling or
+    tracing): `steps` + 1 steps on a batch already in memory, the first
+    not timed. Returns (the median step, the CPU seconds the reference
+    took: the recipe's CPU leaves them out)."""
+    cpu = cpu_self()
+    ends = []
+    for _ in range(steps + 1):
+        step()
+        ends.append(time.perf_counter())
+    return float(np.median(np.diff(ends))), cpu_self() - cpu
+
+
 def summary(
-    name: str, step_ends: list[float], counts: list[int], t0: float, reference_step_s: float, waits: list[float] | None
+    name: str, step_ends: list[float], counts: list[int], t0: float, reference_step_s: float,
+    waits: list[float] | None, t_start: float,
 ) -> dict[str, Any]:
     """A recipe's figures from its steps' end times and image counts (see
-    train.py's doc): t0, when it began building its input pipeline; waits,
-    the time each next() took, where the loop can measure it."""
+    train.py's doc): t0, when it began building its input pipeline;
+    t_start, when its trainer began (before it imported its framework);
+    waits, the time each next() took, where the loop can measure it."""
     window = step_ends[-1] - step_ends[0]
     steps = len(step_ends)
     estimated = min(1.0, max(0.0, 1.0 - reference_step_s * (steps - 1) / window)) if window > 0 else float("nan")
@@ -176,5 +195,6 @@ def summary(
         "idle_method": "measured" if measured is not None else "estimated",
         "reference_step_s": reference_step_s,
         "first_step_s": step_ends[0] - t0,
+        "from_start_s": step_ends[0] - t_start,
         "window_s": window,
     }

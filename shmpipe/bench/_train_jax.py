@@ -35,7 +35,7 @@ import numpy as np
 
 import shmpipe
 from shmpipe.bench._resume_loaders import grain_flags_parsed
-from shmpipe.bench._train_common import CLASSES, Images, TrainConfig, cpu_self, summary
+from shmpipe.bench._train_common import CLASSES, Images, TrainConfig, cpu_self, reference, summary
 
 __all__ = ["BASELINE", "RECIPES", "needs", "run_recipe"]
 
@@ -133,9 +133,11 @@ def _open(name: str, cfg: TrainConfig, images: Images) -> tuple[Iterator[Any], C
     return ds.batch(cfg.batch_size).prefetch(tf.data.AUTOTUNE).as_numpy_iterator(), lambda: None, None
 
 
-def run_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, Any], float]:
+def run_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -> tuple[dict[str, Any], float]:
     """Trains on every image once; returns (the recipe's figures, this
-    process's CPU seconds before it built its input pipeline)."""
+    process's CPU seconds outside the run: before it built its input
+    pipeline, and the reference steps after it). t_start: the trainer's
+    start, before it imports JAX."""
     os.environ["XLA_FLAGS"] = _xla_flags(cfg.threads)
     if name == "jax:tf.data":
         import tensorflow as tf
@@ -144,16 +146,6 @@ def run_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, A
     import jax
 
     params, state, step = _model(cfg)
-    # The reference: steps on a batch already on the device (the first,
-    # which compiles, is not timed).
-    x0, y0 = jax.device_put(images.batch(0))
-    ref = []
-    for _ in range(cfg.reference_steps + 1):
-        params, state, loss = step(params, state, x0, y0)
-        loss.block_until_ready()
-        ref.append(time.perf_counter())
-    reference_step_s = float(np.median(np.diff(ref)))
-    del x0, y0
 
     cpu0, t0 = cpu_self(), time.perf_counter()
     batches, close, pipe = _open(name, cfg, images)
@@ -180,8 +172,18 @@ def run_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, A
         made = int(pipe.stats().extra.get("made_by_trainer", 0)) if pipe is not None else 0
     finally:
         close()
-    out = summary(name, ends, counts, t0, reference_step_s, waits)
+    # The reference, after the run (its first step, which compiles, is in the
+    # run, as a training script's is): steps on a batch already on the device.
+    x0, y0 = jax.device_put(images.batch(0))
+
+    def one_step() -> None:
+        nonlocal params, state
+        params, state, loss = step(params, state, x0, y0)
+        loss.block_until_ready()
+
+    reference_step_s, cpu_ref = reference(one_step, cfg.reference_steps)
+    out = summary(name, ends, counts, t0, reference_step_s, waits, t_start)
     if pipe is not None and out["window_s"] > 0:
         out["made_by_trainer"] = made
         out["idle_producers"] = sum(waits[max(1, made):]) / out["window_s"]  # waiting for the producers' batches
-    return out, cpu0
+    return out, cpu0 + cpu_ref

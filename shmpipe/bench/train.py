@@ -31,17 +31,22 @@ producers or workers, the forkserver) and samples their memory. Per recipe:
 images/s (steady state: from the end of the first training step to the end
 of the last), the share of that time the trainer was idle waiting for input,
 CPU seconds per image (every process of the recipe, from building the input
-pipeline to the end: the producers' start-up included, the trainer's imports
-and model not), and peak memory (the sum of the proportional set sizes of all its processes,
+pipeline to the end of the run: the producers' start-up and the model's
+first step included, the trainer's imports and the reference steps not),
+peak memory (the sum of the proportional set sizes of all its processes,
 sampled every 0.2 s, so shared memory counts once; and the trainer's own
-peak RSS).
+peak RSS), and the first step as a training script meets it: the model is
+not warmed up before the run, so the first step traces or compiles, while
+the input pipeline starts; its end is timed from building the input
+pipeline and from the trainer's start (its framework's import, the model,
+the pipeline; the benchmark's JPEGs are made before that clock).
 
 The idle fraction of a torch or JAX loop is measured: the time spent in
 next() over the time of the steps (a JAX step blocks on its loss, so the
 step's compute is not left to the next call). model.fit does not say how long it waited, so
 for Keras it is estimated: 1 - (steps x one step on a batch already in
 memory) / elapsed, clipped to [0, 1], with that reference step timed in the
-same process just before. The estimate counts, beside the wait, any time the
+same process just after the run. The estimate counts, beside the wait, any time the
 trainer computed slower than it did alone (producers on the same cores,
 other load): it is an upper bound on the wait. The JSON has both figures
 for torch and JAX, which shows how far apart they are on the machine at hand.
@@ -73,7 +78,16 @@ import shmpipe
 from shmpipe.bench import _train_jax
 from shmpipe.bench._report import fmt as _fmt
 from shmpipe.bench._report import pyplot
-from shmpipe.bench._train_common import CLASSES, BatchSource, Images, TrainConfig, cpu_self, make_jpegs, summary
+from shmpipe.bench._train_common import (
+    CLASSES,
+    BatchSource,
+    Images,
+    TrainConfig,
+    cpu_self,
+    make_jpegs,
+    reference,
+    summary,
+)
 from shmpipe.errors import ShmpipeValueError
 
 __all__ = ["TrainConfig", "RecipeResult", "RECIPES", "BASELINES", "Images", "make_jpegs", "run", "table", "plot"]
@@ -107,6 +121,7 @@ class RecipeResult:
     idle_estimated: float = float("nan")
     reference_step_s: float = float("nan")
     first_step_s: float = float("nan")  # from building the input pipeline to the end of the first step
+    from_start_s: float = float("nan")  # the first step's end from the trainer's start (its framework's import)
     window_s: float = float("nan")
     cpu_s: float = float("nan")  # every process of the recipe, from building the input pipeline to exit
     cpu_s_per_image: float = float("nan")
@@ -128,7 +143,7 @@ class RecipeResult:
 # -- the recipes, run in the recipe's own process -------------------------------
 
 
-def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, Any], float]:
+def _keras_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -> tuple[dict[str, Any], float]:
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(cfg.threads)  # before TensorFlow starts its pools
@@ -172,14 +187,6 @@ def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
     model.compile(
         optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[ImageCount()]
     )
-    # The reference: steps on one batch already in memory (a new fit, so the
-    # count starts again; its first step, which traces, is not timed).
-    x, y = images.batch(0)
-    ref = StepEnds()
-    in_memory = tf.data.Dataset.from_tensors((x, y)).repeat(cfg.reference_steps + 1)
-    model.fit(in_memory, epochs=1, verbose=0, callbacks=[ref])
-    reference_step_s = float(np.median(np.diff(ref.ends)))
-
     cpu0, t0 = cpu_self(), time.perf_counter()
     image_spec = tf.TensorSpec((c, c, 3), tf.float32)
     pipe = None
@@ -212,10 +219,19 @@ def _keras_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
     finally:
         if pipe is not None:
             pipe.close()
-    return summary(name, steps.ends, steps.counts, t0, reference_step_s, None), cpu0
+    # The reference, after the run: steps on one batch already in memory (a
+    # new fit, so the count starts again; its first step, which may trace
+    # again, is not timed).
+    x, y = images.batch(0)
+    ref = StepEnds()
+    in_memory = tf.data.Dataset.from_tensors((x, y)).repeat(cfg.reference_steps + 1)
+    cpu_ref = cpu_self()
+    model.fit(in_memory, epochs=1, verbose=0, callbacks=[ref])
+    reference_step_s = float(np.median(np.diff(ref.ends)))
+    return summary(name, steps.ends, steps.counts, t0, reference_step_s, None, t_start), cpu0 + cpu_self() - cpu_ref
 
 
-def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str, Any], float]:
+def _torch_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -> tuple[dict[str, Any], float]:
     import torch
 
     torch.set_num_threads(cfg.threads)
@@ -244,13 +260,6 @@ def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         optimizer.step()
-
-    x0, y0 = (torch.from_numpy(a).to(device) for a in images.batch(0))
-    ref = []
-    for _ in range(cfg.reference_steps + 1):
-        step(x0, y0)
-        ref.append(time.perf_counter())
-    reference_step_s = float(np.median(np.diff(ref)))
 
     cpu0, t0 = cpu_self(), time.perf_counter()
     pipe = None
@@ -283,7 +292,9 @@ def _torch_recipe(name: str, cfg: TrainConfig, images: Images) -> tuple[dict[str
     finally:
         if pipe is not None:
             pipe.close()
-    return summary(name, ends, counts, t0, reference_step_s, waits), cpu0
+    x0, y0 = (torch.from_numpy(a).to(device) for a in images.batch(0))
+    reference_step_s, cpu_ref = reference(lambda: step(x0, y0), cfg.reference_steps)
+    return summary(name, ends, counts, t0, reference_step_s, waits, t_start), cpu0 + cpu_ref
 
 
 def _recipe_main() -> None:
@@ -291,8 +302,10 @@ def _recipe_main() -> None:
     name, cfg = sys.argv[1], TrainConfig(**json.loads(sys.argv[2]))
     images = Images(make_jpegs(cfg), cfg)
     trainer = {"keras": _keras_recipe, "torch": _torch_recipe, "jax": _train_jax.run_recipe}[name.split(":")[0]]
-    summary, cpu_before = trainer(name, cfg, images)
-    summary["cpu_before_s"] = cpu_before
+    # The training script's start, as far as the recipe is one: the data in
+    # memory (the benchmark's, made above), its framework not yet imported.
+    summary, cpu_outside = trainer(name, cfg, images, time.perf_counter())
+    summary["cpu_outside_s"] = cpu_outside
     summary["trainer_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(sys.argv[3]).write_text(json.dumps(summary))
 
@@ -403,7 +416,7 @@ def _supervise_main() -> None:
         result: dict[str, Any] = {"recipe": name, "peak_pss_bytes": peak, "processes": most}
         if proc.returncode == 0 and os.path.exists(inner):
             result.update(json.loads(Path(inner).read_text()))
-            result["cpu_s"] = usage.ru_utime + usage.ru_stime - result.pop("cpu_before_s")
+            result["cpu_s"] = usage.ru_utime + usage.ru_stime - result.pop("cpu_outside_s")
             result["cpu_s_per_image"] = result["cpu_s"] / max(1, result["images"])
         else:
             log.seek(0)
@@ -519,14 +532,14 @@ def table(results: list[RecipeResult]) -> str:
     by_name = {r.recipe: r for r in results}
     lines = [
         "| trainer | input pipeline | images/s | speed-up | trainer idle | CPU ms/image | peak memory, all processes "
-        "| trainer peak RSS | first step |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| trainer peak RSS | first step: from the input pipeline | from the start |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         trainer, loader = r.recipe.split(":", 1)
         if r.skipped or r.error:
             what = f"skipped: {r.skipped}" if r.skipped else f"failed: {(r.error or '').splitlines()[0]}"
-            lines.append(f"| {trainer} | {loader} | {what} | | | | | | |")
+            lines.append(f"| {trainer} | {loader} | {what} | | | | | | | |")
             continue
         base = by_name.get(BASELINES[trainer])
         ok = base is not None and not base.error and not base.skipped and base.images_per_s > 0
@@ -535,7 +548,8 @@ def table(results: list[RecipeResult]) -> str:
         lines.append(
             f"| {trainer} | {loader} | {_fmt(r.images_per_s, ',.0f')} | {speedup} | {idle} | "
             f"{_fmt(r.cpu_s_per_image * 1e3, '.2f')} | {r.peak_pss_bytes / 2**20:,.0f} MiB | "
-            f"{r.trainer_peak_rss_bytes / 2**20:,.0f} MiB | {_fmt(r.first_step_s, '.1f')} s |"
+            f"{r.trainer_peak_rss_bytes / 2**20:,.0f} MiB | {_fmt(r.first_step_s, '.2f')} s | "
+            f"{_fmt(r.from_start_s, '.2f')} s |"
         )
     return "\n".join(lines)
 
