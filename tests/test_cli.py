@@ -224,6 +224,9 @@ def test_serialize_every_option(request):
         assert got[p, 131072]["decode_copies"] == 0, p
     for p in ("pickle 4", "pickle 5", "numpy save"):
         assert got[p, 131072]["decode_copies"] == 1, p
+    # the first round trip of each, timed apart from the steady figures
+    for r in got.values():
+        assert r["first_us"] > 0 and r["encode_us"] > 0 and r["decode_us"] > 0, r
     assert png(folder / "s.png")
     assert "| 128 KiB | shmpipe |" in out.stdout
 
