@@ -146,6 +146,7 @@ def run_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -> t
     import jax
 
     params, state, step = _model(cfg)
+    reference_batch = images.batch(0)  # (made here: its decoding is not the run's CPU)
 
     cpu0, t0 = cpu_self(), time.perf_counter()
     batches, close, pipe = _open(name, cfg, images)
@@ -174,7 +175,7 @@ def run_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -> t
         close()
     # The reference, after the run (its first step, which compiles, is in the
     # run, as a training script's is): steps on a batch already on the device.
-    x0, y0 = jax.device_put(images.batch(0))
+    x0, y0 = jax.device_put(reference_batch)
 
     def one_step() -> None:
         nonlocal params, state

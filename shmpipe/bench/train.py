@@ -31,8 +31,8 @@ producers or workers, the forkserver) and samples their memory. Per recipe:
 images/s (steady state: from the end of the first training step to the end
 of the last), the share of that time the trainer was idle waiting for input,
 CPU seconds per image (every process of the recipe, from building the input
-pipeline to the end of the run: the producers' start-up and the model's
-first step included, the trainer's imports and the reference steps not),
+pipeline to its exit: the producers' start-up and the model's first step
+included, the trainer's imports and the reference steps after the run not),
 peak memory (the sum of the proportional set sizes of all its processes,
 sampled every 0.2 s, so shared memory counts once; and the trainer's own
 peak RSS), and the first step as a training script meets it: the model is
@@ -123,7 +123,7 @@ class RecipeResult:
     first_step_s: float = float("nan")  # from building the input pipeline to the end of the first step
     from_start_s: float = float("nan")  # the first step's end from the trainer's start (its framework's import)
     window_s: float = float("nan")
-    cpu_s: float = float("nan")  # every process of the recipe, from building the input pipeline to exit
+    cpu_s: float = float("nan")  # every process of the recipe, from building the pipeline to exit, less reference steps
     cpu_s_per_image: float = float("nan")
     peak_pss_bytes: int = 0  # sum over the recipe's processes, sampled
     trainer_peak_rss_bytes: int = 0
@@ -187,6 +187,7 @@ def _keras_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -
     model.compile(
         optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[ImageCount()]
     )
+    x, y = images.batch(0)  # the reference's batch (made here: its decoding is not the run's CPU)
     cpu0, t0 = cpu_self(), time.perf_counter()
     image_spec = tf.TensorSpec((c, c, 3), tf.float32)
     pipe = None
@@ -222,10 +223,9 @@ def _keras_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -
     # The reference, after the run: steps on one batch already in memory (a
     # new fit, so the count starts again; its first step, which may trace
     # again, is not timed).
-    x, y = images.batch(0)
+    cpu_ref = cpu_self()
     ref = StepEnds()
     in_memory = tf.data.Dataset.from_tensors((x, y)).repeat(cfg.reference_steps + 1)
-    cpu_ref = cpu_self()
     model.fit(in_memory, epochs=1, verbose=0, callbacks=[ref])
     reference_step_s = float(np.median(np.diff(ref.ends)))
     return summary(name, steps.ends, steps.counts, t0, reference_step_s, None, t_start), cpu0 + cpu_self() - cpu_ref
@@ -261,6 +261,7 @@ def _torch_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -
         loss_fn(model(x), y).backward()
         optimizer.step()
 
+    reference_batch = images.batch(0)  # (made here: its decoding is not the run's CPU)
     cpu0, t0 = cpu_self(), time.perf_counter()
     pipe = None
     loader: Any
@@ -292,7 +293,7 @@ def _torch_recipe(name: str, cfg: TrainConfig, images: Images, t_start: float) -
     finally:
         if pipe is not None:
             pipe.close()
-    x0, y0 = (torch.from_numpy(a).to(device) for a in images.batch(0))
+    x0, y0 = (torch.from_numpy(a).to(device) for a in reference_batch)
     reference_step_s, cpu_ref = reference(lambda: step(x0, y0), cfg.reference_steps)
     return summary(name, ends, counts, t0, reference_step_s, waits, t_start), cpu0 + cpu_ref
 
