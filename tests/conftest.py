@@ -55,6 +55,33 @@ def _our_segments() -> set[str]:
 #: runs meanwhile (a segment they leave behind, its owner dead, is still
 #: seen by the guard of whatever test runs then).
 _BACKGROUND_PIDS: set[int] = set()
+#: Every pid that was ever in _BACKGROUND_PIDS this session: a segment whose
+#: owner was one of them, and died, is still the background's.
+_EVER_BACKGROUND: set[int] = set()
+
+
+def _descends_from_background(pid: int) -> bool:
+    for _ in range(64):
+        if pid in _BACKGROUND_PIDS:
+            return True
+        found = _parent_and_session(pid)
+        if pid <= 1 or found is None:
+            return False
+        pid = found[0]
+    return False
+
+
+def not_the_backgrounds(names: set[str]) -> set[str]:
+    """`names` (entries of /dev/shm) less those of the background's processes
+    (BackgroundRuns' scripts, a late family's ranks) and of their
+    descendants: they come and go while a test of the foreground runs, and a
+    test that compares the listing before and after looks at its own."""
+    kept = set()
+    for name in names:
+        owner = _segments.parse_name(name)
+        if owner is None or (owner[0] not in _EVER_BACKGROUND and not _descends_from_background(owner[0])):
+            kept.add(name)
+    return kept
 
 
 def _descends_from_us(pid: int) -> bool:
@@ -131,10 +158,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests of modules with a background family run last (in their
-    order), so that their scripts have run beside everything before them;
-    after them, the tests marked after_background."""
-    late = {id(module) for _, module in background_families(items)}
+    """The tests of modules with a background family, or a late job family,
+    run last (in their order), so that their scripts and jobs have run
+    beside everything before them; after them, the tests marked
+    after_background."""
+    late = {id(module) for _, module in background_families(items) + late_job_families(items)}
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("after_background") is not None:
@@ -150,7 +178,7 @@ def background_ended(shared_runs_in_background: BackgroundRuns) -> None:
     of them starts pipelines, and each pipeline that opens a ring sweeps
     the dead owners' segments of this user (a test that makes such segments
     to see what `shmpipe clean` does with them would find them gone)."""
-    for family in shared_runs_in_background.families:
+    for family in [*shared_runs_in_background.families, *shared_runs_in_background.late_families]:
         if not family.background_done.wait(BACKGROUND_WAIT_S):
             raise TimeoutError(f"the background runs did not end within {BACKGROUND_WAIT_S:g} s")
 
@@ -529,6 +557,49 @@ def background_families(items: list[pytest.Item]) -> list[tuple[SharedRuns, Any]
     return found
 
 
+def late_job_families(items: list[pytest.Item]) -> list[tuple[SharedJobs, Any]]:
+    """The SharedJobs families made with late=True among the modules of
+    `items`, with their modules, in the items' order."""
+    found: list[tuple[SharedJobs, Any]] = []
+    for module in dict.fromkeys(item.module for item in items if getattr(item, "module", None) is not None):
+        for value in vars(module).values():
+            if isinstance(value, SharedJobs) and value.late and all(f is not value for f, _ in found):
+                found.append((value, module))
+    return found
+
+
+#: Set in the threads that run a late family's jobs in the background.
+_JOB_THREAD = threading.local()
+#: The processes those jobs started that have not ended yet (stop() ends them,
+#: and any such job starts once the session is ending).
+_LATE_PIDS: set[int] = set()
+_SESSION_ENDING = threading.Event()
+
+
+def _in_background_job() -> None:
+    _JOB_THREAD.background = True
+
+
+def job_started(pid: int) -> None:
+    """A job's process (a group's rank) has started. Where the job runs in
+    the background (SharedJobs(late=True)), what the process and its
+    children make is the background's, not that of the test the foreground
+    runs meanwhile (whose guard would take the rank's ring for its leak)."""
+    if getattr(_JOB_THREAD, "background", False):
+        _BACKGROUND_PIDS.add(pid)
+        _EVER_BACKGROUND.add(pid)
+        _LATE_PIDS.add(pid)
+        if _SESSION_ENDING.is_set():  # (the job sees its process die, and ends)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def job_ended(pid: int) -> None:
+    """The process of job_started has ended (or been killed and reaped)."""
+    _BACKGROUND_PIDS.discard(pid)
+    _LATE_PIDS.discard(pid)
+
+
 class BackgroundRuns:
     """The scripts of every background family this session runs, started at
     the session's start in a thread of this process (run_together, `jobs`
@@ -552,6 +623,9 @@ class BackgroundRuns:
                 self.owner[(id(family), key)] = (family, key)
         #: each family's scripts not ended yet: its tests wait for its own only
         self.left = {id(family): len(family.in_background) for family in self.families}
+        #: the late job families, and the keys of each that this session's tests ask for
+        self.late_families = [family for family, _ in late_job_families(items)]
+        self.late_keys = {id(family): family.wanted_by(items, module) for family, module in late_job_families(items)}
         self.pids: dict[Hashable, int] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shared runs", daemon=True)
@@ -565,6 +639,9 @@ class BackgroundRuns:
         if self.commands:
             self.thread.start()
             self.priorities.start()
+        else:  # no scripts whose end would leave a core idle: each late family's first test runs its jobs
+            for family in self.late_families:
+                family.not_in_background()
 
     def _keep_priorities(self) -> None:
         """Each second while scripts run: the sessions that their processes
@@ -599,11 +676,22 @@ class BackgroundRuns:
             error = exc
         finally:
             self._finish(error)
+        # The scripts have ended, and the core they used would idle for the
+        # rest of the session (the foreground keeps about one of two busy):
+        # the late families' jobs run now, at the foreground's priority (their
+        # tests assert how soon a rank hears of a death), one family after
+        # another; a family whose first test came first runs them itself.
+        for family in self.late_families:
+            if error is not None or self.stop_event.is_set():
+                family.not_in_background()
+            else:
+                family.run_in_background(self.late_keys[id(family)])
 
     def _started(self, key: Hashable, pid: int) -> None:
         self.started_at[key] = time.monotonic()
         self.pids[key] = pid
         _BACKGROUND_PIDS.add(pid)
+        _EVER_BACKGROUND.add(pid)
         # Below the tests in the foreground, which are what the session waits
         # for: these use a core when the foreground leaves it idle (it mostly
         # waits on its processes, or keeps one core of two busy) instead of
@@ -630,6 +718,10 @@ class BackgroundRuns:
 
     def stop(self) -> None:
         self.stop_event.set()
+        _SESSION_ENDING.set()
+        for pid in list(_LATE_PIDS):  # a late job's rank the session's end cut short
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self.thread.is_alive():
             self.thread.join(60)
         if self.priorities.is_alive():
@@ -644,9 +736,19 @@ class SharedJobs(_Shared):
     waits; `timeout` bounds the wait for all."""
 
     def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
-                 job: Callable[[Hashable], Callable[[], Any]], jobs: int = 2, timeout: float = 600.0) -> None:
+                 job: Callable[[Hashable], Callable[[], Any]], jobs: int = 2, timeout: float = 600.0,
+                 late: bool = False) -> None:
         super().__init__(tests, keys, jobs)
         self.job, self.timeout = job, timeout
+        #: With `late`, the family's jobs run in the background once the
+        #: background's scripts have ended (BackgroundRuns), beside the
+        #: foreground's last modules, and its module's tests run last; each
+        #: job must say which processes it starts (job_started, job_ended).
+        self.late = late
+        self._claim = threading.Lock()
+        self._runner: str | None = None  # "background" or "foreground", whichever began first
+        #: Set once the background has run the family's jobs, or will not.
+        self.background_done = threading.Event()
 
     def seconds(self, key: Hashable) -> float:
         """About how long `key`'s job takes alone, where that is known: the
@@ -654,26 +756,61 @@ class SharedJobs(_Shared):
         hold the family up after the others ended."""
         return 0.0
 
+    def run_in_background(self, keys: list[Hashable]) -> None:
+        """Runs the jobs of `keys` (BackgroundRuns' thread), unless a test
+        began to run the family's jobs itself."""
+        with self._claim:
+            if self._runner is not None:
+                return
+            self._runner = "background"
+        try:
+            self._make(keys, background=True)
+        except Exception:  # noqa: BLE001 - a job that could not be made: its test makes it again, and raises
+            pass
+        finally:
+            self.background_done.set()
+
+    def not_in_background(self) -> None:
+        """The background will not run the jobs: each test asks for them."""
+        with self._claim:
+            if self._runner is None:
+                self._runner = "foreground"
+        self.background_done.set()
+
     def get(self, request: pytest.FixtureRequest, key: Hashable) -> Any:
         if key not in self.results:
-            import concurrent.futures
-
-            keys = sorted(self._wanted(request, key), key=self.seconds, reverse=True)  # stable: else in order
-            calls = {k: self.job(k) for k in keys}
-            with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
-                futures = {k: pool.submit(call) for k, call in calls.items()}
-                concurrent.futures.wait(futures.values(), timeout=self.timeout)
-                for k, future in futures.items():
-                    if not future.done():
-                        self.results[k] = (None, TimeoutError(f"{k} did not end within {self.timeout:g} s"))
-                    elif future.exception() is not None:
-                        self.results[k] = (None, future.exception())
-                    else:
-                        self.results[k] = (future.result(), None)
+            with self._claim:
+                if self._runner is None:
+                    self._runner = "foreground"
+                    self.background_done.set()  # (a late family's: nothing of it will run there)
+            if self._runner == "background" and not self.background_done.wait(BACKGROUND_WAIT_S):
+                raise TimeoutError(f"the background run of {key!r} did not end within {BACKGROUND_WAIT_S:g} s")
+        if key not in self.results:
+            self._make(self._wanted(request, key))
         value, error = self.results[key]
         if error is not None:
             raise error
         return value
+
+    def _make(self, keys: list[Hashable], background: bool = False) -> None:
+        """Runs the jobs of `keys`, `jobs` at a time, and keeps what each
+        returned or raised."""
+        import concurrent.futures
+
+        keys = sorted(keys, key=self.seconds, reverse=True)  # stable: else in order
+        calls = {k: self.job(k) for k in keys}
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.jobs, initializer=_in_background_job if background else None
+        ) as pool:
+            futures = {k: pool.submit(call) for k, call in calls.items()}
+            concurrent.futures.wait(futures.values(), timeout=self.timeout)
+            for k, future in futures.items():
+                if not future.done():
+                    self.results[k] = (None, TimeoutError(f"{k} did not end within {self.timeout:g} s"))
+                elif future.exception() is not None:
+                    self.results[k] = (None, future.exception())
+                else:
+                    self.results[k] = (future.result(), None)
 
 
 class RegisteredJobs(SharedJobs):
@@ -685,11 +822,11 @@ class RegisteredJobs(SharedJobs):
     ``get_for(request)`` is what the asking test's own job returned."""
 
     def __init__(self, wrap: Callable[[Any], Callable[[], Any]] | None = None, jobs: int = 2,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, late: bool = False) -> None:
         #: test name -> (make, the module it needs, about how long its job takes alone)
         self.made: dict[str, tuple[Callable[..., Any], str | None, float]] = {}
         self.wrap = wrap if wrap is not None else (lambda made: made)
-        super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout)
+        super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout, late=late)
 
     def runs(self, make: Callable[..., Any], needs: str | None = None, seconds: float = 0.0) -> Callable[[Any], Any]:
         """Registers what the decorated test runs: the first test of the

@@ -31,9 +31,9 @@ import shmpipe
 from shmpipe import _control
 from shmpipe.errors import CorruptChannelError
 
-# 400 examples a test in the suite, 4x Hypothesis's default (the suite must
+# 200 examples a test in the suite, 2x Hypothesis's default (the suite must
 # stay under CI's 10 minutes; see test_codec_fuzz.py); a long run sets more.
-EXAMPLES = int(os.environ.get("SHMPIPE_FUZZ_EXAMPLES", "400"))
+EXAMPLES = int(os.environ.get("SHMPIPE_FUZZ_EXAMPLES", "200"))
 
 FUZZ = settings(
     max_examples=EXAMPLES,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RegisteredJobs
+from conftest import RegisteredJobs, job_ended, job_started
 
 import shmpipe
 from shmpipe._api import check_arguments
@@ -55,6 +55,7 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             procs.append((cfg, out, err, subprocess.Popen([sys.executable, RANK, json.dumps(cfg)],
                                                            stdout=out, stderr=err, env=env, text=True)))
+            job_started(procs[-1][3].pid)
         for cfg, out, err, proc in procs:
             proc.wait(timeout=RANK_TIMEOUT_S)
             out.seek(0)
@@ -70,6 +71,7 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+            job_ended(proc.pid)
             out.close()
             err.close()
         for report in reports:
@@ -136,8 +138,10 @@ def _ranks_of(made: Any) -> Callable[[], Any]:
 
 #: Each group is a few processes that mostly start Python and shmpipe, or
 #: wait (for a rank that never comes, a late one, a timeout): three groups at
-#: a time keep the two cores busy.
-GROUPS = RegisteredJobs(wrap=_ranks_of, jobs=4)
+#: a time keep the two cores busy. They run in the background once its
+#: scripts have ended (late: the foreground's last modules keep one core of
+#: two busy), and this module's tests run last.
+GROUPS = RegisteredJobs(wrap=_ranks_of, jobs=4, late=True)
 #: @runs(what the test's group runs, from its parameters; the module that needs)
 runs = GROUPS.runs
 
