@@ -37,8 +37,7 @@ os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 def _our_segments() -> set[str]:
     """shmpipe segments of this process, of its live descendants (a CLI run
     in a subprocess) or of owners that are gone; not those of other live
-    processes (another test run, or a training job, on the same machine),
-    nor those of a late family's processes (the family checks them)."""
+    processes (another test run, or a training job, on the same machine)."""
     try:
         entries = os.listdir(_segments.SHM_DIR)
     except FileNotFoundError:
@@ -46,9 +45,7 @@ def _our_segments() -> set[str]:
     ours = set()
     for entry in entries:
         owner = _segments.parse_name(entry)
-        if owner is None or owner in _LATE_IDENTITIES:
-            continue
-        if not _process.owner_alive(*owner) or _descends_from_us(owner[0]):
+        if owner is not None and (not _process.owner_alive(*owner) or _descends_from_us(owner[0])):
             ours.add(entry)
     return ours
 
@@ -58,47 +55,6 @@ def _our_segments() -> set[str]:
 #: runs meanwhile (a segment they leave behind, its owner dead, is still
 #: seen by the guard of whatever test runs then).
 _BACKGROUND_PIDS: set[int] = set()
-#: (pid, start time) of every process that was ever in _BACKGROUND_PIDS this
-#: session, as a segment's name gives its owner: a segment whose owner was one
-#: of them, and died, is still the background's.
-_EVER_BACKGROUND: set[tuple[int, int]] = set()
-
-
-#: The identities of the processes that late families' jobs started: what
-#: they leave is checked by the family (SharedJobs.left_behind), not by the
-#: guard of the foreground's test that runs as it is left.
-_LATE_IDENTITIES: set[tuple[int, int]] = set()
-
-
-def _mark_background(pid: int) -> None:
-    _BACKGROUND_PIDS.add(pid)
-    start = _process.process_start_time(pid)
-    if start is not None:  # (gone already: whatever it made carries an identity never seen)
-        _EVER_BACKGROUND.add((pid, start))
-
-
-def _descends_from_background(pid: int) -> bool:
-    for _ in range(64):
-        if pid in _BACKGROUND_PIDS:
-            return True
-        found = _parent_and_session(pid)
-        if pid <= 1 or found is None:
-            return False
-        pid = found[0]
-    return False
-
-
-def not_the_backgrounds(names: set[str]) -> set[str]:
-    """`names` (entries of /dev/shm) less those of the background's processes
-    (BackgroundRuns' scripts, a late family's ranks) and of their
-    descendants: they come and go while a test of the foreground runs, and a
-    test that compares the listing before and after looks at its own."""
-    kept = set()
-    for name in names:
-        owner = _segments.parse_name(name)
-        if owner is None or (owner not in _EVER_BACKGROUND and not _descends_from_background(owner[0])):
-            kept.add(name)
-    return kept
 
 
 def _descends_from_us(pid: int) -> bool:
@@ -175,11 +131,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests of modules with a background family, or a late job family,
-    run last (in their order), so that their scripts and jobs have run
-    beside everything before them; after them, the tests marked
-    after_background."""
-    late = {id(module) for _, module in background_families(items) + late_job_families(items)}
+    """The tests of modules with a background family run last (in their
+    order), so that their scripts have run beside everything before them;
+    after them, the tests marked after_background."""
+    late = {id(module) for _, module in background_families(items)}
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("after_background") is not None:
@@ -195,7 +150,7 @@ def background_ended(shared_runs_in_background: BackgroundRuns) -> None:
     of them starts pipelines, and each pipeline that opens a ring sweeps
     the dead owners' segments of this user (a test that makes such segments
     to see what `shmpipe clean` does with them would find them gone)."""
-    for family in [*shared_runs_in_background.families, *shared_runs_in_background.late_families]:
+    for family in shared_runs_in_background.families:
         if not family.background_done.wait(BACKGROUND_WAIT_S):
             raise TimeoutError(f"the background runs did not end within {BACKGROUND_WAIT_S:g} s")
 
@@ -204,7 +159,6 @@ def background_ended(shared_runs_in_background: BackgroundRuns) -> None:
 def shared_runs_in_background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Starts the scripts of the background families (SharedRuns) with the
     session, and ends whatever of them still runs when it ends."""
-    _SESSION_START.update(env=dict(os.environ), cwd=os.getcwd())
     runs = BackgroundRuns(request.session.items, tmp_path_factory)
     runs.start()
     yield runs
@@ -564,85 +518,15 @@ def _descendants(roots: Collection[int]) -> dict[int, tuple[int, int]]:
 BACKGROUND_WAIT_S = 1200.0
 
 
-def _families(items: list[pytest.Item], wanted: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
-    """The families (module-level values) that `wanted` picks among the
-    modules of `items`, with their modules, in the items' order."""
-    found: list[tuple[Any, Any]] = []
-    for module in dict.fromkeys(item.module for item in items if getattr(item, "module", None) is not None):
-        for value in vars(module).values():
-            if wanted(value) and all(f is not value for f, _ in found):
-                found.append((value, module))
-    return found
-
-
 def background_families(items: list[pytest.Item]) -> list[tuple[SharedRuns, Any]]:
     """The SharedRuns families made with background=True among the modules
     of `items`, with their modules, in the items' order."""
-    return _families(items, lambda value: isinstance(value, SharedRuns) and value.background)
-
-
-def late_job_families(items: list[pytest.Item]) -> list[tuple[SharedJobs, Any]]:
-    """The SharedJobs families made with late=True, likewise."""
-    return _families(items, lambda value: isinstance(value, SharedJobs) and value.late)
-
-
-#: Set in the threads that run a late family's jobs in the background: the
-#: set of the family's processes' identities (job_started adds to it).
-_JOB_THREAD = threading.local()
-#: The processes those jobs started that have not ended yet (stop() ends them,
-#: and any such job starts once the session is ending).
-_LATE_PIDS: set[int] = set()
-_SESSION_ENDING = threading.Event()
-#: The environment and working directory the session began with (set by
-#: shared_runs_in_background): a late family's processes start with these,
-#: not with what a test of the foreground set meanwhile (monkeypatch.setenv
-#: of WORLD_SIZE or NODE_RANK, ray_friendly_cwd's folder).
-_SESSION_START: dict[str, Any] = {}
-
-
-def _in_background_job(identities: set[tuple[int, int]]) -> None:
-    _JOB_THREAD.identities = identities
-
-
-def job_environment() -> tuple[dict[str, str], str]:
-    """(environment, working directory) for a job's process: the session's
-    where the job runs in the background, this process's now elsewhere."""
-    if getattr(_JOB_THREAD, "identities", None) is not None and _SESSION_START:
-        return dict(_SESSION_START["env"]), _SESSION_START["cwd"]
-    return dict(os.environ), os.getcwd()
-
-
-def job_started(pid: int) -> None:
-    """A job's process (a group's rank) has started. Where the job runs in
-    the background (SharedJobs(late=True)), what the process and its
-    children make is the background's, not that of the test the foreground
-    runs meanwhile (whose guard would take the rank's ring for its leak);
-    the family checks what its processes left once its jobs have ended."""
-    identities = getattr(_JOB_THREAD, "identities", None)
-    if identities is not None:
-        _mark_background(pid)
-        start = _process.process_start_time(pid)
-        if start is not None:
-            identities.add((pid, start))
-            _LATE_IDENTITIES.add((pid, start))
-        _LATE_PIDS.add(pid)
-        if _SESSION_ENDING.is_set():  # (the job sees its process die, and ends)
-            _kill_with_its_group(pid)
-
-
-def _kill_with_its_group(pid: int) -> None:
-    """SIGKILL to `pid`, and to its process group where it leads one."""
-    with contextlib.suppress(ProcessLookupError):
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-
-
-def job_ended(pid: int) -> None:
-    """The process of job_started has ended (or been killed and reaped)."""
-    _BACKGROUND_PIDS.discard(pid)
-    _LATE_PIDS.discard(pid)
+    found: list[tuple[SharedRuns, Any]] = []
+    for module in dict.fromkeys(item.module for item in items if getattr(item, "module", None) is not None):
+        for value in vars(module).values():
+            if isinstance(value, SharedRuns) and value.background and all(f is not value for f, _ in found):
+                found.append((value, module))
+    return found
 
 
 class BackgroundRuns:
@@ -668,11 +552,6 @@ class BackgroundRuns:
                 self.owner[(id(family), key)] = (family, key)
         #: each family's scripts not ended yet: its tests wait for its own only
         self.left = {id(family): len(family.in_background) for family in self.families}
-        #: the late job families, and the keys of each that this session's tests ask for
-        late = late_job_families(items)
-        self.late_families = [family for family, _ in late]
-        self.late_keys = {id(family): family.wanted_by(items, module) for family, module in late}
-        self.scripts_ended = threading.Event()
         self.pids: dict[Hashable, int] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="shared runs", daemon=True)
@@ -686,9 +565,6 @@ class BackgroundRuns:
         if self.commands:
             self.thread.start()
             self.priorities.start()
-        else:  # no scripts whose end would leave a core idle: each late family's first test runs its jobs
-            for family in self.late_families:
-                family.not_in_background()
 
     def _keep_priorities(self) -> None:
         """Each second while scripts run: the sessions that their processes
@@ -697,7 +573,7 @@ class BackgroundRuns:
         process and session of its."""
         lowered: set[int] = set()  # sessions
         restored: set[int] = set()  # scripts' pids
-        while not self.scripts_ended.is_set() and not self.stop_event.wait(1.0):
+        while self.thread.is_alive() and not self.stop_event.wait(1.0):
             now = time.monotonic()
             running = {pid: key for key, pid in list(self.pids.items())}
             late = {pid for pid, key in running.items()
@@ -723,24 +599,11 @@ class BackgroundRuns:
             error = exc
         finally:
             self._finish(error)
-        # The scripts have ended, and the core they used would idle for the
-        # rest of the session (the foreground keeps about one of two busy):
-        # the late families' jobs run now, at the foreground's priority (their
-        # tests assert how soon a rank hears of a death), one family after
-        # another; a family whose first test came first runs them itself.
-        try:
-            for family in self.late_families:
-                if error is not None or self.stop_event.is_set():
-                    break
-                family.run_in_background(self.late_keys[id(family)])
-        finally:
-            for family in self.late_families:
-                family.not_in_background()  # (those run: already set)
 
     def _started(self, key: Hashable, pid: int) -> None:
         self.started_at[key] = time.monotonic()
         self.pids[key] = pid
-        _mark_background(pid)
+        _BACKGROUND_PIDS.add(pid)
         # Below the tests in the foreground, which are what the session waits
         # for: these use a core when the foreground leaves it idle (it mostly
         # waits on its processes, or keeps one core of two busy) instead of
@@ -761,16 +624,12 @@ class BackgroundRuns:
     def _finish(self, error: BaseException | None) -> None:
         """Every family's wait ends (with `error`, where the run failed or
         was stopped, for the scripts that did not end)."""
-        self.scripts_ended.set()
         for family in self.families:
             family.background_error = error
             family.background_done.set()
 
     def stop(self) -> None:
         self.stop_event.set()
-        _SESSION_ENDING.set()
-        for pid in list(_LATE_PIDS):  # a late job's process the session's end cut short
-            _kill_with_its_group(pid)
         if self.thread.is_alive():
             self.thread.join(60)
         if self.priorities.is_alive():
@@ -785,22 +644,9 @@ class SharedJobs(_Shared):
     waits; `timeout` bounds the wait for all."""
 
     def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
-                 job: Callable[[Hashable], Callable[[], Any]], jobs: int = 2, timeout: float = 600.0,
-                 late: bool = False) -> None:
+                 job: Callable[[Hashable], Callable[[], Any]], jobs: int = 2, timeout: float = 600.0) -> None:
         super().__init__(tests, keys, jobs)
         self.job, self.timeout = job, timeout
-        #: With `late`, the family's jobs run in the background once the
-        #: background's scripts have ended (BackgroundRuns), beside the
-        #: foreground's last modules, and its module's tests run last; each
-        #: job must say which processes it starts (job_started, job_ended).
-        self.late = late
-        self._claim = threading.Lock()
-        self._runner: str | None = None  # "background" or "foreground", whichever began first
-        #: Set once the background has run the family's jobs, or will not.
-        self.background_done = threading.Event()
-        #: What the jobs run in the background left in /dev/shm (the first
-        #: test to ask fails with it, as its guard would have, had it run them).
-        self.left_behind: list[str] = []
 
     def seconds(self, key: Hashable) -> float:
         """About how long `key`'s job takes alone, where that is known: the
@@ -808,89 +654,26 @@ class SharedJobs(_Shared):
         hold the family up after the others ended."""
         return 0.0
 
-    def run_in_background(self, keys: list[Hashable]) -> None:
-        """Runs the jobs of `keys` (BackgroundRuns' thread), unless a test
-        began to run the family's jobs itself."""
-        with self._claim:
-            if self._runner is not None:
-                return
-            self._runner = "background"
-        identities: set[tuple[int, int]] = set()
-        try:
-            self._make(keys, identities)
-            self.left_behind = _left_by(identities)
-        except BaseException:  # noqa: BLE001 - a job that could not be made: its test makes it again, and raises
-            pass
-        finally:
-            self.background_done.set()
-
-    def not_in_background(self) -> None:
-        """The background will not run the jobs: each test asks for them."""
-        with self._claim:
-            if self._runner is None:
-                self._runner = "foreground"
-        self.background_done.set()
-
     def get(self, request: pytest.FixtureRequest, key: Hashable) -> Any:
         if key not in self.results:
-            with self._claim:
-                if self._runner is None:
-                    self._runner = "foreground"
-                    self.background_done.set()  # (a late family's: nothing of it will run there)
-            if self._runner == "background" and not self.background_done.wait(BACKGROUND_WAIT_S):
-                raise TimeoutError(f"the background run of {key!r} did not end within {BACKGROUND_WAIT_S:g} s")
-        left, self.left_behind = self.left_behind, []
-        assert not left, f"the family's jobs, run in the background, left shared-memory segments behind: {left}"
-        if key not in self.results:
-            self._make(self._wanted(request, key))
+            import concurrent.futures
+
+            keys = sorted(self._wanted(request, key), key=self.seconds, reverse=True)  # stable: else in order
+            calls = {k: self.job(k) for k in keys}
+            with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
+                futures = {k: pool.submit(call) for k, call in calls.items()}
+                concurrent.futures.wait(futures.values(), timeout=self.timeout)
+                for k, future in futures.items():
+                    if not future.done():
+                        self.results[k] = (None, TimeoutError(f"{k} did not end within {self.timeout:g} s"))
+                    elif future.exception() is not None:
+                        self.results[k] = (None, future.exception())
+                    else:
+                        self.results[k] = (future.result(), None)
         value, error = self.results[key]
         if error is not None:
             raise error
         return value
-
-    def _make(self, keys: list[Hashable], identities: set[tuple[int, int]] | None = None) -> None:
-        """Runs the jobs of `keys`, `jobs` at a time, and keeps what each
-        returned or raised; with `identities`, in the background, where
-        job_started adds their processes' to it."""
-        import concurrent.futures
-
-        keys = sorted(keys, key=self.seconds, reverse=True)  # stable: else in order
-        calls = {k: self.job(k) for k in keys}
-        with concurrent.futures.ThreadPoolExecutor(
-            # In the background, beside the foreground's tests (which keep about one core of two busy):
-            # half as many at a time, so that neither side's waits for a process stretch as far.
-            max_workers=self.jobs if identities is None else max(1, self.jobs // 2),
-            initializer=_in_background_job if identities is not None else None,
-            initargs=(identities,) if identities is not None else (),
-        ) as pool:
-            futures = {k: pool.submit(call) for k, call in calls.items()}
-            concurrent.futures.wait(futures.values(), timeout=self.timeout)
-            for k, future in futures.items():
-                if not future.done():
-                    self.results[k] = (None, TimeoutError(f"{k} did not end within {self.timeout:g} s"))
-                elif future.exception() is not None:
-                    self.results[k] = (None, future.exception())
-                else:
-                    self.results[k] = (future.result(), None)
-
-
-def _left_by(identities: set[tuple[int, int]], wait: float = 5.0) -> list[str]:
-    """The segments in /dev/shm whose owners are `identities` (processes that
-    have ended), once what cleans them up in other processes had `wait`
-    seconds; they are removed, so that one leak does not fail later tests."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            left = sorted(e for e in os.listdir(_segments.SHM_DIR) if _segments.parse_name(e) in identities)
-        except FileNotFoundError:
-            return []
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    for name in left:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(_segments.SHM_DIR, name))
-    return left
 
 
 class RegisteredJobs(SharedJobs):
@@ -902,11 +685,11 @@ class RegisteredJobs(SharedJobs):
     ``get_for(request)`` is what the asking test's own job returned."""
 
     def __init__(self, wrap: Callable[[Any], Callable[[], Any]] | None = None, jobs: int = 2,
-                 timeout: float = 600.0, late: bool = False) -> None:
+                 timeout: float = 600.0) -> None:
         #: test name -> (make, the module it needs, about how long its job takes alone)
         self.made: dict[str, tuple[Callable[..., Any], str | None, float]] = {}
         self.wrap = wrap if wrap is not None else (lambda made: made)
-        super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout, late=late)
+        super().__init__(self.made.keys(), keys=self._keys_of, job=self._job, jobs=jobs, timeout=timeout)
 
     def runs(self, make: Callable[..., Any], needs: str | None = None, seconds: float = 0.0) -> Callable[[Any], Any]:
         """Registers what the decorated test runs: the first test of the

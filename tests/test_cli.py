@@ -443,11 +443,7 @@ def test_doctor_warns_about_few_open_files(request):
     assert "fix: ulimit -n 4096" in out.stdout
 
 
-@pytest.mark.after_background
-def test_doctor_warns_about_a_leftover_segment(background_ended):
-    # Every pipeline that opens a ring sweeps dead owners' segments: the
-    # background's runs (a late family's ranks: CI run 158, all five rounds
-    # swept before the doctor looked) have ended first (background_ended).
+def test_doctor_warns_about_a_leftover_segment():
     from shmpipe._process import process_start_time
     from shmpipe._segments import SHM_DIR
 

@@ -32,15 +32,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (
-    SharedJobs,
-    assert_round_robin_prefix,
-    concurrently,
-    end_group,
-    group_members,
-    ignoring_sigint,
-    not_the_backgrounds,
-)
+from conftest import SharedJobs, assert_round_robin_prefix, concurrently, end_group, group_members, ignoring_sigint
 
 import shmpipe
 from shmpipe.testing.memory import named_segments, ring_descriptors
@@ -50,11 +42,6 @@ from shmpipe.testing.sources import Exiter, Killer, Raiser, Shapes, crc_of
 # soaks in the closing notes ran 60.
 CYCLES = int(os.environ.get("SHMPIPE_SOAK_CYCLES", "4"))
 T = 30.0
-
-
-def shm_names() -> set[str]:
-    """shmpipe's names in /dev/shm, less the suite's background's."""
-    return not_the_backgrounds(named_segments())
 
 
 def gone(pid: int) -> bool:
@@ -193,7 +180,7 @@ def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
     # shmpipe's segments only: other processes on the machine come and go in
     # /dev/shm (multiprocessing's semaphores); a semaphore of ours left
     # behind would be the resource tracker's warning, checked below.
-    shm_before = shm_names()
+    shm_before = named_segments()
 
     def cycle(cycle: int, pause: float) -> None:
         proc = subprocess.Popen(
@@ -229,9 +216,9 @@ def test_the_consumer_sigkilled_at_a_random_moment(tmp_path, transport):
     pauses = [rng.uniform(0.0, 1.5) for _ in range(CYCLES)]
     concurrently([functools.partial(cycle, c, pause) for c, pause in enumerate(pauses)])
     deadline = time.monotonic() + 10  # what the producers of the last cycles still had to remove
-    while shm_names() - shm_before and time.monotonic() < deadline:
+    while named_segments() - shm_before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert shm_names() - shm_before == set()
+    assert named_segments() - shm_before == set()
 
 
 def run_script(tmp_path, name: str, text: str, *args: str, timeout: float = 60) -> tuple[int, str, str]:
@@ -403,7 +390,7 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
     rng = random.Random(f"{transport}-{window}")
-    shm_before = shm_names()
+    shm_before = named_segments()
 
     def cycle(cycle: int, pause: float) -> None:
         proc = subprocess.Popen(
@@ -450,9 +437,9 @@ def test_the_consumer_ctrl_c_at_a_random_moment(tmp_path, transport, window):
     concurrently([functools.partial(cycle, c, pause) for c, pause in enumerate(pauses)],
                  jobs=2 if window == "iteration" else 1)
     deadline = time.monotonic() + 10
-    while shm_names() - shm_before and time.monotonic() < deadline:
+    while named_segments() - shm_before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert shm_names() - shm_before == set(), "a segment was left behind"
+    assert named_segments() - shm_before == set(), "a segment was left behind"
 
 
 # -- the consumer forks ------------------------------------------------------------

@@ -19,15 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (
-    SharedJobs,
-    assert_round_robin_prefix,
-    concurrently,
-    end_group,
-    group_members,
-    ignoring_sigint,
-    not_the_backgrounds,
-)
+from conftest import SharedJobs, assert_round_robin_prefix, concurrently, end_group, group_members, ignoring_sigint
 
 import shmpipe
 from shmpipe import _launch, _process, _ring, _segments
@@ -850,7 +842,7 @@ def test_ctrl_c_during_the_start_leaves_nothing_behind(tmp_path, start_method, k
     script = tmp_path / "starting.py"
     script.write_text(INTERRUPTED_WHILE_STARTING)
     rng = random.Random(start_method)
-    before = not_the_backgrounds(set(os.listdir("/dev/shm")))
+    before = set(os.listdir("/dev/shm"))
 
     def one_run(run: int, pause: float) -> None:
         proc = subprocess.Popen(
@@ -891,6 +883,6 @@ def test_ctrl_c_during_the_start_leaves_nothing_behind(tmp_path, start_method, k
     pauses = [rng.uniform(0.0, 0.08) for _ in range(8)]
     concurrently([functools.partial(one_run, run, pause) for run, pause in enumerate(pauses)])
     deadline = time.monotonic() + 5
-    while not_the_backgrounds(set(os.listdir("/dev/shm"))) - before and time.monotonic() < deadline:
+    while set(os.listdir("/dev/shm")) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not_the_backgrounds(set(os.listdir("/dev/shm"))) - before == set(), "a run left something in /dev/shm"
+    assert set(os.listdir("/dev/shm")) - before == set(), "a run left something in /dev/shm"

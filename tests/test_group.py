@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RegisteredJobs, job_ended, job_environment, job_started
+from conftest import RegisteredJobs
 
 import shmpipe
 from shmpipe._api import check_arguments
@@ -45,8 +45,7 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
     waits for all, returns their reports in rank order. Their output goes
     to files, not pipes: what outlives a rank (its fork server, a child of
     fork_child_at) holds them without making the test wait."""
-    environ, cwd = job_environment()
-    env = {**environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = []
     reports: list[dict[str, Any]] = []
     try:
@@ -55,8 +54,7 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
                 time.sleep(delays[i])
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             procs.append((cfg, out, err, subprocess.Popen([sys.executable, RANK, json.dumps(cfg)],
-                                                           stdout=out, stderr=err, env=env, cwd=cwd, text=True)))
-            job_started(procs[-1][3].pid)
+                                                           stdout=out, stderr=err, env=env, text=True)))
         for cfg, out, err, proc in procs:
             proc.wait(timeout=RANK_TIMEOUT_S)
             out.seek(0)
@@ -72,7 +70,6 @@ def _run_ranks(configs: list[dict[str, Any]], delays: list[float] | None = None)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-            job_ended(proc.pid)
             out.close()
             err.close()
         for report in reports:
@@ -139,10 +136,8 @@ def _ranks_of(made: Any) -> Callable[[], Any]:
 
 #: Each group is a few processes that mostly start Python and shmpipe, or
 #: wait (for a rank that never comes, a late one, a timeout): three groups at
-#: a time keep the two cores busy. They run in the background once its
-#: scripts have ended (late: the foreground's last modules keep one core of
-#: two busy), and this module's tests run last.
-GROUPS = RegisteredJobs(wrap=_ranks_of, jobs=4, late=True)
+#: a time keep the two cores busy.
+GROUPS = RegisteredJobs(wrap=_ranks_of, jobs=4)
 #: @runs(what the test's group runs, from its parameters; the module that needs)
 runs = GROUPS.runs
 
@@ -507,15 +502,14 @@ def test_to_tf_dataset_in_ranks_whose_share_is_smaller_than_its_peek(request):
     assert sorted(b for r in reports for b in r["passes"][0]) == [[0, 1], [2, 3]]
 
 
-@runs(lambda: _configs(2, sources=2, samples=12, passes=1, adapter="jax-ahead", timeout=6.0, step_s=3.5),
-      needs="jax", seconds=16)
+@runs(lambda: _configs(2, sources=2, samples=12, passes=1, adapter="jax-ahead", timeout=4.0, step_s=2.5),
+      needs="jax", seconds=14)
 def test_to_jax_ahead_of_slow_steps_is_no_timeout_at_the_pass_end(request):
-    """to_jax's thread reads the end two steps (7 s) before its trainer
+    """to_jax's thread reads the end two steps (5 s) before its trainer
     asks past its last batch: the wait for the other ranks begins only
-    then, so timeout=6.0 is not hit in a group whose ranks are in step.
-    (With timeout=1.0, once with 2.0, and once with 4.0 beside the suite's
-    foreground, a rank's first batch came after it on a busy machine, its
-    ranks having begun the pass that far apart.)"""
+    then, so timeout=4.0 is not hit in a group whose ranks are in step.
+    (With timeout=1.0, and once with 2.0, a rank's first batch came after
+    it on a busy machine, its ranks having begun the pass that far apart.)"""
     pytest.importorskip("jax")
     reports = _reports(request)
     for r in reports:
@@ -933,21 +927,9 @@ def _script(*args: str) -> Callable[[], subprocess.CompletedProcess]:
     JSON files it wrote there come back as the result's .json."""
 
     def run() -> subprocess.CompletedProcess:
-        environ, _ = job_environment()
-        env = {**environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         with tempfile.TemporaryDirectory() as cwd:
-            # Its own session, so that a timeout (or the session's end) ends what it started too.
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                                    start_new_session=True)
-            job_started(proc.pid)
-            try:
-                stdout, stderr = proc.communicate(timeout=300)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.communicate(timeout=30)
-                job_ended(proc.pid)
-            out = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+            out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
             out.json = {p.name: p.read_text() for p in Path(cwd).glob("*.json")}  # type: ignore[attr-defined]
         return out
 

@@ -24,7 +24,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import not_the_backgrounds
 
 import shmpipe
 from shmpipe import _codec, _external, _fdpass, _ring
@@ -65,9 +64,8 @@ def run_script(tmp_path, text, *args, timeout=120, prefix=()):
 
 def shm_names() -> set[str]:
     """shmpipe's names in /dev/shm (other programs' come and go meanwhile:
-    torch's DataLoader workers, a browser), less the suite's background's
-    (a group's ranks with a named ring, conftest.not_the_backgrounds)."""
-    return not_the_backgrounds(named_segments())
+    torch's DataLoader workers, a browser)."""
+    return named_segments()
 
 
 def test_the_trainer_keeps_no_way_into_the_ring_once_its_producers_have_it():
