@@ -15,6 +15,8 @@ that never comes; a child whose data was cut short (its trainer ended, or
 gave up the start, as it wrote) prints its unpickling error. Here such a
 request is dropped, its descriptors closed, and the server serves the next;
 such a child ends with exit code 1 and prints nothing: nobody waits for it.
+And a server whose trainer was killed removes its socket, and the
+trainer's temporary folder it was in, as it ends.
 """
 
 from __future__ import annotations
@@ -82,7 +84,48 @@ def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
     # one it asked died that moment) is born with SIGPIPE blocked; its
     # producers, forked from it, must not be.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGPIPE})
-    forkserver.main(listener_fd, alive_r, [], **data)
+    address = _listener_address(listener_fd)
+    try:
+        forkserver.main(listener_fd, alive_r, [], **data)
+    except SystemExit:
+        # The standard library's loop raises it at the end of its "alive"
+        # pipe, once every process that held the write end has ended: the
+        # trainer, and each producer forked from here. A trainer's
+        # descriptors close after its exit handlers ran, and those remove its
+        # temporary folder, with this socket in it; a trainer killed
+        # (SIGKILL, the OOM killer, a preemption) left both, one pymp-*
+        # folder in /tmp per trainer. Python 3.12 binds the socket where no
+        # file is left.
+        if address is not None:
+            _remove_listener(address)
+        raise
+
+
+def _listener_address(listener_fd: int) -> str | None:
+    """The path the server's socket is bound to; None where it has none
+    (an abstract address) or cannot say."""
+    try:
+        with socket.socket(fileno=os.dup(listener_fd)) as listener:
+            address = listener.getsockname()
+    except OSError:
+        return None
+    return address if isinstance(address, str) and address.startswith("/") else None
+
+
+def _remove_listener(address: str) -> None:
+    """Removes the server's socket file, and its folder where that is
+    multiprocessing's (pymp-*) and now empty (a retired server's socket may
+    still be in it, removed as that server ends, by the last of them)."""
+    try:
+        os.unlink(address)
+    except OSError:
+        return  # gone with its folder: the trainer's exit removed it
+    folder = os.path.dirname(address)
+    if os.path.basename(folder).startswith("pymp-"):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass  # not empty: someone else's socket in it still
 
 
 def _start_pipes(fds: list[int]) -> bool:

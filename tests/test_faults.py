@@ -262,7 +262,9 @@ CONSUMER = textwrap.dedent(
                 it = iter(pipe)
                 first = next(it)
                 if sys.argv[2] != "early":
-                    print(json.dumps({"pids": pipe.pids, "segment": pipe.channel.segment.name}), flush=True)
+                    listener = shmpipe._forkserver._SERVER._forkserver_address  # (None but for forkserver)
+                    print(json.dumps({"pids": pipe.pids, "segment": pipe.channel.segment.name,
+                                      "listener": listener}), flush=True)
                 for b in it:
                     time.sleep(0.01)
         except KeyboardInterrupt:
@@ -348,6 +350,12 @@ def _consumer_killed_with_sigkill(tmp_path, start_method):
         # with them
         assert wait_until(lambda: all(gone(pid) for pid in info["pids"]), 5.0), "producers outlived the consumer"
         assert wait_until(lambda: not os.path.exists(_segments.SHM_DIR + info["segment"]), 5.0)
+        if start_method == "forkserver":
+            # and the fork server, once they are gone, takes its socket and
+            # the trainer's pymp-* folder that it was in with it
+            folder = os.path.dirname(info["listener"])
+            assert os.path.basename(folder).startswith("pymp-")
+            assert wait_until(lambda: not os.path.exists(folder), 10.0), os.listdir(folder)
     finally:
         end_group(proc)
 

@@ -255,7 +255,13 @@ def test_a_consumer_that_holds_every_slot_is_told_so_without_a_timeout(monkeypat
         with pytest.warns(shmpipe.ShmpipeWarning, match=r"holds 3 of the 3 slots \(at most 2") as record:
             with pytest.raises(shmpipe.PipelineTimeoutError):
                 next(it)
-        assert len(record) == 1 and record[0].filename == __file__  # points at the caller
+        # Once, and pointing at the caller. Only the warnings that say this
+        # are counted: pytest.warns records every warning of its block (CI
+        # run 159 recorded 2 here, and printed no second one) and re-emits
+        # the others to the filters when it ends, where any but JAX's advice
+        # at an os.fork() of this process (ignored: pyproject.toml) fails.
+        said = [w for w in record if "slots" in str(w.message)]
+        assert len(said) == 1 and said[0].filename == __file__
         with pytest.raises(shmpipe.PipelineTimeoutError):
             next(it)  # the same pass: said once
         del held

@@ -92,7 +92,7 @@ def test_pin_memory_without_cuda_warns_once_and_works():
     with shmpipe.from_iterators([Counter(4)], timeout=T) as pipe:
         with pytest.warns(shmpipe.ShmpipeWarning, match="no effect") as record:
             batches = pipe.to_torch(pin_memory=True)
-        assert len(record) == 1
+        assert len([w for w in record if "no effect" in str(w.message)]) == 1  # (test_pipeline: why only these)
         assert len(list(batches)) == 4
 
 
