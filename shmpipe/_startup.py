@@ -423,11 +423,21 @@ def _module_of(value: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
+_IMPORT_NAME = dis.opmap["IMPORT_NAME"]
+
+
 def _imports_of(code: types.CodeType, package: str) -> set[str]:
     """What the import statements of `code` itself name: `import a.b` is
     a.b, `from a import b` is a and a.b (b may be a module), a relative
     import is resolved against `package`."""
     names: set[str] = set()
+    if _IMPORT_NAME not in code.co_code[::2]:
+        # No import statement: most methods. (Each instruction's opcode is
+        # at an even offset, its argument and inline caches' at the others
+        # and in the CACHE units, opcode 0.) Disassembling every method of a
+        # dataset's class and its bases was most of a fresh pipeline's
+        # look at its sources.
+        return names
     consts: list[Any] = []  # the constants loaded last: an import's level and names
     imported: str | None = None
     for ins in dis.get_instructions(code):
