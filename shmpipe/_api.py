@@ -15,11 +15,18 @@ from typing import TYPE_CHECKING, Any, overload
 
 from shmpipe._group import check_capacity, check_group, default_capacity
 from shmpipe._nodes import check_nodes, check_sampler_for_nodes, shard_of
-from shmpipe._options import PipelineOptions, Source, check_options, is_int
+from shmpipe._options import PipelineOptions, Source, check_options
 from shmpipe._pipeline import Pipeline
 from shmpipe._schedule import DatasetSchedule
 from shmpipe._sources import DatasetSource, IteratorSource
-from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, ShmpipeWarning, out_of_range, users_stacklevel
+from shmpipe.errors import (
+    ShmpipeTypeError,
+    ShmpipeValueError,
+    ShmpipeWarning,
+    as_int,
+    out_of_range,
+    users_stacklevel,
+)
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import Transport
 
@@ -97,6 +104,11 @@ def from_iterators(
     tuple, list and dict (str keys) whose leaves are NumPy arrays of a
     fixed-size dtype or scalars (int, float, bool, str, bytes, None, NumPy
     scalars).
+
+    An int argument takes a NumPy integer too (anything ``operator.index``
+    takes, as NumPy's own do), never a bool; a number of seconds, a NumPy
+    float. A wrong type is a ShmpipeTypeError, a value out of range a
+    ShmpipeValueError.
 
     Args:
         transport: how batches travel: ``"shm"`` (the shared-memory ring),
@@ -310,6 +322,8 @@ def from_dataset(
     ``state_dict()`` / ``load_state_dict()`` resume by position: nothing
     before it is fetched again, and the number of workers may differ.
 
+    Int arguments take NumPy integers too, as for :func:`from_iterators`.
+
     Args:
         num_workers: producer processes; default: the CPUs this process may
             use less one, at most 8.
@@ -371,13 +385,14 @@ def from_dataset(
     length = len(dataset)
     if num_workers is None:
         num_workers = default_num_workers()
-    if not is_int(num_workers) or num_workers < 1:
+    if (workers := as_int(num_workers)) is None or workers < 1:
         raise out_of_range(
             f"num_workers must be a positive int (producer processes), got {num_workers!r}; shmpipe has no "
             "in-process mode (num_workers=0): iterate the dataset directly for that",
             num_workers,
         )
-    _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
+    num_workers = workers
+    batch_size = _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
     if collate_fn is not None and not callable(collate_fn):
         raise ShmpipeTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
     sources = [DatasetSource(dataset, collate_fn)] * num_workers
@@ -438,9 +453,9 @@ def from_dataset(
 
 def _check_sampling(
     batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: Any
-) -> None:
+) -> int:
     """The DataLoader's rules for its sampling arguments, with its messages'
-    meaning."""
+    meaning; batch_size as a Python int."""
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
         if not isinstance(value, bool):
             raise ShmpipeTypeError(f"{name} must be True or False, got {value!r}")
@@ -450,13 +465,14 @@ def _check_sampling(
                 "batch_sampler gives whole batches: it excludes batch_size, shuffle, sampler and drop_last"
             )
         _check_iterable(batch_sampler, "batch_sampler")
-        return
-    if not is_int(batch_size) or batch_size < 1:
+        return 1
+    if (size := as_int(batch_size)) is None or size < 1:
         raise out_of_range(f"batch_size must be a positive int, got {batch_size!r}", batch_size)
     if sampler is not None:
         if shuffle:
             raise ShmpipeValueError("sampler gives the order: it excludes shuffle=True")
         _check_iterable(sampler, "sampler")
+    return size
 
 
 def _check_iterable(obj: Any, name: str) -> None:

@@ -100,7 +100,7 @@ from typing import TYPE_CHECKING, Any
 from shmpipe._jax_placement import Target, Unplanned, collector, warn_about_copies
 from shmpipe._stream import POLL_S, BatchStream, Pass, TrainerPosition
 from shmpipe._tree import map_leaves, map_leaves_with_paths
-from shmpipe.errors import PipelineClosedError, ShmpipeValueError, out_of_range
+from shmpipe.errors import PipelineClosedError, ShmpipeValueError, as_int, out_of_range
 
 if TYPE_CHECKING:
     import jax
@@ -128,10 +128,11 @@ class JaxBatches:
     ) -> None:
         import jax
 
-        if type(prefetch) is not int or prefetch < 1:
+        if (ahead_by := as_int(prefetch)) is None or ahead_by < 1:
             raise out_of_range(
                 f"to_jax(prefetch={prefetch!r}): prefetch must be an int >= 1 (batches put ahead)", prefetch
             )
+        prefetch = ahead_by
         self.pipe = pipe
         self.prefetch = prefetch
         self.target = Target(jax, sharding, device)

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shmpipe._options import is_int
-from shmpipe.errors import ShmpipeValueError, ShmpipeWarning, out_of_range, users_stacklevel
+from shmpipe.errors import ShmpipeValueError, ShmpipeWarning, as_int, out_of_range, users_stacklevel
 
 __all__ = ["ONE_NODE", "NodeLayout", "check_nodes", "check_sampler_for_nodes", "shard_of"]
 
@@ -119,8 +118,10 @@ def check_nodes(
     that shards the data itself, with a DistributedSampler). The
     environment is read only for what was not given, and to check a
     ``num_nodes`` or ``node_rank`` given against it."""
-    if num_nodes is not None and (not is_int(num_nodes) or num_nodes < 1):
-        raise out_of_range(f"num_nodes must be a positive int, got {num_nodes!r}", num_nodes)
+    if num_nodes is not None:
+        if (nodes := as_int(num_nodes)) is None or nodes < 1:
+            raise out_of_range(f"num_nodes must be a positive int, got {num_nodes!r}", num_nodes)
+        num_nodes = nodes
     layout_given = num_nodes is not None and node_rank is not None
     if num_nodes == 1:
         return _the_only_node(node_rank, ranks_per_node, "num_nodes=1")
@@ -140,8 +141,10 @@ def check_nodes(
         if not sharded:
             _warn_of_ranks_reading_the_same_epoch(ranks_per_node if grouped else None)
         return layout
-    if node_rank is not None and not is_int(node_rank):
-        raise out_of_range(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}", node_rank)
+    if node_rank is not None:
+        if (index := as_int(node_rank)) is None:
+            raise out_of_range(f"node_rank must be an int in [0, {num_nodes}), got {node_rank!r}", node_rank)
+        node_rank = index
     env_rank, env_rank_name = _node_rank_from_environment()
     if node_rank is None:
         if env_rank is None:
@@ -234,7 +237,7 @@ def _warn_of_ranks_reading_the_same_epoch(group_size: int | None) -> None:
 def _the_only_node(node_rank: int | None, ranks_per_node: int, why: str) -> NodeLayout:
     """The layout of one node, where `node_rank` is None or 0 (an int: not
     False, not 0.0)."""
-    if node_rank is not None and not (is_int(node_rank) and node_rank == 0):
+    if node_rank is not None and as_int(node_rank) != 0:
         raise out_of_range(f"node_rank must be 0 with {why}, got {node_rank!r}", node_rank)
     return NodeLayout(1, 0, ranks_per_node)
 

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shmpipe._startup import default_start_method
-from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, out_of_range
+from shmpipe.errors import ShmpipeTypeError, ShmpipeValueError, as_int, is_real, out_of_range
 from shmpipe.registry import resolve_transport
 from shmpipe.transport import ChannelSpec, Transport
 
 if TYPE_CHECKING:
     from shmpipe import _startup
 
-__all__ = ["PipelineOptions", "Source", "check_options", "is_int"]
+__all__ = ["PipelineOptions", "Source", "check_options"]
 
 #: A producer's source: a picklable zero-argument callable returning batches.
 Source = Callable[[], Iterable[Any]]
@@ -106,8 +106,9 @@ def check_options(
         raise ShmpipeTypeError(f"ordered must be True or False, got {ordered!r}")
     if capacity is None:
         capacity = 2 * n + 2 if default_capacity is None else default_capacity(n, bool(ordered))
-    if not is_int(capacity) or capacity < 1:
+    if (count := as_int(capacity)) is None or count < 1:
         raise out_of_range(f"capacity must be a positive int, got {capacity!r}", capacity)
+    capacity = count
     if ordered and capacity < n + 1:
         raise ShmpipeValueError(
             f"ordered=True with {n} workers needs capacity >= {n + 1} (one slot per worker "
@@ -118,19 +119,24 @@ def check_options(
             f"the {resolved.name!r} transport needs capacity >= 2, got {capacity}: its batches are views of its "
             "slots, each held until you let go of it, and a for loop still holds its batch as it takes the next"
         )
-    if timeout is not None and not (is_number(timeout) and timeout > 0):
+    if timeout is not None and not (is_real(timeout) and timeout > 0):
         raise out_of_range(
             f"timeout must be a positive number of seconds or None, got {timeout!r}", timeout, number=True
         )
-    if slot_size is not None and (not is_int(slot_size) or slot_size <= 0):
-        raise out_of_range(f"slot_size must be a positive int (bytes), got {slot_size!r}", slot_size)
+    if slot_size is not None:
+        if (nbytes := as_int(slot_size)) is None or nbytes <= 0:
+            raise out_of_range(f"slot_size must be a positive int (bytes), got {slot_size!r}", slot_size)
+        slot_size = nbytes
     seed_given = seed is not None
     if seed is None:
         seed = secrets.randbits(63)
-    elif not is_int(seed) or not 0 <= seed < 1 << 63:  # (what a state holds, as a JSON-safe int64)
+    elif (given := as_int(seed)) is None or not 0 <= given < 1 << 63:  # (what a state holds, as a JSON-safe int64)
         raise out_of_range(f"seed must be an int in [0, 2**63) or None, got {seed!r}", seed)
-    if not is_int(max_restarts) or max_restarts < 0:
+    else:
+        seed = given
+    if (restarts := as_int(max_restarts)) is None or restarts < 0:
         raise out_of_range(f"max_restarts must be a non-negative int, got {max_restarts!r}", max_restarts)
+    max_restarts = restarts
     if max_restarts and not resolved.capabilities.restarts_producers:
         raise ShmpipeValueError(
             f"the {resolved.name!r} transport cannot replace a producer that dies (max_restarts={max_restarts}); "
@@ -159,14 +165,6 @@ def check_options(
     )
     resolved.check_spec(options.channel_spec())  # what only the transport knows it cannot do
     return options
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_sources(sources: Any) -> list[Source]:

@@ -35,7 +35,14 @@ import numpy as np
 from shmpipe._codec import aligned_empty
 from shmpipe._stream import BatchStream, Pass, TrainerPosition
 from shmpipe._tree import all_strings, leaves_with_paths, map_leaves_with_paths
-from shmpipe.errors import BatchTypeError, PipelineClosedError, ShmpipeValueError, ShmpipeWarning, out_of_range
+from shmpipe.errors import (
+    BatchTypeError,
+    PipelineClosedError,
+    ShmpipeValueError,
+    ShmpipeWarning,
+    as_int,
+    out_of_range,
+)
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -468,8 +475,9 @@ def to_tf_dataset(
         _Feeder(owner, output_signature, inferred=peeked is not None), output_signature=output_signature
     )
     if batches_per_pass is not None:
-        if type(batches_per_pass) is not int or batches_per_pass < 1:
+        if (count := as_int(batches_per_pass)) is None or count < 1:
             raise out_of_range(f"batches_per_pass must be a positive int, got {batches_per_pass!r}", batches_per_pass)
+        batches_per_pass = count
         # A known length: Keras then knows an epoch's steps (and does not warn
         # "Your input ran out of data" at the end of each one).
         ds = ds.apply(tf.data.experimental.assert_cardinality(batches_per_pass))

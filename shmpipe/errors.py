@@ -29,6 +29,8 @@ work as they would anywhere else::
 from __future__ import annotations
 
 import errno as _errno
+import numbers as _numbers
+import operator as _operator
 import signal as _signal
 import sys as _sys
 import warnings
@@ -71,14 +73,33 @@ class ShmpipeValueError(ShmpipeError, ValueError):
     """An argument with a value shmpipe cannot use."""
 
 
+def as_int(value: object) -> int | None:
+    """An integer argument as a Python int: an int, a NumPy integer, anything
+    ``operator.index`` takes, as NumPy's own arguments do (``np.int64(32)``
+    for batch_size); None where `value` is not one, or is a bool (True is
+    no count of anything). What an argument holds is that int, never the
+    value given (a NumPy scalar in a state, a pickle, a JSON file)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return _operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def is_real(value: object) -> bool:
+    """Whether an argument is a real number: an int or a float, NumPy's
+    too, never a bool."""
+    return isinstance(value, _numbers.Real) and not isinstance(value, bool)
+
+
 def out_of_range(message: str, value: object, *, number: bool = False) -> ShmpipeError:
     """The error for an argument that `message` says must be an int (with
     `number`: a real number) in some range: a ShmpipeTypeError where `value`
     is not one at all (a str, a float for an int, a bool), as Python and
     NumPy answer a wrong type; a ShmpipeValueError where it is one, out of
     range."""
-    kinds = (int, float) if number else (int,)
-    right_type = isinstance(value, kinds) and not isinstance(value, bool)
+    right_type = is_real(value) if number else as_int(value) is not None
     return ShmpipeValueError(message) if right_type else ShmpipeTypeError(message)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import RegisteredJobs
 
@@ -1000,6 +1001,11 @@ def test_arguments_are_checked_before_anything_starts(monkeypatch):
     options, group = _check(group="g")
     assert (group.rank, group.num_ranks) == (1, 3)
     assert options.capacity >= group_capacity(2, 3, False)
+    # NumPy integers are ints (held as Python's); a NumPy bool is not one
+    _, group = _check(group="g", rank=np.int64(1), num_ranks=np.uint8(2))
+    assert (type(group.rank), type(group.num_ranks)) == (int, int) and (group.rank, group.num_ranks) == (1, 2)
+    with pytest.raises(shmpipe.ShmpipeTypeError, match="num_ranks must be"):
+        _check(group="g", rank=0, num_ranks=np.True_)
 
 
 def test_capabilities_say_which_transports_serve_ranks():

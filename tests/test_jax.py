@@ -265,14 +265,23 @@ def test_a_leaf_jax_cannot_hold_is_a_type_error_with_its_path(bad, says):
         assert isinstance(info.value, TypeError)
 
 
-@pytest.mark.parametrize("prefetch", [0, -1, 1.5, True, "2"])
+@pytest.mark.parametrize("prefetch", [0, -1, np.int64(0), 1.5, np.float64(2.0), True, np.True_, "2"])
 def test_a_prefetch_below_one_is_refused(prefetch):
-    # An int below one is a value error; anything else, a type error (both ShmpipeErrors).
-    error = shmpipe.ShmpipeValueError if type(prefetch) is int else shmpipe.ShmpipeTypeError
+    # An int below one (a NumPy one too) is a value error; anything else, a
+    # type error (both ShmpipeErrors).
+    is_an_int = isinstance(prefetch, (int, np.integer)) and not isinstance(prefetch, bool)
+    error = shmpipe.ShmpipeValueError if is_an_int else shmpipe.ShmpipeTypeError
     with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
         with pytest.raises(error, match=r"to_jax\(prefetch=.*must be an int >= 1"):
             pipe.to_jax(prefetch=prefetch)
         assert [b["seq"] for b in pipe] == [0, 1, 2]  # nothing was lost
+
+
+def test_a_numpy_integer_is_a_prefetch_as_an_int_is():
+    with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
+        batches = pipe.to_jax(prefetch=np.int64(2))
+        assert type(batches.prefetch) is int and batches.prefetch == 2  # held as Python's int
+        assert [int(b["seq"]) for b in batches] == [0, 1, 2]
 
 
 def test_a_device_or_sharding_jax_cannot_use_is_refused_before_any_batch_is_taken():

@@ -24,6 +24,7 @@ import uuid
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import concurrently
 
@@ -299,6 +300,13 @@ def test_an_epoch_of_fewer_batches_than_ranks_is_said_to_go_to_no_rank():
                                   **arguments(batch_size=2)) as pipe:
             with pytest.warns(shmpipe.ShmpipeWarning, match=rf"an epoch of 2 batches goes to no rank: .*\({nodes} nodes"):
                 assert list(pipe) == []
+
+
+def test_numpy_integers_are_a_layout_as_ints_are(monkeypatch):
+    _launched_with(monkeypatch, {})
+    layout = check_nodes(np.int64(2), np.uint8(1), 1, False)
+    assert layout == NodeLayout(2, 1, 1) and (type(layout.num_nodes), type(layout.node_rank)) == (int, int)
+    assert check_nodes(np.int64(1), np.int64(0), 1, False, sharded=True) == NodeLayout(1, 0, 1)
 
 
 @pytest.mark.parametrize(

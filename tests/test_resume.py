@@ -436,6 +436,26 @@ def test_from_datasets_arguments_follow_the_dataloaders_rules():
             shmpipe.from_dataset(ds, **kwargs)
 
 
+def test_numpy_integers_are_taken_as_ints():
+    # NumPy's convention (operator.index): np.int64(4) is a batch size, held
+    # as Python's int (what a state and its pickle hold); a NumPy bool or
+    # float is not an int, a NumPy int out of range is a ValueError.
+    kwargs = dict(batch_size=4, num_workers=2, seed=7, capacity=6, max_restarts=1, timeout=T)
+    numpy_kwargs = dict(batch_size=np.int64(4), num_workers=np.int32(2), seed=np.uint32(7), capacity=np.int16(6),
+                        max_restarts=np.int8(1), timeout=np.float32(T))
+    with shmpipe.from_dataset(Numbered(N), **kwargs) as pipe:
+        want = [b["i"].tolist() for b in pipe]
+    with shmpipe.from_dataset(Numbered(N), **numpy_kwargs) as pipe:
+        assert [b["i"].tolist() for b in pipe] == want
+        assert all(type(v) is int for v in (pipe.seed, pipe.capacity, pipe.num_workers))
+    for name, value, error in [("batch_size", np.int64(0), shmpipe.ShmpipeValueError),
+                               ("num_workers", np.True_, shmpipe.ShmpipeTypeError),
+                               ("capacity", np.float64(6.0), shmpipe.ShmpipeTypeError),
+                               ("seed", np.int64(-1), shmpipe.ShmpipeValueError)]:
+        with pytest.raises(error, match=f"{name} must be"):
+            shmpipe.from_dataset(Numbered(N), **kwargs | {name: value})
+
+
 def test_a_sampler_index_outside_the_dataset_is_an_error():
     with shmpipe.from_dataset(Numbered(N), sampler=[0, N], num_workers=1, timeout=T) as pipe:
         with pytest.raises(shmpipe.ShmpipeValueError, match=f"index {N}"):

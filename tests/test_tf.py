@@ -549,7 +549,7 @@ def test_model_fit_on_a_shmpipe_dataset():
 
     # LinearXY lives in a module without TensorFlow, so producers stay light
     with shmpipe.from_iterators([LinearXY(10)] * 2, timeout=T) as pipe:
-        ds = pipe.to_tf_dataset(batches_per_pass=20).prefetch(2)
+        ds = pipe.to_tf_dataset(batches_per_pass=np.int64(20)).prefetch(2)  # (a NumPy int is one)
         assert ds.cardinality().numpy() == 20
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")

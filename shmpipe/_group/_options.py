@@ -13,8 +13,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shmpipe._options import PipelineOptions, is_int, is_number
-from shmpipe.errors import ShmpipeValueError, out_of_range
+from shmpipe._options import PipelineOptions
+from shmpipe.errors import ShmpipeValueError, as_int, is_real, out_of_range
 from shmpipe.transport import ChannelSpec, ServesRanks, Transport
 
 __all__ = ["GroupOptions", "Launch", "check_capacity", "check_group", "default_capacity", "group_capacity"]
@@ -175,11 +175,12 @@ def check_group(
             "group= needs rank= and num_ranks=, or LOCAL_RANK and LOCAL_WORLD_SIZE in the "
             "environment (torchrun sets them)"
         )
-    if not is_int(num_ranks) or num_ranks < 1:
+    if (ranks := as_int(num_ranks)) is None or ranks < 1:
         raise out_of_range(f"num_ranks must be a positive int, got {num_ranks!r}", num_ranks)
-    if not is_int(rank) or not 0 <= rank < num_ranks:
-        raise out_of_range(f"rank must be an int in [0, {num_ranks}), got {rank!r}", rank)
-    if not (is_number(group_timeout) and group_timeout > 0):
+    if (index := as_int(rank)) is None or not 0 <= index < ranks:
+        raise out_of_range(f"rank must be an int in [0, {ranks}), got {rank!r}", rank)
+    rank, num_ranks = index, ranks
+    if not (is_real(group_timeout) and group_timeout > 0):
         raise out_of_range(
             f"group_timeout must be a positive number of seconds, got {group_timeout!r}", group_timeout, number=True
         )
