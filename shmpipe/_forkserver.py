@@ -101,7 +101,7 @@ for name in %r:
 if quiet:
     del os.environ["OPENBLAS_THREAD_TIMEOUT"]
 from shmpipe._forkserver_loop import serve
-serve(%d, %d, %r)
+serve(%d, %d, %r, %r)
 """
 
 
@@ -136,6 +136,7 @@ class _ForkServer(forkserver.ForkServer):
                 self._forget()
             data = {k: v for k, v in spawn.get_preparation_data("ignore").items() if k in ("main_path", "sys_path")}
             with socket.socket(socket.AF_UNIX) as listener:
+                folder_is_ours = _temp_dir_made_here()
                 address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
                 listener.bind(address)
                 if not util.is_abstract_socket_namespace(address):
@@ -152,6 +153,7 @@ class _ForkServer(forkserver.ForkServer):
                         listener.fileno(),
                         alive_r,
                         data,
+                        folder_is_ours,
                     )
                     exe = spawn.get_executable()
                     args = [exe, *util._args_from_interpreter_flags(), "-c", line]  # type: ignore[attr-defined]
@@ -197,6 +199,27 @@ class _ForkServer(forkserver.ForkServer):
         self._forkserver_address = None
         self._forkserver_alive_fd = None  # type: ignore[assignment]
         self._forkserver_pid = None  # type: ignore[assignment]
+
+
+#: (this process's pid, the name of multiprocessing's temporary folder that
+#: _temp_dir_made_here saw this process make), or None
+_TEMP_DIR_MADE: tuple[int, str] | None = None
+
+
+def _temp_dir_made_here() -> bool:
+    """Makes multiprocessing's temporary folder (pymp-*) where this process
+    has none yet, and says whether this process made the one it has: a
+    server whose trainer was killed removes it (_forkserver_loop), which
+    only its maker may. A forked process inherits its parent's by name
+    (multiprocessing's config), and one made before shmpipe looked (by a
+    Manager, a Listener) is not known to be this process's: those are left
+    to their makers."""
+    global _TEMP_DIR_MADE
+    had = multiprocessing.process.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+    folder = util.get_temp_dir()
+    if had is None:
+        _TEMP_DIR_MADE = (os.getpid(), folder)
+    return _TEMP_DIR_MADE == (os.getpid(), folder)
 
 
 def _temp_dir_back() -> None:

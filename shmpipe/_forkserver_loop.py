@@ -21,6 +21,7 @@ trainer's temporary folder it was in, as it ends.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -42,9 +43,12 @@ __all__ = ["REQUEST_WAIT_S", "serve"]
 REQUEST_WAIT_S = 5.0
 
 
-def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
+def serve(listener_fd: int, alive_r: int, data: dict[str, Any], folder_is_the_trainers: bool = False) -> None:
     """Runs the fork server's loop (its command line calls this once it has
-    imported its preload; the module's docstring says what changes). Two
+    imported its preload; the module's docstring says what changes);
+    `folder_is_the_trainers`: the folder of the server's socket is one the
+    trainer made (_forkserver._temp_dir_made_here), which the server may
+    remove after a trainer killed. Two
     functions the standard library's loop calls are replaced to that end,
     in this process only: a child gets the standard library's back as it
     starts. (Python 3.12 and later run the standard library's own command
@@ -94,10 +98,10 @@ def serve(listener_fd: int, alive_r: int, data: dict[str, Any]) -> None:
         # descriptors close after its exit handlers ran, and those remove its
         # temporary folder, with this socket in it; a trainer killed
         # (SIGKILL, the OOM killer, a preemption) left both, one pymp-*
-        # folder in /tmp per trainer. Python 3.12 binds the socket where no
-        # file is left.
+        # folder in /tmp per trainer. (Python 3.12 and later run the
+        # standard library's loop, which leaves them as it is.)
         if address is not None:
-            _remove_listener(address)
+            _remove_listener(address, folder_is_the_trainers)
         raise
 
 
@@ -112,20 +116,16 @@ def _listener_address(listener_fd: int) -> str | None:
     return address if isinstance(address, str) and address.startswith("/") else None
 
 
-def _remove_listener(address: str) -> None:
-    """Removes the server's socket file, and its folder where that is
-    multiprocessing's (pymp-*) and now empty (a retired server's socket may
-    still be in it, removed as that server ends, by the last of them)."""
-    try:
-        os.unlink(address)
-    except OSError:
-        return  # gone with its folder: the trainer's exit removed it
+def _remove_listener(address: str, with_folder: bool) -> None:
+    """Removes the server's socket file; `with_folder`: and its folder, the
+    trainer's pymp-*, where now empty (a retired server's socket may still
+    be in it: the last of them to end removes it)."""
+    with contextlib.suppress(OSError):
+        os.unlink(address)  # (gone with its folder where the trainer's exit removed it)
     folder = os.path.dirname(address)
-    if os.path.basename(folder).startswith("pymp-"):
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass  # not empty: someone else's socket in it still
+    if with_folder and os.path.basename(folder).startswith("pymp-"):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # not empty: another server's socket in it still
 
 
 def _start_pipes(fds: list[int]) -> bool:

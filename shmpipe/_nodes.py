@@ -284,7 +284,7 @@ def shard_of(sampler: object, batch_sampler: object) -> tuple[str, object, int] 
     for name, chosen in (("sampler", sampler), ("batch_sampler", batch_sampler)):
         inner = getattr(chosen, "sampler", None) if name == "batch_sampler" else None
         for candidate in (chosen, inner):
-            replicas: object = getattr(candidate, "num_replicas", None)
-            if isinstance(replicas, int) and replicas > 1:
+            replicas = as_int(getattr(candidate, "num_replicas", None))  # (a NumPy int too)
+            if replicas is not None and replicas > 1:
                 return name, candidate, replicas
     return None

@@ -437,8 +437,14 @@ def to_tf_dataset(
 ) -> tf.data.Dataset:
     import tensorflow as tf
 
+    # The arguments first: a pass started to peek at batches moves the
+    # stream's position.
     if device is not None:
-        _check_device(tf, device)  # before a pass is started to peek at batches
+        _check_device(tf, device)
+    if batches_per_pass is not None:
+        if (count := as_int(batches_per_pass)) is None or count < 1:
+            raise out_of_range(f"batches_per_pass must be a positive int, got {batches_per_pass!r}", batches_per_pass)
+        batches_per_pass = count
     tensorflow_aliases()  # warns once if this TensorFlow stopped aliasing
     peeked = None
     if output_signature is None:
@@ -475,9 +481,6 @@ def to_tf_dataset(
         _Feeder(owner, output_signature, inferred=peeked is not None), output_signature=output_signature
     )
     if batches_per_pass is not None:
-        if (count := as_int(batches_per_pass)) is None or count < 1:
-            raise out_of_range(f"batches_per_pass must be a positive int, got {batches_per_pass!r}", batches_per_pass)
-        batches_per_pass = count
         # A known length: Keras then knows an epoch's steps (and does not warn
         # "Your input ran out of data" at the end of each one).
         ds = ds.apply(tf.data.experimental.assert_cardinality(batches_per_pass))

@@ -74,17 +74,16 @@ class ShmpipeValueError(ShmpipeError, ValueError):
 
 
 def as_int(value: object) -> int | None:
-    """An integer argument as a Python int: an int, a NumPy integer, anything
-    ``operator.index`` takes, as NumPy's own arguments do (``np.int64(32)``
+    """An integer argument as a Python int: an int, a NumPy integer (any
+    ``numbers.Integral``), as NumPy's own arguments take them (``np.int64(32)``
     for batch_size); None where `value` is not one, or is a bool (True is
     no count of anything). What an argument holds is that int, never the
     value given (a NumPy scalar in a state, a pickle, a JSON file)."""
-    if isinstance(value, bool):
+    # (Integral first: NumPy 1.26's bool answers operator.index, with a
+    # DeprecationWarning; it is no Integral, in any NumPy)
+    if isinstance(value, bool) or not isinstance(value, _numbers.Integral):
         return None
-    try:
-        return _operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
+    return _operator.index(value)
 
 
 def is_real(value: object) -> bool:

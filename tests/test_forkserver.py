@@ -794,6 +794,55 @@ def test_a_producer_that_ended_while_the_server_is_stopped_is_found_by_its_pidfd
     assert "its replacement did not start" in message, out
 
 
+#: A trainer forked from a process that had made multiprocessing's folder
+#: (as a Manager or a Listener makes it) inherits it by name, and its fork
+#: server's socket goes there: once the trainer and its server have ended,
+#: the folder is still its maker's.
+INHERITED_FOLDER_SCRIPT = """
+import json, os, sys, time
+from multiprocessing import util
+
+folder = util.get_temp_dir()
+pid = os.fork()
+if pid == 0:
+    import shmpipe
+    from shmpipe import _forkserver
+    from shmpipe.testing.sources import Counter
+
+    with shmpipe.from_iterators([Counter(2)], start_method="forkserver", timeout=TIMEOUT) as pipe:
+        count = len(list(pipe))
+    with open(sys.argv[1], "w") as f:
+        json.dump({"count": count, "server": _forkserver.server_pid(),
+                   "address": _forkserver._SERVER._forkserver_address}, f)
+    sys.exit(0)
+os.waitpid(pid, 0)
+with open(sys.argv[1]) as f:
+    child = json.load(f)
+deadline = time.monotonic() + TIMEOUT
+while os.path.exists(f"/proc/{child['server']}") and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(json.dumps({**child, "folder": folder, "server_ended": not os.path.exists(f"/proc/{child['server']}"),
+                  "folder_kept": os.path.isdir(folder), "socket_left": os.path.exists(child["address"])}))
+""".replace("TIMEOUT", str(T))
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12 and later run the standard library's loop")
+def test_a_server_of_a_forked_trainer_leaves_the_folder_it_inherited(tmp_path):
+    import json
+
+    script = tmp_path / "inherited.py"
+    script.write_text(INHERITED_FOLDER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "child.json")], capture_output=True,
+                          text=True, timeout=2 * T, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["count"] == 2 and out["server_ended"], out
+    assert os.path.dirname(out["address"]) == out["folder"], out  # the server's socket went in the inherited folder
+    assert out["folder_kept"] and not out["socket_left"], out  # its own socket removed, the folder left to its maker
+    assert "Traceback" not in proc.stderr, proc.stderr  # the maker's exit removed the folder as ever
+
+
 def test_a_program_whose_fork_server_stays_stopped_still_exits(tmp_path):
     # The interpreter's exit joins each of multiprocessing's children without
     # a limit (multiprocessing.util._exit_function): a producer whose exit

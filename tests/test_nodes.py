@@ -472,6 +472,11 @@ def test_a_sampler_that_shards_the_job_already_is_refused_on_several_nodes(epoch
         with pytest.raises(shmpipe.ShmpipeValueError, match=r"shard of the job already \(DistributedSampler with "
                            r"num_replicas=2\).*num_nodes=1 to keep your own sharding"):
             shmpipe.from_dataset(Numbered(N), num_nodes=2, node_rank=1, num_workers=1, seed=SEED, **kw)
+    sharded.num_replicas = np.int64(2)  # (a sampler of a user's may count its replicas in NumPy)
+    with pytest.raises(shmpipe.ShmpipeValueError, match=r"shard of the job already"):
+        shmpipe.from_dataset(Numbered(N), num_nodes=2, node_rank=1, num_workers=1, seed=SEED, sampler=sharded,
+                             batch_size=BATCH)
+    sharded.num_replicas = 2
     # One node: the sampler's own shard, as a DataLoader would read it.
     with shmpipe.from_dataset(Numbered(N), num_nodes=1, sampler=sharded, batch_size=BATCH, num_workers=1) as pipe:
         assert sorted(i for b in pipe for i in b["i"].tolist()) == list(range(0, N + 1, 2))[: (N + 1) // 2]

@@ -558,3 +558,17 @@ def test_model_fit_on_a_shmpipe_dataset():
         assert history.history["loss"][-1] < history.history["loss"][0]
         stats = pipe.stats()
     assert stats.passes == 3 and stats.batches == 60
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    (dict(batches_per_pass=0), shmpipe.ShmpipeValueError),
+    (dict(batches_per_pass=2.0), shmpipe.ShmpipeTypeError),
+])
+def test_a_bad_argument_is_refused_before_a_batch_is_peeked_at(kwargs, error):
+    # (batches_per_pass was checked after the first batches were taken to
+    # infer the signature: the error came with the stream's position moved)
+    with shmpipe.from_iterators([Counter(3)], timeout=T) as pipe:
+        with pytest.raises(error, match=f"{next(iter(kwargs))} must be a positive int"):
+            pipe.to_tf_dataset(**kwargs)
+        assert pipe.stats().passes == 0  # no pass begun, no batch taken to peek at
+        assert [b["seq"] for b in pipe] == [0, 1, 2]
