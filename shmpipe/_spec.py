@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from shmpipe._tree import map_leaves
+from shmpipe.errors import as_int
 
 __all__ = ["ArraySpec", "new_arrays"]
 
@@ -24,15 +25,19 @@ class ArraySpec:
     dtype: np.dtype
 
     def __init__(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> None:
-        if isinstance(shape, (int, np.integer)):
-            shape = (int(shape),)
+        # As NumPy's own shapes: ints (NumPy's too), never a bool or a float
+        # (int() took 2.7 for 2, and True for 1).
+        given: Any = shape
         try:
-            shape = tuple(int(d) for d in shape)
-        except TypeError:
-            raise TypeError(f"ArraySpec shape must be an int or a tuple of ints, got {shape!r}") from None
-        if any(d < 0 for d in shape):
-            raise ValueError(f"ArraySpec shape must not be negative, got {shape}")
-        object.__setattr__(self, "shape", shape)
+            dims = [as_int(d) for d in ([given] if as_int(given) is not None else given)]
+        except TypeError:  # no int, and not iterable
+            dims = [None]
+        ints = tuple(d for d in dims if d is not None)
+        if len(ints) != len(dims):
+            raise TypeError(f"ArraySpec shape must be an int or a tuple of ints, got {shape!r}")
+        if any(d < 0 for d in ints):
+            raise ValueError(f"ArraySpec shape must not be negative, got {ints}")
+        object.__setattr__(self, "shape", ints)
         object.__setattr__(self, "dtype", np.dtype(dtype))
 
     @property

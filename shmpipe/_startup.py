@@ -441,6 +441,8 @@ def _imports_of(code: types.CodeType, package: str) -> set[str]:
     consts: list[Any] = []  # the constants loaded last: an import's level and names
     imported: str | None = None
     for ins in dis.get_instructions(code):
+        if ins.opname == "EXTENDED_ARG":
+            continue  # the next instruction's argument's high bits (a code of 256 names or more)
         if ins.opname == "IMPORT_NAME":
             level = consts[-2] if len(consts) >= 2 and isinstance(consts[-2], int) else 0
             try:

@@ -129,6 +129,19 @@ def test_reserve_template_outside_a_producer_gives_plain_arrays():
     assert out["k"] == 1
 
 
+def test_an_array_spec_takes_the_shapes_numpy_takes():
+    assert shmpipe.ArraySpec(np.int64(5)).shape == (5,) and shmpipe.ArraySpec((np.uint8(2), 3)).shape == (2, 3)
+    assert all(type(d) is int for d in shmpipe.ArraySpec((np.int32(2), 3)).shape)
+    for bad in [(2.7,), 2.0, True, (True, 2), "3", None]:  # int() took 2.7 for 2 and True for 1
+        with pytest.raises(TypeError, match="shape must be an int or a tuple of ints"):
+            shmpipe.ArraySpec(bad)
+        if not isinstance(bad, bool) and bad != (True, 2):  # (NumPy before 2 took a bool, with a warning)
+            with pytest.raises(TypeError):
+                np.empty(bad)  # as NumPy answers them
+    with pytest.raises(ValueError, match="must not be negative"):
+        shmpipe.ArraySpec((2, -1))
+
+
 @pytest.mark.parametrize(
     "corrupt",
     [

@@ -976,3 +976,17 @@ def test_a_generator_of_the_script_that_uses_shmpipe_brings_no_pipeline_module_t
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["preload"] == []
     assert got["got"] == [[0, [False] * 6], [1, [False] * 6]]
+
+
+def test_the_imports_of_a_function_with_hundreds_of_names_are_read_as_written():
+    # Past 255 names an import's name takes an EXTENDED_ARG, which cut the
+    # constants that say the import's level: `from .x import y` was read as
+    # the top-level module x (helper 100).
+    from shmpipe._startup import _imports_of
+
+    names = " + ".join(f"g{i}" for i in range(300))
+    namespace: dict = {}
+    exec(compile(f"def f():\n    x = {names}\n    from .x import y\n    import os.path\n", "<made>", "exec"), namespace)
+    assert _imports_of(namespace["f"].__code__, "pkg") == {"pkg.x", "pkg.x.y", "os.path"}
+    exec(compile("def f():\n    from .x import y\n", "<made>", "exec"), namespace)  # as short functions are
+    assert _imports_of(namespace["f"].__code__, "pkg") == {"pkg.x", "pkg.x.y"}
