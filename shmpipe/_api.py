@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from shmpipe._group import check_capacity, check_group, default_capacity
 from shmpipe._nodes import check_nodes, check_sampler_for_nodes, shard_of
-from shmpipe._options import PipelineOptions, Source, check_options
+from shmpipe._options import PipelineOptions, Source, as_bool, check_options
 from shmpipe._pipeline import Pipeline
 from shmpipe._schedule import DatasetSchedule
 from shmpipe._sources import DatasetSource, IteratorSource
@@ -105,9 +105,9 @@ def from_iterators(
     fixed-size dtype or scalars (int, float, bool, str, bytes, None, NumPy
     scalars).
 
-    An int argument takes a NumPy integer too (anything ``operator.index``
-    takes, as NumPy's own do), never a bool; a number of seconds, a NumPy
-    float. A wrong type is a ShmpipeTypeError, a value out of range a
+    An int argument takes a NumPy integer too (as NumPy's own do), never a
+    bool; a number of seconds, a NumPy float; True or False, a NumPy bool.
+    A wrong type is a ShmpipeTypeError, a value out of range a
     ShmpipeValueError.
 
     Args:
@@ -322,7 +322,8 @@ def from_dataset(
     ``state_dict()`` / ``load_state_dict()`` resume by position: nothing
     before it is fetched again, and the number of workers may differ.
 
-    Int arguments take NumPy integers too, as for :func:`from_iterators`.
+    Int and True-or-False arguments take NumPy's too, as for
+    :func:`from_iterators`.
 
     Args:
         num_workers: producer processes; default: the CPUs this process may
@@ -392,7 +393,7 @@ def from_dataset(
             num_workers,
         )
     num_workers = workers
-    batch_size = _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
+    batch_size, shuffle, drop_last = _check_sampling(batch_size, shuffle, sampler, batch_sampler, drop_last)
     if collate_fn is not None and not callable(collate_fn):
         raise ShmpipeTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
     sources = [DatasetSource(dataset, collate_fn)] * num_workers
@@ -444,8 +445,9 @@ def from_dataset(
         ordered=options.ordered,
         default_collate=collate_fn is None,
     )
-    if not isinstance(fetch_while_starting, bool):
+    if (fetch := as_bool(fetch_while_starting)) is None:
         raise ShmpipeTypeError(f"fetch_while_starting must be True or False, got {fetch_while_starting!r}")
+    fetch_while_starting = fetch
     if grouped is not None:
         return _rank_pipeline()(options, grouped, schedule)
     return Pipeline(options, schedule, fetch_while_starting=fetch_while_starting)
@@ -453,26 +455,29 @@ def from_dataset(
 
 def _check_sampling(
     batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any, drop_last: Any
-) -> int:
+) -> tuple[int, bool, bool]:
     """The DataLoader's rules for its sampling arguments, with its messages'
-    meaning; batch_size as a Python int."""
+    meaning; batch_size, shuffle and drop_last as Python's int and bools."""
+    flags = []
     for name, value in (("shuffle", shuffle), ("drop_last", drop_last)):
-        if not isinstance(value, bool):
+        if (flag := as_bool(value)) is None:
             raise ShmpipeTypeError(f"{name} must be True or False, got {value!r}")
+        flags.append(flag)
+    shuffle, drop_last = flags
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
             raise ShmpipeValueError(
                 "batch_sampler gives whole batches: it excludes batch_size, shuffle, sampler and drop_last"
             )
         _check_iterable(batch_sampler, "batch_sampler")
-        return 1
+        return 1, shuffle, drop_last
     if (size := as_int(batch_size)) is None or size < 1:
         raise out_of_range(f"batch_size must be a positive int, got {batch_size!r}", batch_size)
     if sampler is not None:
         if shuffle:
             raise ShmpipeValueError("sampler gives the order: it excludes shuffle=True")
         _check_iterable(sampler, "sampler")
-    return size
+    return size, shuffle, drop_last
 
 
 def _check_iterable(obj: Any, name: str) -> None:

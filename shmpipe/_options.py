@@ -102,8 +102,9 @@ def check_options(
         runs = [made[id(s)] for s in checked]
     n = len(checked)
     resolved = resolve_transport(transport)
-    if not isinstance(ordered, (bool, np.bool_)):
+    if (flag := as_bool(ordered)) is None:
         raise ShmpipeTypeError(f"ordered must be True or False, got {ordered!r}")
+    ordered = flag
     if capacity is None:
         capacity = 2 * n + 2 if default_capacity is None else default_capacity(n, bool(ordered))
     if (count := as_int(capacity)) is None or count < 1:
@@ -165,6 +166,12 @@ def check_options(
     )
     resolved.check_spec(options.channel_spec())  # what only the transport knows it cannot do
     return options
+
+
+def as_bool(value: object) -> bool | None:
+    """A True-or-False argument as Python's bool: a bool, or NumPy's (as
+    NumPy takes them); None where `value` is anything else (1, "yes")."""
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
 
 
 def _check_sources(sources: Any) -> list[Source]:

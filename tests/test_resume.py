@@ -440,17 +440,22 @@ def test_numpy_integers_are_taken_as_ints():
     # NumPy's convention (operator.index): np.int64(4) is a batch size, held
     # as Python's int (what a state and its pickle hold); a NumPy bool or
     # float is not an int, a NumPy int out of range is a ValueError.
-    kwargs = dict(batch_size=4, num_workers=2, seed=7, capacity=6, max_restarts=1, timeout=T)
+    kwargs = dict(batch_size=4, num_workers=2, seed=7, capacity=6, max_restarts=1, timeout=T, shuffle=True,
+                  drop_last=True, fetch_while_starting=False)
     numpy_kwargs = dict(batch_size=np.int64(4), num_workers=np.int32(2), seed=np.uint32(7), capacity=np.int16(6),
-                        max_restarts=np.int8(1), timeout=np.float32(T))
+                        max_restarts=np.int8(1), timeout=np.float32(T), shuffle=np.True_, drop_last=np.True_,
+                        fetch_while_starting=np.False_)  # (True or False: NumPy's bools too)
     with shmpipe.from_dataset(Numbered(N), **kwargs) as pipe:
         want = [b["i"].tolist() for b in pipe]
+        state = pipe.state_dict()
     with shmpipe.from_dataset(Numbered(N), **numpy_kwargs) as pipe:
         assert [b["i"].tolist() for b in pipe] == want
         assert all(type(v) is int for v in (pipe.seed, pipe.capacity, pipe.num_workers))
+        assert json.dumps(pipe.state_dict()) == json.dumps(state)  # the same state, of Python's types
     for name, value, error in [("batch_size", np.int64(0), shmpipe.ShmpipeValueError),
                                ("num_workers", np.True_, shmpipe.ShmpipeTypeError),
                                ("capacity", np.float64(6.0), shmpipe.ShmpipeTypeError),
+                               ("shuffle", np.int64(1), shmpipe.ShmpipeTypeError),
                                ("seed", np.int64(-1), shmpipe.ShmpipeValueError)]:
         with pytest.raises(error, match=f"{name} must be"):
             shmpipe.from_dataset(Numbered(N), **kwargs | {name: value})
