@@ -192,10 +192,16 @@ class _ForkServer(forkserver.ForkServer):
 
     def _forget(self) -> None:
         """Lets go of a server whose process ended (under self._lock): the
-        next ensure_running starts a new one."""
+        next ensure_running starts a new one. Its socket goes too: nothing
+        listens there, and a server killed left it in the trainer's folder,
+        which then outlived a trainer killed later (helper 101)."""
         alive = self._forkserver_alive_fd
         if alive is not None:
             os.close(alive)
+        address = self._forkserver_address
+        if isinstance(address, str) and address.startswith("/"):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
         self._forkserver_address = None
         self._forkserver_alive_fd = None  # type: ignore[assignment]
         self._forkserver_pid = None  # type: ignore[assignment]
@@ -254,6 +260,31 @@ _RETIRED: list[_ForkServer] = []
 #: Guards the choice and the swap of _SERVER: pipelines may be made from
 #: several threads at once.
 _SERVER_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A process forked (os.fork) from one with fork servers does not own
+    them: its first start asked the kernel about a server that is not its
+    child (ChildProcessError), and every pipeline with the forkserver start
+    method failed to start there. The child starts its own server at its
+    first start, with the same preload; the "alive" ends of its parent's
+    servers that it inherited are closed (holding them, it kept those
+    servers from ending with the parent). The lock is new: another thread
+    of the parent may have held it as it forked."""
+    global _SERVER, _SERVER_LOCK
+    for server in (_SERVER, *_RETIRED):
+        alive = server._forkserver_alive_fd
+        if alive is not None:
+            with contextlib.suppress(OSError):
+                os.close(alive)
+    preload = _SERVER._preload_modules  # type: ignore[attr-defined]
+    _SERVER = _ForkServer()
+    _SERVER.set_forkserver_preload(preload)
+    _RETIRED.clear()
+    _SERVER_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def launch_server() -> None:

@@ -826,6 +826,70 @@ print(json.dumps({**child, "folder": folder, "server_ended": not os.path.exists(
 """.replace("TIMEOUT", str(T))
 
 
+#: A process forked from a trainer with a fork server makes pipelines of
+#: its own; then the trainer's server is killed and the trainer's next
+#: pipeline starts a new one.
+FORKED_AND_REPLACED_SCRIPT = """
+import json, os, signal, sys, time
+import shmpipe
+from shmpipe import _forkserver
+from shmpipe.testing.sources import Counter
+
+def batches():
+    with shmpipe.from_iterators([Counter(2)], start_method="forkserver", timeout=TIMEOUT) as pipe:
+        return len(list(pipe))
+
+out = {"first": batches()}
+server, address = _forkserver.server_pid(), _forkserver._SERVER._forkserver_address
+pid = os.fork()
+if pid == 0:
+    code = 0
+    try:
+        got = batches()
+        with open(sys.argv[1], "w") as f:
+            json.dump({"child": got, "child_server": _forkserver.server_pid()}, f)
+    except BaseException as exc:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"child_error": repr(exc)}, f)
+        code = 1
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+with open(sys.argv[1]) as f:
+    out.update(json.load(f))
+out["server_kept"] = _forkserver.server_pid() == server and os.path.exists(address)
+os.kill(server, signal.SIGKILL)
+deadline = time.monotonic() + TIMEOUT
+while time.monotonic() < deadline:
+    with open(f"/proc/{server}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended; the next start reaps it
+            break
+    time.sleep(0.02)
+out["after"] = batches()
+out["replaced"] = _forkserver.server_pid() not in (None, server)
+out["old_socket_left"] = os.path.exists(address)
+print(json.dumps(out), flush=True)
+""".replace("TIMEOUT", str(T))
+
+
+def test_a_forked_process_starts_its_own_server_and_a_dead_servers_socket_goes(tmp_path):
+    # A process forked from a trainer with a fork server failed every
+    # forkserver pipeline (ChildProcessError: it asked the kernel about its
+    # parent's server); and a server killed left its socket in the trainer's
+    # folder, which outlived the trainer (helper 101).
+    import json
+
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_AND_REPLACED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "child.json")], capture_output=True,
+                          text=True, timeout=3 * T, env=env, cwd=tmp_path, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["first"] == out["child"] == out["after"] == 2, out
+    assert out["server_kept"] and out["replaced"] and not out["old_socket_left"], out
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12 and later run the standard library's loop")
 def test_a_server_of_a_forked_trainer_leaves_the_folder_it_inherited(tmp_path):
     import json
