@@ -28,10 +28,11 @@ class ArraySpec:
         # As NumPy's own shapes: ints (NumPy's too), never a bool or a float
         # (int() took 2.7 for 2, and True for 1).
         given: Any = shape
+        single = as_int(given)
         try:
-            dims = [as_int(d) for d in ([given] if as_int(given) is not None else given)]
+            dims = (single,) if single is not None else tuple(as_int(d) for d in given)
         except TypeError:  # no int, and not iterable
-            dims = [None]
+            dims = (None,)
         ints = tuple(d for d in dims if d is not None)
         if len(ints) != len(dims):
             raise TypeError(f"ArraySpec shape must be an int or a tuple of ints, got {shape!r}")
