@@ -24,6 +24,7 @@ bridge of theirs is used), so that shmpipe's own producer processes load
 what a producer runs on and not the trainer's side.
 """
 
+import gc
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and IDEs
@@ -149,10 +150,6 @@ def __getattr__(name: str) -> Any:
         from shmpipe.errors import deprecated
 
         return deprecated(name, __name__)
-    import importlib
-
-    from shmpipe._interrupts import ctrl_c_held_back
-
     # The first use of a name imports its module, and with it much else
     # (shmpipe.from_iterators: the whole pipeline's side, importlib.metadata,
     # pathlib, ipaddress, ...), inside the user's own try/except of Ctrl-C.
@@ -160,8 +157,27 @@ def __getattr__(name: str) -> Any:
     # another exception (a RuntimeError, where it lands in a class body's
     # __set_name__, as in ipaddress) and leaves that import undone: held
     # back, it is raised here once the import is complete.
-    with ctrl_c_held_back():
-        value = getattr(importlib.import_module(module), name)
+    # And without a garbage collection: an import makes long-lived objects
+    # (modules, classes, functions), 7,000 of them for from_dataset's, which
+    # count towards the next collection as any allocation does. In a process
+    # that has just imported torch that was a full one, 60-90 ms spent
+    # scanning torch's objects and freeing nothing of the import's, inside a
+    # fresh process's first batch. Put off, the process pays it at its own
+    # next allocations, as it would have without shmpipe. (Mercurial's
+    # util.nogc does the same for the same reason. Not atomic with another
+    # thread's gc.disable() meanwhile, which this enable undoes.)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        import importlib
+
+        from shmpipe._interrupts import ctrl_c_held_back
+
+        with ctrl_c_held_back():
+            value = getattr(importlib.import_module(module), name)
+    finally:
+        if collecting:
+            gc.enable()
     globals()[name] = value
     return value
 

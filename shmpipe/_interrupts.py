@@ -128,7 +128,7 @@ def ctrl_c_pending() -> bool:
 
 
 @contextlib.contextmanager
-def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
+def born_with_ctrl_c_blocked(start_method: str, *, tracker: bool | None = None) -> Iterator[Callable[[], None]]:
     """Processes started in the block are born with SIGINT blocked.
 
     Ctrl-C reaches every process of the terminal's process group, and a
@@ -144,18 +144,19 @@ def born_with_ctrl_c_blocked(start_method: str) -> Iterator[Callable[[], None]]:
     ctrl_c_held_back: noted, and raised at the end of that).
 
     multiprocessing's resource tracker unblocks SIGINT in this thread each
-    time it starts itself. It is started first (spawn and the forkserver
-    need it anyway), and the caller calls what this yields after each
-    start, which blocks SIGINT again.
+    time it starts itself. It is started first where the block's starts
+    need it (`tracker`; by default a spawn's or a fork server's start of a
+    producer), and the caller calls what this yields after each start,
+    which blocks SIGINT again.
 
-    shmpipe's own fork server (_forkserver) is started only in such a block
-    (_launch).
+    shmpipe's own fork server is started only in such a block
+    (_forkserver.launch_server).
     Left open: multiprocessing's forkserver, which starts a producer that
     imports the script (_startup's fallback), when other code started it
     earlier with SIGINT unblocked, forks producers that can take a press in
     the moment between their birth and producer_main.
     """
-    if start_method in ("spawn", "forkserver"):
+    if tracker if tracker is not None else start_method in ("spawn", "forkserver"):
         resource_tracker_running()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())  # (what to put back; changes nothing)
 

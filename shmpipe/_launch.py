@@ -145,7 +145,7 @@ class ProcessLauncher(Launcher):
                     # collection that fell meanwhile (up to 0.1 s after
                     # import torch, measured). Ctrl-C is held back as
                     # around prestart: it would leave a server half-made.
-                    with ctrl_c_held_back(), born_with_ctrl_c_blocked("forkserver"):
+                    with ctrl_c_held_back():
                         _forkserver.launch_server()
                 self._handle_owed = self.channel is not None
                 self._starter = threading.Thread(target=self._start_in_background, name="shmpipe-start", daemon=True)
@@ -188,6 +188,11 @@ class ProcessLauncher(Launcher):
 
     def _start_in_background(self) -> None:
         try:
+            if self.spec.mp_context.get_start_method() == "forkserver":
+                # The resource tracker, which _start starts first, boots only
+                # once the server has (launch_server says why); the starts
+                # wait for that boot anyway.
+                _forkserver.wait_until_booted(_forkserver.StartWait(None, self._start_abandoned))
             self._start()
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread, by _started
             self._start_failure = exc

@@ -46,6 +46,7 @@ def fresh_fork_server():
         with _forkserver._SERVER_LOCK:
             _forkserver._SERVER = before
         pid, alive = fresh._forkserver_pid, fresh._forkserver_alive_fd
+        fresh._close_booted()  # (a test that never waited for its boot)
         if alive is not None:
             os.close(alive)
         deadline = time.monotonic() + 10
@@ -359,6 +360,52 @@ def test_a_start_thread_that_cannot_start_is_raised_by_the_constructor(fresh_for
     monkeypatch.setattr(threading.Thread, "start", no_start_thread)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         pipe_of(dataset(40))
+
+
+FRESH_PROCESS_SCRIPT = """
+import json, sys
+from multiprocessing import resource_tracker
+import shmpipe
+from shmpipe import _forkserver
+from slow_start import SlowStart
+
+pipe = shmpipe.from_dataset(SlowStart(40), batch_size=2, shuffle=True, seed=7, num_workers=2, timeout=TIMEOUT)
+out = {"tracker_at_launch": resource_tracker._resource_tracker._pid, "server": _forkserver.server_pid(),
+       "booting": _forkserver._SERVER._booted_r is not None}
+with pipe:
+    out["ids"] = sorted(i for b in pipe for i in b["i"].tolist())
+    out["made_here"] = pipe.stats().extra["made_by_trainer"]
+out["tracker_after"] = resource_tracker._resource_tracker._pid
+out["booted_left"] = _forkserver._SERVER._booted_r is not None
+print(json.dumps(out), flush=True)
+""".replace("TIMEOUT", str(T))
+
+
+def test_a_fresh_process_starts_the_resource_tracker_once_its_fork_server_has_booted(tmp_path):
+    # A fresh process's first pipeline launches the fork server and makes its
+    # first batches while the server boots (0.5 s more here: slow_start).
+    # multiprocessing's resource tracker, a third interpreter, boots only
+    # after it (Python 3.11, whose server is shmpipe's: 3.12's starts it
+    # first): on 2 cores the three took the trainer's core at times.
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH_PROCESS_SCRIPT)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path]), "SHMPIPE_TEST_SERVER_DELAY": "0.5"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=2 * T, env=env,
+                          cwd=tmp_path, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ids"] == list(range(40)), out  # every sample once, the trainer's and the producers'
+    assert out["server"] is not None and out["booting"], out
+    if sys.version_info < (3, 12):
+        assert out["tracker_at_launch"] is None, out
+    assert out["tracker_after"] is not None and not out["booted_left"], out
+    assert out["made_here"] >= 1, out
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_from_iterators_starts_its_producers_in_the_constructor_as_before(fresh_fork_server):

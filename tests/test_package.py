@@ -113,6 +113,33 @@ def test_a_ctrl_c_while_a_name_loads_its_module_comes_after_the_import(tmp_path)
     assert printed.split() == ["KeyboardInterrupt", "True", "True"], printed
 
 
+def test_a_name_loads_its_module_without_a_garbage_collection_and_leaves_the_collector_as_it_was(tmp_path):
+    # The import of from_dataset's side makes 7,000 long-lived objects: in a
+    # process that had just imported torch they set off a full collection of
+    # 60-90 ms inside a fresh process's first batch. With a threshold of 100,
+    # a collection is due every 100 allocations from a collection just run:
+    # the import must run none, and leave the collector as the program had
+    # it, on or off.
+    code = (
+        "import gc, sys\n"
+        "import shmpipe\n"
+        "runs = []\n"
+        "gc.callbacks.append(lambda phase, info: runs.append(phase) if phase == 'start' else None)\n"
+        "gc.set_threshold(100)\n"
+        "gc.collect(); before = len(runs)\n"
+        "shmpipe.from_dataset\n"
+        "print(len(runs) - before, gc.isenabled(), 'shmpipe._api' in sys.modules)\n"
+        "gc.disable(); before = len(runs)\n"
+        "shmpipe.GroupStats\n"
+        "print(len(runs) - before, gc.isenabled(), 'shmpipe._stats' in sys.modules)\n"
+        "gc.enable(); before = len(runs)\n"
+        "[[] for _ in range(300)]\n"
+        "print(len(runs) > before)\n"
+    )
+    lines = in_a_fresh_python(code, tmp_path).splitlines()
+    assert lines == ["0 True True", "0 False True", "True"], lines
+
+
 def test_every_python_module_stays_under_800_lines():
     # One job per module: a module past this has taken on a second one
     # (split it by job, as _turns.py was split from _pipeline.py). The
