@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from shmpipe._group import check_capacity, check_group, default_capacity
+from shmpipe import _group
 from shmpipe._nodes import check_nodes, check_sampler_for_nodes, shard_of
 from shmpipe._options import PipelineOptions, Source, as_bool, check_options
 from shmpipe._pipeline import Pipeline
@@ -234,7 +234,11 @@ def check_arguments(
                 "runs them on this node"
             )
         resolved = place(ray_remote_args)
-    grouped = check_group(group, rank, num_ranks, group_timeout, resolved, run_id)
+    # The group's arguments' module (_group._options) is loaded only where one
+    # is given: its dataclasses are milliseconds of a fresh process's first batch.
+    grouped = None
+    if any(given is not None for given in (group, rank, num_ranks, run_id)):
+        grouped = _group.check_group(group, rank, num_ranks, group_timeout, resolved, run_id)
     options = check_options(
         sources,
         transport=resolved,
@@ -244,12 +248,12 @@ def check_arguments(
         timeout=timeout,
         slot_size=slot_size,
         seed=seed,
-        default_capacity=default_capacity(grouped.num_ranks) if grouped is not None else None,
+        default_capacity=_group.default_capacity(grouped.num_ranks) if grouped is not None else None,
         max_restarts=max_restarts,
         wrap=wrap,
     )
     if grouped is not None:
-        check_capacity(options, grouped)
+        _group.check_capacity(options, grouped)
     return options, grouped
 
 

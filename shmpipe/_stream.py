@@ -25,13 +25,16 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from shmpipe import _spans
+from shmpipe._counters import Counters
 from shmpipe._options import PipelineOptions
-from shmpipe._stats import Counters, PipelineStats
 from shmpipe.errors import PipelineClosedError, PipelineTimeoutError, ShmpipeError, ShmpipeValueError
 from shmpipe.transport import Transport
+
+if TYPE_CHECKING:
+    from shmpipe._stats import PipelineStats
 
 __all__ = ["POLL_S", "BatchStream", "Had", "Pass", "TrainerPosition"]
 

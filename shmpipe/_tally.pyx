@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The one compiled step of counting: a batch the consumer's fast path
-delivered, added to a Counters tally (shmpipe/_stats.py) in one call.
+delivered, added to a Counters tally (shmpipe/_counters.py) in one call.
 
-_stats.py owns the tally's layout and hands every index to ReadyCounter
+_counters.py owns the tally's layout and hands every index to ReadyCounter
 when it makes one; this module knows no index of its own and imports
 nothing of the package. (Counting the same batch in Python costs about
 0.4 us, a third of the fast path's whole cost per batch.)
@@ -19,7 +19,7 @@ cdef class ReadyCounter:
     """Adds one ready batch to `tally` (an int64 buffer, held for this
     object's life so it cannot be resized under it): +1 batch, +nbytes,
     +1 for its worker, its wait in the histogram (the bucket arithmetic of
-    _stats.bucket, in integers), the wait's count, total and max."""
+    _counters.bucket, in integers), the wait's count, total and max."""
 
     cdef int64_t[::1] tally
     cdef Py_ssize_t batches, nbytes, workers, nworkers, hist, sub, wait_count, wait_total, wait_max

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import shmpipe
-from shmpipe import _codec, _external, _ring, _stats
+from shmpipe import _codec, _counters, _external, _ring
+from shmpipe._counters import Counters
 from shmpipe._pipeline import _declined
-from shmpipe._stats import Counters
 from shmpipe.errors import CorruptChannelError, PipelineClosedError
 from shmpipe.testing.sources import Counter
 from shmpipe.transport import END, FAULT, ChannelSpec
@@ -67,7 +67,7 @@ def test_counters_count_a_ready_batch_as_any_other():
     assert counters.batches == 3 and counters.bytes == 200 and counters.per_worker == [1, 2]
     w = counters.waits
     assert w.count == 3 and w.total_ns == 2_000 + 500 + 700 and w.max_ns == 2_000
-    assert sum(counters.tally[w.first : w.first + _stats.BUCKETS]) == 3  # each wait in one bucket
+    assert sum(counters.tally[w.first : w.first + _counters.BUCKETS]) == 3  # each wait in one bucket
     assert counters.first_batch_ns == 3_000  # set by the first batch, not by the fast path
 
 
@@ -81,9 +81,9 @@ def test_the_compiled_count_puts_each_wait_where_python_does():
     for i, ns in enumerate(waits):
         compiled.delivered_ready(ns, i, i % 3)
         python.waits.add(ns)
-        python.tally[_stats.BATCHES] += 1
-        python.tally[_stats.BYTES] += i
-        python.tally[_stats.TOTALS + i % 3] += 1
+        python.tally[_counters.BATCHES] += 1
+        python.tally[_counters.BYTES] += i
+        python.tally[_counters.TOTALS + i % 3] += 1
     assert compiled.tally == python.tally
     with pytest.raises(ValueError, match="worker 3"):
         compiled.delivered_ready(5, 1, 3)  # the layout's bounds are checked, not trusted
@@ -229,10 +229,10 @@ def test_a_shared_batch_larger_than_a_slot_counts_its_payload_not_its_record():
 
 def test_the_histogram_buckets_are_log_linear():
     # 32 per power of two, exactly (integer arithmetic, as the C side).
-    assert _stats.bucket(1) == 32 and _stats.bucket(2) == 64 and _stats.bucket(3) == 64 + 16
+    assert _counters.bucket(1) == 32 and _counters.bucket(2) == 64 and _counters.bucket(3) == 64 + 16
     for e in range(6, 60):  # from 32 ns on, each power of two fills its 32 buckets
         lo, hi = 1 << (e - 1), (1 << e) - 1
-        assert _stats.bucket(lo) == e * 32 and _stats.bucket(hi) == e * 32 + 31
+        assert _counters.bucket(lo) == e * 32 and _counters.bucket(hi) == e * 32 + 31
 
 
 class _Numbers:

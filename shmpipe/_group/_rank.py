@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from shmpipe._counters import Counters
 from shmpipe._frameworks import FrameworkStream
 from shmpipe._group import _wire
 from shmpipe._group._leader import Leader
@@ -28,7 +29,7 @@ from shmpipe._interrupts import ctrl_c_held_back
 from shmpipe._options import PipelineOptions
 from shmpipe._process import ProcessWatch
 from shmpipe._schedule import DatasetSchedule, IteratorSchedule, Progress, Schedule
-from shmpipe._stats import Counters, GroupStats
+from shmpipe._stats import GroupStats
 from shmpipe._stream import POLL_S, Had, Pass, TrainerPosition
 from shmpipe.errors import (
     GroupError,
