@@ -29,6 +29,7 @@ CORE = [
     "_group._rank",
     "_launch",
     "_worker",
+    "_counters",
     "_stats",
     "_options",
     "transport",
