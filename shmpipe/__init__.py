@@ -167,8 +167,8 @@ def __getattr__(name: str) -> Any:
     # util.nogc does the same for the same reason. Not atomic with another
     # thread's gc.disable() meanwhile, which this enable undoes.)
     collecting = gc.isenabled()
-    gc.disable()
     try:
+        gc.disable()  # (inside: an exception raised here by a signal's handler still enables it again)
         import importlib
 
         from shmpipe._interrupts import ctrl_c_held_back

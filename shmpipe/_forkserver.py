@@ -77,33 +77,13 @@ SERVER_PRELOAD = ["shmpipe._worker", "shmpipe._startup", "shmpipe._sources", "sh
 SERVER_END_WAIT_S = 2.0
 
 #: The fork server's command line (Python 3.11, _ForkServer): the trainer's
-#: sys.path first, then the preload, then the standard library's server loop
-#: (given no preload of its own), run by _forkserver_loop.serve. NumPy's
-#: OpenBLAS starts its threads as it is imported, and each spins on a core
-#: for 2**28 cycles (about 0.1 s) before it sleeps, taking it from the
-#: trainer and the server itself while the first pipeline waits for the
-#: server: on 2 cores, the server's preload took 283 ms (281 ms of CPU)
-#: with the spin, 225 ms (217 ms) without (median of 15). So the preload
-#: runs with OPENBLAS_THREAD_TIMEOUT=4 (2**4 cycles), unless the trainer's
-#: environment sets it; it is removed before the server forks anyone, so
-#: the producers' environment is the trainer's (their BLAS threads sleep
-#: sooner when idle: a wake-up of microseconds per call). Then the "booted" pipe closes.
+#: sys.path first, then _forkserver_loop.serve: the preload, the "booted"
+#: pipe told, then the standard library's server loop.
 _SERVER_COMMAND = """\
-import os, sys
+import sys
 sys.path[:] = %r
-quiet = "OPENBLAS_THREAD_TIMEOUT" not in os.environ
-if quiet:
-    os.environ["OPENBLAS_THREAD_TIMEOUT"] = "4"
-for name in %r:
-    try:
-        __import__(name)
-    except ImportError:
-        pass
-if quiet:
-    del os.environ["OPENBLAS_THREAD_TIMEOUT"]
-os.close(%d)
 from shmpipe._forkserver_loop import serve
-serve(%d, %d, %r, %r)
+serve(%d, %d, %r, %r, preload=%r, booted_fd=%d)
 """
 
 
@@ -133,7 +113,7 @@ class _ForkServer(forkserver.ForkServer):
         from multiprocessing import connection
 
         # No resource tracker started, unlike the standard library's: a producer's
-        # start needs it and starts it first (born_with_ctrl_c_blocked; launch_server).
+        # start needs it and starts it first (born_with_ctrl_c_blocked in _launch).
         with self._lock:  # type: ignore[attr-defined]
             if self._forkserver_pid is not None:  # type: ignore[has-type]
                 pid, _ = os.waitpid(self._forkserver_pid, os.WNOHANG)  # type: ignore[has-type]
@@ -151,28 +131,31 @@ class _ForkServer(forkserver.ForkServer):
                 # Every client holds the write end of the "alive" pipe: the
                 # server ends when the read end says they all have.
                 alive_r, alive_w = os.pipe()
-                booted_r, booted_w = os.pipe()
+                booted_r = booted_w = -1
                 try:
+                    booted_r, booted_w = os.pipe()
                     fds_to_pass = [listener.fileno(), alive_r, booted_w]
                     line = _SERVER_COMMAND % (
                         data.get("sys_path", sys.path),
-                        self._preload_modules,  # type: ignore[attr-defined]
-                        booted_w,
                         listener.fileno(),
                         alive_r,
                         data,
                         folder_is_ours,
+                        self._preload_modules,  # type: ignore[attr-defined]
+                        booted_w,
                     )
                     exe = spawn.get_executable()
                     args = [exe, *util._args_from_interpreter_flags(), "-c", line]  # type: ignore[attr-defined]
                     pid = util.spawnv_passfds(exe, args, fds_to_pass)  # type: ignore[arg-type]
                 except BaseException:
-                    os.close(alive_w)
-                    os.close(booted_r)
+                    for fd in (alive_w, booted_r):
+                        if fd >= 0:
+                            os.close(fd)
                     raise
                 finally:
-                    os.close(alive_r)
-                    os.close(booted_w)
+                    for fd in (alive_r, booted_w):
+                        if fd >= 0:
+                            os.close(fd)
                 self._forkserver_address = address
                 self._forkserver_alive_fd = alive_w
                 self._forkserver_pid = pid
@@ -195,6 +178,10 @@ class _ForkServer(forkserver.ForkServer):
             wait.until_ready(fd, select.POLLIN, pid, "up")
         finally:
             os.close(fd)
+        self.seen_booted(pid)
+
+    def seen_booted(self, pid: int | None) -> None:
+        """Server `pid` has booted (said so, or answered a start): its "booted" pipe goes."""
         with self._lock:  # type: ignore[attr-defined]
             if self._forkserver_pid == pid:
                 self._close_booted()
@@ -700,6 +687,7 @@ class _ServerPopen(popen_forkserver.Popen):
                             written += os.write(w, data[written:])
                 wait.until_ready(sentinel, select.POLLIN, used, name)
                 pid = forkserver.read_signed(sentinel)
+                server.seen_booted(used)  # (it answered)
             except (BrokenPipeError, EOFError) as exc:
                 _server_gone(server, used, name, exc, data_pipe=w, nbytes=written)
             finally:

@@ -29,6 +29,7 @@ import pickle
 import signal
 import socket
 import stat
+from collections.abc import Sequence
 from multiprocessing import forkserver, reduction, spawn
 from typing import Any
 
@@ -43,16 +44,31 @@ __all__ = ["REQUEST_WAIT_S", "serve"]
 REQUEST_WAIT_S = 5.0
 
 
-def serve(listener_fd: int, alive_r: int, data: dict[str, Any], folder_is_the_trainers: bool = False) -> None:
-    """Runs the fork server's loop (its command line calls this once it has
-    imported its preload; the module's docstring says what changes);
-    `folder_is_the_trainers`: the folder of the server's socket is one the
-    trainer made (_forkserver._temp_dir_made_here), which the server may
-    remove after a trainer killed. Two
-    functions the standard library's loop calls are replaced to that end,
-    in this process only: a child gets the standard library's back as it
-    starts. (Python 3.12 and later run the standard library's own command
-    line and loop, without this: _forkserver._ForkServer.)"""
+def serve(
+    listener_fd: int,
+    alive_r: int,
+    data: dict[str, Any],
+    folder_is_the_trainers: bool = False,
+    *,
+    preload: Sequence[str] = (),
+    booted_fd: int | None = None,
+) -> None:
+    """The fork server's process, from its command line: imports `preload`,
+    says so on `booted_fd` (the "booted" pipe), then runs the fork server's
+    loop (the module's docstring says what changes); `folder_is_the_trainers`:
+    the folder of the server's socket is one the trainer made
+    (_forkserver._temp_dir_made_here), which the server may remove after a
+    trainer killed. Two functions the standard library's loop calls are
+    replaced to that end, in this process only: a child gets the standard
+    library's back as it starts. (Python 3.12 and later run the standard
+    library's own command line and loop, without this: _forkserver._ForkServer.)"""
+    _preload(preload)
+    if booted_fd is not None:
+        # A byte, not only the close: a process the preload started may hold
+        # a copy of the write end. A trainer gone already: the loop sees it.
+        with contextlib.suppress(OSError):
+            os.write(booted_fd, b"b")
+        os.close(booted_fd)
     stdlib_recvfds, stdlib_serve_one = reduction.recvfds, forkserver._serve_one  # type: ignore[attr-defined]
 
     def request(sock: socket.socket, size: int) -> list[int]:
@@ -103,6 +119,30 @@ def serve(listener_fd: int, alive_r: int, data: dict[str, Any], folder_is_the_tr
         if address is not None:
             _remove_listener(address, folder_is_the_trainers)
         raise
+
+
+def _preload(modules: Sequence[str]) -> None:
+    """Imports `modules` (one that cannot be imported is left out, as the
+    standard library's server does). NumPy's OpenBLAS starts its threads as
+    it is imported, and each spins on a core for 2**28 cycles (about 0.1 s)
+    before it sleeps, taking it from the trainer and the server itself while
+    the first pipeline waits for the server: on 2 cores, the server's preload
+    took 283 ms (281 ms of CPU) with the spin, 225 ms (217 ms) without
+    (median of 15). So the preload runs with OPENBLAS_THREAD_TIMEOUT=4 (2**4
+    cycles), unless the trainer's environment sets it; it is removed before
+    the server forks anyone, so the producers' environment is the trainer's
+    (their BLAS threads sleep sooner when idle: a wake-up of microseconds
+    per call)."""
+    quiet = "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+    if quiet:
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = "4"
+    try:
+        for name in modules:
+            with contextlib.suppress(ImportError):
+                __import__(name)
+    finally:
+        if quiet:
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
 
 
 def _listener_address(listener_fd: int) -> str | None:
