@@ -102,7 +102,7 @@ class _ForkServer(forkserver.ForkServer):
     3.11, with the command line setting sys.path first (_SERVER_COMMAND).
     """
 
-    #: The "booted" pipe's read end, until seen closed (wait_until_booted); None on Python 3.12+.
+    #: The "booted" pipe's read end, until the server is seen booted (seen_booted); None on Python 3.12+.
     _booted_r: int | None = None
 
     def ensure_running(self) -> None:
@@ -163,8 +163,8 @@ class _ForkServer(forkserver.ForkServer):
 
     def wait_until_booted(self, wait: StartWait) -> None:
         """Waits, within `wait`, until the server launched last has imported
-        its preload (or ended: either closes the "booted" pipe); at once
-        where it has been seen to, or is not ours (Python 3.12 and later)."""
+        its preload (its byte on the "booted" pipe) or ended (the pipe's
+        end); at once where it was seen booted, or is not ours (3.12+)."""
         with self._lock:  # type: ignore[attr-defined]
             if self._booted_r is None:
                 return
