@@ -33,6 +33,15 @@ from shmpipe.testing.memory import ring_descriptors
 #: time. (shmpipe's rings and regions are shared memory, which this leaves as
 #: it is.)
 os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
+#: Most of the suite's CPU is the interpreters it starts (ranks, consumers,
+#: fork servers, Ray's workers), on 2 cores, and each that imports NumPy
+#: starts OpenBLAS's threads, which spin for a while before they sleep:
+#: `import numpy` took 0.24 s of CPU, 0.13 s with this (0.13 s either way on
+#: the clock). It sets how soon an idle BLAS thread sleeps, nothing that a
+#: test checks; the fork server's own handling of it (it sets it for its
+#: preload where the environment does not) has its own test, which sets the
+#: variable or removes it for its script.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def _our_segments() -> set[str]:

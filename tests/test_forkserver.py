@@ -914,6 +914,8 @@ def test_a_program_whose_fork_server_stays_stopped_still_exits(tmp_path):
     # the server was continued, for ever if it never was (faulthandler: the
     # exit blocked in popen_forkserver's poll). Producers in that state are
     # now let go (the server, their parent, reaps them once continued).
+    import signal
+
     from conftest import end_group
 
     (tmp_path / "run.py").write_text(DIED_BEFORE_ATTACH_SCRIPT)
@@ -928,7 +930,13 @@ def test_a_program_whose_fork_server_stays_stopped_still_exits(tmp_path):
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            end_group(proc, grace=2)  # the stopped server (which cannot end by itself), and whatever else is left
+            # The stopped server, continued, ends by itself (its program is
+            # gone): else the grace below is waited out to the end.
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            end_group(proc, grace=2)  # whatever is left
         output.seek(0)
         out = output.read()
     assert rc == 0, f"the program did not end within 30 s (exit status {rc}); it printed {out!r}"

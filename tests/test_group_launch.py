@@ -243,7 +243,7 @@ def _under_torchrun() -> Any:
     return run
 
 
-@runs(_under_torchrun, needs="torch")
+@runs(_under_torchrun, needs="torch", seconds=6)  # torchrun and its ranks import torch: it starts first
 def test_under_torchrun_a_process_started_by_hand_cannot_take_a_ranks_place(request):
     """torchrun's own variables, not the test's: a process started by hand
     with the group's name and rank 1 waits for rank 0 and connects as soon

@@ -5,7 +5,7 @@ layout resumes from.
 
 Nodes are simulated on this machine, as real nodes would run them: each
 node is its own group (its own name: nodes never share memory) of real rank
-processes (this file run as a script, one per rank), with its own
+processes (tests/nodes_rank.py run as a script, one per rank), with its own
 producers; a node of one rank is a pipeline without a group. The global
 rule the tests hold every rank to is written out here, apart from the code
 (`dealt`).
@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 import warnings
 from typing import Any
@@ -27,21 +26,18 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import concurrently
+from nodes_rank import BATCH, SEED, N, arguments
 
 import shmpipe
 from shmpipe._nodes import NodeLayout, check_nodes
 from shmpipe._schedule import DatasetSchedule
 from shmpipe.testing.datasets import Numbered
 
-HERE = os.path.abspath(__file__)
-N, BATCH, SEED = 121, 2, 7  # 61 batches an epoch (the last one short)
+#: One rank of a node (or of torchrun): tests/nodes_rank.py run as a script.
+RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nodes_rank.py")
 LAYOUTS = [(1, 2), (2, 2), (2, 1), (3, 2)]  # (nodes, ranks per node)
 FRACTIONS = (0.1, 0.5, 0.9)
 RANK_TIMEOUT_S = 120
-
-
-def arguments(**kw: Any) -> dict[str, Any]:
-    return dict(batch_size=BATCH, shuffle=True, seed=SEED, timeout=60.0) | kw
 
 
 def dealt(batches: list[Any], nodes: int, ranks: int) -> list[list[Any]]:
@@ -530,7 +526,7 @@ def run_job(nodes: int, ranks: int, *, tmp: str, state: dict | None = None, epoc
                 } | (overrides or {}).get((node, rank), {})
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, HERE, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        [sys.executable, RANK, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         env=env, text=True, cwd=tmp,
                     )
                 )
@@ -661,7 +657,7 @@ def test_torchrun_of_two_nodes_gives_the_layout_from_its_environment(tmp_path, e
             agents.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                  "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                 "--log-dir", str(tmp_path / f"logs{node}"), "--redirects", "1", HERE, json.dumps(cfg)],
+                 "--log-dir", str(tmp_path / f"logs{node}"), "--redirects", "1", RANK, json.dumps(cfg)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, cwd=str(tmp_path),
                 start_new_session=True,
             ))
@@ -680,66 +676,6 @@ def test_torchrun_of_two_nodes_gives_the_layout_from_its_environment(tmp_path, e
     assert sorted(reports) == [0, 1, 2, 3]
     assert [reports[g]["layout"] for g in range(4)] == [[2, 0, 2]] * 2 + [[2, 1, 2]] * 2
     assert [reports[g]["batches"] for g in range(4)] == dealt(epochs[0], 2, 2)
-
-
-def _torchrun_main(cfg: dict[str, Any]) -> None:
-    """A rank under torchrun: the layout comes from its environment."""
-    node = int(os.environ["GROUP_RANK"])
-    with shmpipe.from_dataset(Numbered(N), group=f"t{node}-{cfg['torchrun']}", **arguments(num_workers=2)) as pipe:
-        batches = [b["i"].tolist() for b in pipe]
-        extra = pipe.stats().extra  # the layout the environment gave
-        report = {"global_rank": int(os.environ["RANK"]), "batches": batches,
-                  "layout": [extra["num_nodes"], extra["node_rank"], extra["num_ranks"]]}
-        # Every rank writes its report before any node's rank 0 closes its group.
-        os.makedirs(cfg["barrier"], exist_ok=True)
-        with open(os.path.join(cfg["barrier"], f"report-{report['global_rank']}"), "w") as f:
-            json.dump(report, f)
-        deadline = time.monotonic() + 60
-        while len(os.listdir(cfg["barrier"])) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-
-def _rank_main(cfg: dict[str, Any]) -> None:
-    if "torchrun" in cfg:
-        return _torchrun_main(cfg)
-    report: dict[str, Any] = {"batches": [], "dropped": [], "restarts": 0, "states": []}
-    group = dict(group=cfg["group"], rank=cfg["rank"], num_ranks=cfg["num_ranks"]) if cfg["group"] else {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            pipe = shmpipe.from_dataset(
-                Numbered(cfg.get("length", N)), num_nodes=cfg["num_nodes"], node_rank=cfg["node_rank"],
-                max_restarts=1, transport=cfg["transport"], **arguments(num_workers=2), **group,
-            )
-        except shmpipe.ShmpipeError as exc:
-            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-            return
-        with pipe:
-            if cfg["state"] is not None:
-                pipe.load_state_dict(cfg["state"])
-            for _ in range(cfg["epochs"]):
-                for b in pipe:
-                    report["batches"].append(b["i"].tolist())
-                    if cfg["kill"] and len(report["batches"]) == 1:
-                        os.kill(pipe.pids[1], signal.SIGKILL)
-                    if len(report["batches"]) in cfg["states_at"]:
-                        report["states"].append(pipe.state_dict())
-            report["dropped"] = pipe.stats().extra.get("dropped_per_pass")
-            # Every rank is done before any node's rank 0 closes its group
-            # (which ends it for the node's other ranks).
-            os.makedirs(cfg["barrier"], exist_ok=True)
-            open(os.path.join(cfg["barrier"], f"{cfg['node_rank']}-{cfg['rank']}"), "w").close()
-            deadline = time.monotonic() + 60
-            while len(os.listdir(cfg["barrier"])) < cfg["world"] and time.monotonic() < deadline:
-                time.sleep(0.01)
-    report["restarts"] = sum(
-        issubclass(w.category, shmpipe.ShmpipeWarning) and "replaced" in str(w.message) for w in caught
-    )
-    print(json.dumps(report), flush=True)
-
-
-if __name__ == "__main__":
-    _rank_main(json.loads(sys.argv[1]))
 
 
 def test_a_state_right_after_its_load_is_the_loaded_one_even_with_less_than_a_round_left():

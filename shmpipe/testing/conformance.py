@@ -462,11 +462,12 @@ class TransportConformance:
         # would make a read under it raise (a closed descriptor's OSError).
         pipe = self.pipe(transport, [Sleeper(60.0)] * 2, timeout=30)
         outcome: list[BaseException | None] = []
+        taken = threading.Semaphore(0)
 
         def consume() -> None:
             try:
                 for _ in pipe:
-                    pass
+                    taken.release()
                 outcome.append(None)
             except BaseException as exc:  # noqa: BLE001 - what the wait ended in is the test's
                 outcome.append(exc)
@@ -474,7 +475,10 @@ class TransportConformance:
         with pipe:
             reader = threading.Thread(target=consume)
             reader.start()
-            time.sleep(1.0)  # the first batches are in, then nothing for a minute
+            # Each producer's one batch taken, then nothing for a minute:
+            # the reader waits in get() (a moment after its last take).
+            assert taken.acquire(timeout=30) and taken.acquire(timeout=30), "no first batches within 30 s"
+            time.sleep(0.1)
             t0 = time.monotonic()
             pipe.close()
             reader.join(10)
