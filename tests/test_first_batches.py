@@ -96,7 +96,7 @@ def wait_gone(pid: int, timeout: float = 30.0) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
             return
         assert time.monotonic() < deadline, f"process {pid} did not end"
         time.sleep(0.01)

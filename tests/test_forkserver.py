@@ -500,7 +500,7 @@ def running(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
         return False
 
 def stop(pid):

@@ -163,7 +163,7 @@ def children():
         try:  # (a thread that ended since: its children went to another thread)
             with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
                 found |= {int(pid) for pid in f.read().split()}
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (or ended between the open and the read: ESRCH)
             pass
     running = set()
     for pid in found:
@@ -171,7 +171,7 @@ def children():
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] != "Z":
                     running.add(pid)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
             pass
     return running
 """
@@ -578,7 +578,7 @@ def alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
         return False
 
 def ours_in_dev_shm():

@@ -51,7 +51,7 @@ def gone(pid, within=20.0):
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
             return True
         time.sleep(0.01)
     return False
