@@ -36,20 +36,13 @@ from conftest import SharedJobs, assert_round_robin_prefix, concurrently, end_gr
 
 import shmpipe
 from shmpipe.testing.memory import named_segments, ring_descriptors
+from shmpipe.testing.processes import gone
 from shmpipe.testing.sources import Exiter, Killer, Raiser, Shapes, crc_of
 
 # Four cycles per test in the suite (it must stay under CI's 10 minutes); the
 # soaks in the closing notes ran 60.
 CYCLES = int(os.environ.get("SHMPIPE_SOAK_CYCLES", "4"))
 T = 30.0
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
-        return True
 
 
 def check_batch(b, seen: dict[int, list[int]], order: list[tuple[int, int]] | None = None) -> None:

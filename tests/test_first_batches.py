@@ -25,6 +25,7 @@ from slow_start import SlowStart
 import shmpipe
 from shmpipe import _forkserver
 from shmpipe.testing.datasets import Augmented
+from shmpipe.testing.processes import gone, wait_until
 from shmpipe.testing.sources import Counter
 
 T = 60.0  # no batch may take longer than this
@@ -90,16 +91,7 @@ def take(pipe, stop: int | None = None) -> list[tuple[list[int], list[list[float
 
 def wait_gone(pid: int, timeout: float = 30.0) -> None:
     """Until process `pid` has ended (a zombie, or reaped)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
-            return
-        assert time.monotonic() < deadline, f"process {pid} did not end"
-        time.sleep(0.01)
+    assert wait_until(lambda: gone(pid), timeout), f"process {pid} did not end"
 
 
 def content(batches):

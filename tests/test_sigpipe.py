@@ -20,6 +20,7 @@ import json, os, signal, sys, threading, time
 import numpy as np
 import shmpipe
 from shmpipe._interrupts import no_sigpipe
+from shmpipe.testing.processes import gone, wait_until
 from shmpipe.testing.sources import Counter
 
 T = 60
@@ -44,17 +45,8 @@ class ScriptSource:
         yield {"x": np.zeros(4)}
 
 
-def gone(pid, within=20.0):
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except (FileNotFoundError, ProcessLookupError):  # (reaped since the open: ESRCH)
-            return True
-        time.sleep(0.01)
-    return False
+def ended_within(pid, within=20.0):
+    return wait_until(lambda: gone(pid), within)
 
 
 def write_to_a_closed_pipe():
@@ -101,7 +93,7 @@ if __name__ == "__main__":
         next(it)
         victim = pipe.pids[0]
         os.kill(victim, signal.SIGKILL)
-        out["victim_gone"] = gone(victim)
+        out["victim_gone"] = ended_within(victim)
     out["closed_after_a_death"] = True
 
     # 3. multiprocessing's resource tracker killed: the next start asks it
