@@ -41,11 +41,24 @@ NEEDS = {"ray_before.py": "ray.util.iter", "dataloader": "torch", "tf_data": "te
 API_MODULES = ["shmpipe", "shmpipe.transport", "shmpipe.registry", "shmpipe.errors"]
 
 
-def _env() -> dict[str, str]:
+def _env(tmpdir: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return env
+
+
+def _tmpdir_of(name: str, folder: Path) -> Path | None:
+    """The temporary directory of snippet `name`'s run: its own folder for
+    a "before" snippet (another library's loader, not shmpipe's), /tmp for
+    the rest. The DataLoader's workers, daemons terminated at the script's
+    exit, leave multiprocessing's pymp-* folders behind (two a run); they
+    are torch's to leave, in the run's folder. shmpipe's snippets keep
+    /tmp, where a folder they left would show (and Ray's, whose socket
+    paths must stay short, too)."""
+    return folder if name.endswith("_before.py") and not name.startswith("ray") else None
 
 
 def test_every_snippet_is_shown_on_its_page_and_run_here():
@@ -78,7 +91,7 @@ SNIPPET_RUNS = SharedRuns(
     {"test_snippet_runs_and_prints_what_its_page_says"},
     keys=lambda item: [] if _missing(item.callspec.params["name"]) else [item.callspec.params["name"]],
     command=lambda name, folder: Command(
-        [sys.executable, str(SNIPPETS / name)], cwd=folder, env=_env(), timeout=360,
+        [sys.executable, str(SNIPPETS / name)], cwd=folder, env=_env(_tmpdir_of(name, folder)), timeout=360,
         exclusive="ray" if name.startswith("ray") else None,  # one local Ray at a time
         seconds=10 if name.startswith("ray") else 8 if name.startswith("tf_data") else 4,  # Ray's start, TF's import
     ),

@@ -937,8 +937,9 @@ def _script(*args: str) -> Callable[[], subprocess.CompletedProcess]:
     return run
 
 
+# (--log-dir in the run's folder: without it, torchrun makes /tmp/torchelastic_* and leaves it)
 @runs(lambda: _script(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                      os.path.join(ROOT, "examples", "ddp_train.py"), "--workers", "3", "--epochs", "3", "--batches", "5"),
+                      "--log-dir", "torchrun-logs", os.path.join(ROOT, "examples", "ddp_train.py"), "--workers", "3", "--epochs", "3", "--batches", "5"),
       needs="torch", seconds=23)
 def test_the_ddp_example_trains_under_torchrun(request):
     """examples/ddp_train.py: DistributedDataParallel (gloo, CPU) on 2 ranks

@@ -229,11 +229,13 @@ def _under_torchrun() -> Any:
     cfg = {"group": group, "per_source": 6, "group_timeout": 60}  # rank and size: LOCAL_RANK, LOCAL_WORLD_SIZE
 
     def run() -> Any:
-        with _Processes() as procs:
+        # torchrun's logs in a folder of the test's (without --log-dir it
+        # makes /tmp/torchelastic_* and leaves it)
+        with tempfile.TemporaryDirectory() as logs, _Processes() as procs:  # the processes end first
             stray = procs.rank(_rank_cfg(group, 1, group_timeout=120), {})
             job = procs.start(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", RANK,
-                 json.dumps(cfg)],
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "--log-dir", logs, RANK, json.dumps(cfg)],
                 _env({}),
             )
             stray_report = procs.report(stray)

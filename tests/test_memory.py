@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import resource
+import shutil
 import signal
 import socket
 import struct
@@ -293,6 +294,7 @@ def test_a_ring_is_reserved_whole_so_a_dev_shm_filled_after_it_is_no_sigbus(tmp_
 
 EVERYONE_KILLED = """
 import json, os, sys, time
+from multiprocessing import util
 import numpy as np
 import shmpipe
 from shmpipe.testing.sources import Counter
@@ -301,7 +303,10 @@ if __name__ == "__main__":
     pipe = shmpipe.from_iterators([Counter(10**6, shape=(1 << 20,))] * 2, capacity=16, slot_size=32 << 20, timeout=60)
     it = iter(pipe)
     held = [next(it) for _ in range(3)]
-    print(json.dumps({"pids": pipe.pids, "ring": pipe.channel.segment.size}), flush=True)
+    # tempdir: multiprocessing's folder of this process (its fork server's
+    # socket), which no one is left to remove after the kill: the test does
+    info = {"pids": pipe.pids, "ring": pipe.channel.segment.size, "tempdir": util.get_temp_dir()}
+    print(json.dumps(info), flush=True)
     time.sleep(600)
 """
 
@@ -351,10 +356,12 @@ def test_sigkill_of_every_process_at_once_returns_all_memory(tmp_path):
         start_new_session=True,  # consumer, forkserver and producers: one process group
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
+    info = None
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         info = json.loads(line)
+        assert os.path.basename(info["tempdir"]).startswith("pymp-"), info
         ring = info["ring"]
         assert ring >= 512 << 20
         assert ring_allocated(proc.pid) > 0.9 * ring, "the ring's memory should be allocated while it runs"
@@ -375,6 +382,8 @@ def test_sigkill_of_every_process_at_once_returns_all_memory(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=10)
+        if info is not None:
+            shutil.rmtree(info["tempdir"], ignore_errors=True)
 
 
 # -- batches of any size ------------------------------------------------------

@@ -2,7 +2,7 @@
 delivers exactly the batches an uninterrupted run would."""
 
 import os
-import sys
+import shutil
 import tempfile
 
 import numpy as np
@@ -54,12 +54,15 @@ def train(model, preempt_at=None):
 
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
-    uninterrupted = train(torch.nn.Linear(16, 1))
-    os.remove(CHECKPOINT)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(16, 1)
-    before = train(model, preempt_at=20)
-    after = train(torch.nn.Linear(16, 1))  # a new process in a real run: everything comes from the checkpoint
-    same = before + after == uninterrupted
-    print(f"batches: {len(uninterrupted)}, resumed after 20: {len(after)} more, same batches: {same}", file=sys.stdout)
+    try:
+        torch.manual_seed(0)
+        uninterrupted = train(torch.nn.Linear(16, 1))
+        os.remove(CHECKPOINT)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 1)
+        before = train(model, preempt_at=20)
+        after = train(torch.nn.Linear(16, 1))  # a new process in a real run: everything comes from the checkpoint
+        same = before + after == uninterrupted
+        print(f"batches: {len(uninterrupted)}, resumed after 20: {len(after)} more, same batches: {same}")
+    finally:
+        shutil.rmtree(os.path.dirname(CHECKPOINT))  # this example's folder; a real run keeps its checkpoints

@@ -611,7 +611,8 @@ class TransportConformance:
         if caps.zero_copy_min_bytes:
             # Imported here, not with this module: a producer that unpickles
             # NotALeaf imports this module, and shmpipe.testing.batches
-            # imports ml_dtypes (0.85 s), where installed.
+            # imports ml_dtypes (1.1 s of CPU for its 0.7.0; see the
+            # troubleshooting page), where installed.
             from shmpipe.testing.batches import matrix
 
             # every batch of the matrix, with enough bytes beside it
