@@ -161,6 +161,45 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+#: What the suite's processes make in the temporary directory and must not
+#: leave there: multiprocessing's folders (pymp-*, a fork server's socket),
+#: torchrun's (torchelastic_*), tempfile's (tmp*) and shmpipe's (shmpipe-*,
+#: the benches'). Ray's /tmp/ray is Ray's to keep; pytest's tmp_path
+#: folders are pytest's (pytest-of-*).
+_TMP_PREFIXES = ("pymp-", "torchelastic_", "tmp", "shmpipe-")
+#: What was there before the session.
+_TMP_BEFORE: set[str] = set()
+#: How long the session's end waits for a folder being removed (a fork
+#: server removes its killed trainer's folder on its way out).
+_TMP_GRACE_S = 10.0
+
+
+def _tmp_entries() -> set[str]:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(_TMP_PREFIXES)}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _TMP_BEFORE.update(_tmp_entries())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run if its processes left anything in the temporary
+    directory (after the folders being removed had a moment). It removes
+    nothing: another session running beside this one (two subsets at once)
+    would have its live folders taken for leaks, and lose them."""
+    own = multiprocessing.process.current_process()._config.get("tempdir")  # removed at this process's exit
+    deadline = time.monotonic() + _TMP_GRACE_S
+    while True:
+        left = sorted(n for n in _tmp_entries() - _TMP_BEFORE if os.path.join(tempfile.gettempdir(), n) != own)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if left:
+        session.config.get_terminal_writer().line(
+            f"\nthe tests left these in {tempfile.gettempdir()}: {', '.join(left)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests of modules with a background family run last (in their
     order), so that their scripts have run beside everything before them;
