@@ -43,6 +43,16 @@ os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 #: variable or removes it for its script.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
+#: A suite started in the background without job control (`pytest &` in a
+#: script, a CI step's helper) inherits SIGINT ignored, and so does every
+#: script it starts (an ignored signal stays ignored across exec; Python
+#: then installs no KeyboardInterrupt for it): the tests that press Ctrl-C
+#: in a script (os.kill, SIGINT) waited out their timeouts instead, three
+#: of them 120 s each in one run here. A handler does not survive exec: the
+#: scripts start with SIGINT's default, as under a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def _our_segments() -> set[str]:
     """shmpipe segments of this process, of its live descendants (a CLI run
