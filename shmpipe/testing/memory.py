@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
-from shmpipe import _segments
+from shmpipe import _process, _segments
 
-__all__ = ["channel_descriptors", "named_segments", "ring_descriptors", "ring_mappings"]
+__all__ = ["channel_descriptors", "dead_owners_segments", "named_segments", "ring_descriptors", "ring_mappings"]
 
 
 def _descriptors() -> dict[int, str]:
@@ -52,6 +52,20 @@ def named_segments(prefixes: tuple[str, ...] = (_segments.PREFIX,)) -> set[str]:
         return {e for e in os.listdir(_segments.SHM_DIR) if e.startswith(prefixes)}
     except FileNotFoundError:
         return set()
+
+
+def dead_owners_segments() -> set[str]:
+    """Names of shmpipe's segments in /dev/shm whose owner has died: what
+    processes that have ended left behind. A live owner's segments (another
+    program's, or a script's that runs beside the test) are not counted, nor
+    is anything that is not shmpipe's (other programs' semaphores and
+    segments come and go in /dev/shm meanwhile)."""
+    left = set()
+    for name in named_segments():
+        owner = _segments.parse_name(name)
+        if owner is not None and not _process.owner_alive(*owner):
+            left.add(name)
+    return left
 
 
 def ring_mappings() -> list[str]:
