@@ -488,9 +488,9 @@ class SharedRuns(_Shared):
     With `background`, the family's scripts start when the session does
     (BackgroundRuns), beside the other tests, which mostly wait on their
     processes (the suite used half a core outside these scripts), and below
-    them in priority (BACKGROUND_NICE); the family's tests run last; a
-    script that needs a machine-wide resource alone (Command.exclusive: a
-    local Ray) is still run by the first test that asks."""
+    them in priority (BACKGROUND_NICE); the family's tests run last. The
+    background's scripts of the same Command.exclusive tag (a local Ray:
+    OWN_RAY) still run one at a time."""
 
     def __init__(self, tests: Collection[str], keys: Callable[[pytest.Item], list[Hashable]],
                  command: Callable[[Hashable, Any], Command], jobs: int = 2, background: bool = False) -> None:
@@ -522,6 +522,16 @@ class SharedRuns(_Shared):
 
 def _folder(factory: pytest.TempPathFactory, key: Hashable) -> Any:
     return factory.mktemp(re.sub(r"\W+", "_", str(key))[:30] or "run")
+
+
+#: The environment of a script that starts a local Ray beside the tests (a
+#: background family's): a Ray of its own, never the cluster a test of this
+#: process made meanwhile (cluster_utils.Cluster writes its address where
+#: ray.init() looks for one, and would be joined). What shmpipe does is the
+#: same: it calls ray.init() as a user's program would. Such scripts are
+#: Command.exclusive="ray": one of them at a time (each Ray's start keeps a
+#: core busy for seconds).
+OWN_RAY = {"RAY_ADDRESS": "local"}
 
 
 #: The niceness of the background's scripts (and what they start): 10 leaves
@@ -625,8 +635,6 @@ class BackgroundRuns:
             for key in family.wanted_by(items, module):
                 folder = _folder(factory, key)
                 command = family.command(key, folder)
-                if command.exclusive is not None:
-                    continue  # run by the first test that asks, as without a background
                 family.in_background[key] = folder
                 self.commands[(id(family), key)] = command
                 self.owner[(id(family), key)] = (family, key)

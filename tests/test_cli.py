@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Command, SharedRuns
+from conftest import OWN_RAY, Command, SharedRuns
 
 import shmpipe
 from shmpipe import registry
@@ -315,7 +315,7 @@ def _command(key: str, folder) -> Command:
         return Command([sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", "ray.util.iter",
                         "shmpipe:ray", "--out", str(folder)],
                        cwd=folder,  # not the repository's root: -m would import its unbuilt source tree first
-                       env=_child_env(), exclusive="ray", seconds=25)
+                       env={**_child_env(), **OWN_RAY}, exclusive="ray", seconds=25)
     if key == "feed startup":
         return Command([sys.executable, "-m", "shmpipe", "bench", "feed", *TINY_FEED, "--recipes", *STARTUP_RECIPES,
                         "--out", str(folder)], cwd=folder, env=_child_env(), seconds=10)
@@ -324,7 +324,7 @@ def _command(key: str, folder) -> Command:
 
         return Command([sys.executable, "-m", "shmpipe", "bench", "serialize", "--sizes", "4KiB", "128KiB", "--paths",
                         *PATHS, "--seconds", "0.01", "--json", str(folder / "s.json"), "--plot", str(folder / "s.png")],
-                       cwd=folder, env=_child_env(), exclusive="ray", seconds=15)
+                       cwd=folder, env={**_child_env(), **OWN_RAY}, exclusive="ray", seconds=15)
     # TensorFlow's start-up lines at its own default level: tests/test_tf.py
     # quiets them in this process's environment as it is collected, which a
     # command started after that inherited (the log was then empty).
@@ -370,8 +370,8 @@ _KEYS = {
     "test_doctor_warns_when_producers_load_a_heavy_framework": ["doctor with torch in sitecustomize"] if _TORCH else [],
     "test_doctor_warns_about_few_open_files": ["doctor with 256 open files"],
 }
-# In the background from the session's start (conftest.BackgroundRuns), but
-# for the two that start a local Ray (exclusive): the first test that asks runs those.
+# In the background from the session's start (conftest.BackgroundRuns); the
+# two that start a local Ray one at a time, each its own (OWN_RAY).
 RUNS = SharedRuns(set(_KEYS), keys=lambda item: _KEYS[item.originalname], command=_command, jobs=3, background=True)
 
 

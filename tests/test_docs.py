@@ -9,12 +9,11 @@ import importlib
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import Command, SharedRuns
+from conftest import OWN_RAY, Command, SharedRuns
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -83,20 +82,42 @@ def _missing(name: str) -> str | None:
     return None
 
 
+def _snippet_command(name: str, folder: Path) -> Command:
+    env = _env(_tmpdir_of(name, folder))
+    ray = name.startswith("ray")
+    return Command(
+        [sys.executable, str(SNIPPETS / name)], cwd=folder, env={**env, **OWN_RAY} if ray else env, timeout=360,
+        exclusive="ray" if ray else None,  # one local Ray at a time, its own
+        seconds=10 if ray else 8 if name.startswith("tf_data") else 4,  # Ray's start, TF's import
+    )
+
+
 #: The snippets are independent scripts (most import TensorFlow, torch or
 #: Ray, and wait on their producers), run in the background from the
-#: session's start (conftest.BackgroundRuns) but for Ray's, which the first
-#: of these tests runs (one local Ray at a time); each test checks its own.
+#: session's start (conftest.BackgroundRuns); each test checks its own.
 SNIPPET_RUNS = SharedRuns(
     {"test_snippet_runs_and_prints_what_its_page_says"},
     keys=lambda item: [] if _missing(item.callspec.params["name"]) else [item.callspec.params["name"]],
-    command=lambda name, folder: Command(
-        [sys.executable, str(SNIPPETS / name)], cwd=folder, env=_env(_tmpdir_of(name, folder)), timeout=360,
-        exclusive="ray" if name.startswith("ray") else None,  # one local Ray at a time
-        seconds=10 if name.startswith("ray") else 8 if name.startswith("tf_data") else 4,  # Ray's start, TF's import
-    ),
+    command=_snippet_command,
     jobs=3,
-    background=True,  # but the Ray snippets (exclusive): those run when their first test asks
+    background=True,
+)
+
+_SITE_TOOLS = ("mkdocs", "mkdocstrings_handlers.python")
+
+
+def _site_command(key: str, folder: Path) -> Command:
+    return Command([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(folder / "site")],
+                   cwd=ROOT, env={**_env(), "NO_MKDOCS_2_WARNING": "1"}, timeout=360, seconds=8)
+
+
+#: The site's build (a process of its own that keeps a core busy for
+#: seconds) runs in the background too; its test reads the pages it made.
+SITE_RUN = SharedRuns(
+    {"test_site_builds_strict_with_every_public_name"},
+    keys=lambda item: ["site"] if all(importlib.util.find_spec(m.split(".")[0]) for m in _SITE_TOOLS) else [],
+    command=_site_command,
+    background=True,
 )
 
 
@@ -116,16 +137,13 @@ def test_snippet_runs_and_prints_what_its_page_says(name, request):
         assert lines[-1] == expected, proc.stdout
 
 
-@pytest.mark.timeout(400)
-def test_site_builds_strict_with_every_public_name(tmp_path):
-    pytest.importorskip("mkdocs")
-    pytest.importorskip("mkdocstrings_handlers.python")
-    site = tmp_path / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        capture_output=True, text=True, timeout=360, cwd=ROOT, env={**_env(), "NO_MKDOCS_2_WARNING": "1"},
-    )
+@pytest.mark.timeout(900)  # it may wait for the background to reach its build
+def test_site_builds_strict_with_every_public_name(request):
+    for module in _SITE_TOOLS:
+        pytest.importorskip(module)
+    proc, folder = SITE_RUN.get(request, "site")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    site = folder / "site"
     api = (site / "api" / "index.html").read_text()
     anchors = set(re.findall(r'id="([^"]+)"', api))
     for module in API_MODULES:

@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import ray
-from conftest import Command, SharedRuns, ray_friendly_cwd
+from conftest import OWN_RAY, Command, SharedRuns, ray_friendly_cwd
 from ray.cluster_utils import Cluster
 
 import shmpipe
@@ -94,14 +94,16 @@ def _on_demand(folder):
     (folder / "shmpipe").mkdir()
     (folder / "shmpipe" / "__init__.py").write_text("raise ImportError('the decoy checkout was imported')\n")
     (folder / "run.py").write_text(ON_DEMAND)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return Command([sys.executable, str(folder / "run.py")], cwd=folder, env=env)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **OWN_RAY}
+    return Command([sys.executable, str(folder / "run.py")], cwd=folder, env=env, exclusive="ray", seconds=20)
 
 
+#: In the background from the session's start (conftest.BackgroundRuns), its
+#: Ray its own beside the tests' (OWN_RAY).
 RUN = SharedRuns(
     {"test_a_local_ray_is_started_for_the_pipeline_and_stopped_on_close", "test_a_pipeline_started_next_to_a_source_checkout",
      "test_the_ray_a_pipeline_started_is_stopped_by_the_last_pipeline_on_it_and_never_the_programs"},
-    keys=lambda item: ["on demand"], command=lambda key, folder: _on_demand(folder),
+    keys=lambda item: ["on demand"], command=lambda key, folder: _on_demand(folder), background=True,
 )
 
 
