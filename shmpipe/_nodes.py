@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,9 +36,12 @@ __all__ = ["ONE_NODE", "NodeLayout", "check_nodes", "check_sampler_for_nodes", "
 _NODE_RANK_VARIABLES = ("GROUP_RANK", "NODE_RANK")
 
 
-@dataclass(frozen=True)
-class NodeLayout:
-    """K nodes of L ranks each, and which node this is."""
+class NodeLayout(NamedTuple):
+    """K nodes of L ranks each, and which node this is.
+
+    (A NamedTuple, which a fresh process defines in a fifth of a frozen
+    dataclass's time: docs/design.md, "A fresh pipeline's first batches".)
+    """
 
     num_nodes: int = 1
     node_rank: int = 0

@@ -11,9 +11,8 @@ import os
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -31,9 +30,12 @@ __all__ = ["PipelineOptions", "Source", "check_options"]
 Source = Callable[[], Iterable[Any]]
 
 
-@dataclass(frozen=True)
-class PipelineOptions:
-    """A pipeline's configuration, every value checked (see check_options)."""
+class PipelineOptions(NamedTuple):
+    """A pipeline's configuration, every value checked (see check_options).
+
+    (A NamedTuple, which a fresh process defines in a fifth of a frozen
+    dataclass's time: docs/design.md, "A fresh pipeline's first batches".)
+    """
 
     sources: tuple[Source, ...]
     transport: Transport

@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -57,8 +57,7 @@ class WorkerInfo:
     epoch: int
 
 
-@dataclass(frozen=True)
-class PassWork:
+class PassWork(NamedTuple):
     """What one producer is to do in one pass: sent by the consumer (which
     producers trust) with each pass, and seen by the source that runs it.
 
@@ -67,8 +66,12 @@ class PassWork:
     epoch its state names), and ``seed`` derives from it. ``skip``: this
     worker's first ``skip`` batches of the epoch were delivered before a
     resume, or published by the producer this one replaces; a source of
-    iterators makes them again and publishes none (resume by count). ``plan``: what a source with a plan does this pass
-    (a dataset's source: the indices of each of its batches), or None.
+    iterators makes them again and publishes none (resume by count).
+    ``plan``: what a source with a plan does this pass (a dataset's source:
+    the indices of each of its batches), or None.
+
+    (A NamedTuple, which a fresh process defines in a fifth of a frozen
+    dataclass's time: docs/design.md, "A fresh pipeline's first batches".)
     """
 
     pass_no: int

@@ -29,13 +29,11 @@ refused with the field named, never run as something else.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -48,12 +46,15 @@ from shmpipe.errors import ShmpipeValueError, ShmpipeWarning, users_stacklevel
 
 __all__ = ["DatasetSchedule", "IteratorSchedule", "Schedule", "start_problem"]
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(NamedTuple):
     """How far the consumer got in the pass in progress: per worker, how
     many of its batches of the pass were delivered; the worker whose turn
     is next in an ordered pass (None unordered, or at the end); whether
-    the pass ended (every batch delivered); and the iterators' own states."""
+    the pass ended (every batch delivered); and the iterators' own states.
+
+    (A NamedTuple, which a fresh process defines in a fifth of a frozen
+    dataclass's time: docs/design.md, "A fresh pipeline's first batches".)
+    """
 
     delivered: Sequence[int]
     next_turn: int | None
@@ -235,7 +236,7 @@ class IteratorSchedule(Schedule):
         # The source is called again (from the loaded iterator state, if
         # any): the batches published before are made again and not
         # published, after those a resume skipped.
-        return dataclasses.replace(work, skip=work.skip + next_wseq, first_wseq=next_wseq)
+        return work._replace(skip=work.skip + next_wseq, first_wseq=next_wseq)
 
     def _fields(self, epoch: int, delivered: Sequence[int], states: Sequence[Any], turn: int) -> dict[str, Any]:
         return {
@@ -548,7 +549,7 @@ class DatasetSchedule(Schedule):
     def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork:
         # Only the batches it had not published: nothing is fetched twice.
         plan = self._plan_for(self._dealt[worker][next_wseq:], work.epoch)
-        return dataclasses.replace(work, plan=plan, first_wseq=next_wseq)
+        return work._replace(plan=plan, first_wseq=next_wseq)
 
     # -- the state ----------------------------------------------------------------
 

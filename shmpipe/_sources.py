@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -89,19 +88,28 @@ class IteratorSource:
         return repr(self.source)
 
 
-@dataclass(frozen=True)
 class DatasetPlan:
     """One producer's batches of one pass of a map-style dataset, chosen by
     the consumer (shmpipe/_schedule.py): batch j is the samples
     ``indices[bounds[j]:bounds[j + 1]]``, and it is batch ``numbers[j]`` of
     the epoch, whose random draws come from ``batch_seed(seed, epoch,
-    numbers[j])``."""
+    numbers[j])``. Made once per producer and pass, read only after.
 
-    indices: np.ndarray
-    bounds: np.ndarray
-    numbers: np.ndarray
-    seed: int
-    epoch: int
+    (A plain class, not a frozen dataclass, which a fresh process takes
+    1.4 ms to define: docs/design.md, "A fresh pipeline's first batches".
+    Nor a NamedTuple: its len() is its batches'.)"""
+
+    __slots__ = ("bounds", "epoch", "indices", "numbers", "seed")
+
+    def __init__(self, indices: np.ndarray, bounds: np.ndarray, numbers: np.ndarray, seed: int, epoch: int) -> None:
+        self.indices = indices
+        self.bounds = bounds
+        self.numbers = numbers
+        self.seed = seed
+        self.epoch = epoch
+
+    def __repr__(self) -> str:
+        return f"DatasetPlan({len(self)} batches of epoch {self.epoch})"
 
     def __len__(self) -> int:
         return len(self.bounds) - 1

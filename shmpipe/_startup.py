@@ -47,9 +47,8 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import Any, NamedTuple
 
 from shmpipe import _byvalue, _forkserver, _starts
 from shmpipe.errors import ShmpipeWarning, users_stacklevel
@@ -134,9 +133,12 @@ class Shipments:
         return result
 
 
-@dataclass
-class Plan:
-    """How each producer of a pipeline starts."""
+class Plan(NamedTuple):
+    """How each producer of a pipeline starts.
+
+    (A NamedTuple, which a fresh process defines in a fifth of a frozen
+    dataclass's time: docs/design.md, "A fresh pipeline's first batches".)
+    """
 
     #: per producer: the Process class it starts with (multiprocessing's
     #: context's, typed Any as there, or one of ours)

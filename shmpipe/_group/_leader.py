@@ -8,7 +8,6 @@ releases, barriers, deaths: it alone reads sockets) and the dispatch thread
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import os
@@ -165,7 +164,7 @@ class Leader:
             # The pipeline (it starts the producers) waits without a deadline: a rank that trains
             # slowly holds slots, which is backpressure, not a stuck producer. Each rank applies
             # `timeout` to its own waits.
-            self.pipe = DealingPipeline(dataclasses.replace(options, timeout=None), schedule)
+            self.pipe = DealingPipeline(options._replace(timeout=None), schedule)
             self.service.start()
         except BaseException:  # a Ctrl-C too: nothing of a half-made leader outlives the call
             if "pipe" in vars(self):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from shmpipe import _ring, _segments
 from shmpipe._control import PassFd
@@ -25,12 +25,15 @@ def _round_to_pages(nbytes: int) -> int:
     return -(-nbytes // page) * page
 
 
-@dataclass(frozen=True)
-class ShmHandle:
+class ShmHandle(NamedTuple):
     """What a producer needs to attach: the ring's descriptor (anonymous
     memory; it travels beside the control message) or its name, and the
     outbox for batches larger than a slot (None where slot_size is a limit
-    the user set)."""
+    the user set).
+
+    (A NamedTuple, which a fresh process defines in a fifth of a frozen
+    dataclass's time: docs/design.md, "A fresh pipeline's first batches".)
+    """
 
     name: str | None
     fd: PassFd | None

@@ -17,7 +17,6 @@ sizes, makes and maps the ring's memory. See docs/design.md.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import sys
@@ -648,7 +647,7 @@ class ShmConsumer(SharingConsumerEnd):
         return next_wseq, self.ring.worker_done(worker, pass_no)
 
     def replacement_handle(self, worker: int) -> ShmHandle:
-        return dataclasses.replace(self.handle, first_rid=self._first_rid.get(worker, 0))
+        return self.handle._replace(first_rid=self._first_rid.get(worker, 0))
 
     def close(self) -> None:
         """Stops producers' waits; the memory stays while batches live."""
