@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,7 +57,8 @@ class WorkerInfo:
     epoch: int
 
 
-class PassWork(NamedTuple):
+@dataclass(frozen=True)
+class PassWork:
     """What one producer is to do in one pass: sent by the consumer (which
     producers trust) with each pass, and seen by the source that runs it.
 
@@ -69,9 +70,6 @@ class PassWork(NamedTuple):
     iterators makes them again and publishes none (resume by count).
     ``plan``: what a source with a plan does this pass (a dataset's source:
     the indices of each of its batches), or None.
-
-    (A NamedTuple, which a fresh process defines in a fifth of a frozen
-    dataclass's time: docs/design.md, "A fresh pipeline's first batches".)
     """
 
     pass_no: int

@@ -29,6 +29,7 @@ refused with the field named, never run as something else.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
 import math
 import warnings
@@ -236,7 +237,7 @@ class IteratorSchedule(Schedule):
         # The source is called again (from the loaded iterator state, if
         # any): the batches published before are made again and not
         # published, after those a resume skipped.
-        return work._replace(skip=work.skip + next_wseq, first_wseq=next_wseq)
+        return dataclasses.replace(work, skip=work.skip + next_wseq, first_wseq=next_wseq)
 
     def _fields(self, epoch: int, delivered: Sequence[int], states: Sequence[Any], turn: int) -> dict[str, Any]:
         return {
@@ -549,7 +550,7 @@ class DatasetSchedule(Schedule):
     def _go_on(self, work: PassWork, worker: int, next_wseq: int) -> PassWork:
         # Only the batches it had not published: nothing is fetched twice.
         plan = self._plan_for(self._dealt[worker][next_wseq:], work.epoch)
-        return work._replace(plan=plan, first_wseq=next_wseq)
+        return dataclasses.replace(work, plan=plan, first_wseq=next_wseq)
 
     # -- the state ----------------------------------------------------------------
 

@@ -84,7 +84,8 @@ def _missing(name: str) -> str | None:
 
 def _snippet_command(name: str, folder: Path) -> Command:
     env = _env(_tmpdir_of(name, folder))
-    ray = name.startswith("ray")
+    text = (SNIPPETS / name).read_text()
+    ray = "import ray" in text or 'transport="ray"' in text  # it starts a local Ray
     return Command(
         [sys.executable, str(SNIPPETS / name)], cwd=folder, env={**env, **OWN_RAY} if ray else env, timeout=360,
         exclusive="ray" if ray else None,  # one local Ray at a time, its own

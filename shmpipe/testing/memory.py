@@ -6,10 +6,11 @@ a transport may open (channel_descriptors)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
-from shmpipe import _process, _segments
+from shmpipe import _segments
 
-__all__ = ["channel_descriptors", "dead_owners_segments", "named_segments", "ring_descriptors", "ring_mappings"]
+__all__ = ["channel_descriptors", "named_segments", "ring_descriptors", "ring_mappings", "segments_of"]
 
 
 def _descriptors() -> dict[int, str]:
@@ -54,18 +55,17 @@ def named_segments(prefixes: tuple[str, ...] = (_segments.PREFIX,)) -> set[str]:
         return set()
 
 
-def dead_owners_segments() -> set[str]:
-    """Names of shmpipe's segments in /dev/shm whose owner has died: what
-    processes that have ended left behind. A live owner's segments (another
-    program's, or a script's that runs beside the test) are not counted, nor
-    is anything that is not shmpipe's (other programs' semaphores and
-    segments come and go in /dev/shm meanwhile)."""
-    left = set()
+def segments_of(pids: Collection[int]) -> set[str]:
+    """Names of shmpipe's segments in /dev/shm whose owner is one of `pids`
+    (the processes a test started): what they left, not what other programs
+    make in /dev/shm meanwhile. Look as soon as they have ended: any
+    pipeline that opens a ring removes the segments of dead owners."""
+    found = set()
     for name in named_segments():
         owner = _segments.parse_name(name)
-        if owner is not None and not _process.owner_alive(*owner):
-            left.add(name)
-    return left
+        if owner is not None and owner[0] in pids:
+            found.add(name)
+    return found
 
 
 def ring_mappings() -> list[str]:
